@@ -1,0 +1,33 @@
+# Two commands do all the set-up (see README):
+#   make train   - the main job: a short MoE training run on embedded local Ray
+#   make test    - the test suite
+# Each creates .venv and installs the project into it when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: train test test-fast bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[ray,test]"
+	$(PY) -m compileall -q -j 2 $(VENV)/lib > /dev/null || true
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/mpipemoe train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not ray"
+
+clean:
+	rm -rf $(VENV) mlflow.db mlruns .pytest_cache

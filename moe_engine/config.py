@@ -1,0 +1,67 @@
+"""Configuration of a MoE layer, validated at construction.
+
+Every error names the field, the value it got and how to fix it, so a bad
+setting fails before any tensor is allocated or any collective is called.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+STRATEGIES = ("none", "S1", "S2", "S3", "S4")
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"MoEConfig.{field}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of one MoE feed-forward layer (DESIGN.md §4.1).
+
+    d_model:         width of the token vectors (x has last dimension d_model).
+    d_hidden:        hidden width of each expert's FFN.
+    num_experts:     global number of experts E; must divide evenly by the world size.
+    top_k:           experts per token (k); for k > 1 the k gate weights are renormalised.
+    capacity_factor: None = dropless; else each expert takes at most
+                     ceil(capacity_factor * k * tokens / E) (token, choice) pairs per rank.
+    activation:      "relu", "gelu" or "swiglu" (swiglu adds experts.w3).
+    bias:            whether the expert FFNs have biases b1 and b2.
+    """
+
+    d_model: int
+    d_hidden: int
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float | None = None
+    activation: str = "gelu"
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_hidden", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(name, value, "give a positive integer")
+        if self.top_k > self.num_experts:
+            _fail("top_k", self.top_k, f"choose at most num_experts={self.num_experts} experts per token")
+        if self.capacity_factor is not None:
+            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) \
+                    or not self.capacity_factor > 0:
+                _fail("capacity_factor", self.capacity_factor, "give a number > 0, or None for dropless routing")
+        if self.activation not in ACTIVATIONS:
+            _fail("activation", self.activation, f"choose one of {', '.join(ACTIVATIONS)}")
+        if not isinstance(self.bias, bool):
+            _fail("bias", self.bias, "give True or False")
+
+    def experts_per_rank(self, world_size: int) -> int:
+        """E_local; raises if the experts cannot be spread evenly over the ranks."""
+        if self.num_experts % world_size != 0:
+            _fail("num_experts", self.num_experts,
+                  f"it must be a multiple of the expert-parallel world size {world_size}; "
+                  f"use e.g. {world_size * max(1, round(self.num_experts / world_size))} experts")
+        return self.num_experts // world_size
+
+    @property
+    def gated(self) -> bool:
+        """True when the FFN has a second input projection (w3), as SwiGLU does."""
+        return self.activation == "swiglu"
