@@ -1,0 +1,31 @@
+"""Shared pytest fixtures.
+
+``ray_local`` starts one embedded Ray instance for the whole session, sized for a
+2-core CI machine (see NOTES-platform.md: two ``ray.init`` calls with different
+settings in one process conflict, and a stale ``ray_current_cluster`` file makes a
+later ``ray.init`` try to reach a dead cluster). Tests that need their own Ray
+cluster (e.g. ``ray.cluster_utils.Cluster``) run it in a subprocess.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """An embedded local Ray instance: 2 CPUs, no dashboard, ~300 MB object store."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # Short temp path: Ray's socket paths have a length limit.
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             object_store_memory=300 * 1024 * 1024, _temp_dir=temp_dir,
+             log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
