@@ -1,0 +1,298 @@
+"""MoE transformer: GPT-style decoder (causal LM) and BERT-style encoder (masked LM).
+
+    from app.model import get_preset, MoETransformer
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe")
+    logits_BSV, aux_loss = model(tokens_BS)
+
+Every block is pre-LN: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
+*every* block is a MoE layer from ``moe_engine`` (DESIGN.md §4.1), so a preset with L
+layers has L MoE layers. Attention uses ``F.scaled_dot_product_attention`` (causal for
+GPT, bidirectional for BERT). The LM head is tied to the token embedding.
+
+Initialisation does not depend on the engine nor on the world size: every parameter is
+drawn from its own generator seeded by (seed, parameter name), and each expert by
+(seed, parameter name, *global* expert index). So the three engines, and any expert
+parallel layout, start from the same model and give the same loss.
+
+Shape suffixes: B batch (sequences), S sequence length, D d_model, H heads,
+V vocabulary, E_local experts on this rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("gpt", "bert")
+ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
+PARTITION_CHOICES = "'auto' or an integer >= 1"
+STRATEGIES = ("auto", "none", "S1", "S2", "S3", "S4")
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"ModelPreset.{field}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape of a MoE transformer; validated at construction.
+
+    kind:            "gpt" (decoder, causal LM) or "bert" (encoder, masked LM).
+    d_model:         token width D.
+    d_hidden:        hidden width of each expert FFN.
+    num_layers:      transformer blocks; every block's FFN is a MoE layer.
+    num_heads:       attention heads; must divide d_model.
+    num_experts:     experts per MoE layer; a multiple of the number of workers.
+    seq_len:         default training sequence length (and the position-embedding size).
+    top_k:           experts per token.
+    capacity_factor: None = dropless routing.
+    activation:      expert activation ("relu", "gelu", "swiglu").
+    vocab_size:      tokens in the vocabulary (the byte tokenizer of app.data has 259).
+    """
+
+    kind: str
+    d_model: int
+    d_hidden: int
+    num_layers: int
+    num_heads: int
+    num_experts: int = 8
+    seq_len: int = 1024
+    top_k: int = 2
+    capacity_factor: float | None = None
+    activation: str = "gelu"
+    vocab_size: int = 259
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            _fail("kind", self.kind, f"choose one of {', '.join(KINDS)}")
+        for name in ("d_model", "d_hidden", "num_layers", "num_heads", "num_experts",
+                     "seq_len", "top_k", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(name, value, "give a positive integer")
+        if self.d_model % self.num_heads:
+            _fail("num_heads", self.num_heads, f"it must divide d_model={self.d_model}")
+        if self.top_k > self.num_experts:
+            _fail("top_k", self.top_k, f"use at most num_experts={self.num_experts}")
+
+    def replace(self, **changes) -> "ModelPreset":
+        """A copy with some fields changed (validated again); None values are ignored."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless the experts spread evenly over ``world_size`` expert-parallel ranks."""
+        if self.num_experts % world_size:
+            _fail("num_experts", self.num_experts,
+                  f"it must be a multiple of the number of workers ({world_size}); "
+                  f"use --num-experts {world_size * max(1, self.num_experts // world_size)} "
+                  f"or change --num-workers")
+
+
+# The paper's models (DESIGN.md §6) plus tiny ones that train on 2 CPU cores in a minute.
+PRESETS: dict[str, ModelPreset] = {
+    "gpt-s": ModelPreset("gpt", d_model=1024, d_hidden=4096, num_layers=24, num_heads=16, seq_len=1024),
+    "gpt-xl": ModelPreset("gpt", d_model=2048, d_hidden=8192, num_layers=24, num_heads=16, seq_len=1024),
+    "bert-l": ModelPreset("bert", d_model=1024, d_hidden=4096, num_layers=24, num_heads=16, seq_len=512),
+    "tiny-gpt": ModelPreset("gpt", d_model=128, d_hidden=256, num_layers=2, num_heads=4, num_experts=4,
+                            seq_len=64),
+    "tiny-bert": ModelPreset("bert", d_model=128, d_hidden=256, num_layers=2, num_heads=4, num_experts=4,
+                             seq_len=64),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset called ``name``; the error lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset={name!r} is unknown: choose one of {', '.join(PRESETS)}") from None
+
+
+def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy="auto") -> nn.Module:
+    """One MoE layer of ``engine``; ``partitions``/``strategy`` only apply to mpipemoe."""
+    import moe_engine
+
+    if engine == "mpipemoe":
+        return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy)
+    if engine == "fastmoe":
+        return moe_engine.FastMoE(config, group=group)
+    if engine == "fastermoe":
+        return moe_engine.FasterMoE(config, group=group)
+    raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
+
+
+def is_expert_param(name: str) -> bool:
+    """True for expert-parallel parameters (sharded over ranks, never all-reduced)."""
+    return "experts." in name
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, causal: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.causal = causal
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        # 1. project to q, k, v with heads split out: (B, H, S, D/H) each
+        q_BHSd, k_BHSd, v_BHSd = (
+            t.view(B, S, self.num_heads, D // self.num_heads).transpose(1, 2)
+            for t in self.qkv(x_BSD).chunk(3, dim=-1))
+        # 2. attention (flash/memory-efficient kernels where available)
+        out_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=self.causal)
+        # 3. merge heads, output projection
+        return self.proj(out_BHSd.transpose(1, 2).reshape(B, S, D))
+
+
+class Block(nn.Module):
+    def __init__(self, preset: ModelPreset, moe: nn.Module):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(preset.d_model)
+        self.attn = Attention(preset.d_model, preset.num_heads, causal=preset.kind == "gpt")
+        self.ln2 = nn.LayerNorm(preset.d_model)
+        self.moe = moe
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BSD = x_BSD + self.attn(self.ln1(x_BSD))
+        moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))
+        return x_BSD + moe_out_BSD, aux_loss
+
+
+class MoETransformer(nn.Module):
+    """Decoder or encoder with a MoE FFN in every block; returns (logits, mean aux loss).
+
+    group: the expert-parallel process group (None = default group if initialised).
+    """
+
+    def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
+                 partitions="auto", strategy="auto"):
+        super().__init__()
+        from moe_engine import MoEConfig
+
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
+        self.preset = preset
+        self.engine = engine
+        moe_config = MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden,
+                               num_experts=preset.num_experts, top_k=preset.top_k,
+                               capacity_factor=preset.capacity_factor, activation=preset.activation)
+        self.tok_embed = nn.Embedding(preset.vocab_size, preset.d_model)
+        self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
+        self.blocks = nn.ModuleList(
+            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy))
+            for _ in range(preset.num_layers))
+        self.ln_f = nn.LayerNorm(preset.d_model)
+
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S = tokens_BS.shape
+        if S > self.preset.seq_len:
+            raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.preset.seq_len}")
+        positions_S = torch.arange(S, device=tokens_BS.device)
+        x_BSD = self.tok_embed(tokens_BS) + self.pos_embed(positions_S)
+        aux_losses = []
+        for block in self.blocks:
+            x_BSD, aux_loss = block(x_BSD)
+            aux_losses.append(aux_loss.float())
+        logits_BSV = F.linear(self.ln_f(x_BSD), self.tok_embed.weight)  # tied LM head
+        return logits_BSV, torch.stack(aux_losses).mean()
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [block.moe for block in self.blocks]
+
+    def engine_choices(self) -> dict:
+        """Settings the engine chose at the last step (first MoE layer), where it exposes them."""
+        first = self.blocks[0].moe
+        choices = {}
+        for key, attr in (("partitions", "last_partitions"), ("strategy", "last_strategy")):
+            value = getattr(first, attr, None)
+            if value is not None:
+                choices[key] = value
+        return choices
+
+
+def param_counts(model: nn.Module) -> dict[str, int]:
+    """Parameters on this rank: total, expert (sharded) and replicated."""
+    expert = sum(p.numel() for n, p in model.named_parameters() if is_expert_param(n))
+    total = sum(p.numel() for p in model.parameters())
+    return {"params_total": total, "params_expert": expert, "params_replicated": total - expert}
+
+
+def _seed_for(seed: int, name: str, index: int = 0) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"{name}#{index}".encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_parameters(model: MoETransformer, seed: int, rank: int = 0) -> None:
+    """GPT-2 style init, reproducible per parameter name, independent of engine and layout.
+
+    Weights ~ N(0, 0.02) (residual output projections scaled by 1/sqrt(2 L)), position
+    embeddings ~ N(0, 0.01), biases 0, LayerNorm weight 1. Expert weight slice i on
+    ``rank`` is global expert ``rank * E_local + i`` and gets that expert's generator.
+    """
+    num_layers = model.preset.num_layers
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner.rpartition(".")[2].startswith("ln"):  # LayerNorm
+            param.fill_(1.0 if leaf == "weight" else 0.0)
+            continue
+        if leaf == "bias" or re.fullmatch(r"b\d+", leaf):  # Linear bias, expert b1/b2
+            param.zero_()
+            continue
+        std = 0.01 if name.startswith("pos_embed") else 0.02
+        if name.endswith("attn.proj.weight") or name.endswith("experts.w2"):
+            std /= math.sqrt(2 * num_layers)
+        if is_expert_param(name):
+            local_experts = param.shape[0]
+            for i in range(local_experts):
+                _normal_(param[i], std, _seed_for(seed, name, rank * local_experts + i))
+        else:
+            _normal_(param, std, _seed_for(seed, name))
+
+
+def _normal_(tensor: torch.Tensor, std: float, seed: int) -> None:
+    generator = torch.Generator(device=tensor.device).manual_seed(seed)
+    values = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+    values.normal_(0.0, std, generator=generator)
+    tensor.copy_(values)
+
+
+IGNORE_INDEX = -100
+
+
+def lm_batch(kind: str, window_BW: torch.Tensor, mask_id: int, vocab_size: int,
+             generator: torch.Generator | None = None, mask_prob: float = 0.15
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs_BS, targets_BS) of one batch of token windows.
+
+    gpt:  windows of S+1 tokens; inputs = window[:, :-1], targets = window[:, 1:].
+    bert: windows of S tokens; ``mask_prob`` of positions (at least one per batch) are
+          chosen: 80% become ``mask_id``, 10% a random byte, 10% stay; targets are the
+          original tokens there and IGNORE_INDEX elsewhere. Draws from ``generator`` (CPU).
+    """
+    if kind == "gpt":
+        return window_BW[:, :-1], window_BW[:, 1:]
+    shape = window_BW.shape
+    chosen_BS = torch.rand(shape, generator=generator) < mask_prob
+    if not chosen_BS.any():
+        chosen_BS[0, 0] = True
+    action_BS = torch.rand(shape, generator=generator)
+    random_BS = torch.randint(0, min(256, vocab_size), shape, generator=generator)
+    chosen_BS, action_BS, random_BS = (t.to(window_BW.device) for t in (chosen_BS, action_BS, random_BS))
+    inputs_BS = torch.where(chosen_BS & (action_BS < 0.8), torch.full_like(window_BW, mask_id), window_BW)
+    inputs_BS = torch.where(chosen_BS & (action_BS >= 0.8) & (action_BS < 0.9), random_BS, inputs_BS)
+    targets_BS = torch.where(chosen_BS, window_BW, torch.full_like(window_BW, IGNORE_INDEX))
+    return inputs_BS, targets_BS
+
+
+def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (fp32) over positions whose target is not IGNORE_INDEX."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
+                           ignore_index=IGNORE_INDEX)

@@ -1,0 +1,151 @@
+"""Small MLflow helpers shared by ``mpipemoe train``, ``sweep`` and ``report``.
+
+Everything goes through an explicit ``MlflowClient`` (no fluent ``mlflow.start_run``
+state), so these helpers are safe inside Ray Tune trainables that also use
+``setup_mlflow`` and inside threads.
+
+    uri = resolve_tracking_uri(None)      # MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db
+    run = RunLogger.start(uri, "mpipemoe-train", run_name="tiny-gpt-mpipemoe",
+                          parent_run_id=None, tags={"engine": "mpipemoe"})
+    run.log_params({"lr": 1e-3, "model": {"d_model": 128}})   # nested dicts flatten to model.d_model
+    run.log_metrics({"loss": 2.3}, step=1)                     # buffered, sent in batches
+    run.finish()                                               # flushes; status FINISHED
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+PARENT_TAG = "mlflow.parentRunId"
+_BATCH = 500  # MLflow accepts at most 1000 metrics / 100 params per log_batch call
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The store to use: ``uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``.
+
+    Relative sqlite paths and plain directory paths are made absolute against the
+    current directory, so Ray workers and Tune trials (whose cwd differs) hit the same store.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str((Path.cwd() / uri[len("sqlite:///"):]).resolve())
+    if "://" not in uri:
+        return str(Path(uri).resolve())
+    return uri
+
+
+def client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def experiment_id(mlflow_client, name: str) -> str:
+    """Id of experiment ``name``, created if missing (race-safe)."""
+    found = mlflow_client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return mlflow_client.create_experiment(name)
+    except Exception:  # created concurrently by another process
+        found = mlflow_client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    flat = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+class RunLogger:
+    """One MLflow run, written through an explicit client; metrics are buffered."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self.client = client(tracking_uri)
+        self._pending = []
+
+    @classmethod
+    def start(cls, tracking_uri: str, experiment: str, run_name: str | None = None,
+              parent_run_id: str | None = None, tags: dict | None = None) -> "RunLogger":
+        """Create a run in ``experiment`` (nested under ``parent_run_id`` when given)."""
+        mlflow_client = client(tracking_uri)
+        all_tags = {k: str(v) for k, v in (tags or {}).items()}
+        if parent_run_id:
+            all_tags[PARENT_TAG] = parent_run_id
+        run = mlflow_client.create_run(experiment_id(mlflow_client, experiment),
+                                       run_name=run_name, tags=all_tags)
+        return cls(tracking_uri, run.info.run_id)
+
+    @classmethod
+    def resume(cls, tracking_uri: str, run_id: str) -> "RunLogger":
+        """Reopen an existing run (status RUNNING again)."""
+        logger = cls(tracking_uri, run_id)
+        logger.client.update_run(run_id, status="RUNNING")
+        return logger
+
+    def log_params(self, params: dict) -> None:
+        """Log (nested) params; values become strings cut to MLflow's 6000-char limit."""
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start:start + 100])
+
+    def set_tags(self, tags: dict) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)[:5000]) for k, v in flatten(tags).items()]
+        if items:
+            self.client.log_batch(self.run_id, tags=items)
+
+    def log_metrics(self, metrics: dict, step: int | None = None, flush: bool = False) -> None:
+        """Buffer the numeric, finite entries of ``metrics``; others are skipped."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        for key, value in flatten(metrics).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            self._pending.append(Metric(key, float(value), now, int(step or 0)))
+        if flush or len(self._pending) >= _BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:_BATCH], self._pending[_BATCH:]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Flush and close the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        self.flush()
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def find_run(tracking_uri: str, experiment: str, tag: str, value: str) -> str | None:
+    """Id of the newest run in ``experiment`` whose tag ``tag`` equals ``value``, or None."""
+    mlflow_client = client(tracking_uri)
+    found = mlflow_client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = mlflow_client.search_runs([found.experiment_id], filter_string=f"tags.`{tag}` = '{value}'",
+                                     order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """``[(step, value), ...]`` of metric ``key`` in run ``run_id``, sorted by step."""
+    history = client(tracking_uri).get_metric_history(run_id, key)
+    return sorted((m.step, m.value) for m in history)

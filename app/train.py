@@ -1,0 +1,499 @@
+"""``mpipemoe train``: train a MoE transformer with Ray Train, tracked in MLflow.
+
+    mpipemoe train                                   # tiny-gpt, 2 CPU workers (gloo), 30 steps
+    mpipemoe train --engines mpipemoe,fastmoe,fastermoe   # same job per engine + comparison
+    mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
+    mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
+
+Three layers (DESIGN.md §4): ``workers.loop.train_fn_per_worker`` runs in every worker;
+``build_trainer(job)`` makes the ``TorchTrainer``; ``run_job(job)`` starts/joins Ray,
+fits, and logs one MLflow run. The sweep helper calls ``run_job`` inside Ray Tune trials.
+
+MLflow is written by the *driver* only, from per-step metrics that rank 0 puts on a
+small Ray queue actor: workers on a cluster may not reach the tracking store, the
+driver always can, and the driver also prints live progress from the same stream.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import queue as queue_lib
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from app import data as data_lib
+from app.model import ENGINES, STRATEGIES, get_preset
+
+DEFAULT_EXPERIMENT = "mpipemoe-train"
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"TrainJob.{field}={value!r} is invalid: {fix}")
+
+
+@dataclass
+class TrainJob:
+    """One training job; validated and made absolute in ``__post_init__``.
+
+    Paths (storage_path, data_dir, tracking_uri) are resolved against the current
+    directory when the job is created: inside a Ray Tune trial pass them explicitly.
+    """
+
+    preset: str = "tiny-gpt"           # model shape, see app.model.PRESETS
+    engine: str = "mpipemoe"           # mpipemoe | fastmoe | fastermoe
+    steps: int = 30                    # total optimizer steps (a resumed run continues to this)
+    num_workers: int = 2               # Ray Train workers = expert-parallel ranks
+    use_gpu: bool | None = None        # None: GPUs when the Ray cluster has any
+    batch_size: int = 8                # sequences per worker per step
+    seq_len: int | None = None         # None: the preset's seq_len
+    partitions: str | int = "auto"     # mpipemoe pipeline partitions n: "auto" or int >= 1
+    strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
+    seed: int = 0                      # model init and data order
+    lr: float = 1e-3                   # peak AdamW learning rate
+    checkpoint_every: int = 10         # steps between checkpoints (and at the last step)
+    storage_path: str | None = None    # Ray Train storage (absolute); default ./ray_results
+    name: str | None = None            # Ray Train run name; an existing name resumes it
+    tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db
+    experiment: str = DEFAULT_EXPERIMENT
+    parent_run_id: str | None = None   # nest the MLflow run under this run
+    data_dir: str | None = None        # prepared data; default ./data/stdlib-bytes (auto-prepared)
+    cpus_per_worker: float | None = None  # None: 0.9 on CPU (2 workers fit 2 cores), 1 on GPU
+    num_experts: int | None = None     # override the preset's experts per MoE layer
+    num_layers: int | None = None      # override the preset's layer count
+    dtype: str = "auto"                # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    weight_decay: float = 0.1
+    warmup_steps: int = 5
+    grad_clip: float = 1.0             # global grad-norm clip; 0 = off
+    aux_loss_weight: float = 0.01      # loss = lm_loss + aux_loss_weight * load-balance loss
+    max_failures: int = 0              # Ray Train restarts from the last checkpoint
+    collective_timeout_s: int = 600    # a dead rank ends the job after this long
+    log_every: int = 5                 # progress line every N steps
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        if self.engine not in ENGINES:
+            _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
+        for field in ("steps", "num_workers", "batch_size", "checkpoint_every", "log_every",
+                      "collective_timeout_s"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(field, value, "give an integer >= 1")
+        for field in ("seq_len", "num_experts", "num_layers"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
+        for field in ("warmup_steps", "max_failures", "seed"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                _fail(field, value, "give an integer >= 0")
+        if isinstance(self.partitions, str) and self.partitions.isdigit():
+            self.partitions = int(self.partitions)
+        if self.partitions != "auto" and (isinstance(self.partitions, bool)
+                                          or not isinstance(self.partitions, int) or self.partitions < 1):
+            _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
+        if self.strategy not in STRATEGIES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            _fail("dtype", self.dtype, "choose auto, float32, bfloat16 or float16")
+        for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (field == "lr" and value == 0):
+                _fail(field, value, "give a finite number >= 0 (lr > 0)")
+        if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
+            _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
+        self.model_preset().check_world_size(self.num_workers)
+        self.storage_path = str(Path(self.storage_path or "ray_results").expanduser().resolve())
+        self.data_dir = str(Path(self.data_dir).expanduser().resolve()) if self.data_dir \
+            else str(data_lib.default_data_dir())
+        from app.tracking import resolve_tracking_uri
+        self.tracking_uri = resolve_tracking_uri(self.tracking_uri)
+        if self.name is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.name = f"{self.preset}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
+
+    def model_preset(self, vocab_size: int | None = None):
+        """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
+        return get_preset(self.preset).replace(seq_len=self.seq_len, num_experts=self.num_experts,
+                                               num_layers=self.num_layers, vocab_size=vocab_size)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.storage_path) / self.name
+
+
+def _resolve_gpu(job: TrainJob) -> bool:
+    if job.use_gpu is not None:
+        return job.use_gpu
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
+    """The plain dict that ``train_fn_per_worker`` reads (all settings resolved)."""
+    manifest = data_lib.Manifest.load(job.data_dir)
+    preset = job.model_preset(vocab_size=manifest.vocab_size)
+    cpus = job.cpus_per_worker or (1.0 if use_gpu else 0.9)
+    dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
+    return {
+        "preset": dataclasses.asdict(preset), "engine": job.engine, "partitions": job.partitions,
+        "strategy": job.strategy, "seed": job.seed, "lr": job.lr, "weight_decay": job.weight_decay,
+        "warmup_steps": job.warmup_steps, "grad_clip": job.grad_clip,
+        "aux_loss_weight": job.aux_loss_weight, "steps": job.steps, "batch_size": job.batch_size,
+        "seq_len": preset.seq_len, "checkpoint_every": job.checkpoint_every,
+        "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype,
+        "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
+        "metrics_queue": metrics_queue,
+    }
+
+
+def ensure_data(job: TrainJob, echo=print) -> None:
+    """Prepare the default dataset when it is missing; a custom data_dir must be prepared."""
+    if Path(job.data_dir) == data_lib.default_data_dir():
+        data_lib.ensure_default_data(job.data_dir, echo=echo)
+    else:
+        data_lib.Manifest.load(job.data_dir)  # raises naming the fix
+
+
+def build_trainer(job: TrainJob, metrics_queue=None):
+    """The ``TorchTrainer`` of ``job`` (does not call ``ray.init``; data must be prepared)."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from workers.loop import train_fn_per_worker
+
+    use_gpu = _resolve_gpu(job)
+    config = worker_config(job, use_gpu, metrics_queue)
+    resources = {"CPU": config["cpus_per_worker"]}
+    if use_gpu:
+        resources["GPU"] = 1
+    return TorchTrainer(
+        train_fn_per_worker,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=job.collective_timeout_s),
+        scaling_config=ray.train.ScalingConfig(num_workers=job.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=job.name, storage_path=job.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+    )
+
+
+def init_ray(job: TrainJob, address: str | None = None) -> bool:
+    """Start embedded local Ray (or connect to ``address``) unless Ray is up; True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    else:
+        cpus = job.cpus_per_worker or 0.9
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(job.num_workers * cpus)),
+                 include_dashboard=False, dashboard_host="127.0.0.1",
+                 object_store_memory=300 * 2**20, logging_level="WARNING")
+    return True
+
+
+def _format_step(m: dict, steps: int) -> str:
+    line = (f"step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
+            f"aux {m['aux_loss']:.3f}  tok/s {m['tokens_per_s']:>9,.0f}  "
+            f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB")
+    choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
+    return line + (f"  [{' '.join(choices)}]" if choices else "")
+
+
+class _MetricsPump:
+    """Driver side of the metrics stream: queue -> history, progress lines, MLflow."""
+
+    def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step):
+        self.queue, self.run, self.job, self.echo, self.on_step = metrics_queue, run, job, echo, on_step
+        self.history: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        while not self.queue.empty():
+            self._handle(self.queue.get_nowait())
+        self.run.flush()
+
+    def _loop(self):
+        from ray.util.queue import Empty
+
+        while not self._stop.is_set():
+            try:
+                self._handle(self.queue.get(timeout=0.5))
+            except (Empty, queue_lib.Empty):
+                continue
+
+    def _handle(self, metrics: dict):
+        self.history.append(metrics)
+        step = metrics["step"]
+        self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
+            self.echo(_format_step(metrics, self.job.steps))
+            self.run.flush()
+        if self.on_step is not None:
+            self.on_step(metrics)
+
+
+def summarize(history: list[dict]) -> dict:
+    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak."""
+    if not history:
+        return {}
+    steady = history[1:] or history
+    last = history[-1]
+    summary = {
+        "steps": last["step"], "first_loss": history[0]["loss"], "final_loss": last["loss"],
+        "final_lm_loss": last["lm_loss"], "final_aux_loss": last["aux_loss"],
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
+        "step_time_s": statistics.median(m["step_time_s"] for m in steady),
+        "peak_memory_bytes": max(m["peak_memory_bytes"] for m in history),
+    }
+    for key in ("partitions", "strategy"):
+        if key in last:
+            summary[key] = last[key]
+    return summary
+
+
+def _run_params(job: TrainJob, config: dict) -> dict:
+    params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
+    params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue")}
+    params["model"] = config["preset"]
+    try:
+        import torch
+
+        from app.model import MoETransformer, param_counts, ModelPreset
+
+        with torch.device("meta"):
+            model = MoETransformer(ModelPreset(**config["preset"]), engine=job.engine)
+        params["model"].update(param_counts(model))
+    except Exception as error:  # the count is informative only
+        params["model"]["params_error"] = repr(error)[:200]
+    return params
+
+
+def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None) -> dict:
+    """Run ``job`` on Ray (embedded local Ray unless ``address`` or Ray is already up).
+
+    Logs one MLflow run (reopened when ``job.name`` resumes an earlier run) and returns a
+    summary: name, engine, status, steps, first/final loss, tokens_per_s (median),
+    step_time_s (median), peak_memory_bytes (max over ranks and steps), partitions/strategy
+    when the engine exposes them, mlflow_run_id, checkpoint_path, run_dir, history
+    (the per-step metrics). ``on_step(metrics)`` is called from a driver thread per step.
+    Raises ``RuntimeError`` naming the cause when training fails.
+    """
+    import ray
+    from ray.util.queue import Queue
+
+    from app.tracking import RunLogger, find_run
+
+    ensure_data(job, echo)
+    started_ray = init_ray(job, address)
+    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    run = None
+    try:
+        trainer = build_trainer(job, metrics_queue)
+        config = trainer.train_loop_config
+        resuming = job.run_dir.exists()
+        previous = find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name) if resuming else None
+        if previous:
+            run = RunLogger.resume(job.tracking_uri, previous)
+            echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
+        else:
+            run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
+                                  parent_run_id=job.parent_run_id,
+                                  tags={"ray_train_name": job.name, "engine": job.engine,
+                                        "preset": job.preset, "mpipemoe.kind": "train",
+                                        "run_dir": str(job.run_dir)})
+            run.log_params(_run_params(job, config))
+        device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
+        echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
+             f"{device}, {config['dtype']}, batch {job.batch_size}x{config['seq_len']} per worker, "
+             f"{job.steps} steps")
+        echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
+        started = time.perf_counter()
+        with _MetricsPump(metrics_queue, run, job, echo, on_step) as pump:
+            try:
+                result = trainer.fit()
+                error = getattr(result, "error", None)
+            except Exception as caught:
+                error = caught
+        if error is not None:
+            run.set_tags({"error": _root_cause(error)})
+            run.finish("FAILED")
+            raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
+        summary = summarize(pump.history)
+        summary.update(name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
+                       mlflow_run_id=run.run_id, run_dir=str(job.run_dir),
+                       checkpoint_path=result.checkpoint.path if result.checkpoint else None,
+                       wall_time_s=time.perf_counter() - started)
+        run.log_metrics({f"summary_{k}": v for k, v in summary.items()
+                         if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes")},
+                        step=summary.get("steps", 0))
+        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path") if k in summary})
+        run.finish("FINISHED")
+        summary["history"] = pump.history
+        return summary
+    except BaseException:
+        if run is not None and run.client.get_run(run.run_id).info.status == "RUNNING":
+            run.finish("KILLED")
+        raise
+    finally:
+        metrics_queue.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost exception's type and message (Ray wraps worker errors several times)."""
+    seen = error
+    while True:
+        nested = getattr(seen, "cause", None) or seen.__cause__
+        if nested is None or nested is seen:
+            break
+        seen = nested
+    text = str(seen).strip().splitlines()
+    return f"{type(seen).__name__}: {text[-1] if text else ''}"
+
+
+def compare_engines(job: TrainJob, engines: list[str], address: str | None = None, echo=print) -> dict:
+    """Run ``job`` once per engine (same data and seed) as sibling MLflow runs under one parent.
+
+    The parent run carries, for the first engine R against each other engine X,
+    ``speedup_vs_X`` = tokens/s(R) / tokens/s(X) and ``memory_ratio_vs_X`` = peak(R) / peak(X).
+    Returns {"parent_run_id", "summaries": {engine: summary}, "ratios": {...}}.
+    """
+    from app.tracking import RunLogger
+
+    for engine in engines:
+        if engine not in ENGINES:
+            raise ValueError(f"--engines: {engine!r} is unknown: choose from {', '.join(ENGINES)}")
+    base = job.name
+    parent = RunLogger.start(job.tracking_uri, job.experiment, run_name=f"{base}-compare",
+                             parent_run_id=job.parent_run_id,
+                             tags={"mpipemoe.kind": "compare", "engines": ",".join(engines),
+                                   "preset": job.preset})
+    parent.log_params({"engines": ",".join(engines), **{k: v for k, v in dataclasses.asdict(job).items()
+                                                        if v is not None and k not in ("engine", "name")}})
+    summaries = {}
+    try:
+        for engine in engines:
+            summaries[engine] = run_job(dataclasses.replace(job, engine=engine, name=f"{base}-{engine}",
+                                                            parent_run_id=parent.run_id),
+                                        address=address, echo=echo)
+    except BaseException:
+        parent.finish("FAILED")
+        raise
+    reference = engines[0]
+    ratios = {}
+    for other in engines[1:]:
+        ratios[f"speedup_vs_{other}"] = summaries[reference]["tokens_per_s"] / summaries[other]["tokens_per_s"]
+        ratios[f"memory_ratio_vs_{other}"] = (summaries[reference]["peak_memory_bytes"]
+                                              / summaries[other]["peak_memory_bytes"])
+        ratios[f"final_loss_diff_vs_{other}"] = summaries[reference]["final_loss"] - summaries[other]["final_loss"]
+    parent.log_metrics(ratios)
+    for engine, summary in summaries.items():
+        parent.log_metrics({f"{engine}.{k}": summary[k]
+                            for k in ("tokens_per_s", "peak_memory_bytes", "final_loss")})
+    parent.finish()
+    echo(comparison_table(summaries, reference))
+    return {"parent_run_id": parent.run_id, "summaries": summaries, "ratios": ratios}
+
+
+def comparison_table(summaries: dict, reference: str) -> str:
+    """A plain-text table: engine, final loss, tokens/s, peak memory, ratios to ``reference``."""
+    ref = summaries[reference]
+    lines = [f"{'engine':<10} {'final loss':>10} {'tokens/s':>10} {'peak MiB':>9} "
+             f"{'speed x':>8} {'memory x':>8}  (x = {reference} / engine)"]
+    for engine, s in summaries.items():
+        lines.append(f"{engine:<10} {s['final_loss']:>10.4f} {s['tokens_per_s']:>10,.0f} "
+                     f"{s['peak_memory_bytes'] / 2**20:>9,.0f} "
+                     f"{ref['tokens_per_s'] / s['tokens_per_s']:>8.2f} "
+                     f"{ref['peak_memory_bytes'] / s['peak_memory_bytes']:>8.2f}")
+    return "\n".join(lines)
+
+
+# ---- command line -------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainJob.__dataclass_fields__
+    add = parser.add_argument
+    add("--preset", default=defaults["preset"].default, help="model preset (default %(default)s)")
+    add("--engine", default=defaults["engine"].default, choices=ENGINES)
+    add("--engines", default=None, help="comma list: run each engine and compare, e.g. mpipemoe,fastmoe,fastermoe")
+    add("--steps", type=int, default=defaults["steps"].default)
+    add("--num-workers", type=int, default=defaults["num_workers"].default)
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--use-gpu", dest="use_gpu", action="store_true", default=None,
+                     help="one worker per GPU, NCCL (default: when the cluster has GPUs)")
+    gpu.add_argument("--no-gpu", dest="use_gpu", action="store_false", help="CPU workers, gloo")
+    add("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: embedded local Ray")
+    add("--storage-path", default=None, help="Ray Train storage path (default ./ray_results)")
+    add("--batch-size", type=int, default=defaults["batch_size"].default, help="sequences per worker per step")
+    add("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    add("--partitions", default="auto", help="mpipemoe partitions n: auto or an integer")
+    add("--strategy", default="auto", choices=STRATEGIES)
+    add("--seed", type=int, default=0)
+    add("--lr", type=float, default=defaults["lr"].default)
+    add("--checkpoint-every", type=int, default=defaults["checkpoint_every"].default)
+    add("--name", default=None, help="run name (an existing name resumes that run)")
+    add("--resume", default=None, metavar="NAME", help="resume run NAME from its last checkpoint")
+    add("--data-dir", default=None, help="prepared data (default ./data/stdlib-bytes, prepared if missing)")
+    add("--tracking-uri", default=None, help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db)")
+    add("--experiment", default=DEFAULT_EXPERIMENT)
+    add("--cpus-per-worker", type=float, default=None)
+    add("--num-experts", type=int, default=None)
+    add("--num-layers", type=int, default=None)
+    add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    add("--max-failures", type=int, default=0, help="let Ray Train restart failed workers N times")
+    add("--log-every", type=int, default=defaults["log_every"].default)
+
+
+def job_from_args(args: argparse.Namespace) -> TrainJob:
+    fields = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if hasattr(args, f)}
+    if args.resume:
+        fields["name"] = args.resume
+    job = TrainJob(**fields)
+    if args.resume and not job.run_dir.exists():
+        raise ValueError(f"--resume {args.resume}: no run at {job.run_dir}; check --storage-path")
+    return job
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        job = job_from_args(args)
+        if args.engines:
+            compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()], args.address)
+        else:
+            summary = run_job(job, args.address)
+            print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
+                  f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
+                  f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
+            print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
+            print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"mpipemoe train: error: {error}")
+        return 1
+    print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s; "
+          f"browse runs with: mpipemoe ui")
+    return 0

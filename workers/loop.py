@@ -1,0 +1,160 @@
+"""What runs inside each Ray Train worker: ``train_fn_per_worker(config)``.
+
+Ray Train's ``TorchTrainer`` has already created the default process group (gloo on CPU,
+NCCL on GPU, with a timeout) before this function starts; that group is the
+expert-parallel group of every MoE layer and the data-parallel group of the dense part.
+
+One step (numbers match the code):
+  1. batch ``step-1`` of this rank's data shard (data position = steps done)
+  2. forward -> lm_loss + aux_loss_weight * aux_loss
+  3. collective: loss sums over ranks; non-finite -> every rank raises (no hang)
+  4. backward (the MoE layers run their own All-to-Alls)
+  5. collective: average replicated grads (one flat all-reduce), scale expert grads by 1/W
+  6. collective: global grad norm, clip; AdamW step at the step's learning rate
+  7. collective: max step time and peak memory over ranks
+  8. ``ray.train.report`` (with a per-rank checkpoint every ``checkpoint_every`` steps)
+     and, on rank 0, a copy of the metrics to the driver's queue for live progress/MLflow
+
+``config`` keys are written by ``app.train.TrainJob.worker_config()``.
+"""
+from __future__ import annotations
+
+import resource
+import tempfile
+import time
+
+import torch
+
+from app.data import MASK_ID, BatchSampler, load_rank_tokens
+from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
+from workers import checkpoint as ckpt
+from workers.distributed import (average_gradients, clip_grad_norm, reduce_max, reduce_sum,
+                                 split_params)
+
+
+def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then constant (independent of the run length,
+    so a run resumed with a larger ``steps`` follows the same schedule)."""
+    if warmup_steps > 0 and step <= warmup_steps:
+        return lr * step / warmup_steps
+    return lr
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max bytes allocated by tensors; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (incl. expert weights), not on biases/norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_fn_per_worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(config["torch_threads"])
+    dtype = getattr(torch, config["dtype"])
+    seed = config["seed"]
+    torch.manual_seed(seed + rank)
+
+    # Model, optimizer, data ------------------------------------------------------------
+    preset = ModelPreset(**config["preset"])
+    preset.check_world_size(world_size)
+    model = MoETransformer(preset, engine=config["engine"], group=None,
+                           partitions=config["partitions"], strategy=config["strategy"])
+    model.to(device=device, dtype=dtype)
+    init_parameters(model, seed, rank)
+    replicated, expert = split_params(model)
+    optimizer = build_optimizer(model, config["lr"], config["weight_decay"])
+
+    start_step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            meta = ckpt.load(directory, rank, world_size, model, optimizer, device)
+        start_step = meta["step"]
+
+    seq_len = config["seq_len"]
+    window = seq_len + 1 if preset.kind == "gpt" else seq_len
+    sampler = BatchSampler(load_rank_tokens(config["data_dir"], rank, world_size),
+                           config["batch_size"], window, seed, rank)
+    tokens_per_step = world_size * config["batch_size"] * seq_len
+    queue = config.get("metrics_queue") if rank == 0 else None
+
+    # Loop -------------------------------------------------------------------------------
+    model.train()
+    for step in range(start_step + 1, config["steps"] + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        # 1. this rank's batch at data position step-1
+        window_BW = torch.from_numpy(sampler.batch(step - 1)).to(device)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + step)
+        inputs_BS, targets_BS = lm_batch(preset.kind, window_BW, MASK_ID, preset.vocab_size, generator)
+        # 2. forward
+        logits_BSV, aux_loss = model(inputs_BS)
+        loss_lm = lm_loss(logits_BSV, targets_BS)
+        loss = loss_lm + config["aux_loss_weight"] * aux_loss
+        # 3. global losses; stop every rank together on NaN/Inf
+        lm_sum, aux_sum = reduce_sum([loss_lm.item(), aux_loss.item()], device, world_size)
+        mean_lm, mean_aux = lm_sum / world_size, aux_sum / world_size
+        if not (torch.isfinite(torch.tensor(mean_lm)) and torch.isfinite(torch.tensor(mean_aux))):
+            raise FloatingPointError(
+                f"non-finite loss at step {step} (lm_loss={mean_lm}, aux_loss={mean_aux}, "
+                f"engine={config['engine']}, lr={config['lr']}): lower --lr, check the data, "
+                f"or use float32")
+        # 4. backward
+        loss.backward()
+        # 5. data-parallel averaging of replicated grads; expert grads / W
+        average_gradients(replicated, expert, world_size)
+        # 6. clip, update
+        grad_norm = clip_grad_norm(replicated, expert, config["grad_clip"], world_size)
+        lr = learning_rate(step, config["lr"], config["warmup_steps"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # 7. slowest rank's time, largest peak memory
+        step_time, peak = reduce_max([time.perf_counter() - started, peak_memory_bytes(device)],
+                                     device, world_size)
+        # 8. report
+        metrics = {
+            "step": step,
+            "loss": mean_lm + config["aux_loss_weight"] * mean_aux,
+            "lm_loss": mean_lm,
+            "aux_loss": mean_aux,
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "peak_memory_bytes": int(peak),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_seen": step * tokens_per_step,
+            "epoch": sampler.epoch_of(step - 1),
+            **model.engine_choices(),
+        }
+        if queue is not None:
+            queue.put(metrics)
+        if step % config["checkpoint_every"] == 0 or step == config["steps"]:
+            meta = {"step": step, "data_position": step, "world_size": world_size,
+                    "engine": config["engine"], "seed": seed, "preset": config["preset"]}
+            with tempfile.TemporaryDirectory() as directory:
+                ckpt.save(directory, rank, model, optimizer, meta)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                                 checkpoint_dir_name=f"checkpoint_{step:06d}")
+        else:
+            ray.train.report(metrics)
