@@ -1,0 +1,534 @@
+"""``mpipemoe report``: a Markdown report with PNG plots, generated from MLflow runs.
+
+    mpipemoe report                                  # every experiment in the default store
+    mpipemoe report --experiment smoke --out results/report-smoke
+
+Reads two kinds of runs (tag ``kind``): layer benchmarks (``kind=bench``, from
+``mpipemoe bench``: fwd_bwd_ms, peak/predicted memory) and training runs
+(``kind=train``, from ``mpipemoe train`` and sweeps: tokens_per_s, peak memory).
+Each becomes a ``Record``; the sections are pure functions of the records:
+
+1. speedup and memory of MPipeMoE against the FastMoE/FasterMoE-style baselines,
+   per (model, tokens);
+2. time and memory per memory-reuse strategy;
+3. the best number of partitions n against tokens, with every violation of the
+   assumed monotonicity (best n non-decreasing in tokens) marked;
+4. predicted against measured peak memory.
+
+Runs of the two kinds are never compared with each other. Time is the layer's
+forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
+for training runs. Where one configuration was measured several times, the
+fastest measurement counts (best-of). A section without data says so.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINE = "mpipemoe"
+BASELINES = ("fastmoe", "fastermoe")
+STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
+DEFAULT_OUT = "results/report"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One measurement, normalised from an MLflow run of either kind."""
+
+    kind: str                      # "bench" or "train"
+    run_id: str
+    experiment: str
+    engine: str
+    model: str
+    tokens: int | None             # tokens per rank (batch x seq_len for training)
+    world_size: int | None
+    device: str
+    dtype: str
+    partitions: int | None         # None: "auto" with the chosen n unknown
+    strategy: str
+    chosen_by: str                 # "auto" (engine chose) or "grid" (fixed by the caller)
+    time_ms: float | None
+    peak_memory_bytes: float | None
+    predicted_memory_bytes: float | None
+
+    @property
+    def config_key(self) -> tuple:
+        """What must match for two records to be compared."""
+        return (self.kind, self.model, self.tokens, self.world_size, self.device, self.dtype)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _int(value) -> int | None:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(value) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: dict) -> Record | None:
+    """A ``Record`` from one run's params/metrics/tags, or None for runs of no known kind."""
+    kind = tags.get("kind") or ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
+    engine = params.get("engine")
+    if kind not in ("bench", "train") or not engine:
+        return None
+    model = params.get("model") or params.get("preset") or "?"
+    tokens = _int(params.get("tokens"))
+    if tokens is None and _int(params.get("batch_size")) and _int(params.get("seq_len")):
+        tokens = _int(params["batch_size"]) * _int(params["seq_len"])
+    world_size = _int(params.get("world_size", params.get("num_workers")))
+    device = params.get("device") or ("cuda" if params.get("use_gpu") == "True" else "cpu"
+                                      if params.get("use_gpu") == "False" else "?")
+    partitions = _int(params.get("partitions"))
+    if partitions is None:
+        partitions = _int(metrics.get("partitions"))  # the n an "auto" run settled on, if logged
+    strategy = params.get("strategy", "?")
+    chosen_by = params.get("chosen_by") or ("auto" if "auto" in (params.get("partitions"), strategy) else "grid")
+    if kind == "bench":
+        time_ms = _float(metrics.get("fwd_bwd_ms"))
+    else:
+        tokens_per_s = _float(metrics.get("tokens_per_s"))
+        time_ms = 1e6 / tokens_per_s if tokens_per_s else None
+    return Record(kind=kind, run_id=run_id, experiment=experiment, engine=engine, model=model,
+                  tokens=tokens, world_size=world_size, device=device, dtype=params.get("dtype", "?"),
+                  partitions=partitions, strategy=strategy, chosen_by=chosen_by, time_ms=time_ms,
+                  peak_memory_bytes=_float(metrics.get("peak_memory_bytes")),
+                  predicted_memory_bytes=_float(metrics.get("predicted_memory_bytes",
+                                                            params.get("predicted_memory_bytes"))))
+
+
+def load_records(tracking_uri: str, experiments: list[str] | None = None) -> list[Record]:
+    """Records of the FINISHED runs in ``experiments`` (default: every experiment)."""
+    from app.tracking import client
+
+    mlflow_client = client(tracking_uri)
+    found = mlflow_client.search_experiments()
+    names = {e.experiment_id: e.name for e in found if experiments is None or e.name in experiments}
+    records = []
+    if not names:
+        return records
+    token = None
+    while True:
+        page = mlflow_client.search_runs(list(names), filter_string="attributes.status = 'FINISHED'",
+                                         max_results=1000, page_token=token)
+        for run in page:
+            record = to_record(run.info.run_id, names[run.info.experiment_id], run.data.params,
+                               run.data.metrics, run.data.tags)
+            if record is not None:
+                records.append(record)
+        token = page.token
+        if not token:
+            return records
+
+
+# --------------------------------------------------------------------------- analysis
+
+def _fastest(records: list[Record]) -> Record | None:
+    timed = [r for r in records if r.time_ms is not None]
+    return min(timed, key=lambda r: r.time_ms) if timed else None
+
+
+def _sort_key(key: tuple) -> tuple:
+    """Sort mixed tuples (numbers, strings, None): numbers ascending, then the rest by text."""
+    return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in key)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """MPipeMoE against one baseline at one configuration."""
+
+    key: tuple                     # Record.config_key
+    baseline: str
+    engine_ms: float
+    baseline_ms: float
+    engine_memory: float | None
+    baseline_memory: float | None
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_ms / self.engine_ms
+
+    @property
+    def memory_ratio(self) -> float | None:
+        if self.engine_memory is None or not self.baseline_memory:
+            return None
+        return self.engine_memory / self.baseline_memory
+
+
+def baseline_comparisons(records: list[Record]) -> list[Comparison]:
+    """Per configuration: MPipeMoE (its own automatic choice if measured, else its fastest
+    setting) against the fastest measurement of each baseline."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[r.config_key].append(r)
+    rows = []
+    for key in sorted(groups, key=_sort_key):
+        group = groups[key]
+        ours = [r for r in group if r.engine == ENGINE]
+        engine = _fastest([r for r in ours if r.chosen_by == "auto"]) or _fastest(ours)
+        if engine is None:
+            continue
+        for baseline in BASELINES:
+            base = _fastest([r for r in group if r.engine == baseline])
+            if base is not None:
+                rows.append(Comparison(key, baseline, engine.time_ms, base.time_ms,
+                                       engine.peak_memory_bytes, base.peak_memory_bytes))
+    return rows
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """Time and memory of each strategy (and the automatic choice) at one configuration."""
+
+    key: tuple
+    time_ms: dict                  # label -> ms; labels: none, S1..S4, "auto (S3)"
+    memory: dict                   # label -> peak bytes (None if not measured)
+
+    @property
+    def fastest(self) -> str:
+        fixed = {k: v for k, v in self.time_ms.items() if not k.startswith("auto")}
+        return min(fixed, key=fixed.get)
+
+    @property
+    def auto_label(self) -> str | None:
+        return next((k for k in self.time_ms if k.startswith("auto")), None)
+
+    def auto_slowdown(self) -> float | None:
+        """Time of the automatic choice over the fastest fixed strategy, minus 1."""
+        auto = self.auto_label
+        if auto is None:
+            return None
+        return self.time_ms[auto] / self.time_ms[self.fastest] - 1
+
+
+def strategy_rows(records: list[Record]) -> list[StrategyRow]:
+    groups = defaultdict(list)
+    for r in records:
+        if r.engine == ENGINE and r.time_ms is not None:
+            groups[r.config_key].append(r)
+    rows = []
+    for key in sorted(groups, key=_sort_key):
+        times, memory = {}, {}
+        fixed = [r for r in groups[key] if r.strategy in STRATEGY_ORDER and r.chosen_by == "grid"]
+        for strategy in STRATEGY_ORDER:
+            best = _fastest([r for r in fixed if r.strategy == strategy])
+            if best is not None:
+                times[strategy], memory[strategy] = best.time_ms, best.peak_memory_bytes
+        auto = _fastest([r for r in groups[key] if r.chosen_by == "auto"])
+        if len(times) < 2:  # one strategy measured: nothing to compare
+            continue
+        if auto is not None:
+            label = "auto" if auto.strategy in ("auto", "?") else f"auto ({auto.strategy})"
+            times[label], memory[label] = auto.time_ms, auto.peak_memory_bytes
+        rows.append(StrategyRow(key, times, memory))
+    return rows
+
+
+@dataclass(frozen=True)
+class BestN:
+    """Best fixed n at one token count of one series; ``violation`` if it is below the
+    best n at the next smaller token count (best n should not decrease as tokens grow)."""
+
+    series: tuple                  # (kind, model, world_size, device, dtype, strategy)
+    tokens: int
+    best_n: int
+    best_ms: float
+    candidates: int                # how many fixed n were measured
+    violation: bool
+    auto_n: int | None             # the n the online search chose (if an auto run logged it)
+    auto_ms: float | None
+
+
+def best_partitions(records: list[Record]) -> list[BestN]:
+    """Per series and token count: the fastest fixed n, with monotonicity violations marked."""
+    series = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r.engine == ENGINE and r.tokens is not None and r.time_ms is not None:
+            key = (r.kind, r.model, r.world_size, r.device, r.dtype, r.strategy)
+            series[key][r.tokens].append(r)
+    rows = []
+    for key in sorted(series, key=_sort_key):
+        previous = None
+        for tokens in sorted(series[key]):
+            group = series[key][tokens]
+            grid = [r for r in group if r.chosen_by == "grid" and r.partitions is not None]
+            if len({r.partitions for r in grid}) < 2:
+                continue
+            # ties go to the smaller n
+            best = min(grid, key=lambda r: (r.time_ms, r.partitions))
+            auto = _fastest([r for r in group if r.chosen_by == "auto"])
+            rows.append(BestN(key, tokens, best.partitions, best.time_ms, len({r.partitions for r in grid}),
+                              previous is not None and best.partitions < previous,
+                              auto.partitions if auto else None, auto.time_ms if auto else None))
+            previous = best.partitions
+    return rows
+
+
+def memory_predictions(records: list[Record]) -> list[Record]:
+    """Records with both a predicted and a measured peak memory."""
+    return [r for r in records if r.predicted_memory_bytes and r.peak_memory_bytes]
+
+
+# --------------------------------------------------------------------------- plots
+
+def _figure(ncols: int = 1, width: float = 6.4):
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas
+
+    figure = Figure(figsize=(width * ncols, 4.2), layout="constrained")
+    axes = figure.subplots(1, ncols, squeeze=False)[0]
+    return figure, axes
+
+
+def _label(key: tuple) -> str:
+    kind, model, _tokens, world, device, dtype = key
+    return f"{kind}: {model}, {world} ranks, {device}/{dtype}"
+
+
+def plot_baselines(rows: list[Comparison], path: Path) -> None:
+    figure, (ax_time, ax_mem) = _figure(2)
+    lines = defaultdict(list)
+    for row in rows:
+        kind, model, tokens, world, device, dtype = row.key
+        lines[(kind, model, world, device, dtype, row.baseline)].append((tokens or 0, row.speedup, row.memory_ratio))
+    for (kind, model, world, device, dtype, baseline), points in sorted(lines.items(), key=lambda i: str(i[0])):
+        points.sort()
+        label = f"vs {baseline}: {kind} {model} ({world} ranks, {device})"
+        ax_time.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        mem = [p for p in points if p[2] is not None]
+        if mem:
+            ax_mem.plot([p[0] for p in mem], [p[2] for p in mem], marker="o", label=label)
+    ax_time.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_mem.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_time.set(title="MPipeMoE speedup over baselines", xlabel="tokens per rank",
+                ylabel="baseline time / MPipeMoE time")
+    ax_mem.set(title="MPipeMoE peak memory relative to baselines", xlabel="tokens per rank",
+               ylabel="MPipeMoE memory / baseline memory")
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    figure.savefig(path, dpi=100)
+
+
+def _memory_reference(row: StrategyRow) -> float | None:
+    """Keep-everything memory if measured, else the largest measured."""
+    if row.memory.get("none"):
+        return row.memory["none"]
+    known = [v for v in row.memory.values() if v]
+    return max(known) if known else None
+
+
+def plot_strategies(rows: list[StrategyRow], path: Path) -> None:
+    figure, (ax_time, ax_mem) = _figure(2, width=max(6.4, 0.9 * len(rows) + 2))
+    labels = list(STRATEGY_ORDER) + ["auto"]
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs, times, mems = [], [], []
+        for x, row in enumerate(rows):
+            key = label if label != "auto" else row.auto_label
+            if key not in row.time_ms:
+                continue
+            xs.append(x + (i - len(labels) / 2 + 0.5) * width)
+            times.append(row.time_ms[key] / row.time_ms[row.fastest])
+            reference = _memory_reference(row)
+            mems.append(row.memory[key] / reference if reference and row.memory[key] else 0.0)
+        if xs:
+            ax_time.bar(xs, times, width, label=label)
+            ax_mem.bar(xs, mems, width, label=label)
+    ticks = [f"{row.key[0]} {row.key[1]}\n{row.key[2]} tok" for row in rows]
+    for ax in (ax_time, ax_mem):
+        ax.set_xticks(range(len(rows)), ticks, fontsize=7)
+        ax.legend(fontsize=7)
+    ax_time.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_time.set(title="time per strategy", ylabel="time / fastest fixed strategy")
+    ax_mem.set(title="peak memory per strategy", ylabel="memory / keep-everything ('none')")
+    figure.savefig(path, dpi=100)
+
+
+def plot_best_n(rows: list[BestN], path: Path) -> None:
+    figure, (ax,) = _figure(1, width=7.5)
+    series = defaultdict(list)
+    for row in rows:
+        series[row.series].append(row)
+    for key, points in sorted(series.items(), key=lambda i: str(i[0])):
+        kind, model, world, device, dtype, strategy = key
+        line, = ax.plot([p.tokens for p in points], [p.best_n for p in points], marker="o",
+                        label=f"{kind} {model} ({world} ranks, {device}, {strategy})")
+        auto = [p for p in points if p.auto_n is not None]
+        if auto:
+            ax.scatter([p.tokens for p in auto], [p.auto_n for p in auto], marker="s", s=60,
+                       facecolors="none", edgecolors=line.get_color(), label=f"online n: {kind} {model}")
+        bad = [p for p in points if p.violation]
+        if bad:
+            ax.scatter([p.tokens for p in bad], [p.best_n for p in bad], marker="x", s=120, color="red",
+                       zorder=5, label="monotonicity violation")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set(title="best number of partitions n against tokens", xlabel="tokens per rank", ylabel="best n")
+    ax.legend(fontsize=7)
+    figure.savefig(path, dpi=100)
+
+
+def plot_memory_predictions(records: list[Record], path: Path) -> None:
+    figure, (ax,) = _figure(1)
+    mib = 2 ** 20
+    for engine in sorted({r.engine for r in records}):
+        mine = [r for r in records if r.engine == engine]
+        ax.scatter([r.predicted_memory_bytes / mib for r in mine], [r.peak_memory_bytes / mib for r in mine],
+                   label=engine)
+    values = [v / mib for r in records for v in (r.predicted_memory_bytes, r.peak_memory_bytes)]
+    low, high = min(values) * 0.8, max(values) * 1.2
+    ax.plot([low, high], [low, high], color="gray", lw=0.8, label="measured = predicted")
+    ax.fill_between([low, high], [low * 0.9, high * 0.9], [low * 1.1, high * 1.1], color="gray", alpha=0.15,
+                    label="±10%")
+    ax.set(xscale="log", yscale="log", xlabel="predicted peak memory (MiB)", ylabel="measured peak memory (MiB)",
+           title="predicted against measured peak memory")
+    ax.legend(fontsize=7)
+    figure.savefig(path, dpi=100)
+
+
+# --------------------------------------------------------------------------- markdown
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(row) + " |" for row in rows]
+
+
+NO_DATA = "_No data: {what}._"
+
+
+def section_baselines(records: list[Record], out: Path) -> list[str]:
+    lines = ["## 1. Speedup and memory against the baselines", ""]
+    rows = baseline_comparisons(records)
+    if not rows:
+        return lines + [NO_DATA.format(what="no configuration was measured with MPipeMoE and a baseline "
+                                            "(run `mpipemoe sweep engines` or `mpipemoe bench`)"), ""]
+    plot_baselines(rows, out / "speedup_memory.png")
+    lines += ["![speedup and memory against the baselines](speedup_memory.png)", "",
+              "Speedup = baseline time / MPipeMoE time; memory = MPipeMoE peak / baseline peak "
+              "(below 1 saves memory). MPipeMoE at its automatic settings where measured, else its "
+              "fastest setting.", ""]
+    table = [[row.key[0], row.key[1], str(row.key[2]), str(row.key[3]), f"{row.key[4]}/{row.key[5]}",
+              row.baseline, f"{row.engine_ms:.3f}", f"{row.baseline_ms:.3f}", f"{row.speedup:.2f}x",
+              "-" if row.memory_ratio is None else f"{row.memory_ratio:.2f}"] for row in rows]
+    return lines + _table(["kind", "model", "tokens", "ranks", "device", "baseline", "MPipeMoE ms",
+                           "baseline ms", "speedup", "memory ratio"], table) + [""]
+
+
+def section_strategies(records: list[Record], out: Path) -> list[str]:
+    lines = ["## 2. Memory and time per strategy", ""]
+    rows = strategy_rows(records)
+    if not rows:
+        return lines + [NO_DATA.format(what="no configuration was measured with two or more fixed "
+                                            "strategies (run `mpipemoe sweep strategy`)"), ""]
+    plot_strategies(rows, out / "strategies.png")
+    lines += ["![time and memory per strategy](strategies.png)", "",
+              "Time relative to the fastest fixed strategy; memory relative to keeping everything "
+              "(`none`). `auto` is the performance model's choice.", ""]
+    table = []
+    for row in rows:
+        cells = [f"{row.time_ms[k]:.3f} / {_mib(row.memory[k])}" for k in row.time_ms]
+        slowdown = row.auto_slowdown()
+        table.append([_label(row.key), str(row.key[2]), " · ".join(f"{k}: {c}" for k, c in zip(row.time_ms, cells)),
+                      row.fastest, "-" if slowdown is None else f"{row.auto_label}: {slowdown:+.1%}"])
+    return lines + _table(["configuration", "tokens", "ms / peak MiB per strategy", "fastest",
+                           "auto vs fastest"], table) + [""]
+
+
+def section_best_n(records: list[Record], out: Path) -> list[str]:
+    lines = ["## 3. Best number of partitions n against tokens", ""]
+    rows = best_partitions(records)
+    if not rows:
+        return lines + [NO_DATA.format(what="no token count was measured with two or more fixed n "
+                                            "(run `mpipemoe sweep granularity`)"), ""]
+    plot_best_n(rows, out / "best_n.png")
+    violations = [r for r in rows if r.violation]
+    lines += ["![best n against tokens](best_n.png)", "",
+              "The online search assumes the best n never decreases as the token count grows. "
+              + (f"**{len(violations)} violation(s)** (red crosses; marked ✗ below)."
+                 if violations else "No violation in these measurements."), ""]
+    table = [[f"{r.series[0]} {r.series[1]}", str(r.series[2]), r.series[5], str(r.tokens), str(r.best_n),
+              f"{r.best_ms:.3f}", str(r.candidates), "✗ decreases" if r.violation else "ok",
+              "-" if r.auto_ms is None else
+              f"n={r.auto_n if r.auto_n is not None else '?'}, {r.auto_ms / r.best_ms - 1:+.1%}"]
+             for r in rows]
+    return lines + _table(["model", "ranks", "strategy", "tokens", "best n", "ms", "n tried", "monotone",
+                           "online n vs best"], table) + [""]
+
+
+def section_memory(records: list[Record], out: Path) -> list[str]:
+    lines = ["## 4. Predicted against measured memory", ""]
+    rows = memory_predictions(records)
+    if not rows:
+        return lines + [NO_DATA.format(what="no run logged both predicted_memory_bytes and "
+                                            "peak_memory_bytes (run `mpipemoe bench`)"), ""]
+    plot_memory_predictions(rows, out / "memory_prediction.png")
+    errors = [abs(r.predicted_memory_bytes / r.peak_memory_bytes - 1) for r in rows]
+    lines += ["![predicted against measured memory](memory_prediction.png)", "",
+              f"{len(rows)} measurement(s); largest error {max(errors):.1%}, "
+              f"{sum(e <= 0.10 for e in errors)} within 10%.", ""]
+    table = [[r.engine, r.model, str(r.tokens), str(r.partitions), r.strategy, _mib(r.predicted_memory_bytes),
+              _mib(r.peak_memory_bytes), f"{r.predicted_memory_bytes / r.peak_memory_bytes - 1:+.1%}"]
+             for r in sorted(rows, key=lambda r: (r.model, r.tokens or 0, r.strategy))]
+    return lines + _table(["engine", "model", "tokens", "n", "strategy", "predicted MiB", "measured MiB",
+                           "error"], table) + [""]
+
+
+def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "") -> Path:
+    """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
+        old.unlink()
+    kinds = defaultdict(int)
+    for r in records:
+        kinds[r.kind] += 1
+    experiments = sorted({r.experiment for r in records})
+    lines = ["# MPipeMoE report", "",
+             f"Generated by `mpipemoe report` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
+             f"from {len(records)} MLflow run(s): {kinds['bench']} layer benchmark(s), {kinds['train']} "
+             f"training run(s){f' in {source}' if source else ''}; experiments: "
+             f"{', '.join(experiments) if experiments else 'none'}.", "",
+             "Time is the layer's forward+backward in ms for benchmarks (`bench`) and ms per 1000 tokens "
+             "for training runs (`train`); the two kinds are never compared with each other. Where one "
+             "configuration was measured several times, the fastest measurement counts.", ""]
+    for section in (section_baselines, section_strategies, section_best_n, section_memory):
+        lines += section(records, out)
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--experiment", action="append", default=None,
+                        help="MLflow experiment to read (repeat for several); default: all")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
+
+
+def run(args: argparse.Namespace) -> int:
+    from app.tracking import resolve_tracking_uri
+
+    tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    records = load_records(tracking_uri, args.experiment)
+    path = write_report(records, args.out, source=tracking_uri)
+    print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
+          f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
+    return 0

@@ -1,0 +1,126 @@
+"""``mpipemoe report`` from synthetic MLflow runs in a temporary sqlite store (no Ray, fast).
+
+The numbers are chosen so the expected ratios and best n can be worked out by hand.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("mlflow")
+pytest.importorskip("matplotlib")
+
+from app import report  # noqa: E402
+from app.tracking import RunLogger  # noqa: E402
+
+MIB = 2 ** 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(uri, engine, tokens, ms, mem_mib, *, partitions=2, strategy="none", chosen_by="grid",
+          predicted_mib=None, status="FINISHED"):
+    run = RunLogger.start(uri, "bench-synthetic", tags={"kind": "bench"})
+    run.log_params({"engine": engine, "model": "gpt-s", "tokens": tokens, "world_size": 2, "device": "cuda",
+                    "dtype": "bf16", "partitions": partitions, "strategy": strategy, "chosen_by": chosen_by})
+    metrics = {"fwd_bwd_ms": ms, "peak_memory_bytes": mem_mib * MIB}
+    if predicted_mib is not None:
+        metrics["predicted_memory_bytes"] = predicted_mib * MIB
+    run.log_metrics(metrics)
+    run.finish(status)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # tokens 4096: both baselines and MPipeMoE's automatic choice
+    bench(uri, "fastmoe", 4096, 10.0, 1000)
+    bench(uri, "fastmoe", 4096, 12.0, 1000)             # slower repeat: best-of keeps 10 ms
+    bench(uri, "fastermoe", 4096, 8.0, 900)
+    bench(uri, "mpipemoe", 4096, 4.0, 600, strategy="S1", chosen_by="auto", predicted_mib=580)
+    # best n, strategy "none": 4096 -> n=2, 8192 -> n=4, 16384 -> n=2 (a violation)
+    for tokens, times in {4096: (5.0, 4.5, 6.0), 8192: (9.0, 8.0, 7.0), 16384: (16.0, 14.0, 15.0)}.items():
+        for n, ms in zip((1, 2, 4), times):
+            bench(uri, "mpipemoe", tokens, ms, 800, partitions=n, predicted_mib=760 if n == 1 else None)
+    # strategies at 8192 (n=2): none is 8 ms (from above), S1 and S3; auto chose S3
+    bench(uri, "mpipemoe", 8192, 9.0, 500, strategy="S1")
+    bench(uri, "mpipemoe", 8192, 7.5, 450, strategy="S3")
+    bench(uri, "mpipemoe", 8192, 7.2, 450, strategy="S3", chosen_by="auto")
+    # noise the report must ignore: a run still RUNNING, a study parent run
+    bench(uri, "fastmoe", 8192, 1.0, 1, status="RUNNING")
+    RunLogger.start(uri, "bench-synthetic", tags={"kind": "study"}).finish()
+    # one training run (kind=train): tokens = batch_size * seq_len
+    run = RunLogger.start(uri, "smoke", tags={"kind": "train"})
+    run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "seq_len": 64,
+                    "num_workers": 2, "partitions": 2, "strategy": "auto"})
+    run.log_metrics({"tokens_per_s": 2000.0, "peak_memory_bytes": 100 * MIB})
+    run.finish()
+    return uri
+
+
+def test_records_are_normalised(store):
+    records = report.load_records(store)
+    assert len(records) == 17  # 16 finished bench runs + 1 training run
+    train = [r for r in records if r.kind == "train"]
+    assert len(train) == 1
+    assert (train[0].model, train[0].tokens, train[0].world_size) == ("tiny-gpt", 256, 2)
+    assert train[0].time_ms == pytest.approx(500.0)  # 1e6 / 2000 tokens/s: ms per 1000 tokens
+    assert train[0].chosen_by == "auto"
+    assert report.load_records(store, ["smoke"]) == train
+
+
+def test_baseline_ratios(store):
+    rows = {(r.key[2], r.baseline): r for r in report.baseline_comparisons(report.load_records(store))}
+    # 4096 tokens: MPipeMoE auto 4 ms / 600 MiB against fastmoe 10 ms / 1000 MiB, fastermoe 8 ms / 900 MiB
+    assert rows[(4096, "fastmoe")].speedup == pytest.approx(2.5)
+    assert rows[(4096, "fastmoe")].memory_ratio == pytest.approx(0.6)
+    assert rows[(4096, "fastermoe")].speedup == pytest.approx(2.0)
+    assert rows[(4096, "fastermoe")].memory_ratio == pytest.approx(600 / 900)
+    assert {k[0] for k in rows} == {4096}  # no baseline measured at other token counts
+
+
+def test_best_n_and_monotonicity(store):
+    rows = report.best_partitions(report.load_records(store))
+    none = [r for r in rows if r.series[5] == "none"]
+    assert [(r.tokens, r.best_n, r.violation) for r in none] == [
+        (4096, 2, False), (8192, 4, False), (16384, 2, True)]
+    assert none[1].best_ms == pytest.approx(7.0)
+    assert all(r.series[5] == "none" for r in rows)  # S1/S3 have one n each: no best-n row
+
+
+def test_strategy_rows(store):
+    rows = report.strategy_rows(report.load_records(store))
+    assert [r.key[2] for r in rows] == [8192]
+    row = rows[0]
+    # "none" best over n is 7 ms (n=4); S1 9 ms; S3 7.5 ms; auto (S3) 7.2 ms
+    assert row.time_ms == {"none": 7.0, "S1": 9.0, "S3": 7.5, "auto (S3)": 7.2}
+    assert row.fastest == "none"
+    assert row.auto_slowdown() == pytest.approx(7.2 / 7.0 - 1)
+
+
+def test_report_files(store, tmp_path, capsys):
+    out = tmp_path / "report"
+    args = argparse.Namespace(out=str(out), experiment=None, tracking_uri=store)
+    assert report.run(args) == 0
+    assert str(out / "report.md") in capsys.readouterr().out
+    text = (out / "report.md").read_text()
+    pngs = ["speedup_memory.png", "strategies.png", "best_n.png", "memory_prediction.png"]
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+        assert f"]({name})" in text
+    assert "No data" not in text
+    assert "**1 violation(s)**" in text
+    assert "2.50x" in text and "0.60" in text
+    # predicted against measured: 580 vs 600 (-3.3%) and 760 vs 800 three times (-5.0%)
+    assert "largest error 5.0%, 4 within 10%" in text
+
+
+def test_empty_store_says_no_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path / 'empty.db'}"
+    path = report.write_report(report.load_records(uri), tmp_path / "out", source=uri)
+    text = path.read_text()
+    assert text.count("_No data:") == 4
+    assert not list((tmp_path / "out").glob("*.png"))
