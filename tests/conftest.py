@@ -29,3 +29,15 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests (marker `gpu`) are skipped where CUDA is absent."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,137 @@
+"""The only module that calls collectives.
+
+`ExpertGroup` wraps the process group of the expert-parallel ranks. Its
+methods are the collectives the MoE layers need: the token-count exchange,
+All-to-All with uneven splits (blocking or returning a `Pending` handle), and
+a few small agreements (max, sum). With no process group (a single process),
+every collective degenerates to a local copy, so the same layer code runs on
+one CPU process, on gloo ranks and on NCCL ranks.
+
+On CUDA an asynchronous All-to-All is issued on the communication stream the
+caller names; its `Pending` is an event on that stream. On CPU (gloo) it is
+the collective's work handle, which completes on gloo's own threads.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .streams import Pending, StreamSet
+
+
+class ExpertGroup:
+    """The ranks that share the experts of one MoE layer.
+
+    group: a torch.distributed ProcessGroup; None means the default process
+    group when one is initialised, else a single process.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.size > 1
+
+    # -- counts ---------------------------------------------------------------
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """Collective. send_counts[dst, ...] -> recv_counts[src, ...] (int64).
+
+        Row r of the input goes to rank r; row r of the output came from rank r.
+        """
+        if not self.distributed:
+            return send_counts.clone()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        return recv_counts
+
+    # -- All-to-All -----------------------------------------------------------
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+        """Collective, blocking. Rows input[sum(input_splits[:r]) ...] go to rank r."""
+        if not self.distributed:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=self.group)
+
+    def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor,
+                         output_splits: Sequence[int], input_splits: Sequence[int],
+                         streams: StreamSet) -> Pending:
+        """Collective, asynchronous: returns a `Pending` to wait on before reading `output`.
+
+        On CUDA the collective is ordered on ``streams.comm`` (which first waits for
+        whatever the caller recorded there); on CPU it runs on gloo's threads.
+        """
+        if not self.distributed:
+            with streams.on_comm():
+                output.copy_(input)
+            return streams.record_comm()
+        if streams.is_cuda:
+            with streams.on_comm():
+                dist.all_to_all_single(output, input, list(output_splits), list(input_splits),
+                                       group=self.group)
+            return streams.record_comm()
+        work = dist.all_to_all_single(output, input, list(output_splits), list(input_splits),
+                                      group=self.group, async_op=True)
+        return Pending.from_work(work)
+
+    # -- small agreements -------------------------------------------------------
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective. Elementwise max over ranks (used so all ranks agree on a choice)."""
+        if not self.distributed:
+            return values
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective. Elementwise sum over ranks."""
+        if not self.distributed:
+            return values
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def broadcast_object(self, obj):
+        """Collective. Rank 0's Python object on every rank."""
+        if not self.distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return holder[0]
+
+
+def default_timeout() -> timedelta:
+    """Collective timeout used when this project creates process groups: a dead rank
+    ends the job in bounded time instead of hanging it."""
+    return timedelta(minutes=5)
+
+
+class _AllToAllFunction(torch.autograd.Function):
+    """All-to-All whose backward is the All-to-All with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, input, group: ExpertGroup, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
+        group.all_to_all(output, input.contiguous(), output_splits, input_splits)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = grad_output.new_empty((sum(ctx.input_splits),) + tuple(grad_output.shape[1:]))
+        ctx.group.all_to_all(grad_input, grad_output.contiguous(), ctx.input_splits, ctx.output_splits)
+        return grad_input, None, None, None
+
+
+def all_to_all_with_grad(group: ExpertGroup, input: torch.Tensor,
+                         output_splits: Sequence[int], input_splits: Sequence[int]) -> torch.Tensor:
+    """Collective, blocking, tracked by autograd (used by the keep-everything baselines)."""
+    return _AllToAllFunction.apply(input, group, list(output_splits), list(input_splits))

@@ -1,0 +1,169 @@
+"""Token dispatch: permute → exchange counts → dispatch → (experts) → combine → un-permute.
+
+Legend: T tokens on this rank, K top_k, D d_model, E global experts,
+L local experts (E / P), P ranks, R rows this rank sends (kept (token, choice)
+pairs), N rows this rank receives, n partitions.
+
+Each function is either purely local or one collective, never both, and its
+docstring says which: that cut is what lets the pipeline overlap them.
+
+Rows are sent in *partition-major, expert-minor* order: all rows of partition 0
+sorted by global expert, then partition 1, ... . A partition is one All-to-All
+over all ranks. How rows are assigned to partitions is the caller's choice:
+MPipeMoE splits the *tokens* into n contiguous ranges (`partition_by_tokens`),
+FasterMoE splits by *destination rank* (`partition_by_peers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import ExpertGroup
+from .router import Routing
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition's All-to-All: what to send, what arrives, how to group it by expert."""
+
+    token_index_R: torch.Tensor        # token of each row sent, in send order
+    pair_index_R: torch.Tensor         # (token * K + choice) of each row sent
+    send_splits: list[int]             # rows to each rank
+    recv_splits: list[int]             # rows from each rank
+    expert_order_N: torch.Tensor       # received row order → expert-major order (index into received rows)
+    expert_counts: list[int]           # rows per local expert, expert-major
+
+    @property
+    def rows_sent(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def rows_received(self) -> int:
+        return sum(self.recv_splits)
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Frozen metadata that dispatch produces and combine consumes."""
+
+    tokens: int
+    partitions: list[PartitionPlan]
+
+    @property
+    def token_index_R(self) -> torch.Tensor:
+        return torch.cat([p.token_index_R for p in self.partitions])
+
+    @property
+    def pair_index_R(self) -> torch.Tensor:
+        return torch.cat([p.pair_index_R for p in self.partitions])
+
+    @property
+    def max_rows_received(self) -> int:
+        return max((p.rows_received for p in self.partitions), default=0)
+
+    @property
+    def max_rows_sent(self) -> int:
+        return max((p.rows_sent for p in self.partitions), default=0)
+
+
+# -- partition assignment (local) ---------------------------------------------------
+def partition_by_tokens(tokens: int, top_k: int, partitions: int, device) -> torch.Tensor:
+    """Local. Partition of each (token, choice) pair: token t is in partition t * n // T."""
+    token_T = torch.arange(tokens, device=device)
+    return (token_T * partitions // max(tokens, 1)).repeat_interleave(top_k)
+
+
+def partition_by_peers(expert_ids_TK: torch.Tensor, experts_per_rank: int, rank: int,
+                       world_size: int, group_size: int) -> torch.Tensor:
+    """Local. FasterMoE's split along the device dimension: a pair destined for rank d
+    is in step ((d - rank) mod P) // group_size, so step s exchanges with one group of
+    `group_size` peers."""
+    dest_rank = expert_ids_TK.flatten() // experts_per_rank
+    return ((dest_rank - rank) % world_size) // group_size
+
+
+# -- plan (local, one collective, local) ---------------------------------------------------
+def count_rows(routing: Routing, partition_P: torch.Tensor, num_partitions: int, num_experts: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local. Sort kept pairs by (partition, expert); count rows per partition and expert.
+
+    Returns (sorted pair indices, counts [n, E]).
+    """
+    expert_P = routing.expert_ids_TK.flatten()
+    keep_P = routing.keep_TK.flatten()
+    key_P = partition_P * num_experts + expert_P
+    kept_pairs = torch.nonzero(keep_P, as_tuple=True)[0]
+    order = torch.argsort(key_P[kept_pairs], stable=True)
+    pair_index_R = kept_pairs[order]
+    counts_nE = torch.bincount(key_P[pair_index_R], minlength=num_partitions * num_experts)
+    return pair_index_R, counts_nE.reshape(num_partitions, num_experts)
+
+
+def exchange_counts(counts_nE: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
+    """Collective. Send counts [n, E] → received counts [P(src), n, L]."""
+    num_partitions, num_experts = counts_nE.shape
+    local = num_experts // group.size
+    send_PnL = counts_nE.reshape(num_partitions, group.size, local).transpose(0, 1).contiguous()
+    return group.exchange_counts(send_PnL)
+
+
+def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: torch.Tensor,
+               top_k: int, tokens: int) -> DispatchPlan:
+    """Local. Split the sorted pairs into partitions and derive every split size."""
+    world_size, num_partitions, local = recv_PnL.shape
+    counts_host = counts_nE.reshape(num_partitions, world_size, local).cpu()
+    recv_host = recv_PnL.cpu()
+    device = pair_index_R.device
+    local_ids = torch.arange(local, device=device).repeat(world_size)
+    partitions, start = [], 0
+    for i in range(num_partitions):
+        send_splits = counts_host[i].sum(-1).tolist()
+        recv_PL = recv_host[:, i, :]
+        rows = sum(send_splits)
+        pairs = pair_index_R[start:start + rows]
+        start += rows
+        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device))
+        partitions.append(PartitionPlan(
+            token_index_R=pairs // top_k,
+            pair_index_R=pairs,
+            send_splits=send_splits,
+            recv_splits=recv_PL.sum(-1).tolist(),
+            expert_order_N=torch.argsort(expert_of_received_N, stable=True),
+            expert_counts=recv_PL.sum(0).tolist(),
+        ))
+    return DispatchPlan(tokens=tokens, partitions=partitions)
+
+
+def plan_dispatch(routing: Routing, partition_P: torch.Tensor, num_partitions: int,
+                  num_experts: int, group: ExpertGroup) -> DispatchPlan:
+    """Permute + exchange counts: the three steps above (local, collective, local)."""
+    tokens, top_k = routing.expert_ids_TK.shape
+    pair_index_R, counts_nE = count_rows(routing, partition_P, num_partitions, num_experts)
+    recv_PnL = exchange_counts(counts_nE, group)
+    return build_plan(pair_index_R, counts_nE, recv_PnL, top_k, tokens)
+
+
+# -- moving rows (local) -------------------------------------------------------------
+def gather_rows(x_TD: torch.Tensor, token_index_R: torch.Tensor) -> torch.Tensor:
+    """Local. The permute step: row r is token token_index_R[r]."""
+    return x_TD.index_select(0, token_index_R)
+
+
+def to_expert_major(received_ND: torch.Tensor, expert_order_N: torch.Tensor) -> torch.Tensor:
+    """Local. Received rows (source rank, local expert) → grouped by local expert."""
+    return received_ND.index_select(0, expert_order_N)
+
+
+def from_expert_major(rows_ND: torch.Tensor, expert_order_N: torch.Tensor) -> torch.Tensor:
+    """Local. Inverse of `to_expert_major`."""
+    out = torch.empty_like(rows_ND)
+    out.index_copy_(0, expert_order_N, rows_ND)
+    return out
+
+
+def unpermute(y_RD: torch.Tensor, token_index_R: torch.Tensor, weight_R: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Local. y_T = Σ over a token's kept rows of gate weight × expert output."""
+    weighted_RD = y_RD * weight_R.to(y_RD.dtype).unsqueeze(-1)
+    y_TD = y_RD.new_zeros(tokens, y_RD.shape[-1])
+    return y_TD.index_add(0, token_index_R, weighted_RD)

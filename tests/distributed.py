@@ -1,0 +1,55 @@
+"""Run a function on P gloo ranks (spawned CPU processes) and collect what each returns."""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, init_file, fn, args, queue):
+    try:
+        if world_size > 1:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent, then exit
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 300.0):
+    """fn(rank, world_size, *args) on each rank; returns the list of results by rank.
+    With world_size 1 it runs in this process, without a process group."""
+    if world_size == 1:
+        return [fn(0, 1, *args)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, errors = {}, []
+        try:
+            for _ in procs:
+                rank, status, payload = queue.get(timeout=timeout)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+        finally:
+            for p in procs:
+                p.join(timeout=30 if not errors else 5)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

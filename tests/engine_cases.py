@@ -1,0 +1,164 @@
+"""The reference matrix: every engine × partitions × strategy on several routing
+scenarios, compared with the brute-force reference (tests/reference.py) in float64.
+
+Runs inside each rank (see tests/distributed.py); returns, per (scenario, engine),
+the largest error of each compared quantity, so the test can name what broke.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from moe_engine.config import STRATEGIES
+from moe_engine.reference import reference_moe
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    config: MoEConfig
+    tokens: tuple  # tokens per rank, indexed by rank % len(tokens)
+    three_d: bool = False
+    skew_to_expert: int | None = None  # every token's first choice is this expert
+    seed: int = 0
+
+
+SCENARIOS = [
+    Scenario("k2_dropless_gelu", MoEConfig(8, 12, 8, top_k=2, activation="gelu"), (9, 13, 6, 11)),
+    Scenario("k1_capacity_overflow_relu", MoEConfig(8, 12, 8, top_k=1, capacity_factor=0.5, activation="relu"),
+             (12, 9, 14, 7)),
+    Scenario("k2_capacity_swiglu_3d", MoEConfig(8, 12, 8, top_k=2, capacity_factor=1.0, activation="swiglu"),
+             (10, 8, 12, 6), three_d=True),
+    Scenario("all_tokens_to_one_expert", MoEConfig(8, 12, 8, top_k=2, capacity_factor=None), (10, 7, 9, 12),
+             skew_to_expert=3),
+    Scenario("one_expert_capacity_overflow_k1", MoEConfig(8, 12, 8, top_k=1, capacity_factor=1.0, bias=False),
+             (10, 11, 8, 9), skew_to_expert=5),
+    Scenario("empty_experts", MoEConfig(8, 12, 8, top_k=1, activation="relu"), (2, 3, 1, 2)),
+    Scenario("empty_batch_on_some_ranks", MoEConfig(8, 12, 8, top_k=2), (0, 7, 0, 5)),
+]
+
+ENGINES = (["fastmoe"]
+           + [f"mpipemoe:{n}:{s}" for n in (1, 2, 3, 4, 7) for s in STRATEGIES]
+           + [f"fastermoe:{g}" for g in (1, 2, 4)])
+
+
+def build_engine(spec: str, config: MoEConfig, dtype=torch.float64):
+    kind, *args = spec.split(":")
+    if kind == "fastmoe":
+        return FastMoE(config, dtype=dtype)
+    if kind == "mpipemoe":
+        return MPipeMoE(config, partitions=int(args[0]), strategy=args[1], dtype=dtype)
+    return FasterMoE(config, group_size=int(args[0]), dtype=dtype)
+
+
+@dataclass
+class Problem:
+    """Global parameters, every rank's input and upstream gradient, and the reference answer."""
+
+    params: dict
+    x: list
+    grad_y: list
+    aux_coef: float
+    ref_y: list = field(default_factory=list)
+    ref_aux: list = field(default_factory=list)
+    ref_dx: list = field(default_factory=list)
+    ref_router_grad: list = field(default_factory=list)   # per rank (its own loss only)
+    ref_expert_grads: dict = field(default_factory=dict)  # summed over ranks
+
+
+def make_problem(s: Scenario, world_size: int, dtype=torch.float64) -> Problem:
+    c = s.config
+    g = torch.Generator().manual_seed(1000 + s.seed)
+    E, D, H = c.num_experts, c.d_model, c.d_hidden
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)  # noqa
+    params = {
+        "router.weight": rnd(E, D, scale=D ** -0.5),
+        "experts.w1": rnd(E, D, H, scale=D ** -0.5),
+        "experts.w2": rnd(E, H, D, scale=H ** -0.5),
+    }
+    if c.bias:
+        params["experts.b1"] = rnd(E, H, scale=0.1)
+        params["experts.b2"] = rnd(E, D, scale=0.1)
+    if c.gated:
+        params["experts.w3"] = rnd(E, D, H, scale=D ** -0.5)
+    if s.skew_to_expert is not None:
+        params["router.weight"][s.skew_to_expert, 0] = 4.0
+    xs, grads = [], []
+    for r in range(world_size):
+        T = s.tokens[r % len(s.tokens)]
+        x = rnd(T, D)
+        if s.skew_to_expert is not None:
+            x[:, 0] = 6.0 + rnd(T, scale=0.1)
+        xs.append(x)
+        grads.append(rnd(T, D))
+    return Problem(params, xs, grads, aux_coef=0.37)
+
+
+def solve_reference(problem: Problem, config: MoEConfig) -> None:
+    """Fill in the reference answer with autograd over the brute-force layer."""
+    total = 0
+    leaves = {k: v.clone().requires_grad_(True) for k, v in problem.params.items()}
+    for r, (x, gy) in enumerate(zip(problem.x, problem.grad_y)):
+        x = x.clone().requires_grad_(True)
+        router_w = problem.params["router.weight"].clone().requires_grad_(True)
+        y, aux = reference_moe(x, router_w, leaves["experts.w1"], leaves.get("experts.b1"),
+                               leaves["experts.w2"], leaves.get("experts.b2"), leaves.get("experts.w3"), config)
+        loss = (y * gy).sum() + problem.aux_coef * aux
+        loss.backward()
+        problem.ref_y.append(y.detach())
+        problem.ref_aux.append(aux.detach())
+        problem.ref_dx.append(x.grad if x.grad is not None else torch.zeros_like(x))
+        problem.ref_router_grad.append(router_w.grad if router_w.grad is not None else torch.zeros_like(router_w))
+    problem.ref_expert_grads = {k: v.grad if v.grad is not None else torch.zeros_like(v)
+                                for k, v in leaves.items() if k.startswith("experts.")}
+
+
+def load_params(layer, problem: Problem, rank: int) -> None:
+    L = layer.local_experts
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            full = problem.params[name]
+            p.copy_(full if name == "router.weight" else full[rank * L:(rank + 1) * L])
+
+
+def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
+    """Run the layer on this rank's problem; largest |engine − reference| per quantity."""
+    x = problem.x[rank].clone()
+    if scenario.three_d:
+        x = x.reshape(2, -1, x.shape[-1])
+    x.requires_grad_(True)
+    y, aux = layer(x)
+    assert y.shape == x.shape, f"output shape {tuple(y.shape)} != input shape {tuple(x.shape)}"
+    loss = (y.reshape(-1, y.shape[-1]) * problem.grad_y[rank]).sum() + problem.aux_coef * aux
+    loss.backward()
+    L = layer.local_experts
+    err = lambda a, b: float((a.reshape(b.shape) - b).abs().max()) if b.numel() else 0.0  # noqa: E731
+    errors = {
+        "y": err(y.detach(), problem.ref_y[rank]),
+        "aux_loss": err(aux.detach(), problem.ref_aux[rank]),
+        "dx": err(x.grad, problem.ref_dx[rank]),
+        "router.weight.grad": err(layer.router.weight.grad, problem.ref_router_grad[rank]),
+    }
+    for name, p in layer.named_parameters():
+        if name.startswith("experts."):
+            ref = problem.ref_expert_grads[name][rank * L:(rank + 1) * L]
+            errors[name + ".grad"] = err(p.grad if p.grad is not None else torch.zeros_like(p), ref)
+    return errors
+
+
+def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list) -> dict:
+    """Per rank: {(scenario, engine): {quantity: max error}}."""
+    results = {}
+    for scenario in SCENARIOS:
+        if scenario.name not in scenario_names:
+            continue
+        problem = make_problem(scenario, world_size)
+        solve_reference(problem, scenario.config)
+        for spec in engines:
+            torch.manual_seed(0)
+            layer = build_engine(spec, scenario.config)
+            load_params(layer, problem, rank)
+            results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank)
+    return results

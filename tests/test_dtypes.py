@@ -1,0 +1,26 @@
+"""Tier 1: every engine in fp32, bf16 and fp16 against the float64 reference (loose tolerance)."""
+import pytest
+import torch
+
+from tests.engine_cases import SCENARIOS, build_engine, load_params, make_problem, solve_reference
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("engine", ["fastmoe", "mpipemoe:3:S1", "mpipemoe:2:S4", "fastermoe:4"])
+def test_low_precision_close_to_reference(dtype, engine):
+    scenario = SCENARIOS[0]
+    problem = make_problem(scenario, 1)
+    solve_reference(problem, scenario.config)
+    layer = build_engine(engine, scenario.config, dtype=dtype)
+    load_params(layer, problem, 0)
+    x = problem.x[0].to(dtype).requires_grad_(True)
+    y, aux = layer(x)
+    assert y.dtype == dtype and aux.dtype == dtype
+    loss = (y.double() * problem.grad_y[0]).sum() + problem.aux_coef * aux.double()
+    loss.backward()
+    for got, want in [(y, problem.ref_y[0]), (x.grad, problem.ref_dx[0]),
+                      (layer.experts.w1.grad, problem.ref_expert_grads["experts.w1"])]:
+        relative = float((got.double() - want).abs().max() / want.abs().max())
+        assert relative < TOLERANCE[dtype], f"relative error {relative:.3g}"
