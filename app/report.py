@@ -49,9 +49,10 @@ class Record:
     world_size: int | None
     device: str
     dtype: str
-    partitions: int | None         # None: "auto" with the chosen n unknown
-    strategy: str
-    chosen_by: str                 # "auto" (engine chose) or "grid" (fixed by the caller)
+    partitions: int | None         # the n used; None if "auto" and the chosen n was not logged
+    strategy: str                  # the strategy used ("auto" if the chosen one was not logged)
+    auto_partitions: bool          # n chosen by the engine (online search), not fixed by the caller
+    auto_strategy: bool            # strategy chosen by the performance model, not fixed
     time_ms: float | None
     peak_memory_bytes: float | None
     predicted_memory_bytes: float | None
@@ -81,31 +82,43 @@ def _float(value) -> float | None:
 
 def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: dict) -> Record | None:
     """A ``Record`` from one run's params/metrics/tags, or None for runs of no known kind."""
-    kind = tags.get("kind") or ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
+    kind = tags.get("kind") or tags.get("mpipemoe.kind") or \
+        ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
     engine = params.get("engine")
     if kind not in ("bench", "train") or not engine:
         return None
     model = params.get("model") or params.get("preset") or "?"
-    tokens = _int(params.get("tokens"))
-    if tokens is None and _int(params.get("batch_size")) and _int(params.get("seq_len")):
-        tokens = _int(params["batch_size"]) * _int(params["seq_len"])
-    world_size = _int(params.get("world_size", params.get("num_workers")))
-    device = params.get("device") or ("cuda" if params.get("use_gpu") == "True" else "cpu"
-                                      if params.get("use_gpu") == "False" else "?")
+    if kind == "bench":  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
+        auto_partitions = auto_strategy = params.get("chosen_by") == "auto"
+        tokens = _int(params.get("tokens"))
+        device, dtype = params.get("device", "?"), params.get("dtype", "?")
+        time_ms = _float(metrics.get("fwd_bwd_ms"))
+        peak = _float(metrics.get("peak_memory_bytes"))
+    else:  # mpipemoe train (app.train.run_job): TrainJob fields, resolved settings under "resolved."
+        auto_partitions = params.get("partitions") == "auto"
+        auto_strategy = params.get("strategy") == "auto"
+        seq_len = _int(params.get("seq_len")) or _int(params.get("resolved.seq_len"))
+        batch_size = _int(params.get("batch_size"))
+        tokens = batch_size * seq_len if batch_size and seq_len else _int(params.get("tokens"))
+        use_gpu = params.get("resolved.use_gpu", params.get("use_gpu"))
+        device = {"True": "cuda", "False": "cpu"}.get(use_gpu, "?")
+        dtype = params.get("resolved.dtype", params.get("dtype", "?"))
+        # the run's median tokens/s and max peak (summary_*), else the last step's values
+        tokens_per_s = _float(metrics.get("summary_tokens_per_s", metrics.get("tokens_per_s")))
+        time_ms = 1e6 / tokens_per_s if tokens_per_s else None
+        peak = _float(metrics.get("summary_peak_memory_bytes", metrics.get("peak_memory_bytes")))
+    # what an "auto" run settled on, when logged (training runs tag it)
     partitions = _int(params.get("partitions"))
     if partitions is None:
-        partitions = _int(metrics.get("partitions"))  # the n an "auto" run settled on, if logged
+        partitions = _int(tags.get("partitions", metrics.get("partitions")))
     strategy = params.get("strategy", "?")
-    chosen_by = params.get("chosen_by") or ("auto" if "auto" in (params.get("partitions"), strategy) else "grid")
-    if kind == "bench":
-        time_ms = _float(metrics.get("fwd_bwd_ms"))
-    else:
-        tokens_per_s = _float(metrics.get("tokens_per_s"))
-        time_ms = 1e6 / tokens_per_s if tokens_per_s else None
+    if strategy == "auto" and tags.get("strategy") in ("none", "S1", "S2", "S3", "S4"):
+        strategy = tags["strategy"]
+    world_size = _int(params.get("world_size", params.get("num_workers")))
     return Record(kind=kind, run_id=run_id, experiment=experiment, engine=engine, model=model,
-                  tokens=tokens, world_size=world_size, device=device, dtype=params.get("dtype", "?"),
-                  partitions=partitions, strategy=strategy, chosen_by=chosen_by, time_ms=time_ms,
-                  peak_memory_bytes=_float(metrics.get("peak_memory_bytes")),
+                  tokens=tokens, world_size=world_size, device=device, dtype=dtype,
+                  partitions=partitions, strategy=strategy, auto_partitions=auto_partitions,
+                  auto_strategy=auto_strategy, time_ms=time_ms, peak_memory_bytes=peak,
                   predicted_memory_bytes=_float(metrics.get("predicted_memory_bytes",
                                                             params.get("predicted_memory_bytes"))))
 
@@ -178,7 +191,7 @@ def baseline_comparisons(records: list[Record]) -> list[Comparison]:
     for key in sorted(groups, key=_sort_key):
         group = groups[key]
         ours = [r for r in group if r.engine == ENGINE]
-        engine = _fastest([r for r in ours if r.chosen_by == "auto"]) or _fastest(ours)
+        engine = _fastest([r for r in ours if r.auto_partitions and r.auto_strategy]) or _fastest(ours)
         if engine is None:
             continue
         for baseline in BASELINES:
@@ -222,12 +235,12 @@ def strategy_rows(records: list[Record]) -> list[StrategyRow]:
     rows = []
     for key in sorted(groups, key=_sort_key):
         times, memory = {}, {}
-        fixed = [r for r in groups[key] if r.strategy in STRATEGY_ORDER and r.chosen_by == "grid"]
+        fixed = [r for r in groups[key] if r.strategy in STRATEGY_ORDER and not r.auto_strategy]
         for strategy in STRATEGY_ORDER:
             best = _fastest([r for r in fixed if r.strategy == strategy])
             if best is not None:
                 times[strategy], memory[strategy] = best.time_ms, best.peak_memory_bytes
-        auto = _fastest([r for r in groups[key] if r.chosen_by == "auto"])
+        auto = _fastest([r for r in groups[key] if r.auto_strategy])
         if len(times) < 2:  # one strategy measured: nothing to compare
             continue
         if auto is not None:
@@ -264,12 +277,12 @@ def best_partitions(records: list[Record]) -> list[BestN]:
         previous = None
         for tokens in sorted(series[key]):
             group = series[key][tokens]
-            grid = [r for r in group if r.chosen_by == "grid" and r.partitions is not None]
+            grid = [r for r in group if not r.auto_partitions and r.partitions is not None]
             if len({r.partitions for r in grid}) < 2:
                 continue
             # ties go to the smaller n
             best = min(grid, key=lambda r: (r.time_ms, r.partitions))
-            auto = _fastest([r for r in group if r.chosen_by == "auto"])
+            auto = _fastest([r for r in group if r.auto_partitions])
             rows.append(BestN(key, tokens, best.partitions, best.time_ms, len({r.partitions for r in grid}),
                               previous is not None and best.partitions < previous,
                               auto.partitions if auto else None, auto.time_ms if auto else None))

@@ -28,6 +28,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import tune_spaces
 
@@ -55,6 +56,7 @@ class TrialSettings:
     study: str
     tracking_uri: str
     train_storage_path: str         # where the trials' TorchTrainers keep checkpoints
+    data_dir: str                   # prepared training data (absolute: trials run in their own cwd)
     parent_run_id: str | None
     use_gpu: bool
     cpus_per_worker: float | None
@@ -124,7 +126,7 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
         raise ValueError(f"study {settings.study!r} sets {unknown}, which TrainJob does not have")
     extra = {"cpus_per_worker": settings.cpus_per_worker} if settings.cpus_per_worker else {}
     job = TrainJob(**{"use_gpu": settings.use_gpu, **extra, **config},
-                   storage_path=settings.train_storage_path, name=trial_id,
+                   storage_path=settings.train_storage_path, name=trial_id, data_dir=settings.data_dir,
                    tracking_uri=settings.tracking_uri, experiment=settings.study,
                    parent_run_id=settings.parent_run_id)
     summary = run_job(job)
@@ -151,10 +153,12 @@ def study_parent_run(tracking_uri: str, study: str, experiment_path: str, descri
 
 
 def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: int = 1,
-              max_concurrent: int | None = None, trainable=train_trial):
+              max_concurrent: int | None = None, data_dir: str | None = None, trainable=train_trial):
     """Run (or resume) study ``study`` on the connected Ray cluster; returns the ResultGrid.
 
-    ``trainable(config, *, settings)`` runs one trial; tests may pass a lighter one.
+    ``data_dir``: prepared training data; default ``./data/stdlib-bytes``, prepared here
+    once if missing. ``trainable(config, *, settings)`` runs one trial; tests may pass a
+    lighter one.
     """
     import ray
     from ray import tune
@@ -168,9 +172,14 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     plan = plan_resources(ray.cluster_resources(), num_workers=_constant(space, "num_workers", 2),
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
     space.pop("use_gpu", None)  # decided by the plan
+    if data_dir is None:
+        from app.data import ensure_default_data
+
+        data_dir = ensure_default_data()
     parent_run_id = study_parent_run(tracking_uri, study, experiment_path, module.DESCRIPTION)
     settings = TrialSettings(study=study, tracking_uri=tracking_uri,
                              train_storage_path=os.path.join(storage_path, f"{study}-train"),
+                             data_dir=str(Path(data_dir).resolve()),
                              parent_run_id=parent_run_id, use_gpu=plan.use_gpu,
                              cpus_per_worker=plan.cpus_per_worker)
     fn = tune.with_resources(tune.with_parameters(trainable, settings=settings), plan.trial_resources)
@@ -224,6 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=1, help="samples of the param space (grid repeats)")
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="trials at once; default: as many as the cluster's GPUs/CPUs can serve")
+    parser.add_argument("--data-dir", default=None,
+                        help="prepared training data, on shared storage for a cluster "
+                             "(default ./data/stdlib-bytes, prepared if missing)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
 
@@ -239,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.address)
     try:
         results = run_study(args.space, storage_path=args.storage_path, tracking_uri=tracking_uri,
-                            num_samples=args.num_samples, max_concurrent=args.max_concurrent)
+                            num_samples=args.num_samples, max_concurrent=args.max_concurrent,
+                            data_dir=args.data_dir)
     finally:
         if started:
             ray.shutdown()

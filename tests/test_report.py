@@ -50,11 +50,14 @@ def store(tmp_path, monkeypatch):
     # noise the report must ignore: a run still RUNNING, a study parent run
     bench(uri, "fastmoe", 8192, 1.0, 1, status="RUNNING")
     RunLogger.start(uri, "bench-synthetic", tags={"kind": "study"}).finish()
-    # one training run (kind=train): tokens = batch_size * seq_len
-    run = RunLogger.start(uri, "smoke", tags={"kind": "train"})
-    run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "seq_len": 64,
-                    "num_workers": 2, "partitions": 2, "strategy": "auto"})
-    run.log_metrics({"tokens_per_s": 2000.0, "peak_memory_bytes": 100 * MIB})
+    # one training run as app.train.run_job logs it: tokens = batch_size * resolved seq_len,
+    # summary_* (median tokens/s, max peak) win over the last step's values
+    run = RunLogger.start(uri, "smoke", tags={"mpipemoe.kind": "train", "strategy": "S2"})
+    run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "num_workers": 2,
+                    "partitions": 2, "strategy": "auto",
+                    "resolved": {"seq_len": 64, "use_gpu": False, "dtype": "float32"}})
+    run.log_metrics({"tokens_per_s": 1000.0, "summary_tokens_per_s": 2000.0, "peak_memory_bytes": 100 * MIB,
+                     "summary_peak_memory_bytes": 120 * MIB})
     run.finish()
     return uri
 
@@ -64,9 +67,11 @@ def test_records_are_normalised(store):
     assert len(records) == 17  # 16 finished bench runs + 1 training run
     train = [r for r in records if r.kind == "train"]
     assert len(train) == 1
-    assert (train[0].model, train[0].tokens, train[0].world_size) == ("tiny-gpt", 256, 2)
-    assert train[0].time_ms == pytest.approx(500.0)  # 1e6 / 2000 tokens/s: ms per 1000 tokens
-    assert train[0].chosen_by == "auto"
+    t = train[0]
+    assert (t.model, t.tokens, t.world_size, t.device, t.dtype) == ("tiny-gpt", 256, 2, "cpu", "float32")
+    assert t.time_ms == pytest.approx(500.0)  # 1e6 / 2000 tokens/s: ms per 1000 tokens
+    assert t.peak_memory_bytes == 120 * MIB
+    assert (t.partitions, t.auto_partitions, t.strategy, t.auto_strategy) == (2, False, "S2", True)
     assert report.load_records(store, ["smoke"]) == train
 
 
