@@ -191,24 +191,28 @@ def build_trainer(job: TrainJob, metrics_queue=None):
     )
 
 
-def init_ray(job: TrainJob, address: str | None = None) -> bool:
-    """Start embedded local Ray (or connect to ``address``) unless Ray is up; True if started."""
+def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -> bool:
+    """Start embedded local Ray (or connect to ``address``) unless Ray is up; True if started.
+
+    ``verbose`` forwards the Ray actors' own logs (worker tracebacks, Ray Train's
+    controller) to this terminal; otherwise only our progress lines and errors show.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        ray.init(address=address, logging_level="WARNING", log_to_driver=verbose)
     else:
         cpus = job.cpus_per_worker or 0.9
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(job.num_workers * cpus)),
                  include_dashboard=False, dashboard_host="127.0.0.1",
-                 object_store_memory=300 * 2**20, logging_level="WARNING")
+                 object_store_memory=300 * 2**20, logging_level="WARNING", log_to_driver=verbose)
     return True
 
 
-def _format_step(m: dict, steps: int) -> str:
-    line = (f"step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
+def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
+    line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
             f"aux {m['aux_loss']:.3f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB")
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
@@ -223,6 +227,7 @@ class _MetricsPump:
         self.history: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
+        self._started = time.perf_counter()
 
     def __enter__(self):
         self._thread.start()
@@ -249,7 +254,7 @@ class _MetricsPump:
         step = metrics["step"]
         self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
-            self.echo(_format_step(metrics, self.job.steps))
+            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
             self.run.flush()
         if self.on_step is not None:
             self.on_step(metrics)
@@ -277,7 +282,7 @@ def summarize(history: list[dict]) -> dict:
 def _run_params(job: TrainJob, config: dict) -> dict:
     params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
     params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue")}
-    params["model"] = config["preset"]
+    params["model"] = dict(config["preset"])
     try:
         import torch
 
@@ -291,7 +296,8 @@ def _run_params(job: TrainJob, config: dict) -> dict:
     return params
 
 
-def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None) -> dict:
+def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
+            verbose: bool = False) -> dict:
     """Run ``job`` on Ray (embedded local Ray unless ``address`` or Ray is already up).
 
     Logs one MLflow run (reopened when ``job.name`` resumes an earlier run) and returns a
@@ -307,7 +313,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None)
     from app.tracking import RunLogger, find_run
 
     ensure_data(job, echo)
-    started_ray = init_ray(job, address)
+    started_ray = init_ray(job, address, verbose)
     metrics_queue = Queue(actor_options={"num_cpus": 0})
     run = None
     try:
@@ -375,7 +381,8 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(seen).__name__}: {text[-1] if text else ''}"
 
 
-def compare_engines(job: TrainJob, engines: list[str], address: str | None = None, echo=print) -> dict:
+def compare_engines(job: TrainJob, engines: list[str], address: str | None = None, echo=print,
+                    verbose: bool = False) -> dict:
     """Run ``job`` once per engine (same data and seed) as sibling MLflow runs under one parent.
 
     The parent run carries, for the first engine R against each other engine X,
@@ -399,7 +406,7 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
         for engine in engines:
             summaries[engine] = run_job(dataclasses.replace(job, engine=engine, name=f"{base}-{engine}",
                                                             parent_run_id=parent.run_id),
-                                        address=address, echo=echo)
+                                        address=address, echo=echo, verbose=verbose)
     except BaseException:
         parent.finish("FAILED")
         raise
@@ -466,6 +473,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     add("--max-failures", type=int, default=0, help="let Ray Train restart failed workers N times")
     add("--log-every", type=int, default=defaults["log_every"].default)
+    add("--verbose", action="store_true", help="show the Ray actors' logs (Ray Train, worker tracebacks)")
 
 
 def job_from_args(args: argparse.Namespace) -> TrainJob:
@@ -485,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engines:
             compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()], args.address)
         else:
-            summary = run_job(job, args.address)
+            summary = run_job(job, args.address, verbose=args.verbose)
             print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
                   f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
                   f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
