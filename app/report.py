@@ -436,12 +436,15 @@ def section_baselines(records: list[Record], out: Path) -> list[str]:
     lines += ["![speedup and memory against the baselines](speedup_memory.png)", "",
               "Speedup = baseline time / MPipeMoE time; memory = MPipeMoE peak / baseline peak "
               "(below 1 saves memory). MPipeMoE at its automatic settings where measured, else its "
-              "fastest setting.", ""]
+              "fastest setting."
+              + (" CPU rows check the plumbing, not speed: on a few shared cores the pipeline's overlap "
+                 "cannot pay off (DESIGN.md §4.2); speed is measured on GPUs." if any(
+                  row.key[4] == "cpu" for row in rows) else ""), ""]
     table = [[row.key[0], row.key[1], str(row.key[2]), str(row.key[3]), f"{row.key[4]}/{row.key[5]}",
               row.baseline, f"{row.engine_ms:.3f}", f"{row.baseline_ms:.3f}", f"{row.speedup:.2f}x",
               "-" if row.memory_ratio is None else f"{row.memory_ratio:.2f}"] for row in rows]
-    return lines + _table(["kind", "model", "tokens", "ranks", "device", "baseline", "MPipeMoE ms",
-                           "baseline ms", "speedup", "memory ratio"], table) + [""]
+    return lines + _table(["kind", "model", "tokens", "ranks", "device", "baseline", "MPipeMoE time",
+                           "baseline time", "speedup", "memory ratio"], table) + [""]
 
 
 def section_strategies(records: list[Record], out: Path) -> list[str]:

@@ -236,6 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None,
                         help="prepared training data, on shared storage for a cluster "
                              "(default ./data/stdlib-bytes, prepared if missing)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="forward the trials' own output (training steps, Ray Train) to this terminal")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
 
@@ -247,8 +249,11 @@ def run(args: argparse.Namespace) -> int:
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=args.address)
+    if started and args.address:
+        ray.init(address=args.address, logging_level="WARNING", log_to_driver=args.verbose)
+    elif started:  # a new embedded instance, never someone else's cluster found on this machine
+        ray.init(address="local", include_dashboard=False, object_store_memory=300 * 2**20,
+                 logging_level="WARNING", log_to_driver=args.verbose)
     try:
         results = run_study(args.space, storage_path=args.storage_path, tracking_uri=tracking_uri,
                             num_samples=args.num_samples, max_concurrent=args.max_concurrent,
