@@ -1,0 +1,94 @@
+"""Ray local-cluster tests of ``mpipemoe train`` (tier 3: real Ray Train, gloo, MLflow).
+
+Five short 2-worker runs on 2 cores, shared by all assertions:
+- ``compared``: tiny-gpt for N steps with each engine under one parent MLflow run;
+- ``resumed``: the mpipemoe job again as K steps, then resumed by name up to N steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from app.data import prepare_dataset
+from app.model import ENGINES
+from app.train import TrainJob, compare_engines, run_job
+from app.tracking import client, metric_history
+
+pytestmark = pytest.mark.ray
+
+N, K = 6, 3
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> TrainJob:
+    root = tmp_path_factory.mktemp("train")
+    prepare_dataset(root / "data", max_bytes=2**20)  # 1 MiB of stdlib sources
+    return TrainJob(preset="tiny-gpt", steps=N, num_workers=2, use_gpu=False, batch_size=8,
+                    seq_len=64, lr=3e-3, warmup_steps=1, checkpoint_every=K, seed=7,
+                    data_dir=str(root / "data"), storage_path=str(root / "ray_results"),
+                    tracking_uri=f"sqlite:///{root / 'mlflow.db'}", name="cmp", experiment="test-train")
+
+
+@pytest.fixture(scope="module")
+def compared(ray_local, job):
+    lines = []
+    result = compare_engines(job, list(ENGINES), echo=lines.append)
+    result["lines"] = lines
+    return result
+
+
+@pytest.fixture(scope="module")
+def resumed(ray_local, job):
+    first = run_job(dataclasses.replace(job, name="resume", steps=K), echo=lambda line: None)
+    second = run_job(dataclasses.replace(job, name="resume", steps=N), echo=lambda line: None)
+    return first, second
+
+
+def _losses(summary) -> list[float]:
+    return [m["loss"] for m in summary["history"]]
+
+
+def test_each_engine_logs_an_mlflow_run_with_loss_history(compared, job):
+    mlflow = client(job.tracking_uri)
+    for engine, summary in compared["summaries"].items():
+        run = mlflow.get_run(summary["mlflow_run_id"])
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["mlflow.parentRunId"] == compared["parent_run_id"]
+        assert run.data.params["engine"] == engine
+        history = metric_history(job.tracking_uri, summary["mlflow_run_id"], "loss")
+        assert [step for step, _ in history] == list(range(1, N + 1))
+        assert [value for _, value in history] == pytest.approx(_losses(summary))
+        assert summary["tokens_per_s"] > 0 and summary["peak_memory_bytes"] > 0
+    parent = mlflow.get_run(compared["parent_run_id"]).data.metrics
+    assert parent["speedup_vs_fastmoe"] > 0 and parent["memory_ratio_vs_fastermoe"] > 0
+    assert any(line.startswith("engine") for line in compared["lines"])  # the comparison table
+
+
+def test_loss_falls_on_real_text(compared):
+    losses = _losses(compared["summaries"]["mpipemoe"])
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_engines_give_the_same_loss_curve(compared):
+    reference = _losses(compared["summaries"]["mpipemoe"])
+    for engine in ("fastmoe", "fastermoe"):
+        assert _losses(compared["summaries"][engine]) == pytest.approx(reference, rel=1e-3), engine
+
+
+def test_resume_continues_step_count_and_data_position(compared, resumed, job):
+    first, second = resumed
+    assert [m["step"] for m in first["history"]] == list(range(1, K + 1))
+    assert [m["step"] for m in second["history"]] == list(range(K + 1, N + 1))
+    straight = _losses(compared["summaries"]["mpipemoe"])
+    assert _losses(first) + _losses(second) == pytest.approx(straight, rel=1e-5)
+    meta = json.loads((Path(second["checkpoint_path"]) / "meta.json").read_text())
+    assert meta["step"] == N and meta["data_position"] == N and meta["world_size"] == 2
+    # The resumed job continues the same MLflow run, whose history covers every step.
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+    steps = [s for s, _ in metric_history(job.tracking_uri, second["mlflow_run_id"], "loss")]
+    assert steps == list(range(1, N + 1))
