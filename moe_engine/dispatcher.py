@@ -31,7 +31,8 @@ class PartitionPlan:
     pair_index_R: torch.Tensor         # (token * K + choice) of each row sent
     send_splits: list[int]             # rows to each rank
     recv_splits: list[int]             # rows from each rank
-    expert_order_N: torch.Tensor       # received row order → expert-major order (index into received rows)
+    expert_order_N: torch.Tensor       # expert-major row j is received row expert_order_N[j]
+    source_order_N: torch.Tensor       # received row i is expert-major row source_order_N[i]
     expert_counts: list[int]           # rows per local expert, expert-major
 
     @property
@@ -45,18 +46,22 @@ class PartitionPlan:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Frozen metadata that dispatch produces and combine consumes."""
+    """Frozen metadata that dispatch produces and combine consumes.
+    The partitions' index tensors are views into token_index_R / pair_index_R."""
 
     tokens: int
+    top_k: int
+    token_index_R: torch.Tensor
+    pair_index_R: torch.Tensor
     partitions: list[PartitionPlan]
 
     @property
-    def token_index_R(self) -> torch.Tensor:
-        return torch.cat([p.token_index_R for p in self.partitions])
-
-    @property
-    def pair_index_R(self) -> torch.Tensor:
-        return torch.cat([p.pair_index_R for p in self.partitions])
+    def row_of_pair(self) -> torch.Tensor:
+        """Row sent for each (token, choice) pair; R (one past the last row) for a dropped pair."""
+        rows = self.pair_index_R.shape[0]
+        index_P = torch.full((self.tokens * self.top_k,), rows, dtype=torch.long, device=self.pair_index_R.device)
+        index_P[self.pair_index_R] = torch.arange(rows, device=self.pair_index_R.device)
+        return index_P
 
     @property
     def max_rows_received(self) -> int:
@@ -116,23 +121,26 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
     recv_host = recv_PnL.cpu()
     device = pair_index_R.device
     local_ids = torch.arange(local, device=device).repeat(world_size)
+    token_index_R = pair_index_R // top_k
     partitions, start = [], 0
     for i in range(num_partitions):
         send_splits = counts_host[i].sum(-1).tolist()
         recv_PL = recv_host[:, i, :]
         rows = sum(send_splits)
-        pairs = pair_index_R[start:start + rows]
+        rows_in_partition = slice(start, start + rows)
         start += rows
         expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device))
+        expert_order_N = torch.argsort(expert_of_received_N, stable=True)
         partitions.append(PartitionPlan(
-            token_index_R=pairs // top_k,
-            pair_index_R=pairs,
+            token_index_R=token_index_R[rows_in_partition],
+            pair_index_R=pair_index_R[rows_in_partition],
             send_splits=send_splits,
             recv_splits=recv_PL.sum(-1).tolist(),
-            expert_order_N=torch.argsort(expert_of_received_N, stable=True),
+            expert_order_N=expert_order_N,
+            source_order_N=torch.argsort(expert_order_N),
             expert_counts=recv_PL.sum(0).tolist(),
         ))
-    return DispatchPlan(tokens=tokens, partitions=partitions)
+    return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, partitions)
 
 
 def plan_dispatch(routing: Routing, partition_P: torch.Tensor, num_partitions: int,
@@ -155,15 +163,20 @@ def to_expert_major(received_ND: torch.Tensor, expert_order_N: torch.Tensor) -> 
     return received_ND.index_select(0, expert_order_N)
 
 
-def from_expert_major(rows_ND: torch.Tensor, expert_order_N: torch.Tensor) -> torch.Tensor:
-    """Local. Inverse of `to_expert_major`."""
-    out = torch.empty_like(rows_ND)
-    out.index_copy_(0, expert_order_N, rows_ND)
-    return out
+def from_expert_major(rows_ND: torch.Tensor, source_order_N: torch.Tensor) -> torch.Tensor:
+    """Local. Inverse of `to_expert_major` (give the partition's source_order_N)."""
+    return rows_ND.index_select(0, source_order_N)
 
 
-def unpermute(y_RD: torch.Tensor, token_index_R: torch.Tensor, weight_R: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Local. y_T = Σ over a token's kept rows of gate weight × expert output."""
-    weighted_RD = y_RD * weight_R.to(y_RD.dtype).unsqueeze(-1)
-    y_TD = y_RD.new_zeros(tokens, y_RD.shape[-1])
-    return y_TD.index_add(0, token_index_R, weighted_RD)
+def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Local. y_t = Σ_k weight_tk × (expert output of pair (t, k)), 0 for a dropped pair.
+
+    Rows go back to (token, choice) order (a dropped pair reads an appended zero row),
+    then one batched (1 × K) @ (K × D) product per token weights and sums them.
+    Autograd keeps the K rows per token once, for the gate weights' gradient.
+    """
+    D = y_RD.shape[-1]
+    padded_RD = torch.cat([y_RD, y_RD.new_zeros(1, D)])
+    y_TKD = padded_RD.index_select(0, plan.row_of_pair).view(plan.tokens, plan.top_k, D)
+    weights_T1K = weights_TK.to(y_RD.dtype).unsqueeze(1)
+    return torch.bmm(weights_T1K, y_TKD).squeeze(1)

@@ -85,8 +85,7 @@ class MoELayerBase(nn.Module):
         plan = dispatcher.plan_dispatch(routing, partition_P, num_partitions,
                                         self.config.num_experts, self.group)
         y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
-        weight_R = routing.weights_TK.flatten().index_select(0, plan.pair_index_R)     # 4. un-permute
-        y_TD = dispatcher.unpermute(y_RD, plan.token_index_R, weight_R, tokens)
+        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK)                    # 4. un-permute
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
 
@@ -100,7 +99,7 @@ class FastMoE(MoELayerBase):
         received_ND = all_to_all_with_grad(self.group, x_RD, p.recv_splits, p.send_splits)
         x_ND = dispatcher.to_expert_major(received_ND, p.expert_order_N)
         y_ND = self.experts(x_ND, p.expert_counts)
-        y_received_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, p.expert_order_N, y_ND)
+        y_received_ND = dispatcher.from_expert_major(y_ND, p.source_order_N)
         return all_to_all_with_grad(self.group, y_received_ND, p.send_splits, p.recv_splits)
 
 

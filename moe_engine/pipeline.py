@@ -134,8 +134,7 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
         h_NH = activate(A_NA, experts.config.activation)                                 #    act
         y_ND = experts.project_out(h_NH, p.expert_counts, expert_out.take(i, N))         #    GEMM2
         del h_NH
-        y_received_ND = combine_in.take(i, N)
-        y_received_ND.index_copy_(0, p.expert_order_N, y_ND)
+        y_received_ND = torch.index_select(y_ND, 0, p.source_order_N, out=combine_in.take(i, N))
         if keep_on_device:
             saved_inputs[i], saved_preacts[i] = Restorable(device=x_ND), Restorable(device=A_NA)
         if offload_input:                                                                # 4. offload
@@ -240,8 +239,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         dx_ND = experts.backward_rows(x_ND, A_NA, dy_ND, p.expert_counts, grads, dx_expert.take(step, N))
         if step >= 2:
             returned[step - 2].wait()  # its dx_send slot is ours now
-        dx_received_ND = dx_send.take(step, N)
-        dx_received_ND.index_copy_(0, p.expert_order_N, dx_ND)
+        dx_received_ND = torch.index_select(dx_ND, 0, p.source_order_N, out=dx_send.take(step, N))
         returned[step] = group.all_to_all_async(dx_rows.take(step, p.rows_sent), dx_received_ND,
                                                 p.send_splits, p.recv_splits, streams)
 

@@ -66,8 +66,10 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         config = self.config
-        compute_dtype = router_dtype(x_TD.dtype)
-        logits_TE = x_TD.to(compute_dtype) @ self.weight.to(compute_dtype).t()
+        # The logits GEMM runs in the input dtype (cuBLAS accumulates 16-bit GEMMs in
+        # fp32), so autograd keeps x itself rather than a widened copy; softmax,
+        # top-k, renormalisation and the balance loss run in fp32 or wider.
+        logits_TE = (x_TD @ self.weight.t()).to(router_dtype(x_TD.dtype))
         probs_TE = torch.softmax(logits_TE, dim=-1)
         weights_TK, expert_ids_TK = torch.topk(probs_TE, config.top_k, dim=-1)
         if config.top_k > 1:

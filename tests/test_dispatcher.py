@@ -47,9 +47,9 @@ def test_permute_unpermute_round_trip_restores_input_and_gradient():
     for p in plan.partitions:
         part = dispatcher.gather_rows(x, p.token_index_R)
         assert torch.equal(dispatcher.from_expert_major(dispatcher.to_expert_major(part, p.expert_order_N),
-                                                        p.expert_order_N), part)
-    ones = torch.full((rows.shape[0],), 1.0 / K, dtype=torch.float64)
-    back = dispatcher.unpermute(rows, plan.token_index_R, ones, T)
+                                                        p.source_order_N), part)
+    halves = torch.full((T, K), 1.0 / K, dtype=torch.float64)
+    back = dispatcher.unpermute(rows, plan, halves)
     torch.testing.assert_close(back, x)
     g = torch.randn(T, D, dtype=torch.float64)
     back.backward(g)
