@@ -1,0 +1,124 @@
+"""Unit tests of the MoE transformer (tier 1: one process, no devices)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.data import MASK_ID
+from app.model import (ENGINES, IGNORE_INDEX, PRESETS, ModelPreset, MoETransformer, get_preset,
+                       init_parameters, is_expert_param, lm_batch, lm_loss, param_counts)
+
+
+def _model(preset="tiny-gpt", engine="mpipemoe", seed=0, **changes):
+    model = MoETransformer(get_preset(preset).replace(**changes), engine=engine)
+    init_parameters(model, seed)
+    return model
+
+
+def _expected_counts(p: ModelPreset) -> tuple[int, int]:
+    """(replicated, expert) parameter counts written out from the architecture."""
+    D, H, E = p.d_model, p.d_hidden, p.num_experts
+    per_block_replicated = 2 * D + (3 * D * D + 3 * D) + (D * D + D) + 2 * D + E * D
+    per_block_expert = E * (D * H + H + H * D + D)
+    replicated = p.vocab_size * D + p.seq_len * D + p.num_layers * per_block_replicated + 2 * D
+    return replicated, p.num_layers * per_block_expert
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-bert"])
+def test_tiny_preset_parameter_counts(name):
+    counts = param_counts(_model(name))
+    replicated, expert = _expected_counts(get_preset(name))
+    assert counts == {"params_total": replicated + expert, "params_expert": expert,
+                      "params_replicated": replicated}
+    assert counts["params_total"] == 703_104
+
+
+def test_paper_presets_have_the_paper_shapes():
+    assert (PRESETS["gpt-s"].d_model, PRESETS["gpt-s"].d_hidden, PRESETS["gpt-s"].num_layers) == (1024, 4096, 24)
+    assert (PRESETS["gpt-xl"].d_model, PRESETS["gpt-xl"].d_hidden) == (2048, 8192)
+    assert PRESETS["bert-l"].kind == "bert" and PRESETS["bert-l"].num_heads == 16
+    assert all(PRESETS[name].num_experts == 8 for name in ("gpt-s", "gpt-xl", "bert-l"))
+
+
+@pytest.mark.parametrize("change, field", [({"num_heads": 5}, "num_heads"), ({"kind": "t5"}, "kind"),
+                                           ({"d_model": 0}, "d_model"), ({"top_k": 9}, "top_k")])
+def test_bad_preset_names_the_field(change, field):
+    with pytest.raises(ValueError, match=rf"ModelPreset\.{field}="):
+        get_preset("tiny-gpt").replace(**change)
+
+
+def test_experts_must_divide_by_workers():
+    with pytest.raises(ValueError, match=r"num_experts=4 .*multiple of the number of workers \(3\)"):
+        get_preset("tiny-gpt").check_world_size(3)
+    with pytest.raises(ValueError, match="preset='nope' is unknown"):
+        get_preset("nope")
+
+
+def test_output_shapes_and_aux_loss():
+    model = _model()
+    tokens_BS = torch.randint(0, 256, (3, 17))
+    logits_BSV, aux_loss = model(tokens_BS)
+    assert logits_BSV.shape == (3, 17, 259)
+    assert aux_loss.dim() == 0 and torch.isfinite(aux_loss)
+    with pytest.raises(ValueError, match="exceeds the model's seq_len"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_gpt_is_causal_and_bert_is_not():
+    tokens_BS = torch.randint(0, 256, (1, 16))
+    changed_BS = tokens_BS.clone()
+    changed_BS[0, 10] = (changed_BS[0, 10] + 1) % 256
+    with torch.no_grad():
+        for name, causal in (("tiny-gpt", True), ("tiny-bert", False)):
+            model = _model(name)
+            before, _ = model(tokens_BS)
+            after, _ = model(changed_BS)
+            assert torch.allclose(before[0, :10], after[0, :10], atol=1e-6) == causal, name
+            assert not torch.allclose(before[0, 10:], after[0, 10:])
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-bert"])
+def test_engines_give_the_same_loss_and_gradients(preset):
+    window_BW = torch.randint(0, 256, (4, 65 if preset == "tiny-gpt" else 64),
+                              generator=torch.Generator().manual_seed(3))
+    results = {}
+    for engine in ENGINES:
+        model = _model(preset, engine)
+        inputs_BS, targets_BS = lm_batch(model.preset.kind, window_BW, MASK_ID, 259,
+                                         torch.Generator().manual_seed(1))
+        logits_BSV, aux_loss = model(inputs_BS)
+        loss = lm_loss(logits_BSV, targets_BS) + 0.01 * aux_loss
+        loss.backward()
+        results[engine] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    ref_loss, ref_grads = results["mpipemoe"]
+    for engine, (loss, grads) in results.items():
+        assert loss == pytest.approx(ref_loss, rel=1e-5), engine
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{engine} {name}")
+
+
+def test_init_is_reproducible_and_independent_of_expert_layout():
+    full = _model(seed=5)
+    again = _model(seed=5)
+    for (name, a), (_, b) in zip(full.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+    # Rank 1 of 2 holds global experts 2 and 3: its init equals those slices of the full model.
+    w1 = full.blocks[0].moe.experts.w1
+    slice_ = torch.empty(2, *w1.shape[1:])
+    from app.model import _normal_, _seed_for
+    for i in range(2):
+        _normal_(slice_[i], 0.02, _seed_for(5, "blocks.0.moe.experts.w1", 2 + i))
+    assert torch.equal(slice_, w1[2:].detach())
+    assert is_expert_param("blocks.0.moe.experts.w1") and not is_expert_param("blocks.0.moe.router.weight")
+
+
+def test_masked_lm_batch():
+    window_BW = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+    inputs_BS, targets_BS = lm_batch("bert", window_BW, MASK_ID, 259, torch.Generator().manual_seed(0))
+    chosen = targets_BS != IGNORE_INDEX
+    assert 0.08 < chosen.float().mean() < 0.22
+    assert torch.equal(targets_BS[chosen], window_BW[chosen])
+    assert torch.equal(inputs_BS[~chosen], window_BW[~chosen])
+    assert (inputs_BS[chosen] == MASK_ID).float().mean() > 0.6
+    inputs_BS, targets_BS = lm_batch("gpt", window_BW, MASK_ID, 259)
+    assert torch.equal(inputs_BS, window_BW[:, :-1]) and torch.equal(targets_BS, window_BW[:, 1:])
