@@ -1,0 +1,46 @@
+"""MLflow helpers against a throw-away sqlite store (tier 1, no Ray)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.tracking import RunLogger, client, find_run, flatten, metric_history, resolve_tracking_uri
+
+
+def test_resolve_tracking_uri(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert resolve_tracking_uri("sqlite:///sub/x.db") == f"sqlite:///{tmp_path}/sub/x.db"
+    assert resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///env.db")
+    assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path}/env.db"
+
+
+def test_flatten():
+    assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a.b": 1, "a.c.d": 2, "e": 3}
+
+
+def test_run_logger_params_metrics_nesting_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = RunLogger.start(uri, "exp", run_name="parent")
+    run = RunLogger.start(uri, "exp", run_name="child", parent_run_id=parent.run_id, tags={"key": "v"})
+    run.log_params({"lr": 0.1, "model": {"d_model": 64}})
+    for step in range(1, 4):
+        run.log_metrics({"loss": 4.0 - step, "strategy": "S2", "bad": math.nan}, step=step)
+    run.finish()
+    info = client(uri).get_run(run.run_id)
+    assert info.info.status == "FINISHED"
+    assert info.data.params == {"lr": "0.1", "model.d_model": "64"}
+    assert info.data.tags["mlflow.parentRunId"] == parent.run_id and info.data.tags["key"] == "v"
+    assert metric_history(uri, run.run_id, "loss") == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert "strategy" not in info.data.metrics and "bad" not in info.data.metrics
+    assert find_run(uri, "exp", "key", "v") == run.run_id
+    assert find_run(uri, "exp", "key", "other") is None and find_run(uri, "nope", "key", "v") is None
+    again = RunLogger.resume(uri, run.run_id)
+    assert client(uri).get_run(run.run_id).info.status == "RUNNING"
+    again.finish("FAILED")
+    assert client(uri).get_run(run.run_id).info.status == "FAILED"

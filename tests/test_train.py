@@ -1,0 +1,139 @@
+"""Training job configuration and the worker's gradient rule (tiers 1 and 2, no Ray).
+
+The gloo test runs the model on 2 processes (expert parallel + data parallel) and
+checks the averaged gradients against one process holding all experts on the whole batch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from app.data import MASK_ID, prepare_dataset
+from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
+from app.train import (TrainJob, add_arguments, comparison_table, job_from_args, summarize,
+                       worker_config)
+from workers.distributed import average_gradients, clip_grad_norm, split_params
+from workers.loop import learning_rate
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"engine": "tutel"}, "engine"), ({"steps": 0}, "steps"), ({"partitions": 0}, "partitions"),
+    ({"strategy": "S5"}, "strategy"), ({"lr": 0.0}, "lr"), ({"batch_size": 1.5}, "batch_size"),
+    ({"cpus_per_worker": 0}, "cpus_per_worker"), ({"dtype": "int8"}, "dtype"),
+])
+def test_bad_job_names_the_field(change, field):
+    with pytest.raises(ValueError, match=rf"TrainJob\.{field}="):
+        TrainJob(**change)
+
+
+def test_job_checks_experts_against_workers():
+    with pytest.raises(ValueError, match=r"num_experts=4 .*number of workers \(3\)"):
+        TrainJob(num_workers=3)
+    TrainJob(num_workers=3, num_experts=6)
+
+
+def test_job_defaults_are_absolute_and_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    job = TrainJob(partitions="3")
+    assert job.partitions == 3
+    assert job.storage_path == str(tmp_path / "ray_results")
+    assert job.data_dir == str(tmp_path / "data" / "stdlib-bytes")
+    assert job.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert job.name.startswith("tiny-gpt-mpipemoe-") and job.name != TrainJob().name
+
+
+def test_worker_config_resolves_device_dtype_and_preset(tmp_path):
+    prepare_dataset(tmp_path, max_bytes=50_000, row_len=1000)
+    job = TrainJob(data_dir=str(tmp_path), seq_len=128, num_experts=8)
+    cpu = worker_config(job, use_gpu=False)
+    assert (cpu["dtype"], cpu["cpus_per_worker"], cpu["torch_threads"]) == ("float32", 0.9, 1)
+    assert cpu["preset"]["seq_len"] == cpu["seq_len"] == 128 and cpu["preset"]["num_experts"] == 8
+    assert worker_config(job, use_gpu=True)["dtype"] == "bfloat16"
+
+
+def test_cli_arguments_build_the_job(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--engine", "fastmoe", "--steps", "7", "--no-gpu", "--partitions", "2",
+                              "--storage-path", str(tmp_path), "--name", "x"])
+    job = job_from_args(args)
+    assert (job.engine, job.steps, job.use_gpu, job.partitions, job.run_dir) == \
+        ("fastmoe", 7, False, 2, tmp_path / "x")
+    assert parser.parse_args([]).use_gpu is None
+    with pytest.raises(ValueError, match="--resume gone: no run at"):
+        job_from_args(parser.parse_args(["--resume", "gone", "--storage-path", str(tmp_path)]))
+
+
+def test_summary_and_table():
+    history = [{"step": s, "loss": 5.0 - s, "lm_loss": 4.9 - s, "aux_loss": 1.0, "tokens_per_s": t,
+                "step_time_s": 1 / t, "peak_memory_bytes": 2**20 * s, "strategy": "S2"}
+               for s, t in ((1, 10.0), (2, 100.0), (3, 300.0), (4, 200.0))]
+    summary = summarize(history)
+    assert summary["tokens_per_s"] == 200.0           # median without step 1
+    assert summary["peak_memory_bytes"] == 4 * 2**20 and summary["final_loss"] == 1.0
+    assert summary["strategy"] == "S2" and summary["first_loss"] == 4.0
+    table = comparison_table({"mpipemoe": summary, "fastmoe": dict(summary, tokens_per_s=100.0)},
+                             "mpipemoe")
+    assert "2.00" in table.splitlines()[2]
+
+
+def test_learning_rate_schedule_does_not_depend_on_run_length():
+    assert [learning_rate(s, 1.0, 4) for s in (1, 2, 4, 5, 1000)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+
+
+# ---- tier 2: two gloo processes --------------------------------------------------------
+
+def _batch():
+    return torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(11))
+
+
+def _grads_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe")
+        init_parameters(model, seed=0, rank=rank)
+        per_rank = 4 // world_size
+        inputs_BS, targets_BS = lm_batch("gpt", _batch()[rank * per_rank:(rank + 1) * per_rank], MASK_ID, 259)
+        logits_BSV, _ = model(inputs_BS)
+        lm_loss(logits_BSV, targets_BS).backward()
+        replicated, expert = split_params(model)
+        average_gradients(replicated, expert, world_size)
+        norm = clip_grad_norm(replicated, expert, 0.0, world_size)
+        torch.save({"norm": norm, "grads": {n: p.grad for n, p in model.named_parameters()}},
+                   Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_grads_on_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+
+    model = MoETransformer(get_preset("tiny-gpt"), engine="fastmoe")
+    init_parameters(model, seed=0)
+    inputs_BS, targets_BS = lm_batch("gpt", _batch(), MASK_ID, 259)
+    logits_BSV, _ = model(inputs_BS)
+    lm_loss(logits_BSV, targets_BS).backward()
+    replicated, expert = split_params(model)
+    reference_norm = clip_grad_norm(replicated, expert, 0.0, 1)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["norm"] == pytest.approx(reference_norm, rel=1e-4)
+        for name, param in model.named_parameters():
+            expected = param.grad
+            if "experts." in name:  # rank r holds global experts 2r, 2r+1 of 4
+                expected = expected[2 * rank:2 * rank + 2]
+            torch.testing.assert_close(saved["grads"][name], expected, rtol=1e-4, atol=1e-6,
+                                       msg=f"rank {rank} {name}")
