@@ -44,3 +44,12 @@ def test_run_logger_params_metrics_nesting_and_resume(tmp_path, monkeypatch):
     assert client(uri).get_run(run.run_id).info.status == "RUNNING"
     again.finish("FAILED")
     assert client(uri).get_run(run.run_id).info.status == "FAILED"
+
+
+def test_ui_serves_the_store_on_localhost_only():
+    from app.ui import server_command
+
+    command = server_command("sqlite:////x/mlflow.db", 5050)
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--backend-store-uri") + 1] == "sqlite:////x/mlflow.db"
+    assert command[command.index("--port") + 1] == "5050"

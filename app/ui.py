@@ -1,0 +1,52 @@
+"""``mpipemoe ui``: the MLflow UI over the training runs' store, on 127.0.0.1 only.
+
+    mpipemoe ui                      # http://127.0.0.1:5000, store: MLFLOW_TRACKING_URI or ./mlflow.db
+    mpipemoe ui --port 5050 --tracking-uri sqlite:////abs/path/mlflow.db
+
+Runs ``mlflow server`` as a child process and stops it (by its pid) on Ctrl-C.
+To reach it from another machine, forward the port over SSH
+(``ssh -L 5000:127.0.0.1:5000 host``) rather than listening on other interfaces.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+
+from app.tracking import resolve_tracking_uri
+
+
+def server_command(tracking_uri: str, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The ``mlflow server`` command line for ``tracking_uri`` on ``host:port``."""
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri,
+            "--host", host, "--port", str(port), "--workers", "1"]
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default %(default)s)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db)")
+
+
+def run(args: argparse.Namespace) -> int:
+    uri = resolve_tracking_uri(args.tracking_uri)
+    if uri.startswith(("http://", "https://")):
+        print(f"the tracking store is already a server: open {uri}")
+        return 0
+    process = subprocess.Popen(server_command(uri, args.port))
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated `mpipemoe ui` stops its server too
+    print(f"MLflow UI for {uri}\n  open http://127.0.0.1:{args.port}  (Ctrl-C stops it)", flush=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        return 0
