@@ -1,0 +1,104 @@
+"""``cluster.yaml`` passes Ray's own validation (as ``ray up`` runs it) and keeps the cluster
+private and reproducible: internal IPs, dashboard on 127.0.0.1, no open CIDR, 8 x 8 GPUs,
+pinned installs that match pyproject.toml. The on-premise variant in docs/cluster.md is
+validated the same way, so the docs cannot rot.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("ray")
+pytest.importorskip("jsonschema")
+
+from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(text: str) -> dict:
+    raw = yaml.safe_load(text)
+    config = prepare_config(raw)  # fills defaults as `ray up` does; validate_config on raw YAML misleads
+    validate_config(config)
+    return config
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load((ROOT / "cluster.yaml").read_text())
+
+
+def _start_commands(config):
+    return config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+
+
+def test_cluster_is_8_nodes_of_8_gpus(config):
+    head = config["available_node_types"][config["head_node_type"]]
+    workers = [t for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
+    assert head["resources"]["GPU"] == 8
+    assert len(workers) == 1 and workers[0]["resources"]["GPU"] == 8
+    assert workers[0]["min_workers"] == workers[0]["max_workers"] == config["max_workers"] == 7
+    assert head["node_config"]["InstanceType"] == workers[0]["node_config"]["InstanceType"] == "p4d.24xlarge"
+
+
+def test_cluster_is_private(config):
+    assert config["provider"]["use_internal_ips"] is True
+    assert "0.0.0.0" not in yaml.safe_dump(config)  # no binding or rule open to the world (comments aside)
+    head_start = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert head_start and all("--dashboard-host=127.0.0.1" in c for c in head_start)
+    assert not any("--dashboard-port" in c or "--ray-client-server-port" in c for c in _start_commands(config))
+    # every node type brings its own security group: Ray's auto-created one opens SSH to the world
+    for node_type in config["available_node_types"].values():
+        assert node_type["node_config"]["SecurityGroupIds"]
+    for rule in config["provider"].get("security_group", {}).get("IpPermissions", []):
+        for cidr in rule.get("IpRanges", []):
+            assert ipaddress.ip_network(cidr["CidrIp"]).is_private
+
+
+def _pins(spec_list) -> dict:
+    """{'ray': '2.60.0', ...} from requirement strings like 'ray[train,tune]==2.60.0'."""
+    pins = {}
+    for spec in spec_list:
+        match = re.match(r"^([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s;]+)", spec)
+        if match:
+            pins[match.group(1).lower()] = match.group(3)
+    return pins
+
+
+def test_setup_installs_pinned_versions_matching_the_project(config):
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = _pins(project["project"]["optional-dependencies"]["ray"])
+    installed = _pins(spec for command in config["setup_commands"] for spec in re.findall(r'"([^"]+)"', command))
+    for name in ("ray", "mlflow"):
+        assert installed[name] == wanted[name], f"cluster.yaml pins {name} {installed[name]}, pyproject {wanted[name]}"
+    assert "torch" in installed
+    project_install = [c for c in config["setup_commands"] if "mpipemoe[ray] @ git+" in c]
+    assert len(project_install) == 1 and re.search(r"\.git@[\w.-]+", project_install[0])  # a pinned ref
+
+
+def test_shared_storage_is_mounted_everywhere(config):
+    assert any("/mnt/shared" in c and "mount" in c for c in config["setup_commands"])
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    assert "--storage-path /mnt/shared/ray_results" in docs
+
+
+def test_docs_cover_the_workflow():
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    for step in ("ray up cluster.yaml", "mpipemoe train --address auto", "mpipemoe sweep",
+                 "-L 5000:127.0.0.1:5000", "--dashboard-host=127.0.0.1", "ray down cluster.yaml"):
+        assert step in docs, step
+
+
+def test_on_premise_variant_in_docs_validates():
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", docs, flags=re.S)
+    local = [b for b in blocks if "type: local" in b]
+    assert len(local) == 1
+    config = load(local[0])
+    assert config["provider"]["type"] == "local"
+    assert all("--dashboard-host=127.0.0.1" in c for c in config["head_start_ray_commands"] if "--head" in c)
