@@ -1,8 +1,9 @@
 """Ray local-cluster tests of ``mpipemoe train`` (tier 3: real Ray Train, gloo, MLflow).
 
-Five short 2-worker runs on 2 cores, shared by all assertions:
+Six short 2-worker runs on 2 cores; the first five are shared by the assertions:
 - ``compared``: tiny-gpt for N steps with each engine under one parent MLflow run;
-- ``resumed``: the mpipemoe job again as K steps, then resumed by name up to N steps.
+- ``resumed``: the mpipemoe job again as K steps, then resumed by name up to N steps;
+- a diverging run (huge lr) that must stop with an error naming the step.
 """
 from __future__ import annotations
 
@@ -92,3 +93,13 @@ def test_resume_continues_step_count_and_data_position(compared, resumed, job):
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
     steps = [s for s, _ in metric_history(job.tracking_uri, second["mlflow_run_id"], "loss")]
     assert steps == list(range(1, N + 1))
+
+
+def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
+    bad = dataclasses.replace(job, name="nan", steps=4, lr=1e30, warmup_steps=0, grad_clip=0.0)
+    with pytest.raises(RuntimeError, match=r"(non-finite loss at step [23]|StepError: step [23] failed)"):
+        run_job(bad, echo=lambda line: None)
+    runs = client(job.tracking_uri).search_runs(
+        [client(job.tracking_uri).get_experiment_by_name(job.experiment).experiment_id],
+        filter_string="tags.ray_train_name = 'nan'")
+    assert runs[0].info.status == "FAILED" and "step" in runs[0].data.tags["error"]

@@ -19,6 +19,7 @@ One step (numbers match the code):
 """
 from __future__ import annotations
 
+import math
 import resource
 import tempfile
 import time
@@ -30,6 +31,10 @@ from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm
 from workers import checkpoint as ckpt
 from workers.distributed import (average_gradients, clip_grad_norm, reduce_max, reduce_sum,
                                  split_params)
+
+
+class StepError(RuntimeError):
+    """A training step failed; the message names the step (and rank)."""
 
 
 def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
@@ -104,20 +109,28 @@ def train_fn_per_worker(config: dict) -> None:
         window_BW = torch.from_numpy(sampler.batch(step - 1)).to(device)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + step)
         inputs_BS, targets_BS = lm_batch(preset.kind, window_BW, MASK_ID, preset.vocab_size, generator)
-        # 2. forward
-        logits_BSV, aux_loss = model(inputs_BS)
+        # 2. forward (engine errors, e.g. NaN in a MoE layer's input, are re-raised naming the step)
+        try:
+            logits_BSV, aux_loss = model(inputs_BS)
+        except Exception as error:
+            raise StepError(f"step {step} failed on rank {rank} (engine {config['engine']}): "
+                            f"{type(error).__name__}: {error}") from error
         loss_lm = lm_loss(logits_BSV, targets_BS)
         loss = loss_lm + config["aux_loss_weight"] * aux_loss
         # 3. global losses; stop every rank together on NaN/Inf
         lm_sum, aux_sum = reduce_sum([loss_lm.item(), aux_loss.item()], device, world_size)
         mean_lm, mean_aux = lm_sum / world_size, aux_sum / world_size
-        if not (torch.isfinite(torch.tensor(mean_lm)) and torch.isfinite(torch.tensor(mean_aux))):
-            raise FloatingPointError(
+        if not (math.isfinite(mean_lm) and math.isfinite(mean_aux)):
+            raise StepError(
                 f"non-finite loss at step {step} (lm_loss={mean_lm}, aux_loss={mean_aux}, "
                 f"engine={config['engine']}, lr={config['lr']}): lower --lr, check the data, "
                 f"or use float32")
         # 4. backward
-        loss.backward()
+        try:
+            loss.backward()
+        except Exception as error:
+            raise StepError(f"step {step} backward failed on rank {rank} (engine {config['engine']}): "
+                            f"{type(error).__name__}: {error}") from error
         # 5. data-parallel averaging of replicated grads; expert grads / W
         average_gradients(replicated, expert, world_size)
         # 6. clip, update
