@@ -14,6 +14,8 @@ Legend: T tokens on this rank, D d_model, K top_k, R rows sent.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -24,8 +26,18 @@ from .config import STRATEGIES, MoEConfig
 from .experts import Experts
 from .memory import HostBufferPool, RestorePolicy
 from .pipeline import PipelinedExperts, PipelineRun
+from .granularity import GranularitySearch, PassTiming, skew_bucket
+from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, calibrate
 from .router import Router, Routing
 from .streams import StreamSet
+
+
+@dataclass(frozen=True)
+class AgreedStep:
+    """Values every rank agrees on for one pass (max over ranks)."""
+
+    max_tokens: int
+    skew_bucket: int
 
 
 class MoELayerBase(nn.Module):
@@ -57,17 +69,22 @@ class MoELayerBase(nn.Module):
                             f"{self.router.weight.dtype}; call layer.to({x.dtype}) or cast x")
         return x.reshape(-1, x.shape[-1])
 
-    def _check_finite(self, x_TD: torch.Tensor) -> None:
-        """One small collective: every rank learns whether any rank got NaN/Inf, so all
-        raise together instead of some waiting in an All-to-All."""
-        bad = (~torch.isfinite(x_TD)).any().to(torch.int64).reshape(1)
-        bad_anywhere = int(self.group.all_reduce_max(bad).item())
+    def _agree(self, x_TD: torch.Tensor, routing: Routing) -> AgreedStep:
+        """One small collective (max over ranks of three numbers): every rank learns
+        whether any rank got NaN/Inf, so all raise together instead of some waiting in
+        an All-to-All, and all see the same token count and routing skew."""
+        bad = (~torch.isfinite(x_TD)).any()
+        load_E = torch.bincount(routing.expert_ids_TK[routing.keep_TK], minlength=self.config.num_experts)
+        local = torch.tensor([int(bad), x_TD.shape[0], skew_bucket(load_E)], dtype=torch.int64)
+        bad_anywhere, tokens, skew = self.group.all_reduce_max(
+            local.to(x_TD.device) if self.group.distributed and x_TD.is_cuda else local).tolist()
         if bad_anywhere:
-            where = "this rank's" if bool(bad.item()) else "another rank's"
+            where = "this rank's" if bool(bad) else "another rank's"
             raise ValueError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                              f"learning rate, or the data that produced it")
+        return AgreedStep(max_tokens=tokens, skew_bucket=skew)
 
-    def _partition_rows(self, routing: Routing, tokens: int) -> tuple[torch.Tensor, int]:
+    def _partition_rows(self, routing: Routing, agreed: AgreedStep) -> tuple[torch.Tensor, int]:
         """Local. Partition of each (token, choice) pair, and the number of partitions."""
         zeros = torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
         return zeros, 1
@@ -78,10 +95,9 @@ class MoELayerBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)
-        self._check_finite(x_TD)
-        tokens = x_TD.shape[0]
         routing = self.router(x_TD)                                                    # 1. route
-        partition_P, num_partitions = self._partition_rows(routing, tokens)            # 2. plan
+        agreed = self._agree(x_TD, routing)
+        partition_P, num_partitions = self._partition_rows(routing, agreed)            # 2. plan
         plan = dispatcher.plan_dispatch(routing, partition_P, num_partitions,
                                         self.config.num_experts, self.group)
         y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
@@ -116,13 +132,17 @@ class _PipelinedLayer(MoELayerBase):
             self._streams[device] = StreamSet(device)
         return self._streams[device]
 
-    def _strategy_for(self, plan) -> str:
+    def _strategy_for(self, x_TD: torch.Tensor, partitions: int) -> str:
         return "none"
 
+    def _pass_timing(self, device: torch.device) -> PassTiming | None:
+        return None
+
     def _run_experts(self, x_TD, plan):
-        self.last_strategy = self._strategy_for(plan)
+        self.last_strategy = self._strategy_for(x_TD, len(plan.partitions))
         run = PipelineRun(self.experts, self.group, plan, self.streams_for(x_TD.device),
-                          RestorePolicy.of(self.last_strategy), self.host_pool)
+                          RestorePolicy.of(self.last_strategy), self.host_pool,
+                          timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None)
         e = self.experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3)
 
@@ -143,7 +163,7 @@ class FasterMoE(_PipelinedLayer):
     def steps(self) -> int:
         return -(-self.group.size // self.group_size)
 
-    def _partition_rows(self, routing, tokens):
+    def _partition_rows(self, routing, agreed):
         partition_P = dispatcher.partition_by_peers(routing.expert_ids_TK, self.local_experts,
                                                     self.group.rank, self.group.size, self.group_size)
         return partition_P, self.steps
@@ -154,28 +174,59 @@ class MPipeMoE(_PipelinedLayer):
     All-to-All overlaps partition i's experts; T_DI / A / T_DO share one-partition
     buffers and backward restores them by the strategy S1–S4 ("none" keeps all).
 
-    partitions: "auto" (online search) or an int ≥ 1.
-    strategy:   "auto" (performance model), "none", "S1", "S2", "S3" or "S4".
-    host_pool:  pinned host buffers for offloads; share one between layers if you like.
+    partitions:    "auto" (online search, granularity.py) or an int ≥ 1.
+    strategy:      "auto" (performance model, perf_model.py), "none", "S1", "S2", "S3" or "S4".
+    profile:       hardware profile for the performance model; measured on the first
+                   pass when "auto" needs one and none is given (all ranks together).
+    memory_budget: bytes the layer's activations may use; "auto" then picks the fastest
+                   strategy that fits (and "none" may compete), or fails naming the need.
+    search:        the GranularitySearch to use (candidates, re-check period, ...).
+    host_pool:     pinned host buffers for offloads; share one between layers if you like.
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
-                 host_pool: HostBufferPool | None = None, device=None, dtype=None):
+                 profile: HardwareProfile | None = None, memory_budget: int | None = None,
+                 search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
+                 device=None, dtype=None):
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
         if partitions != "auto" and (isinstance(partitions, bool) or not isinstance(partitions, int)
                                      or partitions < 1):
             raise ValueError(f"partitions={partitions!r} is invalid: give 'auto' or an integer >= 1")
         if strategy != "auto" and strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is invalid: give 'auto' or one of {', '.join(STRATEGIES)}")
+        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise ValueError(f"memory_budget={memory_budget!r} is invalid: give a positive number of bytes or None")
         self.partitions = partitions
         self.strategy = strategy
+        self.profile = profile
+        self.memory_budget = memory_budget
+        self.search = search if search is not None else GranularitySearch()
         self.last_partitions: int | None = None
         self.last_strategy: str | None = None
 
-    def _partition_rows(self, routing, tokens):
-        n = self.partitions if self.partitions != "auto" else 1
+    def _partition_rows(self, routing, agreed):
+        if self.partitions == "auto":
+            n = self.search.choose(agreed.max_tokens, agreed.skew_bucket, self.group,
+                                   timing_wanted=torch.is_grad_enabled())
+        else:
+            n = self.partitions
         self.last_partitions = n
+        tokens = routing.expert_ids_TK.shape[0]
         return dispatcher.partition_by_tokens(tokens, self.config.top_k, n, routing.expert_ids_TK.device), n
 
-    def _strategy_for(self, plan):
-        return self.strategy if self.strategy != "auto" else "S4"
+    def _pass_timing(self, device):
+        return self.search.timing_for_pass(self.last_partitions, device) if self.partitions == "auto" else None
+
+    def performance_model(self, x_TD: torch.Tensor) -> PerformanceModel:
+        """The model over this layer's profile (measured now, on every rank, if missing)."""
+        if self.profile is None:
+            self.profile = calibrate(self.config, max(x_TD.shape[0], 1), self.group, x_TD.device, x_TD.dtype)
+        return PerformanceModel(self.profile)
+
+    def _strategy_for(self, x_TD, partitions):
+        if self.strategy != "auto":
+            return self.strategy
+        model = self.performance_model(x_TD)
+        choice = model.choose(self.config, x_TD.shape[0], self.group.size, x_TD.dtype, [partitions],
+                              SHARED_STRATEGIES, self.memory_budget)
+        return choice.strategy

@@ -28,6 +28,7 @@ import torch
 from .comm import ExpertGroup
 from .dispatcher import DispatchPlan
 from .experts import Experts, activate
+from .granularity import PassTiming
 from .memory import HostBufferPool, RestorePolicy
 from .streams import Pending, StreamSet
 
@@ -42,6 +43,7 @@ class PipelineRun:
     streams: StreamSet
     policy: RestorePolicy
     host_pool: HostBufferPool
+    timing: PassTiming | None = None   # set while the granularity search measures this pass
 
     @property
     def send_offsets(self) -> list[int]:
@@ -144,6 +146,8 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
         out_RD = y_RD[offsets[i]:offsets[i + 1]]                                         # 5. combine
         combined[i] = group.all_to_all_async(out_RD, y_received_ND, p.send_splits, p.recv_splits, streams)
 
+    if run.timing is not None:
+        run.timing.forward.start()
     with torch.no_grad():
         if n:
             issue_dispatch(0)
@@ -156,6 +160,8 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
         for saved in saved_inputs + saved_preacts:
             saved.copied.wait()
         streams.join()
+    if run.timing is not None:
+        run.timing.forward.stop()
     return y_RD, saved_inputs, saved_preacts
 
 
@@ -248,6 +254,8 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         returned[step].wait()
         dx_TD.index_add_(0, parts[i].token_index_R, dx_rows.take(step, parts[i].rows_sent))
 
+    if run.timing is not None:
+        run.timing.backward.start()
     with torch.no_grad():
         if n:
             issue_fetch(0)
@@ -260,6 +268,9 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         if n:
             accumulate_input_grad(n - 1)
         streams.join()
+    if run.timing is not None:
+        run.timing.backward.stop()
+        run.timing.backward_done = True
     for saved in saved_inputs + saved_preacts:
         if saved.host_base is not None:
             run.host_pool.give_back(saved.host_base)

@@ -1,0 +1,215 @@
+"""Online search of the partition count n (the paper's Algorithm 1, guarded).
+
+The best n depends on the token count B, the model and the hardware. The
+search times candidate n on real forward+backward passes (after a warm-up),
+all ranks agree on the result (slowest rank's times), and the cache maps token
+counts to n. A new B between two cached counts with the same n reuses it (the
+paper's assumption that the best n does not decrease as B grows); between two
+different n only the candidates in between are timed.
+
+Unlike the paper, the cache is not trusted forever:
+  * every `recheck_every` uses of a cached n, that n is re-timed against its
+    neighbouring candidates; if a neighbour is faster by more than `tolerance`,
+    the entry is replaced and the rest of the cache dropped (it was built on
+    the same now-doubtful assumption);
+  * a shift of routing skew (max expert load / mean load, bucketed) since the
+    entry was made triggers a new search.
+Every decision is appended to `decisions` and logged.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import ExpertGroup
+from .timing import Stopwatch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CANDIDATES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class CacheEntry:
+    tokens: int
+    partitions: int
+    skew_bucket: int
+    uses: int = 0
+
+
+@dataclass
+class PassTiming:
+    """Forward and backward stopwatches of one pass of one layer."""
+
+    forward: Stopwatch
+    backward: Stopwatch
+    backward_done: bool = False
+
+    def seconds(self) -> float | None:
+        if not self.backward_done:
+            return None
+        return self.forward.elapsed_s() + self.backward.elapsed_s()
+
+
+@dataclass
+class ActiveSearch:
+    tokens: int
+    skew_bucket: int
+    candidates: list[int]
+    reason: str
+    calls_per_candidate: int
+    call: int = 0
+    samples: dict = field(default_factory=dict)   # n -> [PassTiming]
+
+    def current(self) -> int:
+        return self.candidates[self.call // self.calls_per_candidate]
+
+    @property
+    def finished(self) -> bool:
+        return self.call >= len(self.candidates) * self.calls_per_candidate
+
+
+def skew_bucket(expert_load: torch.Tensor) -> int:
+    """Routing skew as a small integer: round(log2(max load / mean load)) (0 = balanced)."""
+    load = expert_load.double()
+    mean = float(load.mean()) if load.numel() else 0.0
+    if mean <= 0:
+        return 0
+    return int(round(math.log2(max(float(load.max()) / mean, 1.0))))
+
+
+class GranularitySearch:
+    """Chooses n for each pass of one MPipeMoE layer. Call `choose` once per forward."""
+
+    def __init__(self, candidates=DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
+                 recheck_every: int = 100, tolerance: float = 0.05):
+        if not candidates or any((not isinstance(c, int)) or c < 1 for c in candidates):
+            raise ValueError(f"candidates={candidates!r} is invalid: give integers >= 1, e.g. (1, 2, 4, 8)")
+        if warmup < 0 or repeats < 1:
+            raise ValueError(f"warmup={warmup}, repeats={repeats} are invalid: warmup >= 0, repeats >= 1")
+        self.candidates = sorted(set(candidates))
+        self.warmup, self.repeats = warmup, repeats
+        self.recheck_every, self.tolerance = recheck_every, tolerance
+        self.cache: list[CacheEntry] = []
+        self.active: ActiveSearch | None = None
+        self.decisions: list[dict] = []
+
+    # -- the decision for one pass ----------------------------------------------------------
+    def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool) -> int:
+        """n for a pass over `tokens` tokens (the same on every rank: tokens and skew are
+        agreed beforehand, and the decisions below only use agreed values)."""
+        if self.active is not None and self.active.finished:
+            self._finish(group)
+        if self.active is not None and (self.active.tokens != tokens or not timing_wanted):
+            self._decide("search abandoned", self.active.tokens, None, reason="token count changed or no backward")
+            self.active = None
+        if self.active is None and timing_wanted:
+            self._maybe_start(tokens, skew)
+        if self.active is not None:
+            return self.active.current()
+        entry = self._lookup(tokens)
+        return entry.partitions if entry is not None else self.candidates[0]
+
+    def timing_for_pass(self, n: int, device: torch.device) -> PassTiming | None:
+        """A stopwatch pair for this pass when the search is measuring it."""
+        search = self.active
+        if search is None:
+            return None
+        search.call += 1
+        if (search.call - 1) % search.calls_per_candidate < self.warmup:
+            return None
+        timing = self._new_timing(device)
+        search.samples.setdefault(n, []).append(timing)
+        return timing
+
+    def _new_timing(self, device: torch.device) -> PassTiming:
+        return PassTiming(Stopwatch(device), Stopwatch(device))
+
+    # -- cache and searches ---------------------------------------------------------------------
+    def _lookup(self, tokens: int) -> CacheEntry | None:
+        for entry in self.cache:
+            if entry.tokens == tokens:
+                return entry
+        below = [e for e in self.cache if e.tokens < tokens]
+        above = [e for e in self.cache if e.tokens > tokens]
+        lo = max(below, key=lambda e: e.tokens) if below else None
+        hi = min(above, key=lambda e: e.tokens) if above else None
+        if lo is not None and hi is not None and lo.partitions == hi.partitions:
+            return lo
+        return None
+
+    def _maybe_start(self, tokens: int, skew: int) -> None:
+        exact = next((e for e in self.cache if e.tokens == tokens), None)
+        merged = self._lookup(tokens)
+        if exact is not None and exact.skew_bucket != skew:
+            self._start(tokens, skew, self.candidates, f"routing skew changed ({exact.skew_bucket} -> {skew})")
+            self.cache.remove(exact)
+            return
+        if merged is not None:
+            merged.uses += 1
+            if merged.uses % self.recheck_every == 0:
+                self._start(tokens, skew, self._neighbours(merged.partitions),
+                            f"periodic re-check of cached n={merged.partitions}")
+            return
+        below = [e for e in self.cache if e.tokens < tokens]
+        above = [e for e in self.cache if e.tokens > tokens]
+        lo_n = max(below, key=lambda e: e.tokens).partitions if below else self.candidates[0]
+        hi_n = min(above, key=lambda e: e.tokens).partitions if above else self.candidates[-1]
+        if lo_n > hi_n:  # the cache itself violates monotonicity: search everything
+            lo_n, hi_n = self.candidates[0], self.candidates[-1]
+        # The bracket [lo_n, hi_n] is the paper's pruning; one candidate on each side of
+        # it is timed too, so a violation of the monotonicity assumption shows itself.
+        inside = [i for i, c in enumerate(self.candidates) if lo_n <= c <= hi_n]
+        candidates = self.candidates[max(0, inside[0] - 1): inside[-1] + 2]
+        self._start(tokens, skew, candidates, "no cached n for this token count")
+
+    def _neighbours(self, n: int) -> list[int]:
+        i = self.candidates.index(n) if n in self.candidates else 0
+        return self.candidates[max(0, i - 1): i + 2]
+
+    def _start(self, tokens: int, skew: int, candidates: list[int], reason: str) -> None:
+        self.active = ActiveSearch(tokens, skew, list(candidates), reason, self.warmup + self.repeats)
+        self._decide("search started", tokens, None, reason=reason, candidates=list(candidates))
+
+    def _finish(self, group: ExpertGroup) -> None:
+        search, self.active = self.active, None
+        means = []
+        for n in search.candidates:
+            seconds = [t.seconds() for t in search.samples.get(n, [])]
+            seconds = [s for s in seconds if s is not None]
+            means.append(sum(seconds) / len(seconds) if seconds else math.inf)
+        agreed = group.all_reduce_max(torch.tensor(means, dtype=torch.float64)).tolist()
+        best = search.candidates[min(range(len(agreed)), key=lambda i: agreed[i])]
+        times = {n: t for n, t in zip(search.candidates, agreed)}
+        previous = next((e for e in self.cache if e.tokens == search.tokens), None)
+        if previous is not None and previous.partitions != best and \
+                times.get(previous.partitions, math.inf) > (1 + self.tolerance) * times[best]:
+            self._decide("cache stale", search.tokens, best, reason=f"cached n={previous.partitions} is slower "
+                         f"than n={best} by more than {self.tolerance:.0%}", times=times)
+            self.cache = []
+        elif previous is not None:
+            best = previous.partitions  # within tolerance: keep the cached choice
+            self.cache.remove(previous)
+        self.cache.append(CacheEntry(search.tokens, best, search.skew_bucket))
+        self.cache.sort(key=lambda e: e.tokens)
+        self._decide("chose", search.tokens, best, reason=search.reason, times=times)
+        for violation in self.monotonicity_violations():
+            if search.tokens in (violation[0], violation[2]):
+                self._decide("monotonicity violated", search.tokens, best,
+                             reason=f"{violation[0]} tokens -> n={violation[1]} but "
+                                    f"{violation[2]} tokens -> n={violation[3]}")
+
+    def _decide(self, event: str, tokens: int, partitions: int | None, **details) -> None:
+        record = {"event": event, "tokens": tokens, "partitions": partitions, **details}
+        self.decisions.append(record)
+        log.info("granularity: %s", record)
+
+    # -- monotonicity check (reported, not assumed) ---------------------------------------------
+    def monotonicity_violations(self) -> list[tuple[int, int, int, int]]:
+        """(tokens_a, n_a, tokens_b, n_b) pairs with tokens_a < tokens_b but n_a > n_b."""
+        entries = sorted(self.cache, key=lambda e: e.tokens)
+        return [(a.tokens, a.partitions, b.tokens, b.partitions)
+                for a, b in zip(entries, entries[1:]) if a.partitions > b.partitions]

@@ -1,0 +1,308 @@
+"""Hardware profile, calibration and the performance model (DESIGN.md §2, §7).
+
+Calibration measures, on the actual device and process group:
+  * the expert FFN's GEMM rate for the layer's shapes (FLOP/s),
+  * All-to-All latency and bandwidth (two message sizes),
+  * device→host and host→device copy bandwidth (pinned memory on CUDA),
+  * the slowdown of compute, communication and copies when two of them run at
+    the same time (they share SMs, memory bandwidth and links).
+All ranks take the slowest rank's figures (one all-reduce), so every rank
+holds the same profile and makes the same choices. Profiles are JSON, keyed by
+device name, dtype and world size, and reused until refreshed.
+
+The model predicts the pipelined forward+backward time of every
+(partitions n, strategy): per partition, the communication stream carries the
+All-to-Alls, the compute stream the GEMMs (plus recomputation), the copy stream
+the offloads/restores. With n partitions a pass takes one partition's full
+latency (fill) plus (n−1) times the slowest stream's per-partition time, each
+stream slowed by what overlaps it, plus a fixed cost per partition.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .comm import ExpertGroup
+from .config import MoEConfig
+from .experts import Experts, activate
+from .memory import RestorePolicy, predict_memory
+from .streams import StreamSet
+from .timing import Stopwatch, synchronize, time_fn
+
+SHARED_STRATEGIES = ("S1", "S2", "S3", "S4")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    device: str
+    dtype: str
+    world_size: int
+    gemm_flops: float            # FLOP/s of the expert FFN GEMMs
+    a2a_latency_s: float         # fixed cost of one All-to-All
+    a2a_bytes_per_s: float       # bytes per second per rank through an All-to-All
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    partition_overhead_s: float  # launch / bookkeeping cost per partition and pass
+    slowdown: dict = field(default_factory=dict)  # e.g. {"compute|comm": 1.1, "comm|compute": 1.2, ...}
+    measured_at: str = ""
+    torch_version: str = ""
+
+    @property
+    def key(self) -> str:
+        return profile_key(self.device, self.dtype, self.world_size)
+
+    def factor(self, victim: str, other: str) -> float:
+        """How much slower `victim` runs while `other` runs beside it (≥ 1)."""
+        return max(1.0, float(self.slowdown.get(f"{victim}|{other}", 1.0)))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HardwareProfile":
+        return cls(**data)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def profile_key(device: str, dtype: str, world_size: int) -> str:
+    return f"{device}|{dtype}|ws{world_size}"
+
+
+class ProfileStore:
+    """Hardware profiles in one JSON file, keyed by device, dtype and world size."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def _read(self) -> dict:
+        if not os.path.exists(self.path):
+            return {}
+        with open(self.path) as f:
+            return json.load(f)
+
+    def get(self, key: str) -> HardwareProfile | None:
+        data = self._read().get(key)
+        return HardwareProfile.from_json(data) if data else None
+
+    def put(self, profile: HardwareProfile) -> None:
+        data = self._read()
+        data[profile.key] = profile.to_json()
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+# -- calibration (collectives: every rank of the group must call it together) -----------
+
+def calibrate(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
+              dtype: torch.dtype, repeats: int = 5) -> HardwareProfile:
+    """Measure the profile for this layer shape on this device and group."""
+    torch.manual_seed(1234)
+    L = config.experts_per_rank(group.size)
+    rows = max(group.size * L, config.top_k * tokens)
+    experts = Experts(config, L, device=device, dtype=dtype)
+    counts = [rows // L + (1 if l < rows % L else 0) for l in range(L)]
+    x_ND = torch.randn(rows, config.d_model, device=device, dtype=dtype)
+    A_NA = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
+    y_ND = torch.empty_like(x_ND)
+    streams = StreamSet(device)
+
+    def ffn():
+        experts.project_in(x_ND, counts, A_NA)
+        experts.project_out(activate(A_NA, config.activation), counts, y_ND)
+
+    flops = 2 * rows * config.d_model * (experts.pre_activation_width + config.d_hidden)
+    gemm_s = time_fn(ffn, device, warmup=2, repeats=repeats).mean_s
+
+    def a2a_fn(n_rows):
+        per_rank = max(1, n_rows // group.size)
+        send = torch.randn(per_rank * group.size, config.d_model, device=device, dtype=dtype)
+        recv = torch.empty_like(send)
+        splits = [per_rank] * group.size
+        return lambda: group.all_to_all(recv, send, splits, splits), send.numel() * send.element_size()
+
+    small_fn, small_bytes = a2a_fn(group.size)
+    large_fn, large_bytes = a2a_fn(rows)
+    small_s = time_fn(small_fn, device, repeats=repeats).mean_s
+    large_s = time_fn(large_fn, device, repeats=repeats).mean_s
+
+    host = torch.empty(A_NA.shape, dtype=dtype, pin_memory=device.type == "cuda")
+    copy_bytes = A_NA.numel() * A_NA.element_size()
+    d2h_s = time_fn(lambda: host.copy_(A_NA, non_blocking=True), device, repeats=repeats).mean_s
+    h2d_s = time_fn(lambda: A_NA.copy_(host, non_blocking=True), device, repeats=repeats).mean_s
+    overhead_s = _partition_overhead(experts, config, device, dtype, repeats)
+
+    slowdown = _slowdowns(ffn, large_fn, lambda: host.copy_(A_NA, non_blocking=True), streams, group,
+                          {"compute": gemm_s, "comm": large_s, "copy": d2h_s})
+    # Every rank adopts the slowest rank's figures (times: max; so rates: min).
+    times = torch.tensor([gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *slowdown.values()],
+                         dtype=torch.float64, device=device if group.distributed and device.type == "cuda" else "cpu")
+    times = group.all_reduce_max(times).cpu().tolist()
+    gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *factors = times
+    return HardwareProfile(
+        device=device_name(device), dtype=str(dtype).replace("torch.", ""), world_size=group.size,
+        gemm_flops=flops / gemm_s,
+        a2a_latency_s=small_s,
+        a2a_bytes_per_s=max(large_bytes - small_bytes, 1) / max(large_s - small_s, 1e-9),
+        d2h_bytes_per_s=copy_bytes / d2h_s, h2d_bytes_per_s=copy_bytes / h2d_s,
+        partition_overhead_s=overhead_s,
+        slowdown=dict(zip(slowdown.keys(), factors)),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
+
+
+def _partition_overhead(experts, config, device, dtype, repeats) -> float:
+    """Cost of one more partition: the FFN on a handful of rows (launches, bookkeeping)."""
+    L = experts.local_experts
+    x = torch.randn(L, config.d_model, device=device, dtype=dtype)
+    A = torch.empty(L, experts.pre_activation_width, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    counts = [1] * L
+
+    def tiny():
+        experts.project_in(x, counts, A)
+        experts.project_out(activate(A, config.activation), counts, y)
+        torch.index_select(x, 0, torch.arange(L, device=device), out=y)
+
+    return time_fn(tiny, device, repeats=repeats).mean_s
+
+
+def _slowdowns(compute_fn, comm_fn, copy_fn, streams: StreamSet, group: ExpertGroup, alone: dict) -> dict:
+    """Time each pair of activities side by side; slowdown = concurrent / alone."""
+    activities = {"compute": (compute_fn, "compute"), "comm": (comm_fn, "comm"), "copy": (copy_fn, "copy")}
+    result = {}
+    for victim, other in (("compute", "comm"), ("comm", "compute"), ("compute", "copy"),
+                          ("copy", "compute"), ("comm", "copy"), ("copy", "comm")):
+        concurrent = _time_beside(activities[victim], activities[other], streams, group)
+        result[f"{victim}|{other}"] = max(1.0, concurrent / max(alone[victim], 1e-9))
+    return result
+
+
+def _time_beside(victim, other, streams: StreamSet, group: ExpertGroup, rounds: int = 3) -> float:
+    """Mean time of `victim` while `other` runs continuously beside it."""
+    victim_fn, victim_stream = victim
+    other_fn, other_stream = other
+    device = streams.device
+    if streams.is_cuda:
+        synchronize(device)
+        enter = {"compute": streams.on_compute, "comm": streams.on_comm, "copy": streams.on_copy}
+        with enter[other_stream]():
+            for _ in range(rounds + 2):
+                other_fn()
+        with enter[victim_stream]():
+            watch = Stopwatch(device)
+            watch.start()
+            for _ in range(rounds):
+                victim_fn()
+            watch.stop()
+        seconds = watch.elapsed_s() / rounds
+        synchronize(device)
+        return seconds
+    # CPU: only communication is asynchronous (gloo threads); run it on a helper thread.
+    import threading
+
+    stop = threading.Event()
+
+    def background():
+        while not stop.is_set():
+            other_fn()
+
+    uses_comm = "comm" in (victim_stream, other_stream) and group.distributed
+    if uses_comm:
+        # Collectives must be issued in the same order on every rank: run the pair in lock step.
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            victim_fn()
+            other_fn()
+        both = (time.perf_counter() - t0) / rounds
+        return both  # an upper bound on the victim's time beside the other
+    thread = threading.Thread(target=background, daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        victim_fn()
+    seconds = (time.perf_counter() - t0) / rounds
+    stop.set()
+    thread.join()
+    return seconds
+
+
+# -- prediction ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    partitions: int
+    strategy: str
+    forward_s: float
+    backward_s: float
+    peak_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+class PerformanceModel:
+    """Predicts forward+backward time of MPipeMoE for any (n, strategy) from a profile."""
+
+    def __init__(self, profile: HardwareProfile):
+        self.profile = profile
+
+    def _pipelined(self, comm: float, compute: float, copy: float, n: int) -> float:
+        p = self.profile
+        if n == 1:
+            return comm + compute + copy + p.partition_overhead_s
+        c = compute * max(p.factor("compute", "comm") if comm else 1, p.factor("compute", "copy") if copy else 1)
+        m = comm * max(p.factor("comm", "compute"), p.factor("comm", "copy") if copy else 1)
+        h = copy * max(p.factor("copy", "compute"), p.factor("copy", "comm") if comm else 1)
+        fill = comm + compute + copy
+        return fill + (n - 1) * max(c, m, h) + n * p.partition_overhead_s
+
+    def predict(self, config: MoEConfig, tokens: int, world_size: int, partitions: int, strategy: str,
+                dtype: torch.dtype) -> Prediction:
+        p = self.profile
+        policy = RestorePolicy.of(strategy)
+        s = torch.empty((), dtype=dtype).element_size()
+        rows = config.top_k * tokens / partitions
+        D, H = config.d_model, config.d_hidden
+        A_width = 2 * H if config.gated else H
+        remote = (world_size - 1) / world_size if world_size > 1 else 1.0
+        a2a = p.a2a_latency_s + rows * D * s * remote / p.a2a_bytes_per_s
+        gemm1 = 2 * rows * D * A_width / p.gemm_flops
+        gemm2 = 2 * rows * H * D / p.gemm_flops
+        offload = rows * s * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
+        forward = self._pipelined(2 * a2a, gemm1 + gemm2, offload / p.d2h_bytes_per_s, partitions)
+        backward = self._pipelined(
+            (3 if policy.recommunicate_input else 2) * a2a,
+            2 * (gemm1 + gemm2) + (gemm1 if policy.recompute_preactivation else 0),
+            offload / p.h2d_bytes_per_s, partitions)
+        peak = predict_memory(config, tokens, world_size, partitions, strategy, dtype=dtype).peak_bytes
+        return Prediction(partitions, strategy, forward, backward, peak)
+
+    def choose(self, config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype,
+               partitions: list[int], strategies=SHARED_STRATEGIES, memory_budget: int | None = None) -> Prediction:
+        """The fastest predicted (n, strategy) among the given ones, within the memory budget.
+
+        Without a budget the shared-buffer strategies S1–S4 compete (memory reuse on);
+        with a budget, "none" competes too and whatever fits wins on time.
+        """
+        if memory_budget is not None and "none" not in strategies:
+            strategies = ("none", *strategies)
+        options = [self.predict(config, tokens, world_size, n, s, dtype) for n in partitions for s in strategies]
+        fitting = [o for o in options if memory_budget is None or o.peak_bytes <= memory_budget]
+        if not fitting:
+            smallest = min(options, key=lambda o: o.peak_bytes)
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes is too small: the leanest choice "
+                f"(n={smallest.partitions}, {smallest.strategy}) needs {smallest.peak_bytes} bytes for "
+                f"{tokens} tokens; raise the budget, use fewer tokens per step, or more partitions")
+        return min(fitting, key=lambda o: o.total_s)
+

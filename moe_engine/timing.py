@@ -1,0 +1,68 @@
+"""One timing helper for calibration, the online search and the benchmark:
+warm-up, then repeated runs timed with CUDA events (GPU) or perf_counter (CPU)."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    mean_s: float
+    stdev_s: float
+    repeats: int
+
+    @property
+    def mean_ms(self) -> float:
+        return self.mean_s * 1e3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Elapsed time of a region, ordered with the device's work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        """Seconds between start and stop (waits for the device on CUDA)."""
+        if self.device.type == "cuda":
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._t1 - self._t0
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 5) -> Timing:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        watch = Stopwatch(device)
+        watch.start()
+        fn()
+        watch.stop()
+        samples.append(watch.elapsed_s())
+    return Timing(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0, len(samples))

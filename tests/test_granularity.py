@@ -1,0 +1,154 @@
+"""Tier 1/2: the online search of n — exploration, range merging, re-checks, skew shifts,
+agreement across ranks — with a synthetic cost, then on real passes."""
+import pytest
+import torch
+
+from moe_engine import FastMoE, MoEConfig, MPipeMoE
+from moe_engine.comm import ExpertGroup
+from moe_engine.granularity import GranularitySearch, skew_bucket
+from tests.distributed import run_on_ranks
+
+
+class FakeTiming:
+    def __init__(self, seconds):
+        self._seconds = seconds
+        self.backward_done = True
+
+    def seconds(self):
+        return self._seconds
+
+
+class ScriptedSearch(GranularitySearch):
+    """Measures a synthetic cost(tokens, n) instead of the clock."""
+
+    def __init__(self, cost, **kwargs):
+        super().__init__(**kwargs)
+        self.cost = cost
+        self._tokens = None
+
+    def choose(self, tokens, skew, group, timing_wanted=True):
+        self._tokens = tokens
+        return super().choose(tokens, skew, group, timing_wanted)
+
+    def timing_for_pass(self, n, device):
+        self._n = n
+        return super().timing_for_pass(n, device)
+
+    def _new_timing(self, device):
+        return FakeTiming(self.cost(self._tokens, self._n))
+
+
+def run_passes(search, tokens, passes, skew=0):
+    group = ExpertGroup(None)
+    chosen = []
+    for _ in range(passes):
+        n = search.choose(tokens, skew, group)
+        search.timing_for_pass(n, torch.device("cpu"))
+        chosen.append(n)
+    return chosen
+
+
+def best_n_grows_with_tokens(tokens, n):
+    best = 1 if tokens < 2000 else 4 if tokens < 10000 else 8
+    return 1.0 + abs(n - best) * 0.1
+
+
+def test_search_explores_then_settles_on_fastest():
+    search = ScriptedSearch(best_n_grows_with_tokens, candidates=(1, 2, 4, 8), warmup=1, repeats=2)
+    chosen = run_passes(search, 4096, 12 + 3)
+    assert chosen[:12] == [1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8]
+    assert chosen[12:] == [4, 4, 4]
+    assert search.decisions[-1]["event"] == "chose" and search.decisions[-1]["partitions"] == 4
+
+
+def test_range_merging_and_pruned_search():
+    search = ScriptedSearch(best_n_grows_with_tokens, candidates=(1, 2, 4, 8), warmup=0, repeats=1)
+    run_passes(search, 4096, 5)
+    run_passes(search, 8192, 5)
+    assert [(e.tokens, e.partitions) for e in search.cache] == [(4096, 4), (8192, 4)]
+    # between two entries with the same n: reused, no search
+    decisions = len(search.decisions)
+    assert run_passes(search, 6000, 2) == [4, 4]
+    assert len(search.decisions) == decisions
+    # above the largest entry: n >= 4 are timed, plus one neighbour below as a guard
+    run_passes(search, 20000, 4)
+    started = [d for d in search.decisions if d["event"] == "search started"][-1]
+    assert started["candidates"] == [2, 4, 8]
+    assert search.cache[-1].partitions == 8
+
+
+def test_periodic_recheck_detects_stale_cache():
+    costs = {"best": 2}
+    search = ScriptedSearch(lambda t, n: 1.0 + abs(n - costs["best"]), candidates=(1, 2, 4, 8),
+                            warmup=0, repeats=1, recheck_every=5)
+    run_passes(search, 1000, 5)
+    assert search.cache[0].partitions == 2
+    costs["best"] = 4   # the hardware / workload changed under the cache
+    run_passes(search, 1000, 4 + 3 + 1)
+    events = [d["event"] for d in search.decisions]
+    assert "cache stale" in events
+    assert search.cache[0].partitions == 4
+
+
+def test_skew_shift_triggers_new_search():
+    search = ScriptedSearch(best_n_grows_with_tokens, candidates=(1, 2), warmup=0, repeats=1)
+    run_passes(search, 1000, 3, skew=0)
+    run_passes(search, 1000, 3, skew=2)
+    reasons = [d.get("reason", "") for d in search.decisions if d["event"] == "search started"]
+    assert any("routing skew changed" in r for r in reasons)
+
+
+def test_monotonicity_violations_are_reported():
+    search = ScriptedSearch(lambda t, n: 1.0 + abs(n - (4 if t < 5000 else 2)), candidates=(1, 2, 4),
+                            warmup=0, repeats=1)
+    run_passes(search, 1000, 4)
+    run_passes(search, 9000, 4)
+    assert search.monotonicity_violations() == [(1000, 4, 9000, 2)]
+    assert any(d["event"] == "monotonicity violated" for d in search.decisions)
+
+
+def test_skew_bucket():
+    assert skew_bucket(torch.tensor([10, 10, 10, 10])) == 0
+    assert skew_bucket(torch.tensor([40, 0, 0, 0])) == 2
+    assert skew_bucket(torch.tensor([0, 0])) == 0
+
+
+def test_bad_search_settings():
+    with pytest.raises(ValueError, match="candidates="):
+        GranularitySearch(candidates=(0, 2))
+
+
+def _auto_layer_matches_fastmoe(rank, world_size):
+    config = MoEConfig(16, 32, 2 * world_size, top_k=2)
+    torch.manual_seed(0)
+    reference = FastMoE(config, dtype=torch.float64)
+    layer = MPipeMoE(config, partitions="auto", strategy="auto", dtype=torch.float64,
+                     search=GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1))
+    layer.load_state_dict(reference.state_dict())
+    chosen = []
+    for step in range(5):
+        x = torch.randn(24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model in (reference, layer):
+            model.zero_grad()
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, aa = reference(xa)
+        yb, ab = layer(xb)
+        (ya.square().sum() + aa).backward()
+        (yb.square().sum() + ab).backward()
+        torch.testing.assert_close(yb, ya)
+        torch.testing.assert_close(xb.grad, xa.grad)
+        torch.testing.assert_close(layer.experts.w1.grad, reference.experts.w1.grad)
+        chosen.append((layer.last_partitions, layer.last_strategy))
+    return chosen, [d["event"] for d in layer.search.decisions], layer.profile
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_auto_layer_is_exact_and_ranks_agree(world_size):
+    results = run_on_ranks(world_size, _auto_layer_matches_fastmoe)
+    chosen = [r[0] for r in results]
+    assert all(c == chosen[0] for c in chosen), f"ranks chose differently: {chosen}"
+    assert [n for n, _ in chosen[0][:3]] == [1, 2, 4]          # the search timed each candidate
+    assert "chose" in results[0][1]
+    assert all(s in ("S1", "S2", "S3", "S4") for _, s in chosen[0])
+    profiles = [r[2] for r in results]
+    assert all(p == profiles[0] for p in profiles), "ranks hold different hardware profiles"

@@ -1,0 +1,85 @@
+"""Tier 1/2: calibration produces one shared profile; the model's predictions move the
+right way with each cost; the choice honours a memory budget."""
+import dataclasses
+
+import pytest
+import torch
+
+from moe_engine import MoEConfig
+from moe_engine.comm import ExpertGroup
+from moe_engine.memory import predict_memory
+from moe_engine.perf_model import HardwareProfile, PerformanceModel, ProfileStore, calibrate
+from tests.distributed import run_on_ranks
+
+GPT_XL = MoEConfig(2048, 8192, 8, top_k=2)
+
+
+def profile(**overrides):
+    base = HardwareProfile(device="test", dtype="bfloat16", world_size=8, gemm_flops=600e12,
+                           a2a_latency_s=50e-6, a2a_bytes_per_s=20e9, d2h_bytes_per_s=50e9,
+                           h2d_bytes_per_s=50e9, partition_overhead_s=30e-6,
+                           slowdown={"compute|comm": 1.1, "comm|compute": 1.2})
+    return dataclasses.replace(base, **overrides)
+
+
+def predict(p, n, strategy, tokens=16384):
+    return PerformanceModel(p).predict(GPT_XL, tokens, 8, n, strategy, torch.bfloat16)
+
+
+def test_recomputation_and_recommunication_cost_time():
+    p = profile(a2a_bytes_per_s=1e15, d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15)  # free comm/copies
+    # only compute matters: S3/S4 recompute GEMM1 in backward, S1/S2 do not
+    assert predict(p, 1, "S4").backward_s > predict(p, 1, "S1").backward_s
+    slow_net = profile(d2h_bytes_per_s=1e15, h2d_bytes_per_s=1e15, gemm_flops=1e18)
+    assert predict(slow_net, 1, "S2").backward_s > predict(slow_net, 1, "S1").backward_s
+
+
+def test_slow_copies_favour_recomputation_fast_copies_favour_offload():
+    slow_pcie = profile(d2h_bytes_per_s=5e9, h2d_bytes_per_s=5e9)
+    fast_pcie = profile(d2h_bytes_per_s=5e13, h2d_bytes_per_s=5e13, gemm_flops=50e12)
+    m = lambda p: PerformanceModel(p).choose(GPT_XL, 16384, 8, torch.bfloat16, [4])  # noqa: E731
+    assert m(slow_pcie).strategy == "S4"
+    assert m(fast_pcie).strategy == "S1"
+
+
+def test_pipelining_hides_communication():
+    p = profile()
+    assert predict(p, 4, "S4").total_s < predict(p, 1, "S4").total_s
+    # with a huge per-partition overhead, splitting stops paying
+    costly = profile(partition_overhead_s=1.0)
+    assert predict(costly, 8, "S4").total_s > predict(costly, 1, "S4").total_s
+
+
+def test_memory_budget():
+    model = PerformanceModel(profile())
+    roomy = model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4], memory_budget=10 ** 12)
+    assert roomy.strategy == "none"   # everything fits: keeping everything is fastest
+    need_s4 = predict_memory(GPT_XL, 16384, 8, 4, "S4").peak_bytes
+    tight = model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4], memory_budget=need_s4)
+    assert tight.peak_bytes <= need_s4
+    with pytest.raises(ValueError, match="memory_budget=1000 bytes is too small"):
+        model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4], memory_budget=1000)
+
+
+def test_profile_store_round_trip(tmp_path):
+    store = ProfileStore(str(tmp_path / "profiles.json"))
+    assert store.get("x") is None
+    p = profile()
+    store.put(p)
+    assert store.get(p.key) == p
+
+
+def _calibrate(rank, world_size):
+    config = MoEConfig(32, 64, 2 * world_size, top_k=2)
+    return calibrate(config, 64, ExpertGroup(None), torch.device("cpu"), torch.float32, repeats=2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_calibration_on_cpu_gives_one_profile_for_all_ranks(world_size):
+    profiles = run_on_ranks(world_size, _calibrate)
+    assert all(p == profiles[0] for p in profiles)
+    p = profiles[0]
+    assert p.device == "cpu" and p.world_size == world_size and p.dtype == "float32"
+    for value in (p.gemm_flops, p.a2a_bytes_per_s, p.d2h_bytes_per_s, p.h2d_bytes_per_s):
+        assert value > 0
+    assert all(f >= 1.0 for f in p.slowdown.values()) and len(p.slowdown) == 6
