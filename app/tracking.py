@@ -22,12 +22,18 @@ PARENT_TAG = "mlflow.parentRunId"
 _BATCH = 500  # MLflow accepts at most 1000 metrics / 100 params per log_batch call
 
 
+NO_TRACKING = "none"
+
+
 def resolve_tracking_uri(uri: str | None = None) -> str:
     """The store to use: ``uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``.
 
     Relative sqlite paths and plain directory paths are made absolute against the
     current directory, so Ray workers and Tune trials (whose cwd differs) hit the same store.
+    ``"none"`` stays ``"none"``: no MLflow at all (machines without mlflow; see NullRun).
     """
+    if uri == NO_TRACKING:
+        return uri
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str((Path.cwd() / uri[len("sqlite:///"):]).resolve())
@@ -132,6 +138,19 @@ class RunLogger:
         """Flush and close the run with ``status`` (FINISHED, FAILED or KILLED)."""
         self.flush()
         self.client.set_terminated(self.run_id, status=status)
+
+
+class NullRun:
+    """Stands in for ``RunLogger`` when tracking is off (tracking URI ``"none"``)."""
+
+    run_id = None
+    tracking_uri = NO_TRACKING
+
+    def log_params(self, params: dict) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def log_metrics(self, metrics: dict, step: int | None = None, flush: bool = False) -> None: ...
+    def flush(self) -> None: ...
+    def finish(self, status: str = "FINISHED") -> None: ...
 
 
 def find_run(tracking_uri: str, experiment: str, tag: str, value: str) -> str | None:

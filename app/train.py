@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import queue as queue_lib
@@ -59,7 +60,7 @@ class TrainJob:
     checkpoint_every: int = 10         # steps between checkpoints (and at the last step)
     storage_path: str | None = None    # Ray Train storage (absolute); default ./ray_results
     name: str | None = None            # Ray Train run name; an existing name resumes it
-    tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db
+    tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db; "none": off
     experiment: str = DEFAULT_EXPERIMENT
     parent_run_id: str | None = None   # nest the MLflow run under this run
     data_dir: str | None = None        # prepared data; default ./data/stdlib-bytes (auto-prepared)
@@ -310,7 +311,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     import ray
     from ray.util.queue import Queue
 
-    from app.tracking import RunLogger, find_run
+    from app.tracking import NO_TRACKING, NullRun, RunLogger, find_run
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address, verbose)
@@ -320,8 +321,9 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         trainer = build_trainer(job, metrics_queue)
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
-        previous = find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name) if resuming else None
-        if previous:
+        if job.tracking_uri == NO_TRACKING:
+            run = NullRun()
+        elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
             run = RunLogger.resume(job.tracking_uri, previous)
             echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
         else:
@@ -335,7 +337,8 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
              f"{device}, {config['dtype']}, batch {job.batch_size}x{config['seq_len']} per worker, "
              f"{job.steps} steps")
-        echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
+        if run.run_id:
+            echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
         with _MetricsPump(metrics_queue, run, job, echo, on_step) as pump:
             try:
@@ -360,7 +363,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         summary["history"] = pump.history
         return summary
     except BaseException:
-        if run is not None and run.client.get_run(run.run_id).info.status == "RUNNING":
+        if run is not None and run.run_id and run.client.get_run(run.run_id).info.status == "RUNNING":
             run.finish("KILLED")
         raise
     finally:
@@ -389,16 +392,19 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
     ``speedup_vs_X`` = tokens/s(R) / tokens/s(X) and ``memory_ratio_vs_X`` = peak(R) / peak(X).
     Returns {"parent_run_id", "summaries": {engine: summary}, "ratios": {...}}.
     """
-    from app.tracking import RunLogger
+    from app.tracking import NO_TRACKING, NullRun, RunLogger
 
     for engine in engines:
         if engine not in ENGINES:
             raise ValueError(f"--engines: {engine!r} is unknown: choose from {', '.join(ENGINES)}")
     base = job.name
-    parent = RunLogger.start(job.tracking_uri, job.experiment, run_name=f"{base}-compare",
-                             parent_run_id=job.parent_run_id,
-                             tags={"mpipemoe.kind": "compare", "engines": ",".join(engines),
-                                   "preset": job.preset})
+    if job.tracking_uri == NO_TRACKING:
+        parent = NullRun()
+    else:
+        parent = RunLogger.start(job.tracking_uri, job.experiment, run_name=f"{base}-compare",
+                                 parent_run_id=job.parent_run_id,
+                                 tags={"mpipemoe.kind": "compare", "engines": ",".join(engines),
+                                       "preset": job.preset})
     parent.log_params({"engines": ",".join(engines), **{k: v for k, v in dataclasses.asdict(job).items()
                                                         if v is not None and k not in ("engine", "name")}})
     summaries = {}
@@ -465,7 +471,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--name", default=None, help="run name (an existing name resumes that run)")
     add("--resume", default=None, metavar="NAME", help="resume run NAME from its last checkpoint")
     add("--data-dir", default=None, help="prepared data (default ./data/stdlib-bytes, prepared if missing)")
-    add("--tracking-uri", default=None, help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db)")
+    add("--tracking-uri", default=None,
+        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db); 'none' = no MLflow")
+    add("--summary-json", default=None, metavar="PATH", help="also write the summary (and history) as JSON")
     add("--experiment", default=DEFAULT_EXPERIMENT)
     add("--cpus-per-worker", type=float, default=None)
     add("--num-experts", type=int, default=None)
@@ -491,9 +499,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = job_from_args(args)
         if args.engines:
-            compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()], args.address)
+            result = compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()],
+                                     args.address, verbose=args.verbose)
+            if args.summary_json:
+                Path(args.summary_json).write_text(json.dumps(result, indent=1, default=str) + "\n")
         else:
             summary = run_job(job, args.address, verbose=args.verbose)
+            if args.summary_json:
+                Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
             print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
                   f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
                   f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
