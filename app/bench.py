@@ -1,0 +1,424 @@
+"""`mpipemoe bench`: MoE-layer benchmark, every engine side by side in one process on the
+same inputs and parameters (DESIGN.md §7).
+
+    mpipemoe bench                                   # tiny layer on CPU, quick
+    mpipemoe bench --model gpt-xl --tokens 4096,8192,16384,32768      # on a GPU (bf16)
+    mpipemoe bench --model gpt-s --world-size 2      # 2 processes (NCCL on 2 GPUs, gloo on CPU)
+    mpipemoe bench --import results/bench-h200.json  # log records made elsewhere to MLflow
+
+For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeMoE
+with partitions="auto" and strategy="auto" (after its online search settles), and an
+exhaustive grid of MPipeMoE over partitions × strategies; it measures peak memory
+(CUDA), the expert FFN's GEMM rate against one dense GEMM of the same total shape,
+and the performance model's predictions. Records are JSON (and a Markdown table
+beside them), and MLflow runs (tag kind=bench) when MLflow is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from moe_engine.comm import ExpertGroup
+from moe_engine.experts import Experts, activate
+from moe_engine.granularity import GranularitySearch
+from moe_engine.memory import predict_memory
+from moe_engine.perf_model import PerformanceModel, calibrate, device_name
+from moe_engine.timing import synchronize, time_fn
+
+# Layer shapes of the paper's models (DESIGN.md §6) and a tiny one for CPUs.
+LAYER_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192), "bert-l": (1024, 4096), "tiny": (64, 128)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class BenchSettings:
+    models: list
+    tokens: list
+    num_experts: int = 8
+    top_k: int = 2
+    activation: str = "gelu"
+    dtype: str = "auto"
+    partitions: tuple = (1, 2, 4, 8)
+    strategies: tuple = ("none", "S1", "S2", "S3", "S4")
+    grid: bool = True
+    warmup: int = 2
+    repeats: int = 5
+    world_size: int = 1
+
+    def __post_init__(self):
+        for m in self.models:
+            if m not in LAYER_SHAPES:
+                raise ValueError(f"--model {m!r} is unknown: choose from {', '.join(LAYER_SHAPES)}")
+        if not self.tokens or any(t < 1 for t in self.tokens):
+            raise ValueError(f"--tokens {self.tokens} is invalid: give positive token counts, e.g. 4096,8192")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
+        if self.num_experts % self.world_size:
+            raise ValueError(f"--experts {self.num_experts} must be a multiple of --world-size {self.world_size}")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help=f"comma list of {', '.join(LAYER_SHAPES)} "
+                        "(default: tiny on CPU, gpt-s,gpt-xl,bert-l on GPU)")
+    parser.add_argument("--tokens", default=None, help="comma list of tokens per rank "
+                        "(default: 512,1024 on CPU, 4096,8192,16384,32768 on GPU)")
+    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default 8)")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
+    parser.add_argument("--partitions", default="1,2,4,8", help="grid of MPipeMoE partitions")
+    parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
+    parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
+    parser.add_argument("--out", default=None, help="JSON file to write (default results/bench-<device>-<date>.json)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
+    parser.add_argument("--experiment", default="mpipemoe-bench")
+    parser.add_argument("--import", dest="import_json", default=None,
+                        help="log the records of an existing bench JSON to MLflow and exit")
+
+
+# -- measuring one engine -------------------------------------------------------------------------
+
+def _step(layer, x, grad_y):
+    layer.zero_grad(set_to_none=True)
+    x_in = x.detach().requires_grad_(True)
+    y, aux = layer(x_in)
+    torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
+
+
+def measure(layer, x, grad_y, settings: BenchSettings, device) -> dict:
+    """Forward+backward time and peak memory above parameters and inputs."""
+    if isinstance(layer, MPipeMoE) and layer.partitions == "auto":
+        for _ in range(60):  # let the online search settle on an n
+            _step(layer, x, grad_y)
+            if layer.search.active is None and layer.search.cache:
+                break
+    _step(layer, x, grad_y)
+    synchronize(device)
+    peak = None
+    if device.type == "cuda":
+        layer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        _step(layer, x, grad_y)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+    timing = time_fn(lambda: _step(layer, x, grad_y), device, warmup=settings.warmup, repeats=settings.repeats)
+    return {"fwd_bwd_ms": timing.mean_ms, "fwd_bwd_ms_std": timing.stdev_s * 1e3, "peak_memory_bytes": peak}
+
+
+def expert_gemm_efficiency(config: MoEConfig, tokens: int, local_experts: int, device, dtype, settings) -> dict:
+    """Grouped expert FFN (forward + backward) against one dense GEMM chain of the same total rows."""
+    rows = config.top_k * tokens
+    grouped = Experts(config, local_experts, device=device, dtype=dtype)
+    dense = Experts(config, 1, device=device, dtype=dtype)
+    x = torch.randn(rows, config.d_model, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+
+    def ffn(experts, counts):
+        A = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
+        y = torch.empty_like(x)
+        experts.project_in(x, counts, A)
+        experts.project_out(activate(A, config.activation), counts, y)
+        experts.backward_rows(x, A, dy, counts, experts.new_grads(), torch.empty_like(x))
+
+    counts = [rows // local_experts + (1 if i < rows % local_experts else 0) for i in range(local_experts)]
+    grouped_s = time_fn(lambda: ffn(grouped, counts), device, settings.warmup, settings.repeats).mean_s
+    dense_s = time_fn(lambda: ffn(dense, [rows]), device, settings.warmup, settings.repeats).mean_s
+    flops = 3 * 2 * rows * config.d_model * (grouped.pre_activation_width + config.d_hidden)
+    return {"expert_ffn_ms": grouped_s * 1e3, "dense_ffn_ms": dense_s * 1e3,
+            "expert_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
+            "expert_gemm_efficiency": dense_s / grouped_s}
+
+
+def bench_point(model: str, tokens: int, settings: BenchSettings, group: ExpertGroup, device, log) -> list:
+    d_model, d_hidden = LAYER_SHAPES[model]
+    dtype = settings.torch_dtype(device)
+    config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, d_model, device=device, dtype=dtype, generator=None)
+    grad_y = torch.randn_like(x)
+    source = FastMoE(config, group.group, device=device, dtype=dtype)
+    profile = calibrate(config, tokens, group, device, dtype, repeats=3)
+    model_of_time = PerformanceModel(profile)
+    variants = [("fastmoe", "baseline", lambda: FastMoE(config, group.group, device=device, dtype=dtype)),
+                ("fastermoe", "baseline", lambda: FasterMoE(config, group.group, device=device, dtype=dtype)),
+                ("mpipemoe", "auto", lambda: MPipeMoE(config, group.group, "auto", "auto", profile=profile,
+                                                      search=GranularitySearch(candidates=settings.partitions),
+                                                      device=device, dtype=dtype))]
+    if settings.grid:
+        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group.group, n, s, device=device, dtype=dtype))
+                     for n in settings.partitions for s in settings.strategies]
+    records = []
+    for engine, chosen_by, build in variants:
+        layer = build()
+        layer.load_state_dict(source.state_dict())
+        result = measure(layer, x, grad_y, settings, device)
+        n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
+        strategy = getattr(layer, "last_strategy", None) or "none"
+        predicted_memory = predict_memory(config, tokens, group.size, n if engine != "fastmoe" else 1, strategy,
+                                          engine=engine, dtype=dtype).peak_bytes
+        record = {"engine": engine, "model": model, "tokens": tokens, "world_size": group.size,
+                  "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
+                  "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **result,
+                  "predicted_memory_bytes": predicted_memory,
+                  "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
+                  "top_k": settings.top_k, "activation": settings.activation}
+        if engine == "mpipemoe":
+            record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
+                                                                         dtype).total_s
+            if chosen_by == "auto":
+                record["search_decisions"] = layer.search.decisions
+        records.append(record)
+        log(record)
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    efficiency = expert_gemm_efficiency(config, tokens, config.experts_per_rank(group.size), device, dtype, settings)
+    for record in records:
+        record.update(efficiency)
+    return records
+
+
+# -- summaries: the targets of DESIGN.md §7, from the records ------------------------------------
+
+def summarize(records: list) -> list:
+    """Per (model, tokens): auto vs grid best, strategy pick vs fastest, memory vs FastMoE."""
+    summaries = []
+    keys = sorted({(r["model"], r["tokens"]) for r in records})
+    for model, tokens in keys:
+        point = [r for r in records if r["model"] == model and r["tokens"] == tokens]
+        by = lambda engine, chosen_by: [r for r in point if r["engine"] == engine and r["chosen_by"] == chosen_by]  # noqa
+        fast, faster, auto, grid = by("fastmoe", "baseline"), by("fastermoe", "baseline"), by("mpipemoe", "auto"), \
+            by("mpipemoe", "grid")
+        if not (fast and auto):
+            continue
+        fast, auto = fast[0], auto[0]
+        summary = {"model": model, "tokens": tokens, "auto_partitions": auto["partitions"],
+                   "auto_strategy": auto["strategy"], "auto_fwd_bwd_ms": auto["fwd_bwd_ms"],
+                   "fastmoe_fwd_bwd_ms": fast["fwd_bwd_ms"],
+                   "speedup_vs_fastmoe": fast["fwd_bwd_ms"] / auto["fwd_bwd_ms"],
+                   "expert_gemm_efficiency": auto.get("expert_gemm_efficiency")}
+        if faster:
+            summary["speedup_vs_fastermoe"] = faster[0]["fwd_bwd_ms"] / auto["fwd_bwd_ms"]
+        if fast.get("peak_memory_bytes") and auto.get("peak_memory_bytes"):
+            summary["memory_ratio_vs_fastmoe"] = auto["peak_memory_bytes"] / fast["peak_memory_bytes"]
+            summary["predicted_memory_error"] = auto["predicted_memory_bytes"] / auto["peak_memory_bytes"] - 1
+        if grid:
+            shared = [r for r in grid if r["strategy"] != "none"]
+            best = min(shared, key=lambda r: r["fwd_bwd_ms"])
+            summary.update(grid_best_partitions=best["partitions"], grid_best_strategy=best["strategy"],
+                           grid_best_fwd_bwd_ms=best["fwd_bwd_ms"],
+                           auto_vs_grid_best=auto["fwd_bwd_ms"] / best["fwd_bwd_ms"] - 1)
+            same_n = [r for r in shared if r["partitions"] == auto["partitions"]]
+            if same_n:
+                fastest = min(same_n, key=lambda r: r["fwd_bwd_ms"])
+                picked = next((r for r in same_n if r["strategy"] == auto["strategy"]), None)
+                if picked:
+                    summary["strategy_pick_vs_fastest"] = picked["fwd_bwd_ms"] / fastest["fwd_bwd_ms"] - 1
+                    summary["fastest_strategy_at_auto_n"] = fastest["strategy"]
+            keep = [r for r in grid if r["strategy"] == "none"]
+            cheapest = [r for r in shared if r.get("peak_memory_bytes")]
+            if keep and cheapest and keep[0].get("peak_memory_bytes"):
+                lean = min(cheapest, key=lambda r: r["peak_memory_bytes"])
+                summary["leanest_memory_ratio_vs_none"] = lean["peak_memory_bytes"] / max(
+                    r["peak_memory_bytes"] for r in keep)
+        summaries.append(summary)
+    return summaries
+
+
+def markdown_table(result: dict) -> str:
+    meta = result["meta"]
+    lines = [f"# MoE layer benchmark — {meta['device']} × {meta['world_size']}, {meta['date']}", "",
+             f"Command: `{meta['command']}`  ", f"torch {meta['torch']}, Python {meta['python']}, "
+             f"git {meta.get('git_commit', '?')}", "",
+             "Generated by `mpipemoe bench` from the JSON beside this file; do not edit.", ""]
+    if meta["world_size"] == 1:
+        lines += ["With one GPU the All-to-All is a local copy, so there is nothing to overlap: "
+                  "speedups over the baselines need several GPUs and are not claimed here.", ""]
+    lines += ["## Per model and token count", "",
+              "| model | tokens | auto n | auto strategy | auto ms | FastMoE ms | speedup vs FastMoE | "
+              "speedup vs FasterMoE | memory vs FastMoE | grid best | auto vs grid best | strategy pick vs "
+              "fastest at n | expert GEMM eff. |", "|" + "---|" * 13]
+    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    for s in result["summaries"]:
+        lines.append(
+            f"| {s['model']} | {s['tokens']} | {s['auto_partitions']} | {s['auto_strategy']} | "
+            f"{s['auto_fwd_bwd_ms']:.2f} | {s['fastmoe_fwd_bwd_ms']:.2f} | {fmt(s['speedup_vs_fastmoe'], '.2f')} | "
+            f"{fmt(s.get('speedup_vs_fastermoe'), '.2f')} | {fmt(s.get('memory_ratio_vs_fastmoe'), '.2f')} | "
+            f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
+            f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
+            f"{fmt(s.get('expert_gemm_efficiency'), '.0%')} |")
+    lines += ["", "## Every measurement", "",
+              "| model | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB |",
+              "|" + "---|" * 10]
+    for r in result["records"]:
+        peak = r.get("peak_memory_bytes")
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['engine']} | {r['chosen_by']} | {r['partitions']} | "
+                     f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
+                     f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | {r['predicted_memory_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- running ----------------------------------------------------------------------------------
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> None:
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= settings.world_size
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if settings.world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=settings.world_size, timeout=timedelta(minutes=5))
+    group = ExpertGroup(None)
+    log = (lambda r: queue.put(("record", r))) if rank == 0 else (lambda r: None)
+    try:
+        records = []
+        for model in settings.models:
+            for tokens in settings.tokens:
+                records += bench_point(model, tokens, settings, group, device, log)
+        if rank == 0:
+            queue.put(("done", records))
+    finally:
+        if settings.world_size > 1:
+            dist.destroy_process_group()
+
+
+def run_bench(settings: BenchSettings, printer=print) -> list:
+    """Every rank benchmarks; rank 0's records come back (printed as they arrive)."""
+    if settings.world_size == 1:
+        import queue as queue_lib
+        q = queue_lib.Queue()
+        _rank_main(0, settings, "", q)
+        items = [q.get() for _ in range(q.qsize())]
+    else:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [ctx.Process(target=_rank_main, args=(r, settings, os.path.join(tmp, "init"), q))
+                     for r in range(settings.world_size)]
+            for p in procs:
+                p.start()
+            items = []
+            while True:
+                kind, payload = q.get(timeout=3600)
+                items.append((kind, payload))
+                if kind == "record":
+                    printer(_progress_line(payload))
+                if kind == "done":
+                    break
+            for p in procs:
+                p.join()
+        return next(payload for kind, payload in items if kind == "done")
+    for kind, payload in items:
+        if kind == "record":
+            printer(_progress_line(payload))
+    return next(payload for kind, payload in items if kind == "done")
+
+
+def _progress_line(r: dict) -> str:
+    peak = r.get("peak_memory_bytes")
+    return (f"  {r['model']:>6} {r['tokens']:>6} tok  {r['engine']:<9} {r['chosen_by']:<8} n={r['partitions']:<2} "
+            f"{r['strategy']:<4}  {r['fwd_bwd_ms']:9.2f} ms  "
+            f"{'' if peak is None else f'peak {peak / 2**20:8.0f} MiB'}")
+
+
+def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
+    """One MLflow run per record (tag kind=bench), plus one per summary (kind=bench-summary)."""
+    try:
+        from app.tracking import RunLogger, resolve_tracking_uri
+        import mlflow  # noqa: F401
+    except ImportError:
+        printer("MLflow is not installed here: records stay in the JSON (log them later with --import).")
+        return 0
+    uri = resolve_tracking_uri(tracking_uri)
+    if uri == "none":
+        return 0
+    meta = result["meta"]
+    count = 0
+    for kind, rows in (("bench", result["records"]), ("bench-summary", result["summaries"])):
+        for row in rows:
+            run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{row.get('engine', 'summary')}",
+                                  tags={"kind": kind, "device": meta["device"], "command": meta["command"][:250]})
+            params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
+            params.update(world_size=meta["world_size"], date=meta["date"], torch=meta["torch"])
+            metrics = {k: float(v) for k, v in row.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+            run.log_params(params)
+            run.log_metrics(metrics, step=0, flush=True)
+            run.finish()
+            count += 1
+    printer(f"Logged {count} MLflow runs to {uri} (experiment {experiment!r}).")
+    return count
+
+
+def _split(text: str, cast=str) -> list:
+    return [cast(v.strip()) for v in text.split(",") if v.strip()]
+
+
+def run(args) -> int:
+    if args.import_json:
+        with open(args.import_json) as f:
+            log_to_mlflow(json.load(f), args.tracking_uri, args.experiment)
+        return 0
+    on_gpu = torch.cuda.is_available()
+    settings = BenchSettings(
+        models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
+        tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
+        num_experts=args.experts, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
+        partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
+        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, world_size=args.world_size)
+    device = device_name(torch.device("cuda")) if on_gpu else "cpu"
+    print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
+          f"{settings.world_size} × {device}: FastMoE, FasterMoE, MPipeMoE auto"
+          f"{' and the n × strategy grid' if settings.grid else ''}...", flush=True)
+    started = time.time()
+    records = run_bench(settings, printer=lambda line: print(line, flush=True))
+    result = {"meta": {"command": "mpipemoe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
+                       else " ".join(sys.argv), "device": device, "world_size": settings.world_size,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+                       "python": platform.python_version(), "git_commit": _git_commit(),
+                       "settings": asdict(settings), "wall_s": round(time.time() - started, 1)},
+              "records": records, "summaries": summarize(records)}
+    out = args.out or os.path.join("results", f"bench-{device.replace(' ', '-').lower()}-"
+                                   f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown_table(result))
+    print(markdown_table(result).split("## Every measurement")[0])
+    print(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
+    log_to_mlflow(result, args.tracking_uri, args.experiment)
+    return 0
