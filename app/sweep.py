@@ -107,11 +107,6 @@ def _constant(space: dict, key: str, default):
     return value
 
 
-def absolute_storage(path: str) -> str:
-    """A URI (``s3://...``) unchanged, a local path made absolute (Ray Train needs that)."""
-    return path if "://" in path else os.path.abspath(path)
-
-
 def train_trial(config: dict, *, settings: TrialSettings) -> None:
     """One Tune trial: one ``app.train`` job with the trial's config; reports its summary."""
     from ray import tune
@@ -126,7 +121,8 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
         raise ValueError(f"study {settings.study!r} sets {unknown}, which TrainJob does not have")
     extra = {"cpus_per_worker": settings.cpus_per_worker} if settings.cpus_per_worker else {}
     job = TrainJob(**{"use_gpu": settings.use_gpu, **extra, **config},
-                   storage_path=settings.train_storage_path, name=trial_id, data_dir=settings.data_dir,
+                   storage_path=settings.train_storage_path, name=f"{settings.study}-{trial_id}",
+                   data_dir=settings.data_dir,
                    tracking_uri=settings.tracking_uri, experiment=settings.study,
                    parent_run_id=settings.parent_run_id)
     summary = run_job(job)
@@ -167,7 +163,7 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
 
     module = tune_spaces.load(study)
     space = module.param_space()
-    storage_path = absolute_storage(storage_path)
+    storage_path = os.path.abspath(storage_path)  # Ray Train needs absolute paths
     experiment_path = os.path.join(storage_path, study)
     plan = plan_resources(ray.cluster_resources(), num_workers=_constant(space, "num_workers", 2),
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
@@ -197,12 +193,25 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                                            max_concurrent_trials=plan.max_concurrent_trials),
             run_config=tune.RunConfig(name=study, storage_path=storage_path,
                                       failure_config=tune.FailureConfig(max_failures=0)))
-    results = tuner.fit()
     parent = RunLogger(tracking_uri, parent_run_id)
-    failed = sum(1 for r in results if r.error)
-    parent.log_metrics({"trials": len(results), "trials_failed": failed}, flush=True)
-    parent.finish("FAILED" if failed else "FINISHED")
+    try:
+        results = tuner.fit()
+    except BaseException:
+        parent.finish("FAILED")
+        raise
+    failed, finished = count_trials(results)
+    parent.log_metrics({"trials": len(results), "trials_failed": failed, "trials_finished": finished},
+                       flush=True)
+    # KILLED: interrupted; running the study again resumes it (and reopens this run)
+    parent.finish("FAILED" if failed else "FINISHED" if finished == len(results) else "KILLED")
     return results
+
+
+def count_trials(results) -> tuple[int, int]:
+    """(errored, finished) trials of a ResultGrid; the rest were interrupted or never started."""
+    failed = sum(1 for r in results if r.error)
+    finished = sum(1 for r in results if not r.error and tune_spaces.METRIC in (r.metrics or {}))
+    return failed, finished
 
 
 def format_results(results) -> str:
@@ -229,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ray cluster address (e.g. 'auto' on the head node); default: embedded local Ray")
     parser.add_argument("--storage-path", default=DEFAULT_STORAGE,
                         help="Tune/Train results root, shared by all nodes on a cluster "
-                             "(local path or s3://...); the study resumes from <storage-path>/<space>")
+                             "(e.g. /mnt/shared/ray_results); the study resumes from <storage-path>/<space>")
     parser.add_argument("--num-samples", type=int, default=1, help="samples of the param space (grid repeats)")
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="trials at once; default: as many as the cluster's GPUs/CPUs can serve")
@@ -263,4 +272,8 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     print(format_results(results))
     print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: mpipemoe report --experiment {args.space}")
-    return 1 if any(r.error for r in results) else 0
+    failed, finished = count_trials(results)
+    if failed + finished < len(results):
+        print(f"Study interrupted ({finished}/{len(results)} trials finished): run the same command "
+              f"again to resume it.")
+    return 0 if finished == len(results) else 1

@@ -4,9 +4,11 @@ interrupted study.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -81,15 +83,20 @@ def sweep_dirs(tmp_path, monkeypatch):
 
 
 @pytest.mark.ray
-def test_smoke_sweep_end_to_end(ray_local, sweep_dirs):
-    """3 real training trials (one per engine), logged to MLflow; then the report."""
+def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
+    """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
+    then `mpipemoe report`."""
     from app import report
     from app.tracking import client
 
-    results = sweep.run_study("smoke", storage_path=sweep_dirs["storage_path"],
-                              tracking_uri=sweep_dirs["tracking_uri"], data_dir=sweep_dirs["data_dir"])
-    assert len(results) == 3 and not any(r.error for r in results)
-    assert all(r.metrics["tokens_per_s"] > 0 and r.metrics["steps"] == 4 for r in results)
+    args = argparse.Namespace(space="smoke", address=None, num_samples=1, max_concurrent=None,
+                              verbose=False, **{k: sweep_dirs[k] for k in ("storage_path", "tracking_uri",
+                                                                           "data_dir")})
+    assert sweep.run(args) == 0
+    table = capsys.readouterr().out
+    assert "0.99 CPU per worker" in table
+    for engine in ("mpipemoe", "fastmoe", "fastermoe"):
+        assert re.search(rf"^{engine} +\d+ +\d+\.\d+ +\d+\.\d +ok", table, flags=re.M), table
 
     mlflow = client(sweep_dirs["tracking_uri"])
     experiment = mlflow.get_experiment_by_name("smoke")
@@ -104,9 +111,12 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs):
         assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert run.data.tags["study"] == "smoke" and run.data.tags["trial_id"]
 
-    path = report.write_report(report.load_records(sweep_dirs["tracking_uri"], ["smoke"]), sweep_dirs["out"])
-    text = path.read_text()
-    png = sweep_dirs["out"] / "speedup_memory.png"
+    out = sweep_dirs["out"]
+    assert report.run(argparse.Namespace(out=str(out), experiment=["smoke"],
+                                         tracking_uri=sweep_dirs["tracking_uri"])) == 0
+    assert str(out / "report.md") in capsys.readouterr().out
+    text = (out / "report.md").read_text()
+    png = out / "speedup_memory.png"
     assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 1000
     assert "](speedup_memory.png)" in text
     assert "| train | tiny-gpt | 256 | 2 | cpu/float32 | fastmoe |" in text
@@ -137,7 +147,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
                   data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=trial)
 
     first = sweep.run_study("smoke", **common)
-    assert sum((r.metrics or {}).get("tokens_per_s") == 1.0 for r in first) == 1  # only mpipemoe finished
+    assert sweep.count_trials(first) == (0, 1)  # only mpipemoe finished
     assert log.read_text().split() == ["mpipemoe", "fastmoe"]
 
     second = sweep.run_study("smoke", **common)  # same storage path: Tuner.restore
@@ -146,3 +156,10 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     starts = log.read_text().split()
     assert starts.count("mpipemoe") == 1  # finished before the interruption: not run again
     assert starts.count("fastmoe") == 2 and starts.count("fastermoe") == 1
+    assert sweep.count_trials(second) == (0, 3)
+
+    from app.tracking import client  # one parent run, reopened by the resume and closed again
+
+    mlflow = client(sweep_dirs["tracking_uri"])
+    parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
+    assert [(r.data.tags["kind"], r.info.status) for r in parents] == [("study", "FINISHED")]
