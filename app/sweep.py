@@ -180,7 +180,8 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                              cpus_per_worker=plan.cpus_per_worker)
     fn = tune.with_resources(tune.with_parameters(trainable, settings=settings), plan.trial_resources)
     if tune.Tuner.can_restore(experiment_path):
-        print(f"Resuming study {study!r} from {experiment_path}")
+        print(f"Restoring study {study!r} from {experiment_path}: finished trials are kept, "
+              f"unfinished and errored ones run (again)")
         tuner = tune.Tuner.restore(experiment_path, trainable=fn, resume_errored=True)
     else:
         print(f"Study {study!r}: {module.DESCRIPTION}\n"
@@ -227,7 +228,7 @@ def format_results(results) -> str:
             f"{metrics.get(tune_spaces.METRIC, float('nan')):.0f}",
             f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
             f"{peak / 2**20:.1f}" if isinstance(peak, (int, float)) else "-",
-            "ERROR" if error else "ok"])
+            "ERROR" if error else "ok" if tune_spaces.METRIC in metrics else "unfinished"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)
 
