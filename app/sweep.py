@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def plan_resources(cluster: dict, *, num_workers: int, use_gpu: bool | None = No
     if use_gpu:
         if gpus < num_workers:
             raise ValueError(f"num_workers={num_workers} needs {num_workers} GPUs but the cluster has "
-                             f"{gpus:g}: lower num_workers or run on CPU (use_gpu=False)")
+                             f"{gpus:g}: run it on a GPU cluster (docs/cluster.md) or pick a CPU-sized study (smoke)")
         concurrency = max_concurrent or int(gpus // num_workers)
         return Plan(trial_resources, True, None, concurrency)
     concurrency = max_concurrent or max(1, int(cpus // (num_workers + TRIAL_CPUS)))
@@ -268,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
         results = run_study(args.space, storage_path=args.storage_path, tracking_uri=tracking_uri,
                             num_samples=args.num_samples, max_concurrent=args.max_concurrent,
                             data_dir=args.data_dir)
+    except ValueError as error:  # a study that does not fit the cluster, a bad option
+        print(f"mpipemoe sweep {args.space}: {error}", file=sys.stderr)
+        return 2
     finally:
         if started:
             ray.shutdown()
