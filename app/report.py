@@ -26,6 +26,7 @@ import argparse
 import datetime
 import math
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -567,9 +568,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.tracking import resolve_tracking_uri
+    from app.tracking import client, resolve_tracking_uri
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    known = {e.name for e in client(tracking_uri).search_experiments()}
+    missing = [name for name in args.experiment or [] if name not in known]
+    if missing:
+        print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
+              f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
     path = write_report(records, args.out, source=tracking_uri)
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
