@@ -1,6 +1,6 @@
 """``mpipemoe train``: train a MoE transformer with Ray Train, tracked in MLflow.
 
-    mpipemoe train                                   # tiny-gpt, 2 CPU workers (gloo), 30 steps
+    mpipemoe train                                   # tiny-gpt, 2 CPU workers (gloo), 50 steps
     mpipemoe train --engines mpipemoe,fastmoe,fastermoe   # same job per engine + comparison
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
@@ -48,7 +48,7 @@ class TrainJob:
 
     preset: str = "tiny-gpt"           # model shape, see app.model.PRESETS
     engine: str = "mpipemoe"           # mpipemoe | fastmoe | fastermoe
-    steps: int = 30                    # total optimizer steps (a resumed run continues to this)
+    steps: int = 50                    # total optimizer steps (a resumed run continues to this)
     num_workers: int = 2               # Ray Train workers = expert-parallel ranks
     use_gpu: bool | None = None        # None: GPUs when the Ray cluster has any
     batch_size: int = 8                # sequences per worker per step
@@ -57,7 +57,7 @@ class TrainJob:
     strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
     seed: int = 0                      # model init and data order
     lr: float = 1e-3                   # peak AdamW learning rate
-    checkpoint_every: int = 10         # steps between checkpoints (and at the last step)
+    checkpoint_every: int = 25         # steps between checkpoints (and at the last step)
     storage_path: str | None = None    # Ray Train storage (absolute); default ./ray_results
     name: str | None = None            # Ray Train run name; an existing name resumes it
     tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db; "none": off
@@ -74,7 +74,7 @@ class TrainJob:
     aux_loss_weight: float = 0.01      # loss = lm_loss + aux_loss_weight * load-balance loss
     max_failures: int = 0              # Ray Train restarts from the last checkpoint
     collective_timeout_s: int = 600    # a dead rank ends the job after this long
-    log_every: int = 5                 # progress line every N steps
+    log_every: int = 10                # progress line every N steps
 
     def __post_init__(self) -> None:
         get_preset(self.preset)

@@ -12,8 +12,15 @@ One step (numbers match the code):
   5. collective: average replicated grads (one flat all-reduce), scale expert grads by 1/W
   6. collective: global grad norm, clip; AdamW step at the step's learning rate
   7. collective: max step time and peak memory over ranks
-  8. ``ray.train.report`` (with a per-rank checkpoint every ``checkpoint_every`` steps)
-     and, on rank 0, a copy of the metrics to the driver's queue for live progress/MLflow
+  8. rank 0 puts the step's metrics on the driver's queue (live progress, MLflow); every
+     ``checkpoint_every`` steps and at the end, all ranks ``ray.train.report`` the metrics
+     with a per-rank checkpoint.
+
+Why not ``ray.train.report`` every step: in Ray Train V2 each report waits until the
+controller has consumed the previous one, and the controller polls every
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s). Reporting per step capped training at one
+step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
+The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
 ``config`` keys are written by ``app.train.TrainJob.worker_config()``.
 """
@@ -169,5 +176,3 @@ def train_fn_per_worker(config: dict) -> None:
                 ckpt.save(directory, rank, model, optimizer, meta)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                                  checkpoint_dir_name=f"checkpoint_{step:06d}")
-        else:
-            ray.train.report(metrics)
