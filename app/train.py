@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app import data as data_lib
-from app.model import ENGINES, STRATEGIES, get_preset
+from app.model import ENGINES, PRESETS, STRATEGIES, get_preset
+
+PRESET_NAMES = tuple(PRESETS)
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 
@@ -321,6 +323,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         trainer = build_trainer(job, metrics_queue)
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
+        save_job(job)
         if job.tracking_uri == NO_TRACKING:
             run = NullRun()
         elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
@@ -448,50 +451,77 @@ def comparison_table(summaries: dict, reference: str) -> str:
 # ---- command line -------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainJob.__dataclass_fields__
-    add = parser.add_argument
-    add("--preset", default=defaults["preset"].default, help="model preset (default %(default)s)")
-    add("--engine", default=defaults["engine"].default, choices=ENGINES)
-    add("--engines", default=None, help="comma list: run each engine and compare, e.g. mpipemoe,fastmoe,fastermoe")
-    add("--steps", type=int, default=defaults["steps"].default)
-    add("--num-workers", type=int, default=defaults["num_workers"].default)
+    """Options default to None, meaning "TrainJob's default" (or, with --resume, the run's)."""
+    fields = TrainJob.__dataclass_fields__
+
+    def add(flag, help_text, field=None, **kw):
+        field = field or flag[2:].replace("-", "_")
+        default = fields[field].default if field in fields else None
+        suffix = f" (default {default})" if default is not None and "default" not in help_text else ""
+        parser.add_argument(flag, default=None, help=help_text + suffix, **kw)
+
+    add("--preset", "model preset: " + ", ".join(PRESET_NAMES))
+    add("--engine", "MoE engine", choices=ENGINES)
+    parser.add_argument("--engines", default=None,
+                        help="comma list: run each engine and compare, e.g. mpipemoe,fastmoe,fastermoe")
+    add("--steps", "total steps (a resumed run continues up to this)", type=int)
+    add("--num-workers", "Ray Train workers = expert-parallel ranks", type=int)
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--use-gpu", dest="use_gpu", action="store_true", default=None,
                      help="one worker per GPU, NCCL (default: when the cluster has GPUs)")
     gpu.add_argument("--no-gpu", dest="use_gpu", action="store_false", help="CPU workers, gloo")
-    add("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: embedded local Ray")
-    add("--storage-path", default=None, help="Ray Train storage path (default ./ray_results)")
-    add("--batch-size", type=int, default=defaults["batch_size"].default, help="sequences per worker per step")
-    add("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    add("--partitions", default="auto", help="mpipemoe partitions n: auto or an integer")
-    add("--strategy", default="auto", choices=STRATEGIES)
-    add("--seed", type=int, default=0)
-    add("--lr", type=float, default=defaults["lr"].default)
-    add("--checkpoint-every", type=int, default=defaults["checkpoint_every"].default)
-    add("--name", default=None, help="run name (an existing name resumes that run)")
-    add("--resume", default=None, metavar="NAME", help="resume run NAME from its last checkpoint")
-    add("--data-dir", default=None, help="prepared data (default ./data/stdlib-bytes, prepared if missing)")
-    add("--tracking-uri", default=None,
-        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db); 'none' = no MLflow")
-    add("--summary-json", default=None, metavar="PATH", help="also write the summary (and history) as JSON")
-    add("--experiment", default=DEFAULT_EXPERIMENT)
-    add("--cpus-per-worker", type=float, default=None)
-    add("--num-experts", type=int, default=None)
-    add("--num-layers", type=int, default=None)
-    add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    add("--max-failures", type=int, default=0, help="let Ray Train restart failed workers N times")
-    add("--log-every", type=int, default=defaults["log_every"].default)
-    add("--verbose", action="store_true", help="show the Ray actors' logs (Ray Train, worker tracebacks)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address (auto, ray://host:10001); default: embedded local Ray")
+    add("--storage-path", "Ray Train storage path (default ./ray_results)")
+    add("--batch-size", "sequences per worker per step", type=int)
+    add("--seq-len", "tokens per sequence (default: the preset's)", type=int)
+    add("--partitions", "mpipemoe partitions n: auto or an integer")
+    add("--strategy", "mpipemoe memory strategy", choices=STRATEGIES)
+    add("--seed", "model init and data order", type=int)
+    add("--lr", "AdamW peak learning rate", type=float)
+    add("--checkpoint-every", "steps between checkpoints", type=int)
+    add("--name", "run name (default: generated; an existing name continues that run)")
+    parser.add_argument("--resume", default=None, metavar="NAME",
+                        help="continue run NAME from its last checkpoint, with its settings")
+    add("--data-dir", "prepared data (default ./data/stdlib-bytes, prepared if missing)")
+    add("--tracking-uri", "MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db); 'none' = no MLflow")
+    add("--experiment", "MLflow experiment")
+    add("--cpus-per-worker", "Ray CPUs per worker (default 0.9 on CPU, 1 on GPU)", type=float)
+    add("--num-experts", "experts per MoE layer (default: the preset's)", type=int)
+    add("--num-layers", "transformer blocks (default: the preset's)", type=int)
+    add("--dtype", "parameter dtype (auto: bfloat16 on GPU, float32 on CPU)",
+        choices=("auto", "float32", "bfloat16", "float16"))
+    add("--max-failures", "let Ray Train restart failed workers N times", type=int)
+    add("--log-every", "progress line every N steps", type=int)
+    parser.add_argument("--summary-json", default=None, metavar="PATH",
+                        help="also write the summary (with per-step history) as JSON")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the Ray actors' logs (Ray Train, worker tracebacks)")
+
+
+JOB_FILE = "mpipemoe_job.json"
+
+
+def save_job(job: TrainJob) -> None:
+    """Record the job's settings in its run directory (read back by ``--resume``)."""
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / JOB_FILE).write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
 
 
 def job_from_args(args: argparse.Namespace) -> TrainJob:
-    fields = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if hasattr(args, f)}
+    """The job the options describe; ``--resume NAME`` starts from NAME's recorded settings."""
+    given = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if getattr(args, f, None) is not None}
     if args.resume:
-        fields["name"] = args.resume
-    job = TrainJob(**fields)
-    if args.resume and not job.run_dir.exists():
-        raise ValueError(f"--resume {args.resume}: no run at {job.run_dir}; check --storage-path")
-    return job
+        run_dir = Path(given.get("storage_path") or "ray_results").expanduser().resolve() / args.resume
+        if not (run_dir / JOB_FILE).exists():
+            raise ValueError(f"--resume {args.resume}: no run recorded at {run_dir} ({JOB_FILE} missing); "
+                             f"check the name and --storage-path")
+        recorded = json.loads((run_dir / JOB_FILE).read_text())
+        given = {**recorded, **given, "name": args.resume, "parent_run_id": recorded.get("parent_run_id")}
+    elif getattr(args, "engines", None) and not args.name:  # siblings get "<name>-<engine>"
+        preset = given.get("preset", TrainJob.preset)
+        given["name"] = f"{preset}-compare-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    return TrainJob(**given)
 
 
 def run(args: argparse.Namespace) -> int:

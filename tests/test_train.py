@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from app.data import MASK_ID, prepare_dataset
 from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
-from app.train import (TrainJob, add_arguments, comparison_table, job_from_args, summarize,
-                       worker_config)
+from app.train import (TrainJob, add_arguments, comparison_table, job_from_args, save_job,
+                       summarize, worker_config)
 from workers.distributed import average_gradients, clip_grad_norm, split_params
 from workers.loop import learning_rate
 
@@ -68,8 +68,19 @@ def test_cli_arguments_build_the_job(tmp_path):
     assert (job.engine, job.steps, job.use_gpu, job.partitions, job.run_dir) == \
         ("fastmoe", 7, False, 2, tmp_path / "x")
     assert parser.parse_args([]).use_gpu is None
-    with pytest.raises(ValueError, match="--resume gone: no run at"):
+    assert job_from_args(parser.parse_args(["--storage-path", str(tmp_path)])).steps == TrainJob.steps
+    with pytest.raises(ValueError, match="--resume gone: no run recorded at"):
         job_from_args(parser.parse_args(["--resume", "gone", "--storage-path", str(tmp_path)]))
+
+
+def test_resume_takes_the_recorded_settings(tmp_path):
+    save_job(TrainJob(preset="tiny-bert", lr=0.01, storage_path=str(tmp_path), name="r", parent_run_id="p"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    job = job_from_args(parser.parse_args(["--resume", "r", "--storage-path", str(tmp_path), "--steps", "90"]))
+    assert (job.preset, job.lr, job.steps, job.name, job.parent_run_id) == ("tiny-bert", 0.01, 90, "r", "p")
+    compare = job_from_args(parser.parse_args(["--engines", "mpipemoe,fastmoe", "--preset", "tiny-bert"]))
+    assert compare.name.startswith("tiny-bert-compare-")
 
 
 def test_summary_and_table():

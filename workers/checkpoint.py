@@ -35,10 +35,18 @@ def save(directory: str | Path, rank: int, model, optimizer, meta: dict) -> None
         (directory / META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
 
 
-def load(directory: str | Path, rank: int, world_size: int, model, optimizer, device) -> dict:
-    """Restore this rank's state from ``directory``; returns the checkpoint's meta dict."""
+def load(directory: str | Path, rank: int, world_size: int, model, optimizer, device,
+         preset: dict | None = None) -> dict:
+    """Restore this rank's state from ``directory``; returns the checkpoint's meta dict.
+
+    ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
+    """
     directory = Path(directory)
     meta = json.loads((directory / META).read_text())
+    if preset is not None and meta.get("preset") != preset:
+        changed = sorted(k for k in preset if meta.get("preset", {}).get(k) != preset[k])
+        raise ValueError(f"checkpoint in {directory} was written for another model ({', '.join(changed)} "
+                         f"differ): resume with the model settings of that run")
     if meta["world_size"] != world_size:
         raise ValueError(f"checkpoint in {directory} was written by {meta['world_size']} workers "
                          f"(expert shards are split by rank): resume with --num-workers {meta['world_size']}")

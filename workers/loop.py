@@ -96,7 +96,7 @@ def train_fn_per_worker(config: dict) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            meta = ckpt.load(directory, rank, world_size, model, optimizer, device)
+            meta = ckpt.load(directory, rank, world_size, model, optimizer, device, config["preset"])
         start_step = meta["step"]
 
     seq_len = config["seq_len"]
