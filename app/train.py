@@ -317,6 +317,11 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address, verbose)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if started_ray and _resolve_gpu(job) and gpus < job.num_workers:  # embedded Ray cannot grow
+        ray.shutdown()
+        raise ValueError(f"TrainJob.num_workers={job.num_workers} is invalid: this machine has {gpus} "
+                         f"GPU(s) and each worker takes one; use --num-workers {max(gpus, 1)} or --no-gpu")
     metrics_queue = Queue(actor_options={"num_cpus": 0})
     run = None
     try:
