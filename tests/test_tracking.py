@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-
 from app.tracking import RunLogger, client, find_run, flatten, metric_history, resolve_tracking_uri
 
 
