@@ -148,3 +148,19 @@ def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path):
                 expected = expected[2 * rank:2 * rank + 2]
             torch.testing.assert_close(saved["grads"][name], expected, rtol=1e-4, atol=1e-6,
                                        msg=f"rank {rank} {name}")
+
+
+def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
+    pytest.importorskip("ray")
+    from app.train import build_trainer
+
+    prepare_dataset(tmp_path / "data", max_bytes=50_000, row_len=1000)
+    job = TrainJob(use_gpu=True, num_workers=4, data_dir=str(tmp_path / "data"),
+                   storage_path=str(tmp_path / "rr"), collective_timeout_s=120)
+    trainer = build_trainer(job)
+    assert (trainer.backend_config.backend, trainer.backend_config.timeout_s) == ("nccl", 120)
+    assert trainer.scaling_config.num_workers == 4 and trainer.scaling_config.use_gpu
+    assert trainer.scaling_config.resources_per_worker == {"CPU": 1.0, "GPU": 1}
+    assert trainer.train_loop_config["dtype"] == "bfloat16" and trainer.train_loop_config["use_gpu"]
+    cpu = build_trainer(TrainJob(use_gpu=False, data_dir=str(tmp_path / "data"), storage_path=str(tmp_path / "rr")))
+    assert cpu.backend_config.backend == "gloo" and cpu.scaling_config.resources_per_worker == {"CPU": 0.9}
