@@ -57,9 +57,9 @@ class DispatchPlan:
 
     @property
     def row_of_pair(self) -> torch.Tensor:
-        """Row sent for each (token, choice) pair; R (one past the last row) for a dropped pair."""
+        """Row sent for each (token, choice) pair; row 0 for a dropped pair (weighted by 0)."""
         rows = self.pair_index_R.shape[0]
-        index_P = torch.full((self.tokens * self.top_k,), rows, dtype=torch.long, device=self.pair_index_R.device)
+        index_P = torch.zeros((self.tokens * self.top_k,), dtype=torch.long, device=self.pair_index_R.device)
         index_P[self.pair_index_R] = torch.arange(rows, device=self.pair_index_R.device)
         return index_P
 
@@ -168,15 +168,17 @@ def from_expert_major(rows_ND: torch.Tensor, source_order_N: torch.Tensor) -> to
     return rows_ND.index_select(0, source_order_N)
 
 
-def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
+def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
     """Local. y_t = Σ_k weight_tk × (expert output of pair (t, k)), 0 for a dropped pair.
 
-    Rows go back to (token, choice) order (a dropped pair reads an appended zero row),
-    then one batched (1 × K) @ (K × D) product per token weights and sums them.
-    Autograd keeps the K rows per token once, for the gate weights' gradient.
+    Rows go back to (token, choice) order, then one batched (1 × K) @ (K × D) product
+    per token weights and sums them; autograd keeps the K rows per token once, for the
+    gate weights' gradient. A dropped pair reads any row with weight 0 (so it adds
+    nothing and gets no gradient).
     """
-    D = y_RD.shape[-1]
-    padded_RD = torch.cat([y_RD, y_RD.new_zeros(1, D)])
-    y_TKD = padded_RD.index_select(0, plan.row_of_pair).view(plan.tokens, plan.top_k, D)
-    weights_T1K = weights_TK.to(y_RD.dtype).unsqueeze(1)
+    tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
+    weights_T1K = (weights_TK * keep_TK).to(y_RD.dtype).unsqueeze(1)
+    if y_RD.shape[0] == 0:  # nothing kept on this rank
+        return y_RD.new_zeros(tokens, D) + weights_T1K.sum() * 0
+    y_TKD = y_RD.index_select(0, plan.row_of_pair).view(tokens, top_k, D)
     return torch.bmm(weights_T1K, y_TKD).squeeze(1)

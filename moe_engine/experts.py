@@ -153,22 +153,59 @@ class Experts(nn.Module):
                       counts: list[int], grads: ExpertGrads, dx_ND: torch.Tensor) -> torch.Tensor:
         """Local. Backward of the FFN for one group of rows, from its input x and
         pre-activation A (the activation itself is recomputed from A, elementwise).
-        Accumulates parameter gradients into `grads`, writes the input gradient into dx_ND."""
-        H = self.config.d_hidden
-        with torch.enable_grad():
-            A_leaf = A_NA.detach().requires_grad_(True)
-            h_NH = activate(A_leaf, self.config.activation)
+        Accumulates parameter gradients into `grads`; returns the input gradient
+        (written into dx_ND). Frees each hidden-width temporary as soon as it is used,
+        so at most one or two N × H tensors live beside A."""
         with torch.no_grad():
-            dh_NH = torch.empty_like(h_NH)
-            grouped_linear_backward(dy_ND, h_NH.detach(), self.w2, counts, grads.w2, grads.b2, dh_NH)
-        (dA_NA,) = torch.autograd.grad(h_NH, A_leaf, dh_NH)
-        with torch.no_grad():
+            h_NH = activate(A_NA, self.config.activation)
+            grouped_linear_backward(dy_ND, h_NH, self.w2, counts, grads.w2, grads.b2, None)
+            del h_NH
+            dh_NH = grouped_matmul_transposed(dy_ND, self.w2, counts)
             if self.w3 is None:
-                grouped_linear_backward(dA_NA, x_ND, self.w1, counts, grads.w1, grads.b1, dx_ND)
-            else:
-                dgate, dup = dA_NA[:, :H].contiguous(), dA_NA[:, H:].contiguous()
-                grouped_linear_backward(dgate, x_ND, self.w1, counts, grads.w1, grads.b1, dx_ND)
-                dx_up = torch.empty_like(dx_ND)
-                grouped_linear_backward(dup, x_ND, self.w3, counts, grads.w3, None, dx_up)
-                dx_ND += dx_up
-        return dx_ND
+                dA_NH = activation_backward(dh_NH, A_NA, self.config.activation)
+                grouped_linear_backward(dA_NH, x_ND, self.w1, counts, grads.w1, grads.b1, None)
+                dx_ND.copy_(grouped_matmul_transposed(dA_NH, self.w1, counts))
+                return dx_ND
+            dgate_NH, dup_NH = swiglu_backward(dh_NH, A_NA)
+            grouped_linear_backward(dgate_NH, x_ND, self.w1, counts, grads.w1, grads.b1, None)
+            grouped_linear_backward(dup_NH, x_ND, self.w3, counts, grads.w3, None, None)
+            dx_ND.copy_(grouped_matmul_transposed(dgate_NH, self.w1, counts))
+            dx_ND.add_(grouped_matmul_transposed(dup_NH, self.w3, counts))
+            return dx_ND
+
+
+def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str) -> torch.Tensor:
+    """dA from dh for ReLU / GELU, computed in place into dh_NH (returned)."""
+    if activation == "relu":
+        return dh_NH.masked_fill_(A_NH <= 0, 0)
+    return torch.ops.aten.gelu_backward.grad_input(dh_NH, A_NH, grad_input=dh_NH)
+
+
+def swiglu_backward(dh_NH: torch.Tensor, A_N2H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of h = silu(gate) * up; d gate is computed in place into dh_NH."""
+    gate_NH, up_NH = A_N2H.chunk(2, dim=-1)
+    sigmoid_NH = torch.sigmoid(gate_NH)
+    silu_NH = gate_NH * sigmoid_NH
+    dup_NH = dh_NH * silu_NH
+    # silu'(g) = s·(1 + g·(1 − s)) = s·(1 + g − silu(g))
+    dsilu_NH = torch.sub(gate_NH, silu_NH, out=silu_NH).add_(1).mul_(sigmoid_NH)
+    del sigmoid_NH
+    return dh_NH.mul_(up_NH).mul_(dsilu_NH), dup_NH
+
+
+def _grouped_mm_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm (one kernel for all experts) where this PyTorch and device offer it."""
+    return (hasattr(torch, "_grouped_mm") and a.is_cuda and a.dtype == torch.bfloat16
+            and w.dtype == torch.bfloat16 and a.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0
+            and w.shape[-1] % 16 == 0 and torch.cuda.get_device_capability(a.device)[0] >= 9)
+
+
+def grouped_matmul_transposed(dy_NO: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dx[rows of l] = dy[rows of l] @ w[l]ᵀ for all experts (the input gradient of a grouped linear)."""
+    if dy_NO.shape[0] and _grouped_mm_ok(dy_NO, w_LIO):
+        offsets = torch.tensor(counts, device=dy_NO.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(dy_NO, w_LIO.transpose(-2, -1), offs=offsets)
+    dx_NI = dy_NO.new_empty(dy_NO.shape[0], w_LIO.shape[1])
+    for l, rows in enumerate(_slices(counts)):
+        torch.mm(dy_NO[rows], w_LIO[l].t(), out=dx_NI[rows])
+    return dx_NI

@@ -14,6 +14,8 @@ Unlike the paper, the cache is not trusted forever:
     the same now-doubtful assumption);
   * a shift of routing skew (max expert load / mean load, bucketed) since the
     entry was made triggers a new search.
+Among the candidates within `tolerance` of the fastest, the largest n wins: more
+partitions mean smaller shared buffers, so memory is saved at a bounded time cost.
 Every decision is appended to `decisions` and logged.
 """
 from __future__ import annotations
@@ -182,8 +184,11 @@ class GranularitySearch:
             seconds = [s for s in seconds if s is not None]
             means.append(sum(seconds) / len(seconds) if seconds else math.inf)
         agreed = group.all_reduce_max(torch.tensor(means, dtype=torch.float64)).tolist()
-        best = search.candidates[min(range(len(agreed)), key=lambda i: agreed[i])]
         times = {n: t for n, t in zip(search.candidates, agreed)}
+        # More partitions mean smaller shared buffers: among the n within `tolerance`
+        # of the fastest, take the largest (memory saved at a bounded time cost).
+        fastest = min(agreed)
+        best = max(n for n, t in times.items() if t <= (1 + self.tolerance) * fastest)
         previous = next((e for e in self.cache if e.tokens == search.tokens), None)
         if previous is not None and previous.partitions != best and \
                 times.get(previous.partitions, math.inf) > (1 + self.tolerance) * times[best]:

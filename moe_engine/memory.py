@@ -138,30 +138,47 @@ def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1
 
     # Saved by every engine: X (router GEMM), router probabilities, top-k indices and
     # weights, f (balance loss), the (token, choice) rows and weights of un-permute.
-    saved = s * (T * D + T * K * D + T * K) + r * (T * E + E) + index * 2 * T * K
+    saved = s * (T * D + T * K * D + T * K) + r * (T * E + E) + index * 2 * T * K + T * K  # + keep mask (bool)
     if K > 1:
         saved += r * (T * K + T)  # top-k values and their sum (renormalisation)
 
     if engine == "fastmoe":
         saved += index * (R + 2 * N) + s * N * (D + _AUTOGRAD_ACTIVATION_FACTOR[config.activation] * H)
-        forward_working = s * (R * D + 3 * N * D)
-        backward_working = s * (R * D + 3 * N * D + N * (H + A_width) + T * D)
         host = 0
+        # Live at the end of the keep-everything forward: gathered rows, received rows,
+        # expert output (and its concatenation), re-ordered output, combined rows.
+        forward_working = max(s * (2 * R * D + 3 * N * D - T * K * D), s * R * D)
+        # Backward: the incoming and outgoing gradients, one hidden-width gradient and two
+        # row-width ones at a time (autograd frees saved tensors node by node).
+        backward_working = s * (R * D + T * D - T * K * D + N * (H + 2 * D))
     else:
         n = max(1, partitions)
+        S = min(2, n)  # a double-buffered ring only has a second buffer when there is a second partition
         Rn, Nn = -(-R // n), -(-N // n)
         if not policy.share_buffers:
             saved += s * N * (D + A_width)
         host = s * N * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
-        input_slots = 0 if not policy.share_buffers else (2 if policy.offload_input else 1)
-        preact_slots = 0 if not policy.share_buffers else (2 if policy.offload_preactivation else 1)
-        forward_working = s * (R * D + 2 * Rn * D + 5 * Nn * D + input_slots * Nn * D
-                               + preact_slots * Nn * A_width + Nn * H)
+        input_slots = min(2 if policy.offload_input else 1, n) if policy.share_buffers else 0
+        preact_slots = min(2 if policy.offload_preactivation else 1, n) if policy.share_buffers else 0
+        # Forward (pipeline.pipelined_forward): combined rows, send ×S, receive ×S,
+        # expert output, combine input ×S, T_DI and A slots, the activation. The
+        # combined rows then become the saved (token, choice) rows of un-permute.
+        inside = s * (R * D + S * Rn * D + 2 * S * Nn * D + Nn * D + input_slots * Nn * D
+                      + preact_slots * Nn * A_width + Nn * H)
+        forward_working = max(inside - s * T * K * D, s * R * D)
+        # Backward (pipeline.pipelined_backward): dy rows, dx of the layer input, dy
+        # receive ×S, dx send ×S, dx rows ×S, dy/dx grouped by expert and the grouped
+        # dx product, restore slots, and the hidden-width temporaries of Experts.backward_rows
+        # (the saved (token, choice) rows are freed by then).
         restore = 0
         if policy.share_buffers:
-            restore = 2 * Nn * D + (2 if policy.offload_preactivation else 1) * Nn * A_width
+            restore = (S if policy.offload_preactivation else 1) * Nn * A_width
+            if policy.offload_input or policy.recommunicate_input:
+                restore += S * Nn * D
             if policy.recommunicate_input:
-                restore += 2 * Nn * D + 2 * Rn * D
-        backward_working = s * (R * D + T * D + 6 * Nn * D + 2 * Rn * D + restore + Nn * (2 * H + A_width))
+                restore += S * (Nn + Rn) * D
+        hidden_temporaries = (4 if config.gated else 1) * Nn * H
+        backward_working = s * (R * D + T * D - T * K * D + 2 * S * Nn * D + S * Rn * D + 3 * Nn * D
+                                + restore + hidden_temporaries)
     grads = s * L * (2 * D * H + (D * H if config.gated else 0) + (H + D if config.bias else 0))
     return MemoryEstimate(saved, host, forward_working, backward_working + grads)

@@ -51,13 +51,19 @@ class PipelineRun:
 
 
 class SlotRing:
-    """`count` working buffers of `rows × width`; step s uses buffer s % count."""
+    """Up to `count` working buffers of `rows × width`; step s uses buffer s % count.
+    Buffers are allocated on first use, so a ring the schedule never touches (or
+    touches once, with a single partition) costs nothing."""
 
     def __init__(self, count: int, rows: int, width: int, like: torch.Tensor):
-        self.buffers = [like.new_empty(rows, width) for _ in range(count)]
+        self.count, self.rows, self.width, self.like = count, rows, width, like
+        self.buffers: dict[int, torch.Tensor] = {}
 
     def take(self, step: int, rows: int) -> torch.Tensor:
-        return self.buffers[step % len(self.buffers)][:rows]
+        slot = step % self.count
+        if slot not in self.buffers:
+            self.buffers[slot] = self.like.new_empty(self.rows, self.width)
+        return self.buffers[slot][:rows]
 
 
 @dataclass
