@@ -1,9 +1,10 @@
 """Ray local-cluster tests of ``mpipemoe train`` (tier 3: real Ray Train, gloo, MLflow).
 
-Six short 2-worker runs on 2 cores; the first five are shared by the assertions:
+Seven short 2-worker runs on 2 cores; the first five are shared by the assertions:
 - ``compared``: tiny-gpt for N steps with each engine under one parent MLflow run;
 - ``resumed``: the mpipemoe job again as K steps, then resumed by name up to N steps;
-- a diverging run (huge lr) that must stop with an error naming the step.
+- a diverging run (huge lr) that must stop with an error naming the step;
+- a run whose last worker dies mid-run and is restarted from its checkpoint.
 """
 from __future__ import annotations
 
@@ -103,3 +104,26 @@ def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
         [client(job.tracking_uri).get_experiment_by_name(job.experiment).experiment_id],
         filter_string="tags.ray_train_name = 'nan'")
     assert runs[0].info.status == "FAILED" and "step" in runs[0].data.tags["error"]
+
+
+def test_killed_worker_is_restarted_from_the_last_checkpoint(ray_local, resumed, job):
+    """DESIGN.md §8: a worker dying mid-run (after the step-K checkpoint) is restarted by Ray
+    Train (FailureConfig), resumes at step K+1 and finishes with the straight run's losses."""
+    from ray.util.queue import Queue
+
+    from app.train import build_trainer
+
+    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    try:
+        trainer = build_trainer(dataclasses.replace(job, name="fault", max_failures=1), metrics_queue)
+        trainer.train_loop_config["fault_at_step"] = K + 2
+        result = trainer.fit()
+        history = [metrics_queue.get_nowait() for _ in range(metrics_queue.size())]
+    finally:
+        metrics_queue.shutdown()
+    assert result.error is None
+    steps = [m["step"] for m in history]
+    assert steps == list(range(1, K + 2)) + list(range(K + 1, N + 1))  # steps K+1.. ran twice
+    final = {m["step"]: m["loss"] for m in history}
+    straight = _losses(resumed[0]) + _losses(resumed[1])  # equal to N steps straight (tested above)
+    assert [final[s] for s in range(1, N + 1)] == pytest.approx(straight, rel=1e-5)

@@ -22,11 +22,14 @@ controller has consumed the previous one, and the controller polls every
 step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
 The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
-``config`` keys are written by ``app.train.TrainJob.worker_config()``.
+``config`` keys are written by ``app.train.worker_config()``. One key is for fault-injection
+tests only: ``fault_at_step`` makes the last rank exit abruptly (like a killed process) at
+that step of a fresh start, so Ray Train must restart the group from the last checkpoint.
 """
 from __future__ import annotations
 
 import math
+import os
 import resource
 import tempfile
 import time
@@ -111,6 +114,9 @@ def train_fn_per_worker(config: dict) -> None:
     for step in range(start_step + 1, config["steps"] + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if config.get("fault_at_step") == step and start_step == 0 and rank == world_size - 1:
+            time.sleep(3)  # let the controller (2 s poll) register the last checkpoint first
+            os._exit(1)    # fault-injection tests: a worker dies mid-run
         started = time.perf_counter()
         # 1. this rank's batch at data position step-1
         window_BW = torch.from_numpy(sampler.batch(step - 1)).to(device)
