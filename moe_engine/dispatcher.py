@@ -178,7 +178,9 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
     weights_T1K = (weights_TK * keep_TK).to(y_RD.dtype).unsqueeze(1)
-    if y_RD.shape[0] == 0:  # nothing kept on this rank
-        return y_RD.new_zeros(tokens, D) + weights_T1K.sum() * 0
+    if y_RD.shape[0] == 0:
+        # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
+        # runs collectives that the other ranks wait for.
+        return y_RD.new_zeros(tokens, D) + (y_RD.sum() + weights_T1K.sum()) * 0
     y_TKD = y_RD.index_select(0, plan.row_of_pair).view(tokens, top_k, D)
     return torch.bmm(weights_T1K, y_TKD).squeeze(1)
