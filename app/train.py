@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import queue as queue_lib
@@ -531,6 +532,7 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no store-migration chatter on the console
     try:
         job = job_from_args(args)
         if args.engines:

@@ -2,12 +2,13 @@
 
 Seven short 2-worker runs on 2 cores; the first five are shared by the assertions:
 - ``compared``: tiny-gpt for N steps with each engine under one parent MLflow run;
-- ``resumed``: the mpipemoe job again as K steps, then resumed by name up to N steps;
+- ``resumed``: the mpipemoe job again as K steps, then ``mpipemoe train --resume`` up to N steps;
 - a diverging run (huge lr) that must stop with an error naming the step;
 - a run whose last worker dies mid-run and is restarted from its checkpoint.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -17,7 +18,7 @@ import pytest
 
 from app.data import prepare_dataset
 from app.model import ENGINES
-from app.train import TrainJob, compare_engines, run_job
+from app.train import TrainJob, add_arguments, compare_engines, run, run_job
 from app.tracking import client, metric_history
 
 pytestmark = pytest.mark.ray
@@ -44,10 +45,16 @@ def compared(ray_local, job):
 
 
 @pytest.fixture(scope="module")
-def resumed(ray_local, job):
+def resumed(ray_local, job, tmp_path_factory):
+    """K steps through the Python API, then the rest as a user would: ``mpipemoe train --resume``."""
     first = run_job(dataclasses.replace(job, name="resume", steps=K), echo=lambda line: None)
-    second = run_job(dataclasses.replace(job, name="resume", steps=N), echo=lambda line: None)
-    return first, second
+    summary_json = tmp_path_factory.mktemp("cli") / "summary.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--resume", "resume", "--storage-path", job.storage_path, "--steps", str(N),
+                              "--summary-json", str(summary_json)])
+    assert run(args) == 0
+    return first, json.loads(summary_json.read_text())
 
 
 def _losses(summary) -> list[float]:
