@@ -530,9 +530,18 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
     return TrainJob(**given)
 
 
+def _quiet_mlflow() -> None:
+    """No store-migration INFO lines on the console (MLflow sets its level when imported)."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:  # --tracking-uri none on a machine without MLflow
+        return
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no store-migration chatter on the console
+    _quiet_mlflow()
     try:
         job = job_from_args(args)
         if args.engines:
