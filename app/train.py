@@ -254,8 +254,11 @@ class _MetricsPump:
                 continue
 
     def _handle(self, metrics: dict):
-        self.history.append(metrics)
         step = metrics["step"]
+        if self.history and step <= self.history[-1]["step"]:  # Ray Train restarted the workers
+            self.echo(f"[mpipemoe] workers restarted from a checkpoint; continuing at step {step}")
+            self.history = [m for m in self.history if m["step"] < step]
+        self.history.append(metrics)
         self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
             self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))

@@ -164,3 +164,16 @@ def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
     assert trainer.train_loop_config["dtype"] == "bfloat16" and trainer.train_loop_config["use_gpu"]
     cpu = build_trainer(TrainJob(use_gpu=False, data_dir=str(tmp_path / "data"), storage_path=str(tmp_path / "rr")))
     assert cpu.backend_config.backend == "gloo" and cpu.scaling_config.resources_per_worker == {"CPU": 0.9}
+
+
+def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
+    from app.tracking import NullRun
+    from app.train import _MetricsPump
+
+    lines = []
+    pump = _MetricsPump(None, NullRun(), TrainJob(steps=4, log_every=1), lines.append, None)
+    for step, loss in ((1, 4.0), (2, 3.0), (3, 2.9), (2, 3.0), (3, 2.5), (4, 2.0)):
+        pump._handle({"step": step, "loss": loss, "lm_loss": loss, "aux_loss": 1.0, "tokens_per_s": 1.0,
+                      "step_time_s": 1.0, "peak_memory_bytes": 1})
+    assert [(m["step"], m["loss"]) for m in pump.history] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0)]
+    assert any("restarted" in line for line in lines)
