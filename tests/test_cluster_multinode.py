@@ -49,6 +49,8 @@ def main(out_dir: str) -> dict:
     out = Path(out_dir)
     (out / "placement").mkdir(parents=True, exist_ok=True)
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: socket paths have a length limit
+    # Cluster writes the head's address under $TMPDIR/ray, which a fresh TMPDIR lacks.
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": 100 * 2**20, "temp_dir": temp_dir})
     for _ in range(2):

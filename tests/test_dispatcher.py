@@ -49,7 +49,7 @@ def test_permute_unpermute_round_trip_restores_input_and_gradient():
         assert torch.equal(dispatcher.from_expert_major(dispatcher.to_expert_major(part, p.expert_order_N),
                                                         p.source_order_N), part)
     halves = torch.full((T, K), 1.0 / K, dtype=torch.float64)
-    back = dispatcher.unpermute(rows, plan, halves)
+    back = dispatcher.unpermute(rows, plan, halves, torch.ones(T, K, dtype=torch.bool))
     torch.testing.assert_close(back, x)
     g = torch.randn(T, D, dtype=torch.float64)
     back.backward(g)
