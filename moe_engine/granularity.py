@@ -12,8 +12,10 @@ Unlike the paper, the cache is not trusted forever:
     neighbouring candidates; if a neighbour is faster by more than `tolerance`,
     the entry is replaced and the rest of the cache dropped (it was built on
     the same now-doubtful assumption);
-  * a shift of routing skew (max expert load / mean load, bucketed) since the
-    entry was made triggers a new search.
+  * a shift of routing skew since the entry was made triggers a new search:
+    skew is log2(max expert load / mean load) rounded, and a change of at least
+    `skew_shift` buckets (default 2, i.e. a 4x change) counts, so the ordinary
+    drift of routing during training does not restart the search every step.
 Among the candidates within `tolerance` of the fastest, the largest n wins: more
 partitions mean smaller shared buffers, so memory is saved at a bounded time cost.
 Every decision is appended to `decisions` and logged.
@@ -87,14 +89,14 @@ class GranularitySearch:
     """Chooses n for each pass of one MPipeMoE layer. Call `choose` once per forward."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
-                 recheck_every: int = 100, tolerance: float = 0.05):
+                 recheck_every: int = 100, tolerance: float = 0.05, skew_shift: int = 2):
         if not candidates or any((not isinstance(c, int)) or c < 1 for c in candidates):
             raise ValueError(f"candidates={candidates!r} is invalid: give integers >= 1, e.g. (1, 2, 4, 8)")
         if warmup < 0 or repeats < 1:
             raise ValueError(f"warmup={warmup}, repeats={repeats} are invalid: warmup >= 0, repeats >= 1")
         self.candidates = sorted(set(candidates))
         self.warmup, self.repeats = warmup, repeats
-        self.recheck_every, self.tolerance = recheck_every, tolerance
+        self.recheck_every, self.tolerance, self.skew_shift = recheck_every, tolerance, skew_shift
         self.cache: list[CacheEntry] = []
         self.active: ActiveSearch | None = None
         self.decisions: list[dict] = []
@@ -146,7 +148,7 @@ class GranularitySearch:
     def _maybe_start(self, tokens: int, skew: int) -> None:
         exact = next((e for e in self.cache if e.tokens == tokens), None)
         merged = self._lookup(tokens)
-        if exact is not None and exact.skew_bucket != skew:
+        if exact is not None and abs(exact.skew_bucket - skew) >= self.skew_shift:
             self._start(tokens, skew, self.candidates, f"routing skew changed ({exact.skew_bucket} -> {skew})")
             self.cache.remove(exact)
             return

@@ -178,7 +178,10 @@ def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1
             if policy.recommunicate_input:
                 restore += S * (Nn + Rn) * D
         hidden_temporaries = (4 if config.gated else 1) * Nn * H
-        backward_working = s * (R * D + T * D - T * K * D + 2 * S * Nn * D + S * Rn * D + 3 * Nn * D
+        # The dx-send and dx-row rings are first allocated after partition 0's hidden
+        # temporaries are freed: with one partition they are not part of the peak.
+        dx_rings = S * Nn * D + S * Rn * D if n > 1 else 0
+        backward_working = s * (R * D + T * D - T * K * D + S * Nn * D + dx_rings + 3 * Nn * D
                                 + restore + hidden_temporaries)
     grads = s * L * (2 * D * H + (D * H if config.gated else 0) + (H + D if config.bias else 0))
     return MemoryEstimate(saved, host, forward_working, backward_working + grads)
