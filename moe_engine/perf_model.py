@@ -289,15 +289,21 @@ class PerformanceModel:
 
     def choose(self, config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype,
                partitions: list[int], strategies=SHARED_STRATEGIES, memory_budget: int | None = None) -> Prediction:
-        """The fastest predicted (n, strategy) among the given ones, within the memory budget.
+        """The (n, strategy) to run.
 
-        Without a budget the shared-buffer strategies S1–S4 compete (memory reuse on);
-        with a budget, "none" competes too and whatever fits wins on time.
+        Without a budget: the fastest predicted of the given restore strategies among
+        those that lower the predicted peak below keeping everything ("none") at the
+        same n; where none does (one partition: nothing to share), "none" itself.
+        With a budget: the fastest predicted choice, "none" included, that fits;
+        a ValueError names the smallest need when nothing fits.
         """
-        if memory_budget is not None and "none" not in strategies:
-            strategies = ("none", *strategies)
-        options = [self.predict(config, tokens, world_size, n, s, dtype) for n in partitions for s in strategies]
-        fitting = [o for o in options if memory_budget is None or o.peak_bytes <= memory_budget]
+        options = [self.predict(config, tokens, world_size, n, s, dtype)
+                   for n in partitions for s in ("none", *[s for s in strategies if s != "none"])]
+        if memory_budget is None:
+            keep = {o.partitions: o.peak_bytes for o in options if o.strategy == "none"}
+            saving = [o for o in options if o.strategy != "none" and o.peak_bytes < keep[o.partitions]]
+            return min(saving or [o for o in options if o.strategy == "none"], key=lambda o: o.total_s)
+        fitting = [o for o in options if o.peak_bytes <= memory_budget]
         if not fitting:
             smallest = min(options, key=lambda o: o.peak_bytes)
             raise ValueError(
@@ -305,4 +311,3 @@ class PerformanceModel:
                 f"(n={smallest.partitions}, {smallest.strategy}) needs {smallest.peak_bytes} bytes for "
                 f"{tokens} tokens; raise the budget, use fewer tokens per step, or more partitions")
         return min(fitting, key=lambda o: o.total_s)
-

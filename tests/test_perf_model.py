@@ -42,6 +42,16 @@ def test_slow_copies_favour_recomputation_fast_copies_favour_offload():
     assert m(fast_pcie).strategy == "S1"
 
 
+def test_auto_keeps_everything_when_sharing_saves_nothing():
+    model = PerformanceModel(profile())
+    # one partition: nothing to share, the restore buffers cost as much as they save
+    assert model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1]).strategy == "none"
+    # four partitions: a restore strategy that lowers the peak is chosen
+    chosen = model.choose(GPT_XL, 16384, 8, torch.bfloat16, [4])
+    assert chosen.strategy != "none"
+    assert chosen.peak_bytes < predict_memory(GPT_XL, 16384, 8, 4, "none").peak_bytes
+
+
 def test_pipelining_hides_communication():
     p = profile()
     assert predict(p, 4, "S4").total_s < predict(p, 1, "S4").total_s
