@@ -99,12 +99,18 @@ class GranularitySearch:
         self.recheck_every, self.tolerance, self.skew_shift = recheck_every, tolerance, skew_shift
         self.cache: list[CacheEntry] = []
         self.active: ActiveSearch | None = None
+        self._floor = 1
         self.decisions: list[dict] = []
 
     # -- the decision for one pass ----------------------------------------------------------
-    def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool) -> int:
+    def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool,
+               min_partitions: int = 1) -> int:
         """n for a pass over `tokens` tokens (the same on every rank: tokens and skew are
-        agreed beforehand, and the decisions below only use agreed values)."""
+        agreed beforehand, and the decisions below only use agreed values).
+
+        min_partitions: the smallest n allowed (e.g. the fewest partitions that fit a
+        memory budget); cached choices below it are ignored and not searched."""
+        self._floor = min(min_partitions, self.candidates[-1])
         if self.active is not None and self.active.finished:
             self._finish(group)
         if self.active is not None and (self.active.tokens != tokens or not timing_wanted):
@@ -115,7 +121,11 @@ class GranularitySearch:
         if self.active is not None:
             return self.active.current()
         entry = self._lookup(tokens)
-        return entry.partitions if entry is not None else self.candidates[0]
+        return entry.partitions if entry is not None else self._allowed(self.candidates)[0]
+
+    def _allowed(self, candidates: list[int]) -> list[int]:
+        floor = self._floor
+        return [c for c in candidates if c >= floor] or [max(self.candidates)]
 
     def timing_for_pass(self, n: int, device: torch.device) -> PassTiming | None:
         """A stopwatch pair for this pass when the search is measuring it."""
@@ -134,6 +144,10 @@ class GranularitySearch:
 
     # -- cache and searches ---------------------------------------------------------------------
     def _lookup(self, tokens: int) -> CacheEntry | None:
+        entry = self._lookup_any(tokens)
+        return entry if entry is not None and entry.partitions >= self._floor else None
+
+    def _lookup_any(self, tokens: int) -> CacheEntry | None:
         for entry in self.cache:
             if entry.tokens == tokens:
                 return entry
@@ -175,7 +189,8 @@ class GranularitySearch:
         return self.candidates[max(0, i - 1): i + 2]
 
     def _start(self, tokens: int, skew: int, candidates: list[int], reason: str) -> None:
-        self.active = ActiveSearch(tokens, skew, list(candidates), reason, self.warmup + self.repeats)
+        candidates = self._allowed(list(candidates))
+        self.active = ActiveSearch(tokens, skew, candidates, reason, self.warmup + self.repeats)
         self._decide("search started", tokens, None, reason=reason, candidates=list(candidates))
 
     def _finish(self, group: ExpertGroup) -> None:

@@ -24,7 +24,7 @@ from . import dispatcher
 from .comm import ExpertGroup, all_to_all_with_grad
 from .config import STRATEGIES, MoEConfig
 from .experts import Experts
-from .memory import HostBufferPool, RestorePolicy
+from .memory import HostBufferPool, RestorePolicy, predict_memory
 from .pipeline import PipelinedExperts, PipelineRun
 from .granularity import GranularitySearch, PassTiming, skew_bucket
 from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, calibrate
@@ -207,12 +207,27 @@ class MPipeMoE(_PipelinedLayer):
     def _partition_rows(self, routing, agreed):
         if self.partitions == "auto":
             n = self.search.choose(agreed.max_tokens, agreed.skew_bucket, self.group,
-                                   timing_wanted=torch.is_grad_enabled())
+                                   timing_wanted=torch.is_grad_enabled(),
+                                   min_partitions=self._fewest_partitions_within_budget(agreed.max_tokens,
+                                                                                        routing.weights_TK.dtype))
         else:
             n = self.partitions
         self.last_partitions = n
         tokens = routing.expert_ids_TK.shape[0]
         return dispatcher.partition_by_tokens(tokens, self.config.top_k, n, routing.expert_ids_TK.device), n
+
+    def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype) -> int:
+        """With a memory budget, the smallest candidate n whose leanest strategy fits
+        (the memory model shrinks as n grows); 1 without a budget."""
+        if self.memory_budget is None:
+            return 1
+        param_dtype = self.router.weight.dtype
+        for n in self.search.candidates:
+            leanest = min(predict_memory(self.config, tokens, self.group.size, n, s, dtype=param_dtype).peak_bytes
+                          for s in STRATEGIES)
+            if leanest <= self.memory_budget:
+                return n
+        return self.search.candidates[-1]
 
     def _pass_timing(self, device):
         return self.search.timing_for_pass(self.last_partitions, device) if self.partitions == "auto" else None

@@ -26,9 +26,9 @@ class ScriptedSearch(GranularitySearch):
         self.cost = cost
         self._tokens = None
 
-    def choose(self, tokens, skew, group, timing_wanted=True):
+    def choose(self, tokens, skew, group, timing_wanted=True, min_partitions=1):
         self._tokens = tokens
-        return super().choose(tokens, skew, group, timing_wanted)
+        return super().choose(tokens, skew, group, timing_wanted, min_partitions)
 
     def timing_for_pass(self, n, device):
         self._n = n
@@ -108,6 +108,39 @@ def test_monotonicity_violations_are_reported():
     run_passes(search, 9000, 4)
     assert search.monotonicity_violations() == [(1000, 4, 9000, 2)]
     assert any(d["event"] == "monotonicity violated" for d in search.decisions)
+
+
+def test_minimum_partitions_limit_the_search_and_the_cache():
+    search = ScriptedSearch(best_n_grows_with_tokens, candidates=(1, 2, 4, 8), warmup=0, repeats=1)
+    run_passes(search, 1000, 5)
+    assert search.cache[0].partitions == 1
+    group = ExpertGroup(None)
+    chosen = []
+    for _ in range(4):   # a budget now needs n >= 4: the cached n=1 no longer counts
+        n = search.choose(1000, 0, group, True, min_partitions=4)
+        search.timing_for_pass(n, torch.device("cpu"))
+        chosen.append(n)
+    assert set(chosen) <= {4, 8} and search.cache[-1].partitions in (4, 8)
+
+
+def test_memory_budget_steers_auto_layer_to_more_partitions():
+    config = MoEConfig(64, 256, 4, top_k=2)
+    tokens = 512
+    from moe_engine.memory import predict_memory
+    budget = min(predict_memory(config, tokens, 1, 4, s, dtype=torch.float32).peak_bytes
+                 for s in ("S1", "S2", "S3", "S4"))
+    assert budget < min(predict_memory(config, tokens, 1, 2, s, dtype=torch.float32).peak_bytes
+                        for s in ("none", "S1", "S2", "S3", "S4"))
+    layer = MPipeMoE(config, memory_budget=budget, search=GranularitySearch(candidates=(1, 2, 4, 8), warmup=0,
+                                                                            repeats=1))
+    for _ in range(4):
+        x = torch.randn(tokens, 64, requires_grad=True)
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+        assert layer.last_partitions >= 4
+        peak = predict_memory(config, tokens, 1, layer.last_partitions, layer.last_strategy,
+                              dtype=torch.float32).peak_bytes
+        assert peak <= budget
 
 
 def test_skew_bucket():
