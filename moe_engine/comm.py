@@ -13,7 +13,6 @@ the collective's work handle, which completes on gloo's own threads.
 """
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -106,12 +105,6 @@ class ExpertGroup:
         holder = [obj]
         dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
         return holder[0]
-
-
-def default_timeout() -> timedelta:
-    """Collective timeout used when this project creates process groups: a dead rank
-    ends the job in bounded time instead of hanging it."""
-    return timedelta(minutes=5)
 
 
 class _AllToAllFunction(torch.autograd.Function):
