@@ -101,7 +101,7 @@ class MoELayerBase(nn.Module):
         plan = dispatcher.plan_dispatch(routing, partition_P, num_partitions,
                                         self.config.num_experts, self.group)
         y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
-        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)                    # 4. un-permute
+        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
 
