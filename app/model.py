@@ -114,12 +114,15 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(f"preset={name!r} is unknown: choose one of {', '.join(PRESETS)}") from None
 
 
-def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy="auto") -> nn.Module:
-    """One MoE layer of ``engine``; ``partitions``/``strategy`` only apply to mpipemoe."""
+def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy="auto",
+                    profiles=None) -> nn.Module:
+    """One MoE layer of ``engine``; ``partitions``/``strategy``/``profiles`` (a
+    moe_engine.ProfileCache shared by the model's layers) only apply to mpipemoe."""
     import moe_engine
 
     if engine == "mpipemoe":
-        return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy)
+        return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy,
+                                   profile=profiles)
     if engine == "fastmoe":
         return moe_engine.FastMoE(config, group=group)
     if engine == "fastermoe":
@@ -175,7 +178,7 @@ class MoETransformer(nn.Module):
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
                  partitions="auto", strategy="auto"):
         super().__init__()
-        from moe_engine import MoEConfig
+        from moe_engine import MoEConfig, ProfileCache
 
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -186,8 +189,9 @@ class MoETransformer(nn.Module):
                                capacity_factor=preset.capacity_factor, activation=preset.activation)
         self.tok_embed = nn.Embedding(preset.vocab_size, preset.d_model)
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
+        profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         self.blocks = nn.ModuleList(
-            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy))
+            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy, profiles))
             for _ in range(preset.num_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)
 

@@ -6,6 +6,8 @@
 """
 from .config import MoEConfig
 from .layers import FastMoE, FasterMoE, MPipeMoE
-from .memory import HostBufferPool
+from .memory import HostBufferPool, predict_memory
+from .perf_model import HardwareProfile, ProfileCache, ProfileStore
 
-__all__ = ["MoEConfig", "MPipeMoE", "FastMoE", "FasterMoE", "HostBufferPool"]
+__all__ = ["MoEConfig", "MPipeMoE", "FastMoE", "FasterMoE", "HostBufferPool", "predict_memory",
+           "HardwareProfile", "ProfileCache", "ProfileStore"]

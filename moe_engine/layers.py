@@ -27,7 +27,7 @@ from .experts import Experts
 from .memory import HostBufferPool, RestorePolicy, predict_memory
 from .pipeline import PipelinedExperts, PipelineRun
 from .granularity import GranularitySearch, PassTiming, skew_bucket
-from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, calibrate
+from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
 from .router import Router, Routing
 from .streams import StreamSet
 
@@ -176,8 +176,9 @@ class MPipeMoE(_PipelinedLayer):
 
     partitions:    "auto" (online search, granularity.py) or an int ≥ 1.
     strategy:      "auto" (performance model, perf_model.py), "none", "S1", "S2", "S3" or "S4".
-    profile:       hardware profile for the performance model; measured on the first
-                   pass when "auto" needs one and none is given (all ranks together).
+    profile:       a HardwareProfile, or a ProfileCache shared by the model's layers
+                   (default: a cache of this layer's own); a missing profile is measured
+                   on the first pass that needs one, by all ranks together.
     memory_budget: bytes the layer's activations may use; "auto" then picks the fastest
                    strategy that fits (and "none" may compete), or fails naming the need.
     search:        the GranularitySearch to use (candidates, re-check period, ...).
@@ -185,7 +186,7 @@ class MPipeMoE(_PipelinedLayer):
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
-                 profile: HardwareProfile | None = None, memory_budget: int | None = None,
+                 profile: HardwareProfile | ProfileCache | None = None, memory_budget: int | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
                  device=None, dtype=None):
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
@@ -198,7 +199,7 @@ class MPipeMoE(_PipelinedLayer):
             raise ValueError(f"memory_budget={memory_budget!r} is invalid: give a positive number of bytes or None")
         self.partitions = partitions
         self.strategy = strategy
-        self.profile = profile
+        self.profile = profile if profile is not None else ProfileCache()
         self.memory_budget = memory_budget
         self.search = search if search is not None else GranularitySearch()
         self.last_partitions: int | None = None
@@ -233,10 +234,12 @@ class MPipeMoE(_PipelinedLayer):
         return self.search.timing_for_pass(self.last_partitions, device) if self.partitions == "auto" else None
 
     def performance_model(self, x_TD: torch.Tensor) -> PerformanceModel:
-        """The model over this layer's profile (measured now, on every rank, if missing)."""
-        if self.profile is None:
-            self.profile = calibrate(self.config, max(x_TD.shape[0], 1), self.group, x_TD.device, x_TD.dtype)
-        return PerformanceModel(self.profile)
+        """The model over this layer's profile (from the shared cache, or measured now
+        on every rank when the cache has none)."""
+        profile = self.profile
+        if isinstance(profile, ProfileCache):
+            profile = profile.get_or_measure(self.config, max(x_TD.shape[0], 1), self.group, x_TD.device, x_TD.dtype)
+        return PerformanceModel(profile)
 
     def _strategy_for(self, x_TD, partitions):
         if self.strategy != "auto":

@@ -101,6 +101,36 @@ class ProfileStore:
         os.replace(tmp, self.path)
 
 
+class ProfileCache:
+    """Hardware profiles shared by the MoE layers of a model (and, with a `ProfileStore`,
+    by later runs): the first layer that needs one measures it, the others reuse it.
+
+    `get_or_measure` is a collective: all ranks call it together and either all read
+    the stored profile or all calibrate (a rank missing the file makes every rank measure).
+    """
+
+    def __init__(self, store: ProfileStore | None = None):
+        self.store = store
+        self.profiles: dict[str, HardwareProfile] = {}
+        self.measurements = 0
+
+    def get_or_measure(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
+                       dtype: torch.dtype) -> HardwareProfile:
+        key = profile_key(device_name(device), str(dtype).replace("torch.", ""), group.size)
+        if key in self.profiles:
+            return self.profiles[key]
+        stored = self.store.get(key) if self.store is not None else None
+        missing = torch.tensor([int(stored is None)], dtype=torch.int64,
+                               device=device if group.distributed and device.type == "cuda" else "cpu")
+        if int(group.all_reduce_max(missing).item()) or stored is None:
+            stored = calibrate(config, tokens, group, device, dtype)
+            self.measurements += 1
+            if self.store is not None:
+                self.store.put(stored)
+        self.profiles[key] = stored
+        return stored
+
+
 # -- calibration (collectives: every rank of the group must call it together) -----------
 
 def calibrate(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,

@@ -79,6 +79,26 @@ def test_profile_store_round_trip(tmp_path):
     assert store.get(p.key) == p
 
 
+def _shared_cache(rank, world_size, store_path):
+    from moe_engine import MPipeMoE, ProfileCache, ProfileStore
+
+    config = MoEConfig(16, 32, 2 * world_size, top_k=2)
+    cache = ProfileCache(ProfileStore(store_path))
+    layers = [MPipeMoE(config, partitions=2, strategy="auto", profile=cache) for _ in range(3)]
+    x = torch.randn(16, 16)
+    for layer in layers:
+        layer(x)[0].sum().backward()
+    again = ProfileCache(ProfileStore(store_path))  # a later run reads the stored profile
+    MPipeMoE(config, partitions=2, strategy="auto", profile=again)(x)
+    return cache.measurements, again.measurements
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_layers_share_one_measured_profile_and_later_runs_reuse_it(world_size, tmp_path):
+    results = run_on_ranks(world_size, _shared_cache, str(tmp_path / f"profiles-{world_size}.json"))
+    assert results == [(1, 0)] * world_size
+
+
 def _calibrate(rank, world_size):
     config = MoEConfig(32, 64, 2 * world_size, top_k=2)
     return calibrate(config, 64, ExpertGroup(None), torch.device("cpu"), torch.float32, repeats=2)
