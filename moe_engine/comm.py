@@ -84,18 +84,17 @@ class ExpertGroup:
     # -- small agreements -------------------------------------------------------
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
         """Collective. Elementwise max over ranks (used so all ranks agree on a choice)."""
-        if not self.distributed:
-            return values
-        out = values.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
-        return out
+        return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Collective. Elementwise sum over ranks."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
         if not self.distributed:
             return values
         out = values.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(out, op=op, group=self.group)
         return out
 
     def broadcast_object(self, obj):
