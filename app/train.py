@@ -170,20 +170,24 @@ def ensure_data(job: TrainJob, echo=print) -> None:
         data_lib.Manifest.load(job.data_dir)  # raises naming the fix
 
 
-def build_trainer(job: TrainJob, metrics_queue=None):
-    """The ``TorchTrainer`` of ``job`` (does not call ``ray.init``; data must be prepared)."""
+def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config: dict | None = None):
+    """The ``TorchTrainer`` of ``job`` (does not call ``ray.init``; data must be prepared).
+
+    ``train_fn`` (default ``workers.loop.train_fn_per_worker``) runs in each worker with
+    ``worker_config(job)`` updated by ``extra_config``.
+    """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from workers.loop import train_fn_per_worker
 
     use_gpu = _resolve_gpu(job)
-    config = worker_config(job, use_gpu, metrics_queue)
+    config = {**worker_config(job, use_gpu, metrics_queue), **(extra_config or {})}
     resources = {"CPU": config["cpus_per_worker"]}
     if use_gpu:
         resources["GPU"] = 1
     return TorchTrainer(
-        train_fn_per_worker,
+        train_fn or train_fn_per_worker,
         train_loop_config=config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=job.collective_timeout_s),
         scaling_config=ray.train.ScalingConfig(num_workers=job.num_workers, use_gpu=use_gpu,
