@@ -7,6 +7,7 @@
     mpipemoe report           # Markdown report with plots, generated from MLflow runs
     mpipemoe ui               # MLflow UI on 127.0.0.1 over the same store
     mpipemoe check            # the engine on 2 gloo processes against the reference
+    mpipemoe capacity         # the largest batch each engine trains with under a memory cap
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their subcommand runs, so ``mpipemoe --help`` is fast.
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "ui": ("app.ui", "start the MLflow UI on 127.0.0.1"),
     "check": ("app.check", "run the engine on gloo processes and compare with the reference"),
     "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
+    "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
 }
 
 

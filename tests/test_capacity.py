@@ -1,0 +1,108 @@
+"""``mpipemoe capacity``: the batch-size search, one trial on CPU, the command on Ray, a real
+out-of-memory search on a GPU."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from app.capacity import CapacitySearch, add_arguments, run
+from app.data import prepare_dataset
+from app.model import MoETransformer, get_preset
+from workers.capacity import BatchTrials, largest_fitting
+
+TRIAL_SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
+
+
+@pytest.mark.parametrize("start, limit", [(1, 1), (1, 2), (1, 7), (3, 7), (1, 64), (8, 64), (3, 100), (8, 100)])
+def test_largest_fitting_finds_the_threshold_with_few_trials(start, limit):
+    for threshold in range(0, limit + 3):
+        calls = []
+
+        def fits(size):
+            calls.append(size)
+            return size <= threshold
+
+        assert largest_fitting(fits, start, limit) == min(threshold, limit)
+        assert all(1 <= size <= limit for size in calls)
+        assert len(calls) <= 2 * (limit.bit_length() + 1) + 1, (threshold, calls)
+
+
+def test_largest_fitting_rejects_a_start_outside_the_range():
+    with pytest.raises(ValueError, match="start_batch=9"):
+        largest_fitting(lambda size: True, 9, 8)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("memory_cap_gib", 0, "memory_cap_gib=0 is invalid"),
+    ("start_batch", 0, "start_batch=0 is invalid"),
+    ("steps_per_trial", 1.5, "steps_per_trial=1.5 is invalid"),
+    ("max_batch", 4, "start_batch=8 is invalid: it must not exceed max_batch=4"),
+])
+def test_capacity_search_settings_are_validated(field, value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        CapacitySearch(**{field: value})
+
+
+def _tiny_trials(engine: str, device: torch.device, dtype=torch.float32) -> BatchTrials:
+    torch.manual_seed(0)
+    preset = get_preset("tiny-gpt").replace(seq_len=32)
+    model = MoETransformer(preset, engine=engine, partitions=2, strategy="S1").to(device=device, dtype=dtype)
+    tokens = np.random.default_rng(0).integers(0, preset.vocab_size, size=64 * 33 * 40)
+    return BatchTrials(model, tokens, device, world_size=1, rank=0, config=TRIAL_SETTINGS)
+
+
+@pytest.mark.parametrize("engine", ["mpipemoe", "fastmoe"])
+def test_a_trial_trains_and_records_the_engine_settings(engine):
+    trials = _tiny_trials(engine, torch.device("cpu"))
+    before = [p.detach().clone() for p in trials.model.parameters()]
+    assert trials.fits(4)
+    trial = trials.trials[-1]
+    assert trial["batch_size"] == 4 and trial["fits"]
+    assert trial["tokens_per_s"] == pytest.approx(4 * 32 / trial["step_time_s"])
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, trials.model.parameters()))
+    assert changed == len(before)  # the optimizer stepped every parameter
+    if engine == "mpipemoe":
+        assert (trial["partitions"], trial["strategy"]) == (2, "S1")
+
+
+@pytest.mark.ray
+def test_capacity_command_on_ray_writes_a_record(ray_local, tmp_path):
+    prepare_dataset(tmp_path / "data", max_bytes=2**19)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "capacity.json"
+    args = parser.parse_args(["--preset", "tiny-gpt", "--engines", "mpipemoe", "--no-gpu", "--num-workers", "2",
+                              "--start-batch", "2", "--max-batch", "5", "--steps-per-trial", "2",
+                              "--seq-len", "32", "--data-dir", str(tmp_path / "data"),
+                              "--tracking-uri", "none", "--out", str(out)])
+    assert run(args) == 0
+    record = json.loads(out.read_text())
+    (result,) = record["results"]
+    assert result["largest_batch_size"] == 5  # no cap on CPU: the search stops at --max-batch
+    assert [t["batch_size"] for t in result["trials"]] == [2, 4, 5]
+    assert result["at_largest"]["tokens_per_s"] == pytest.approx(2 * 5 * 32 / result["at_largest"]["step_time_s"])
+    assert record["meta"]["search"]["max_batch"] == 5 and record["meta"]["num_workers"] == 2
+
+
+@pytest.mark.gpu
+def test_the_search_stops_where_the_memory_cap_is_reached():
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    trials = _tiny_trials("mpipemoe", device, torch.bfloat16)
+    base = torch.cuda.memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((base + 2**30) / total, device)  # 1 GiB above the weights
+    try:
+        largest = largest_fitting(trials.fits, 64, 1 << 16)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert 64 <= largest < 1 << 16
+    for trial in trials.trials:  # the outcome is monotone in the batch size and the failures are real OOMs
+        assert trial["fits"] == (trial["batch_size"] <= largest)
+        if trial["fits"]:
+            assert trial["peak_memory_bytes"] <= base + 2**30
+    assert any(t["batch_size"] == largest + 1 and not t["fits"] for t in trials.trials)

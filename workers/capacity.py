@@ -1,0 +1,153 @@
+"""What each Ray Train worker runs for ``mpipemoe capacity``: the largest batch that fits.
+
+The worker caps its GPU memory (``torch.cuda.set_per_process_memory_fraction``), then
+tries batch sizes with real training steps (forward, backward, data-parallel gradient
+averaging, AdamW): it doubles from ``start_batch`` until a step runs out of memory (or
+``max_batch`` is reached) and bisects between the last size that fitted and the first
+that did not. Every trial's outcome is agreed over ranks, so all ranks walk the same
+sizes. A trial at the largest fitting size is also the throughput measurement.
+
+Limitation: a rank that runs out of memory inside an All-to-All leaves its peers waiting
+in that collective until the process-group timeout ends the job; with one worker per
+engine (the usual capacity question) this cannot happen.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from app.data import MASK_ID, BatchSampler, load_rank_tokens
+from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
+from workers.distributed import average_gradients, reduce_max, split_params
+from workers.loop import build_optimizer, peak_memory_bytes
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
+    """The largest b in [1, limit] with ``fits(b)``, assuming fits is monotone (true up to
+    some size, false beyond). Doubles from ``start``, then bisects; 0 if nothing fits."""
+    if not 1 <= start <= limit:
+        raise ValueError(f"start_batch={start} must lie in [1, max_batch={limit}]")
+    low, high = 0, limit + 1           # fits(low) (or low == 0), not fits(high) (or high > limit)
+    size = start
+    while True:                        # grow
+        if fits(size):
+            low = size
+            if size == limit:
+                return size
+            size = min(2 * size, limit)
+        else:
+            high = size
+            break
+    if low == 0:                       # even start failed: look below it
+        low_bound = 0
+        while high - low_bound > 1:
+            mid = (low_bound + high) // 2
+            if fits(mid):
+                low_bound = mid
+            else:
+                high = mid
+        return low_bound
+    while high - low > 1:              # bisect
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class BatchTrials:
+    """``fits(batch_size)``: a few real training steps at that size, agreed over ranks.
+
+    Every trial is appended to ``trials`` (and passed to ``on_trial``): batch_size, fits,
+    peak_memory_bytes (max over ranks), step_time_s and tokens_per_s (the fastest step
+    after the first, slowest rank), and the engine's choices (partitions, strategy).
+    """
+
+    def __init__(self, model: MoETransformer, tokens, device: torch.device, world_size: int, rank: int,
+                 config: dict, on_trial: Callable[[dict], None] | None = None):
+        self.model, self.tokens, self.device = model, tokens, device
+        self.world_size, self.rank, self.config, self.on_trial = world_size, rank, config, on_trial
+        self.preset = model.preset
+        self.window = self.preset.seq_len + 1 if self.preset.kind == "gpt" else self.preset.seq_len
+        self.replicated, self.expert = split_params(model)
+        self.optimizer = build_optimizer(model, config["lr"], config["weight_decay"])
+        self.generator = torch.Generator().manual_seed(config["seed"])
+        self.trials: list[dict] = []
+
+    def _train_step(self, sampler: BatchSampler, index: int) -> None:
+        window_BW = torch.from_numpy(sampler.batch(index)).to(self.device)
+        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BW, MASK_ID, self.preset.vocab_size,
+                                         self.generator)
+        logits_BSV, aux_loss = self.model(inputs_BS)
+        loss = lm_loss(logits_BSV, targets_BS) + self.config["aux_loss_weight"] * aux_loss
+        del logits_BSV
+        loss.backward()
+        average_gradients(self.replicated, self.expert, self.world_size)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def fits(self, batch_size: int) -> bool:
+        """False (on every rank) if any rank ran out of memory at ``batch_size``."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        out_of_memory, times = False, []
+        try:
+            sampler = BatchSampler(self.tokens, batch_size, self.window, self.config["seed"], self.rank)
+            for index in range(self.config["steps_per_trial"]):
+                started = time.perf_counter()
+                self._train_step(sampler, index)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - started)
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        if out_of_memory:  # free what the failed step held before the next trial
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        step_time = min(times[1:] or times) if times else float("nan")
+        failed, step_time, peak = reduce_max([float(out_of_memory), step_time, peak_memory_bytes(self.device)],
+                                             self.device, self.world_size)
+        tokens = self.world_size * batch_size * self.preset.seq_len
+        trial = {"batch_size": batch_size, "fits": not failed, "peak_memory_bytes": int(peak),
+                 "step_time_s": step_time, "tokens_per_s": 0.0 if failed else tokens / step_time,
+                 **self.model.engine_choices()}
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
+        return not failed
+
+
+def capacity_fn_per_worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        if config["memory_cap_bytes"]:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config["memory_cap_bytes"] / total), device)
+    torch.set_num_threads(config["torch_threads"])
+    torch.manual_seed(config["seed"] + rank)
+
+    model = MoETransformer(ModelPreset(**config["preset"]), engine=config["engine"], group=None,
+                           partitions=config["partitions"], strategy=config["strategy"])
+    model.to(device=device, dtype=getattr(torch, config["dtype"]))
+    init_parameters(model, config["seed"], rank)
+    model.train()
+    queue = config.get("metrics_queue") if rank == 0 else None
+    trials = BatchTrials(model, load_rank_tokens(config["data_dir"], rank, world_size), device, world_size,
+                         rank, config, on_trial=queue.put if queue is not None else None)
+    largest = largest_fitting(trials.fits, config["start_batch"], config["max_batch"])
+    if queue is not None:
+        queue.put({"largest_batch_size": largest})
