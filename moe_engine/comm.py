@@ -10,15 +10,25 @@ one CPU process, on gloo ranks and on NCCL ranks.
 On CUDA an asynchronous All-to-All is issued on the communication stream the
 caller names; its `Pending` is an event on that stream. On CPU (gloo) it is
 the collective's work handle, which completes on gloo's own threads.
+
+A collective that fails (a peer died, or the process group's timeout ended the
+wait for a rank that stopped participating) raises `CollectiveError` naming the
+collective and the rank, so a dead rank ends the job in bounded time with a
+clear message instead of a hang.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .streams import Pending, StreamSet
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the expert-parallel group failed (usually: another rank died or
+    stopped participating and the process group's timeout ended the wait)."""
 
 
 class ExpertGroup:
@@ -39,6 +49,18 @@ class ExpertGroup:
     def distributed(self) -> bool:
         return self.group is not None and self.size > 1
 
+    def _run(self, what: str, collective: Callable):
+        """``collective()``, with a failure re-raised as a `CollectiveError` naming it."""
+        try:
+            return collective()
+        except RuntimeError as error:
+            lines = str(error).strip().splitlines()
+            raise CollectiveError(
+                f"{what} failed on rank {self.rank} of {self.size}: another rank died or stopped "
+                f"participating, and the process group's timeout ended the wait (set it with "
+                f"init_process_group(timeout=...)); {type(error).__name__}: {lines[-1] if lines else ''}"
+            ) from error
+
     # -- counts ---------------------------------------------------------------
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """Collective. send_counts[dst, ...] -> recv_counts[src, ...] (int64).
@@ -48,7 +70,8 @@ class ExpertGroup:
         if not self.distributed:
             return send_counts.clone()
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        self._run("token-count exchange", lambda: dist.all_to_all_single(
+            recv_counts, send_counts.contiguous(), group=self.group))
         return recv_counts
 
     # -- All-to-All -----------------------------------------------------------
@@ -58,7 +81,8 @@ class ExpertGroup:
         if not self.distributed:
             output.copy_(input)
             return
-        dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=self.group)
+        self._run("All-to-All", lambda: dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=self.group))
 
     def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor,
                          output_splits: Sequence[int], input_splits: Sequence[int],
@@ -74,12 +98,12 @@ class ExpertGroup:
             return streams.record_comm()
         if streams.is_cuda:
             with streams.on_comm():
-                dist.all_to_all_single(output, input, list(output_splits), list(input_splits),
-                                       group=self.group)
+                self._run("All-to-All", lambda: dist.all_to_all_single(
+                    output, input, list(output_splits), list(input_splits), group=self.group))
             return streams.record_comm()
-        work = dist.all_to_all_single(output, input, list(output_splits), list(input_splits),
-                                      group=self.group, async_op=True)
-        return Pending.from_work(work)
+        work = self._run("All-to-All", lambda: dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True))
+        return Pending(lambda: self._run("All-to-All", work.wait))
 
     # -- small agreements -------------------------------------------------------
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
@@ -94,7 +118,7 @@ class ExpertGroup:
         if not self.distributed:
             return values
         out = values.clone()
-        dist.all_reduce(out, op=op, group=self.group)
+        self._run("all-reduce", lambda: dist.all_reduce(out, op=op, group=self.group))
         return out
 
     def broadcast_object(self, obj):
@@ -102,7 +126,8 @@ class ExpertGroup:
         if not self.distributed:
             return obj
         holder = [obj]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._run("broadcast", lambda: dist.broadcast_object_list(
+            holder, src=dist.get_global_rank(self.group, 0), group=self.group))
         return holder[0]
 
 

@@ -14,6 +14,7 @@ Legend: T tokens on this rank, D d_model, K top_k, R rows sent.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, Pr
 from .router import Router, Routing
 from .streams import StreamSet
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AgreedStep:
@@ -89,8 +91,10 @@ class MoELayerBase(nn.Module):
         zeros = torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
         return zeros, 1
 
-    def _run_experts(self, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan) -> torch.Tensor:
-        """Engine-specific: rows in send order (R × D) after dispatch → experts → combine."""
+    def _run_experts(self, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan, agreed: AgreedStep) -> torch.Tensor:
+        """Engine-specific: rows in send order (R × D) after dispatch → experts → combine.
+        Any choice that changes which collectives run must depend on ``agreed`` values
+        only (never on this rank's token count), or ranks with different batches hang."""
         raise TypeError(f"{type(self).__name__} is abstract; use MPipeMoE, FastMoE or FasterMoE")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +104,7 @@ class MoELayerBase(nn.Module):
         partition_P, num_partitions = self._partition_rows(routing, agreed)            # 2. plan
         plan = dispatcher.plan_dispatch(routing, partition_P, num_partitions,
                                         self.config.num_experts, self.group)
-        y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
+        y_RD = self._run_experts(x_TD, plan, agreed)                                   # 3. experts
         y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
@@ -109,7 +113,7 @@ class FastMoE(MoELayerBase):
     """Keep-everything baseline: one dispatch, all experts, one combine; no overlap,
     no memory reuse; autograd saves whatever each op needs (as FastMoE does)."""
 
-    def _run_experts(self, x_TD, plan):
+    def _run_experts(self, x_TD, plan, agreed):
         (p,) = plan.partitions
         x_RD = dispatcher.gather_rows(x_TD, p.token_index_R)
         received_ND = all_to_all_with_grad(self.group, x_RD, p.recv_splits, p.send_splits)
@@ -132,14 +136,14 @@ class _PipelinedLayer(MoELayerBase):
             self._streams[device] = StreamSet(device)
         return self._streams[device]
 
-    def _strategy_for(self, x_TD: torch.Tensor, partitions: int) -> str:
+    def _strategy_for(self, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan, agreed: AgreedStep) -> str:
         return "none"
 
     def _pass_timing(self, device: torch.device) -> PassTiming | None:
         return None
 
-    def _run_experts(self, x_TD, plan):
-        self.last_strategy = self._strategy_for(x_TD, len(plan.partitions))
+    def _run_experts(self, x_TD, plan, agreed):
+        self.last_strategy = self._strategy_for(x_TD, plan, agreed)
         run = PipelineRun(self.experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(self.last_strategy), self.host_pool,
                           timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None)
@@ -183,6 +187,9 @@ class MPipeMoE(_PipelinedLayer):
                    strategy that fits (and "none" may compete), or fails naming the need.
     search:        the GranularitySearch to use (candidates, re-check period, ...).
     host_pool:     pinned host buffers for offloads; share one between layers if you like.
+                   An offloading strategy (S1–S3) whose buffers would not fit in the host
+                   memory the pool may take falls back to S4 on every rank, with a logged
+                   reason (``host_fallback_reason``).
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
@@ -204,6 +211,8 @@ class MPipeMoE(_PipelinedLayer):
         self.search = search if search is not None else GranularitySearch()
         self.last_partitions: int | None = None
         self.last_strategy: str | None = None
+        self.host_fallback_reason: str | None = None  # why the last check chose S4 over an offload
+        self._host_check: tuple | None = None         # (pass shape, fell back) of the last host check
 
     def _partition_rows(self, routing, agreed):
         if self.partitions == "auto":
@@ -233,18 +242,52 @@ class MPipeMoE(_PipelinedLayer):
     def _pass_timing(self, device):
         return self.search.timing_for_pass(self.last_partitions, device) if self.partitions == "auto" else None
 
-    def performance_model(self, x_TD: torch.Tensor) -> PerformanceModel:
+    def performance_model(self, x_TD: torch.Tensor, tokens: int | None = None) -> PerformanceModel:
         """The model over this layer's profile (from the shared cache, or measured now
-        on every rank when the cache has none)."""
+        on every rank when the cache has none). ``tokens``: the token count to measure
+        with, the same on every rank (default: this rank's)."""
         profile = self.profile
         if isinstance(profile, ProfileCache):
-            profile = profile.get_or_measure(self.config, max(x_TD.shape[0], 1), self.group, x_TD.device, x_TD.dtype)
+            tokens = x_TD.shape[0] if tokens is None else tokens
+            profile = profile.get_or_measure(self.config, max(tokens, 1), self.group, x_TD.device, x_TD.dtype)
         return PerformanceModel(profile)
 
-    def _strategy_for(self, x_TD, partitions):
-        if self.strategy != "auto":
-            return self.strategy
-        model = self.performance_model(x_TD)
-        choice = model.choose(self.config, x_TD.shape[0], self.group.size, x_TD.dtype, [partitions],
-                              SHARED_STRATEGIES, self.memory_budget)
-        return choice.strategy
+    def _strategy_for(self, x_TD, plan, agreed):
+        """The strategy of this pass: the same on every rank (it decides whether backward
+        runs re-communication All-to-Alls), so it is chosen from agreed values only."""
+        strategy = self.strategy
+        if strategy == "auto":
+            model = self.performance_model(x_TD, agreed.max_tokens)
+            strategy = model.choose(self.config, agreed.max_tokens, self.group.size, x_TD.dtype,
+                                    [len(plan.partitions)], SHARED_STRATEGIES, self.memory_budget).strategy
+        if torch.is_grad_enabled() and RestorePolicy.of(strategy).offloads:
+            strategy = self._host_memory_fallback(strategy, x_TD, plan, agreed)
+        return strategy
+
+    def _host_memory_fallback(self, strategy: str, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan,
+                              agreed: AgreedStep) -> str:
+        """``strategy``, or S4 (no host memory) on every rank when the host buffers of this
+        pass do not fit on some rank. One collective (a max over ranks), run only when the
+        agreed pass shape (tokens, skew, n, strategy) differs from the last one checked."""
+        key = (agreed.max_tokens, agreed.skew_bucket, len(plan.partitions), strategy)
+        if self._host_check is not None and self._host_check[0] == key:
+            return "S4" if self._host_check[1] else strategy
+        policy = RestorePolicy.of(strategy)
+        widths = [self.config.d_model] * policy.offload_input + \
+            [self.experts.pre_activation_width] * policy.offload_preactivation
+        requests = [(p.rows_received * w, x_TD.dtype) for p in plan.partitions for w in widths]
+        grow = self.host_pool.bytes_to_grow(requests)
+        usable = self.host_pool.usable_bytes() if grow else 0
+        short_local = torch.tensor([int(grow > usable)], dtype=torch.int64)
+        short = bool(self.group.all_reduce_max(
+            short_local.to(x_TD.device) if self.group.distributed and x_TD.is_cuda else short_local).item())
+        self._host_check = (key, short)
+        if short:
+            where = (f"needs {grow:,} more bytes of host memory, {usable:,} usable" if grow > usable
+                     else "does not fit on another rank")
+            self.host_fallback_reason = (f"{strategy} for {agreed.max_tokens} tokens, n={len(plan.partitions)} "
+                                         f"{where}: using S4 (re-communication + recomputation) instead")
+            log.warning("MPipeMoE: %s", self.host_fallback_reason)
+            return "S4"
+        self.host_fallback_reason = None
+        return strategy

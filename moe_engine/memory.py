@@ -18,10 +18,15 @@ tensor per row (a = 1 in §5), whatever the activation.
 `HostBufferPool` owns pinned host memory for offloads. Each forward takes its
 own buffers (so several micro-batches can be in flight), backward gives them
 back, and later steps reuse them. Pass one pool to several layers to share it.
+Before an offloading pass the layer compares the bytes the pool would add
+(`bytes_to_grow`) with what it may still take (`usable_bytes`); when they do not
+fit, the layer falls back to S4, which needs no host memory.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -48,9 +53,32 @@ class RestorePolicy:
         return cls(strategy, True, not recommunicate, not recompute, recommunicate, recompute)
 
     @property
+    def offloads(self) -> bool:
+        """True when forward copies T_DI or A to host memory (S1, S2, S3)."""
+        return self.offload_input or self.offload_preactivation
+
+    @property
     def needs_layer_input(self) -> bool:
         """Re-communication rebuilds T_DI from the layer input x, so backward keeps x."""
         return self.recommunicate_input
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the OS can give now without swapping: ``MemAvailable`` of
+    /proc/meminfo on Linux, else free physical pages (``os.sysconf``)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _capacity(numel: int) -> int:
+    """Buffer size (elements) the pool uses for ``numel``: the next power of two."""
+    return 1 << max(0, (numel - 1).bit_length())
 
 
 class HostBufferPool:
@@ -59,20 +87,50 @@ class HostBufferPool:
     `take` hands out a buffer no one else holds; `give_back` returns it for reuse.
     Sizes are rounded up to a power of two so buffers are reused across steps
     whose token counts differ a little.
+
+    available_bytes: returns the host bytes free now (default `available_host_memory`;
+                     pass your own to test or to account for other users of the host).
+    usable_fraction: the share of those bytes this pool may take when it grows; the
+                     rest stays for the process, the OS and other ranks on the node
+                     (with R ranks per node, about 0.8 / R).
     """
 
-    def __init__(self):
+    def __init__(self, available_bytes: Callable[[], int] = available_host_memory,
+                 usable_fraction: float = 0.8):
+        if isinstance(usable_fraction, bool) or not isinstance(usable_fraction, (int, float)) \
+                or not 0 < usable_fraction <= 1:
+            raise ValueError(f"usable_fraction={usable_fraction!r} is invalid: give a number in (0, 1], "
+                             f"e.g. 0.8 / (ranks per node)")
+        self.available_bytes = available_bytes
+        self.usable_fraction = usable_fraction
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self.bytes_allocated = 0
 
     def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        capacity = 1 << max(0, (numel - 1).bit_length())
+        capacity = _capacity(numel)
         free = self._free.get((dtype, capacity))
         if free:
             return free.pop()
         buffer = torch.empty(capacity, dtype=dtype, pin_memory=pin)
         self.bytes_allocated += buffer.numel() * buffer.element_size()
         return buffer
+
+    def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]]) -> int:
+        """Bytes the pool would allocate to serve ``requests`` ((numel, dtype) pairs) now,
+        after reusing its free buffers."""
+        free = {key: len(buffers) for key, buffers in self._free.items()}
+        grow = 0
+        for numel, dtype in requests:
+            key = (dtype, _capacity(numel))
+            if free.get(key, 0):
+                free[key] -= 1
+            else:
+                grow += key[1] * torch.empty((), dtype=dtype).element_size()
+        return grow
+
+    def usable_bytes(self) -> int:
+        """Host bytes this pool may still take now: ``usable_fraction`` of what is available."""
+        return int(self.available_bytes() * self.usable_fraction)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)

@@ -10,11 +10,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, init_file, fn, args, queue):
+def _worker(rank, world_size, init_file, fn, args, queue, collective_timeout_s):
     try:
         if world_size > 1:
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=120))
+                                    world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure to the parent, then exit
@@ -24,16 +24,17 @@ def _worker(rank, world_size, init_file, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float = 300.0):
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 300.0, collective_timeout_s: float = 120.0):
     """fn(rank, world_size, *args) on each rank; returns the list of results by rank.
-    With world_size 1 it runs in this process, without a process group."""
+    With world_size 1 it runs in this process, without a process group.
+    ``collective_timeout_s``: the process group's timeout (a collective waiting longer fails)."""
     if world_size == 1:
         return [fn(0, 1, *args)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue, collective_timeout_s))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,113 @@
+"""Tier 1-2: offload strategies (S1-S3) check the host memory their buffers need against
+what is available and fall back to S4 (no host memory) on every rank, with a logged reason.
+
+The available-memory source is injected (``HostBufferPool(available_bytes=...)``), so the
+tests force the fallback without touching the machine's memory.
+"""
+import logging
+
+import pytest
+import torch
+
+from moe_engine import HostBufferPool, MoEConfig, MPipeMoE
+from moe_engine.memory import available_host_memory
+from tests.distributed import run_on_ranks
+
+CONFIG = MoEConfig(d_model=8, d_hidden=16, num_experts=4, top_k=2)
+PLENTY = 64 * 2**30
+
+
+def _step(layer: MPipeMoE, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Forward + backward; (y, {parameter name: grad}) and x.grad under 'x'."""
+    x = x.clone().requires_grad_(True)
+    y, aux = layer(x)
+    (y.pow(2).sum() + aux).backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    grads["x"] = x.grad
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+def _layer(strategy: str, available_bytes) -> MPipeMoE:
+    torch.manual_seed(0)
+    return MPipeMoE(CONFIG, partitions=2, strategy=strategy,
+                    host_pool=HostBufferPool(available_bytes=available_bytes))
+
+
+def test_available_host_memory_reads_the_machine():
+    assert 0 < available_host_memory() < 2**50
+
+
+def test_pool_settings_are_validated():
+    with pytest.raises(ValueError, match=r"usable_fraction=0 is invalid: give a number in \(0, 1\]"):
+        HostBufferPool(usable_fraction=0)
+
+
+def test_pool_counts_the_bytes_it_would_grow_by():
+    pool = HostBufferPool()
+    assert pool.bytes_to_grow([(100, torch.float32), (3, torch.float64)]) == 128 * 4 + 4 * 8
+    pool.give_back(pool.take(100, torch.float32, pin=False))
+    assert pool.bytes_to_grow([(100, torch.float32)]) == 0           # reuses the free buffer
+    assert pool.bytes_to_grow([(100, torch.float32)] * 2) == 128 * 4  # only one is free
+    assert HostBufferPool(available_bytes=lambda: 1000, usable_fraction=0.5).usable_bytes() == 500
+
+
+@pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
+def test_offload_falls_back_to_s4_when_host_memory_is_short(strategy, caplog):
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    short = _layer(strategy, available_bytes=lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="moe_engine.layers"):
+        y, grads = _step(short, x)
+    assert short.last_strategy == "S4"
+    assert short.host_pool.bytes_allocated == 0
+    assert f"{strategy} for 12 tokens" in short.host_fallback_reason
+    assert "using S4" in caplog.text and "more bytes of host memory" in caplog.text
+    # Same numbers as the offloading run with enough memory.
+    enough = _layer(strategy, available_bytes=lambda: PLENTY)
+    y_ref, grads_ref = _step(enough, x)
+    assert enough.last_strategy == strategy and enough.host_pool.bytes_allocated > 0
+    assert enough.host_fallback_reason is None
+    torch.testing.assert_close(y, y_ref)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_memory_is_asked_only_when_the_pass_shape_changes():
+    calls = []
+
+    def available():
+        calls.append(1)
+        return PLENTY
+
+    layer = _layer("S1", available)
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        _step(layer, x)
+    assert len(calls) == 1 and layer.last_strategy == "S1"
+    _step(layer, torch.randn(40, 8))    # more tokens: checked again
+    assert len(calls) == 2
+    with torch.no_grad():               # no backward, nothing offloaded: no check
+        layer(torch.randn(7, 8))
+    assert len(calls) == 2
+
+
+def test_no_memory_check_for_non_offloading_strategies():
+    layer = _layer("S4", available_bytes=lambda: pytest.fail("S4 needs no host memory"))
+    _step(layer, torch.randn(12, 8))
+    assert layer.last_strategy == "S4" and layer.host_pool.bytes_allocated == 0
+
+
+def _one_rank_short(rank, world_size):
+    """Rank 0 has no host memory to spare, rank 1 plenty: both must run S4 (the strategy
+    decides whether backward re-communicates, so a split decision would hang)."""
+    x = torch.randn(10 + 5 * rank, 8, generator=torch.Generator().manual_seed(rank))
+    layer = MPipeMoE(CONFIG, partitions=2, strategy="S1",
+                     host_pool=HostBufferPool(available_bytes=(lambda: 0) if rank == 0 else (lambda: PLENTY)))
+    _step(layer, x)
+    return layer.last_strategy, layer.host_fallback_reason, layer.host_pool.bytes_allocated
+
+
+def test_one_short_rank_moves_every_rank_to_s4():
+    (s0, reason0, bytes0), (s1, reason1, bytes1) = run_on_ranks(2, _one_rank_short, collective_timeout_s=30)
+    assert s0 == s1 == "S4" and bytes0 == bytes1 == 0
+    assert "more bytes of host memory" in reason0 and "does not fit on another rank" in reason1
