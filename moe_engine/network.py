@@ -1,0 +1,295 @@
+"""Network model of a GPU cluster for the schedule simulator (DESIGN.md §2, §7).
+
+A cluster is N nodes × G GPUs (P = N·G ranks, rank r on node r // G). Two
+kinds of link carry an All-to-All:
+
+* intra-node (NVLink through NVSwitch): per GPU, one direction,
+  ``intra_bytes_per_s``; a message costs ``intra_message_s``;
+* inter-node (InfiniBand, one NIC per GPU, rail-matched):
+  per GPU, one direction, ``inter_bytes_per_s``; a message costs
+  ``inter_message_s``.
+
+Both links run at once, so a flat All-to-All takes
+
+    collective_s + max(intra time, inter time),
+    link time = messages on that link × message cost + bytes on it / bandwidth
+
+where the bytes and messages are those of the busiest rank on that link, in
+whichever direction is larger (the receiving side of a hot expert is usually
+the bottleneck). A rank's own rows move through device memory and are not
+network traffic. Routing decides which fraction of a rank's rows leaves its
+node (`Traffic`): uniform routing over N nodes sends (N−1)/N of the rows off
+the node and (G−1)/P over NVLink; skewed routing loads the ranks of the hot
+experts.
+
+A hierarchical All-to-All (`hierarchical_all_to_all_s`) first exchanges over
+NVLink so that each GPU holds the rows for "its" rail of every other node,
+then sends one message per remote node over InfiniBand, then scatters over
+NVLink again: N−1 inter-node messages of G·b/P bytes instead of P−G messages
+of b/P — it pays when per-message costs dominate.
+
+Defaults are datasheet figures (see PRESETS); a JSON file of measured figures
+overrides them (`load_network`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"NetworkProfile.{field}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """Bandwidths are bytes per second per GPU in one direction; times are seconds.
+
+    name:               what this profile describes.
+    intra_bytes_per_s:  NVLink bandwidth of one GPU, one direction.
+    inter_bytes_per_s:  InfiniBand bandwidth of one GPU (its NIC), one direction.
+    intra_message_s:    cost of one message between GPUs of a node.
+    inter_message_s:    cost of one message between nodes (NIC, switch, RDMA set-up).
+    collective_s:       fixed cost of one collective call (launch and completion).
+    source:             where the figures come from.
+    """
+
+    name: str
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    intra_message_s: float = 1e-6
+    inter_message_s: float = 3e-6
+    collective_s: float = 15e-6
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("intra_bytes_per_s", "inter_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                _fail(name, value, "give a bandwidth in bytes per second > 0 (e.g. 300e9 for NVLink3)")
+        for name in ("intra_message_s", "inter_message_s", "collective_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                _fail(name, value, "give a time in seconds >= 0 (e.g. 3e-6)")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+GB = 1e9
+# Datasheet figures, per GPU and direction. NVLink: NVIDIA's "GPU-to-GPU bandwidth" is
+# the bidirectional aggregate, so one direction is half. InfiniBand: a DGX node has one
+# compute NIC per GPU (8 per node); a link rate in Gb/s over 8 is bytes per second.
+PRESETS: dict[str, NetworkProfile] = {
+    "dgx-a100": NetworkProfile(
+        "dgx-a100", intra_bytes_per_s=300 * GB, inter_bytes_per_s=200 / 8 * GB,
+        source="NVIDIA A100 datasheet: NVLink3 600 GB/s per GPU bidirectional (300 GB/s each way); "
+               "DGX A100 datasheet: 8x ConnectX-6 HDR InfiniBand 200 Gb/s compute NICs per node "
+               "(one per GPU: 25 GB/s each way). Message and call costs are assumptions (1/3/15 us), "
+               "not datasheet figures."),
+    "dgx-h200": NetworkProfile(
+        "dgx-h200", intra_bytes_per_s=450 * GB, inter_bytes_per_s=400 / 8 * GB,
+        source="NVIDIA H200 datasheet: NVLink4 900 GB/s per GPU bidirectional (450 GB/s each way); "
+               "DGX H200 datasheet: 8x ConnectX-7 NDR InfiniBand 400 Gb/s compute NICs per node "
+               "(one per GPU: 50 GB/s each way). Message and call costs are assumptions (1/3/15 us), "
+               "not datasheet figures."),
+}
+
+
+def load_network(name_or_path: str) -> NetworkProfile:
+    """A preset by name, or a JSON file of measured figures.
+
+    The file holds NetworkProfile fields; a ``"base"`` entry names the preset the
+    other fields override (default dgx-a100), so a file may give only what was measured:
+    ``{"base": "dgx-a100", "inter_bytes_per_s": 21.5e9, "name": "our-cluster"}``.
+    """
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    try:
+        with open(name_or_path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"network={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                         f"nor a JSON file") from None
+    base_name = data.pop("base", "dgx-a100")
+    if base_name not in PRESETS:
+        raise ValueError(f"network file {name_or_path}: base={base_name!r} is unknown; "
+                         f"choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(NetworkProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"network file {name_or_path}: unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return replace(PRESETS[base_name], **{"source": f"measured ({name_or_path}) over {base_name}", **data})
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """N nodes × G GPUs; rank r is GPU r % G of node r // G."""
+
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterLayout.{name}={value!r} is invalid: give an integer >= 1")
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+
+# -- routing ----------------------------------------------------------------------------------
+
+def uniform_load(num_experts: int) -> list[float]:
+    """Every expert gets the same share of the routed rows."""
+    return [1.0 / num_experts] * num_experts
+
+
+def hot_expert_load(num_experts: int, hot_fraction: float) -> list[float]:
+    """Expert 0 gets `hot_fraction` of the rows, the others share the rest evenly
+    (hot_fraction = 1: every row to one expert)."""
+    if not 0 <= hot_fraction <= 1:
+        raise ValueError(f"hot_fraction={hot_fraction!r} is invalid: give a fraction in [0, 1]")
+    if num_experts == 1:
+        return [1.0]
+    rest = (1 - hot_fraction) / (num_experts - 1)
+    return [hot_fraction] + [rest] * (num_experts - 1)
+
+
+def zipf_load(num_experts: int, exponent: float) -> list[float]:
+    """Expert e gets a share proportional to 1 / (e + 1) ** exponent (0: uniform)."""
+    weights = [1.0 / (e + 1) ** exponent for e in range(num_experts)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def routing_load(spec: str, num_experts: int) -> list[float]:
+    """A load vector from a name: ``uniform``, ``hot:F`` (expert 0 takes F), ``zipf:S``."""
+    if spec == "uniform":
+        return uniform_load(num_experts)
+    kind, _, value = spec.partition(":")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if kind == "hot" and number is not None:
+        return hot_expert_load(num_experts, number)
+    if kind == "zipf" and number is not None:
+        return zipf_load(num_experts, number)
+    raise ValueError(f"routing={spec!r} is invalid: give uniform, hot:F (0 <= F <= 1) or zipf:S (S >= 0)")
+
+
+def rank_load(load_E: list[float], ranks: int) -> list[float]:
+    """Share of the routed rows each rank's experts receive (expert e on rank e // (E / P))."""
+    if len(load_E) % ranks:
+        raise ValueError(f"{len(load_E)} experts do not spread evenly over {ranks} ranks; "
+                         f"use a multiple of {ranks} experts")
+    per_rank = len(load_E) // ranks
+    total = sum(load_E)
+    return [sum(load_E[r * per_rank:(r + 1) * per_rank]) / total for r in range(ranks)]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one All-to-All asks of the busiest rank, as multiples of the rows one rank
+    sends (every rank sends the same number of rows, b = k·T/n).
+
+    intra: rows over the busiest rank's NVLink (max of its send and receive);
+    inter: rows over the busiest rank's NIC (max of send and receive);
+    intra_messages / inter_messages: peers that rank exchanges rows with per link;
+    received: rows the busiest receiver gets (its expert work), including its own;
+    leaving_node: mean fraction of a rank's rows that leave its node.
+    """
+
+    intra: float
+    inter: float
+    intra_messages: int
+    inter_messages: int
+    received: float
+    leaving_node: float
+
+
+def all_to_all_traffic(layout: ClusterLayout, load_E: list[float], peers: list[int] | None = None) -> Traffic:
+    """Traffic of one All-to-All in which every rank sends its rows by `load_E`.
+
+    peers: ring offsets this exchange covers (FasterMoE steps talk to a group of peers);
+    None means every rank. Rows for ranks outside `peers` are not part of this exchange.
+    """
+    P, G = layout.ranks, layout.gpus_per_node
+    share = rank_load(load_E, P)
+    offsets = range(P) if peers is None else peers
+    send_intra, send_inter = [0.0] * P, [0.0] * P
+    recv_intra, recv_inter, received = [0.0] * P, [0.0] * P, [0.0] * P
+    msgs_intra, msgs_inter = [0] * P, [0] * P
+    leaving = 0.0
+    for src in range(P):
+        for offset in offsets:
+            dst = (src + offset) % P
+            rows = share[dst]
+            received[dst] += rows
+            if dst == src or rows == 0:
+                continue
+            if layout.node_of(dst) == layout.node_of(src):
+                send_intra[src] += rows
+                recv_intra[dst] += rows
+                msgs_intra[src] += 1
+            else:
+                send_inter[src] += rows
+                recv_inter[dst] += rows
+                msgs_inter[src] += 1
+                leaving += rows
+    return Traffic(intra=max(max(send_intra), max(recv_intra)), inter=max(max(send_inter), max(recv_inter)),
+                   intra_messages=max(msgs_intra), inter_messages=max(msgs_inter), received=max(received),
+                   leaving_node=leaving / P)
+
+
+def flat_all_to_all_s(network: NetworkProfile, traffic: Traffic, rank_bytes: float) -> float:
+    """Seconds of one All-to-All in which each rank sends `rank_bytes` (spread by `traffic`)."""
+    intra = traffic.intra_messages * network.intra_message_s + traffic.intra * rank_bytes / network.intra_bytes_per_s
+    inter = traffic.inter_messages * network.inter_message_s + traffic.inter * rank_bytes / network.inter_bytes_per_s
+    return network.collective_s + max(intra, inter)
+
+
+def hierarchical_all_to_all_s(network: NetworkProfile, layout: ClusterLayout, traffic: Traffic,
+                              rank_bytes: float) -> float:
+    """Seconds of a two-level All-to-All: NVLink gather to the rail GPU, one message per
+    remote node over InfiniBand, NVLink scatter. Same bytes over the NIC as the flat one
+    (the busiest rank's inter share), but N−1 messages instead of P−G."""
+    N, G = layout.nodes, layout.gpus_per_node
+    if N == 1:
+        return flat_all_to_all_s(network, traffic, rank_bytes)
+    # Each NVLink phase moves the inter-node rows once more inside the node (G−1 peers).
+    nvlink_phase = (G - 1) * network.intra_message_s + traffic.inter * rank_bytes * (G - 1) / G \
+        / network.intra_bytes_per_s
+    inter = (N - 1) * network.inter_message_s + traffic.inter * rank_bytes / network.inter_bytes_per_s
+    intra = traffic.intra_messages * network.intra_message_s + traffic.intra * rank_bytes / network.intra_bytes_per_s
+    return 3 * network.collective_s + 2 * nvlink_phase + max(inter, intra)
+
+
+def all_reduce_s(network: NetworkProfile, layout: ClusterLayout, nbytes: float) -> float:
+    """Ring all-reduce of `nbytes` per rank: 2(P−1)/P of the bytes through the slowest link
+    on the ring (InfiniBand once the ring leaves the node), 2(P−1) messages."""
+    P = layout.ranks
+    if P == 1:
+        return 0.0
+    multi_node = layout.nodes > 1
+    bandwidth = network.inter_bytes_per_s if multi_node else network.intra_bytes_per_s
+    message = network.inter_message_s if multi_node else network.intra_message_s
+    return network.collective_s + 2 * (P - 1) * message + 2 * (P - 1) / P * nbytes / bandwidth
+
+
+def small_collective_s(network: NetworkProfile, layout: ClusterLayout) -> float:
+    """A few bytes agreed by all ranks (max/sum or the count exchange): latency only,
+    a tree of depth log2(P) over the slowest link."""
+    P = layout.ranks
+    if P == 1:
+        return 0.0
+    message = network.inter_message_s if layout.nodes > 1 else network.intra_message_s
+    return network.collective_s + 2 * math.ceil(math.log2(P)) * message

@@ -1,0 +1,497 @@
+"""Measured parts of one GPU, for the schedule simulator (simulator.py).
+
+The simulator builds a layer's forward+backward out of the operations the
+engine issues (pipeline.py, layers.py) and needs, for each, how long it keeps
+its stream busy and how long the host takes to issue it. Those figures are
+measured here, each on its own, never by timing the whole layer at the size
+being predicted:
+
+  * ``ffn``        one expert's FFN on M rows (M = 64 … 65536): GEMM1 alone,
+                   the pipeline's explicit forward and ``backward_rows``, and
+                   the autograd form FastMoE uses; device time only (the sum of
+                   the kernels' durations in the CUDA profiler, so launch gaps
+                   and host syncs are not counted);
+  * ``rows``       row-moving kernels of width D (gather = index_select,
+                   copy, index_add), device time;
+  * ``shell``      the layer's local work around the experts (router, routing
+                   agreement, dispatch plan, un-permute, forward and backward),
+                   device time at T tokens;
+  * ``host_copy``  pinned device→host and host→device copies;
+  * ``host``       the host's cost of issuing a whole layer, per engine,
+                   strategy and n, measured at a token count so small that the
+                   device is idle (what remains is the host: Python, launches,
+                   stream switches and events);
+  * ``slowdown``   the hardware profile's concurrency factors (perf_model.calibrate).
+
+``GpuParts.load(path)`` reads the JSON ``measure_parts`` writes
+(``mpipemoe simulate --measure-parts results/sim-parts-h200.json`` on the GPU).
+Curves are interpolated in log-log; beyond the largest measured size a curve
+grows in proportion (constant rate), below the smallest it stays flat (the
+launch floor).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+ENGINE_KEYS = ("fastmoe", "fastermoe", "mpipemoe|none", "mpipemoe|S1", "mpipemoe|S2", "mpipemoe|S3",
+               "mpipemoe|S4")
+
+
+def interpolate(xs: list, ys: list, x: float) -> float:
+    """y at x from measured points, log-log between them; proportional above, flat below."""
+    if not xs:
+        raise ValueError("interpolate: no measured points; measure the parts again")
+    if x <= xs[0]:
+        return float(ys[0])
+    if x >= xs[-1]:
+        return float(ys[-1]) * x / xs[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+def ffn_key(d_model: int, d_hidden: int, activation: str) -> str:
+    return f"{d_model}x{d_hidden}-{activation}"
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Host time to issue one layer's forward and backward, linear in n:
+    seconds = fixed + per_partition * n (fitted over the measured n)."""
+
+    forward_fixed_s: float
+    forward_per_partition_s: float
+    backward_fixed_s: float
+    backward_per_partition_s: float
+    prelude_s: float            # router + routing agreement + dispatch plan (inside the forward)
+
+    def forward_s(self, n: int) -> float:
+        return self.forward_fixed_s + self.forward_per_partition_s * n
+
+    def backward_s(self, n: int) -> float:
+        return self.backward_fixed_s + self.backward_per_partition_s * n
+
+
+def _line(ns: list, ys: list) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over ns; slope 0 for one point."""
+    if len(ns) == 1:
+        return float(ys[0]), 0.0
+    mean_n, mean_y = sum(ns) / len(ns), sum(ys) / len(ys)
+    slope = sum((n - mean_n) * (y - mean_y) for n, y in zip(ns, ys)) / sum((n - mean_n) ** 2 for n in ns)
+    return mean_y - slope * mean_n, slope
+
+
+@dataclass(frozen=True)
+class GpuParts:
+    """Everything measured on one GPU that the simulator needs (see the module docstring)."""
+
+    device: str
+    dtype: str
+    ffn: dict          # ffn_key -> {"rows": [...], "gemm1_s", "forward_s", "backward_s", "autograd_forward_s", "autograd_backward_s"}
+    rows: dict         # str(d_model) -> {"rows": [...], "gather_s", "copy_s", "index_add_s"}
+    shell: dict        # str(d_model) -> {"tokens": [...], "forward_s", "backward_s"}
+    host_copy: dict    # {"bytes": [...], "d2h_s", "h2d_s"}
+    host: dict         # str(local experts) -> ENGINE_KEYS -> {"partitions": [...], "forward_s", "backward_s", "prelude_s"}
+    slowdown: dict     # "victim|other" -> factor, as HardwareProfile.slowdown
+    measured_at: str = ""
+    torch_version: str = ""
+    command: str = ""
+    notes: dict = field(default_factory=dict)
+
+    # -- reading -----------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, data: dict) -> "GpuParts":
+        missing = [k for k in ("device", "dtype", "ffn", "rows", "shell", "host_copy", "host", "slowdown")
+                   if k not in data]
+        if missing:
+            raise ValueError(f"GpuParts: the parts file lacks {', '.join(missing)}; "
+                             f"measure it again with mpipemoe simulate --measure-parts")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    @classmethod
+    def load(cls, path: str) -> "GpuParts":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    # -- device time of one operation ------------------------------------------------------
+    def _ffn(self, d_model: int, d_hidden: int, activation: str) -> dict:
+        key = ffn_key(d_model, d_hidden, activation)
+        if key in self.ffn:
+            return self.ffn[key]
+        # Another shape: scale the nearest measured shape by FLOPs (same rows).
+        if not self.ffn:
+            raise ValueError("GpuParts.ffn is empty; measure the parts again")
+        def flops(k):
+            d, h = k.split("-")[0].split("x")
+            return int(d) * int(h)
+        nearest = min(self.ffn, key=lambda k: abs(math.log(flops(k) / (d_model * d_hidden))))
+        scale = d_model * d_hidden / flops(nearest)
+        base = self.ffn[nearest]
+        return {"rows": base["rows"], **{name: [v * scale for v in base[name]] for name in base if name != "rows"}}
+
+    def ffn_s(self, phase: str, rows: int, d_model: int, d_hidden: int, activation: str = "gelu") -> float:
+        """Device seconds of one expert's FFN `phase` (gemm1, forward, backward,
+        autograd_forward, autograd_backward) on `rows` rows; 0 for no rows."""
+        if rows <= 0:
+            return 0.0
+        curve = self._ffn(d_model, d_hidden, activation)
+        return interpolate(curve["rows"], curve[f"{phase}_s"], rows)
+
+    def autograd_ffn_s(self, phase: str, rows: int, local_experts: int, d_model: int, d_hidden: int,
+                       activation: str = "gelu") -> float:
+        """Device seconds of FastMoE's autograd FFN `phase` (forward, backward) over
+        `local_experts` experts of `rows` rows each (the nearest measured L)."""
+        if rows <= 0:
+            return 0.0
+        curve = self._ffn(d_model, d_hidden, activation)
+        by_experts = {1: {"rows": curve["rows"], "forward_s": curve["autograd_forward_s"],
+                          "backward_s": curve["autograd_backward_s"]}}
+        by_experts.update({int(k): v for k, v in curve.get("autograd_by_experts", {}).items()})
+        nearest = min(by_experts, key=lambda L: (abs(math.log(L / local_experts)), L))
+        measured = by_experts[nearest]
+        return interpolate(measured["rows"], measured[f"{phase}_s"], rows) * local_experts / nearest
+
+    def rows_s(self, op: str, rows: int, d_model: int) -> float:
+        """Device seconds of a row kernel (gather, copy, index_add) over rows × d_model."""
+        if rows <= 0:
+            return 0.0
+        key = str(d_model)
+        if key not in self.rows:  # bytes scale with the width: use the nearest width's curve
+            nearest = min(self.rows, key=lambda k: abs(int(k) - d_model))
+            rows, key = rows * d_model / int(nearest), nearest
+        curve = self.rows[key]
+        return interpolate(curve["rows"], curve[f"{op}_s"], rows)
+
+    def shell_s(self, phase: str, tokens: int, d_model: int) -> float:
+        """Seconds of the layer's local work around the experts (forward or backward)."""
+        key = str(d_model)
+        if key not in self.shell:
+            nearest = min(self.shell, key=lambda k: abs(int(k) - d_model))
+            tokens, key = tokens * d_model / int(nearest), nearest
+        curve = self.shell[key]
+        return interpolate(curve["tokens"], curve[f"{phase}_s"], max(tokens, 1))
+
+    def host_copy_s(self, direction: str, nbytes: float) -> float:
+        """Seconds of a pinned host copy ("d2h" or "h2d") of `nbytes`."""
+        if nbytes <= 0:
+            return 0.0
+        return interpolate(self.host_copy["bytes"], self.host_copy[f"{direction}_s"], nbytes)
+
+    def _host_line(self, engine_key: str, experts: str) -> HostCost:
+        if engine_key not in self.host[experts]:
+            raise ValueError(f"GpuParts.host has no entry {engine_key!r}; known: {', '.join(self.host[experts])}")
+        entry = self.host[experts][engine_key]
+        ns = entry["partitions"]
+        f0, f1 = _line(ns, entry["forward_s"])
+        b0, b1 = _line(ns, entry["backward_s"])
+        return HostCost(f0, max(f1, 0.0), b0, max(b1, 0.0), float(sorted(entry["prelude_s"])[0]))
+
+    def host_cost(self, engine_key: str, local_experts: int = 8) -> HostCost:
+        """The host cost line of one engine (``fastmoe``, ``fastermoe``, ``mpipemoe|S1`` ...)
+        with `local_experts` experts per rank: linear in L through the two measured L
+        (launches per expert), never below zero."""
+        measured = sorted(int(k) for k in self.host)
+        lines = {L: self._host_line(engine_key, str(L)) for L in measured}
+        if len(measured) == 1:
+            return lines[measured[0]]
+        lo, hi = measured[0], measured[-1]
+        w = (local_experts - lo) / (hi - lo)
+        mix = {name: max(0.0, (1 - w) * getattr(lines[lo], name) + w * getattr(lines[hi], name))
+               for name in HostCost.__dataclass_fields__}
+        return HostCost(**mix)
+
+
+# -- measuring (needs a CUDA device; imports torch lazily) ------------------------------------
+
+def _device_seconds(fn, device, repeats: int = 5) -> float:
+    """Device time per call of `fn`: the sum of its kernels' and copies' durations as the
+    CUDA profiler records them, so host gaps (launches, syncs) are not counted."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize(device)
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total_us / 1e6 / repeats
+
+
+ROW_GRID = tuple(2 ** i for i in range(6, 17))        # 64 … 65536 rows per expert
+TOKEN_GRID = tuple(2 ** i for i in range(8, 17))      # 256 … 65536 tokens
+
+
+def _autograd_ffn(experts, x, dy, counts, device) -> tuple[float, float]:
+    """Device seconds of the autograd FFN's forward and of its backward."""
+    x_req = x.detach().requires_grad_(True)
+
+    def both():
+        experts(x_req, counts).backward(dy)
+
+    forward = _device_seconds(lambda: experts(x_req, counts), device)
+    return forward, max(_device_seconds(both, device) - forward, 1e-6)
+
+
+def measure_ffn(config, device, dtype, rows_grid=ROW_GRID) -> dict:
+    import torch
+
+    from .experts import Experts, activate
+
+    experts = Experts(config, 1, device=device, dtype=dtype)
+    out = {"rows": list(rows_grid), "gemm1_s": [], "forward_s": [], "backward_s": [],
+           "autograd_forward_s": [], "autograd_backward_s": []}
+    for M in rows_grid:
+        x = torch.randn(M, config.d_model, device=device, dtype=dtype)
+        dy = torch.randn_like(x)
+        A = torch.empty(M, experts.pre_activation_width, device=device, dtype=dtype)
+        y = torch.empty_like(x)
+        dx = torch.empty_like(x)
+        grads = experts.new_grads()
+        counts = [M]
+
+        def forward():
+            experts.project_in(x, counts, A)
+            experts.project_out(activate(A, config.activation), counts, y)
+
+        out["gemm1_s"].append(_device_seconds(lambda: experts.project_in(x, counts, A), device))
+        out["forward_s"].append(_device_seconds(forward, device))
+        out["backward_s"].append(_device_seconds(
+            lambda: experts.backward_rows(x, A, dy, counts, grads, dx), device))
+        forward, backward = _autograd_ffn(experts, x, dy, counts, device)
+        out["autograd_forward_s"].append(forward)
+        out["autograd_backward_s"].append(backward)
+        del x, dy, A, y, dx, grads
+    # FastMoE's autograd FFN slices its rows per local expert, and autograd adds the
+    # slices' gradients into full-size tensors: its cost grows with the number of local
+    # experts L, not only with their rows. Measured for L = 2, 4, 8 (rows per expert).
+    out["autograd_by_experts"] = {}
+    for L in (2, 4, 8):
+        many = Experts(config, L, device=device, dtype=dtype)
+        curve = {"rows": [], "forward_s": [], "backward_s": []}
+        for M in [m for m in rows_grid if m <= 16384]:
+            x = torch.randn(L * M, config.d_model, device=device, dtype=dtype)
+            forward, backward = _autograd_ffn(many, x, torch.randn_like(x), [M] * L, device)
+            curve["rows"].append(M)
+            curve["forward_s"].append(forward)
+            curve["backward_s"].append(backward)
+            del x
+        out["autograd_by_experts"][str(L)] = curve
+        del many
+    return out
+
+
+def measure_rows(d_model: int, device, dtype, rows_grid=ROW_GRID) -> dict:
+    import torch
+
+    out = {"rows": [], "gather_s": [], "copy_s": [], "index_add_s": []}
+    for R in rows_grid:
+        R = 2 * R  # rows of all experts together: up to 131072
+        T = R // 2
+        x_TD = torch.randn(T, d_model, device=device, dtype=dtype)
+        rows_RD = torch.randn(R, d_model, device=device, dtype=dtype)
+        out_RD = torch.empty_like(rows_RD)
+        index_R = torch.randint(0, T, (R,), device=device)
+        dx_TD = torch.zeros_like(x_TD)
+        out["rows"].append(R)
+        out["gather_s"].append(_device_seconds(lambda: torch.index_select(x_TD, 0, index_R, out=out_RD), device))
+        out["copy_s"].append(_device_seconds(lambda: out_RD.copy_(rows_RD), device))
+        out["index_add_s"].append(_device_seconds(lambda: dx_TD.index_add_(0, index_R, rows_RD), device))
+    return out
+
+
+def measure_shell(config, device, dtype, token_grid=TOKEN_GRID) -> dict:
+    """Router + agreement + plan + un-permute, forward and backward (the experts' output
+    rows are a leaf tensor here: what produces them is simulated op by op)."""
+    import torch
+
+    from . import dispatcher
+    from .layers import FastMoE
+
+    layer = FastMoE(config, None, device=device, dtype=dtype)
+    out = {"tokens": list(token_grid), "forward_s": [], "backward_s": []}
+    for T in token_grid:
+        x = torch.randn(T, config.d_model, device=device, dtype=dtype)
+        dy = torch.randn_like(x)
+        rows_RD = torch.randn(config.top_k * T, config.d_model, device=device, dtype=dtype, requires_grad=True)
+        holder = {}
+
+        def forward():
+            x_TD = x.detach().requires_grad_(True)
+            routing = layer.router(x_TD)
+            agreed = layer._agree(x_TD, routing)
+            partition_P, n = layer._partition_rows(routing, agreed)
+            plan = dispatcher.plan_dispatch(routing, partition_P, n, config.num_experts, layer.group)
+            y_TD = dispatcher.unpermute(rows_RD, plan, routing.weights_TK, routing.keep_TK)
+            holder["out"] = (y_TD, routing.aux_loss)
+
+        def backward():
+            y_TD, aux = holder["out"]
+            rows_RD.grad = None
+            torch.autograd.backward([y_TD, aux], [dy, torch.ones_like(aux)])
+
+        out["forward_s"].append(_device_seconds(forward, device))
+        both = _device_seconds(lambda: (forward(), backward()), device)
+        out["backward_s"].append(max(both - out["forward_s"][-1], 1e-6))
+    return out
+
+
+def measure_host_copy(device, dtype, sizes=tuple(2 ** i for i in range(20, 31, 2))) -> dict:
+    import torch
+
+    out = {"bytes": [], "d2h_s": [], "h2d_s": []}
+    for nbytes in sizes:
+        dev = torch.empty(nbytes // 2, device=device, dtype=dtype)
+        host = torch.empty(nbytes // 2, dtype=dtype, pin_memory=True)
+        out["bytes"].append(nbytes)
+        out["d2h_s"].append(_device_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeats=5))
+        out["h2d_s"].append(_device_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeats=5))
+    return out
+
+
+def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8), repeats: int = 30) -> dict:
+    """Host seconds of one layer's forward and backward at `tokens` tokens (the device is
+    idle at this size, so the time is the host's): per engine, strategy and n.
+    Run it before anything uses the CUDA profiler: profiling slows later launches."""
+    import statistics
+
+    import torch
+
+    from . import dispatcher
+    from .layers import FastMoE, FasterMoE, MPipeMoE
+
+    x = torch.randn(tokens, config.d_model, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+    builds = {"fastmoe": [(1, lambda n: FastMoE(config, None, device=device, dtype=dtype))],
+              "fastermoe": [(1, lambda n: FasterMoE(config, None, device=device, dtype=dtype))]}
+    for s in ("none", "S1", "S2", "S3", "S4"):
+        builds[f"mpipemoe|{s}"] = [(n, lambda n, s=s: MPipeMoE(config, None, n, s, device=device, dtype=dtype))
+                                   for n in partitions]
+    result = {}
+    for key, variants in builds.items():
+        entry = {"partitions": [], "forward_s": [], "backward_s": [], "prelude_s": []}
+        for n, build in variants:
+            layer = build(n)
+            fwd, bwd, pre = [], [], []
+            for rep in range(repeats + 5):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                layer.zero_grad(set_to_none=True)
+                x_in = x.detach().requires_grad_(True)
+                y, aux = layer(x_in)
+                t1 = time.perf_counter()
+                torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
+                t2 = time.perf_counter()
+                torch.cuda.synchronize(device)
+                x_TD = x.detach().requires_grad_(True)
+                t3 = time.perf_counter()
+                routing = layer.router(x_TD)
+                agreed = layer._agree(x_TD, routing)
+                partition_P, parts = layer._partition_rows(routing, agreed)
+                dispatcher.plan_dispatch(routing, partition_P, parts, config.num_experts, layer.group)
+                t4 = time.perf_counter()
+                if rep >= 5:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+                    pre.append(t4 - t3)
+            entry["partitions"].append(n)
+            entry["forward_s"].append(statistics.median(fwd))
+            entry["backward_s"].append(statistics.median(bwd))
+            entry["prelude_s"].append(statistics.median(pre))
+            del layer
+        result[key] = entry
+    return result
+
+
+SPOT_CHECKS = (("gpt-s", 4096, "mpipemoe", 1, "none"), ("gpt-s", 4096, "mpipemoe", 4, "none"),
+               ("gpt-s", 16384, "mpipemoe", 2, "S4"), ("gpt-xl", 32768, "mpipemoe", 1, "none"),
+               ("gpt-xl", 32768, "mpipemoe", 1, "S1"), ("gpt-xl", 16384, "mpipemoe", 8, "S3"),
+               ("gpt-xl", 32768, "fastmoe", 1, "none"), ("gpt-s", 8192, "fastermoe", 1, "none"))
+SPOT_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192)}
+
+
+def spot_check(device, dtype, checks=SPOT_CHECKS) -> list:
+    """A few whole layers timed the way `mpipemoe bench` times them, to compare this
+    machine today with the one that made the benchmark records (not used by the simulator)."""
+    import torch
+
+    from .config import MoEConfig
+    from .layers import FastMoE, FasterMoE, MPipeMoE
+    from .timing import time_fn
+
+    results = []
+    for model, tokens, engine, n, strategy in checks:
+        d_model, d_hidden = SPOT_SHAPES[model]
+        config = MoEConfig(d_model, d_hidden, 8, top_k=2, activation="gelu")
+        layer = {"fastmoe": lambda: FastMoE(config, None, device=device, dtype=dtype),
+                 "fastermoe": lambda: FasterMoE(config, None, device=device, dtype=dtype),
+                 "mpipemoe": lambda: MPipeMoE(config, None, n, strategy, device=device, dtype=dtype)}[engine]()
+        x = torch.randn(tokens, d_model, device=device, dtype=dtype)
+        dy = torch.randn_like(x)
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            y, aux = layer(x.detach().requires_grad_(True))
+            torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
+
+        timing = time_fn(step, device, warmup=2, repeats=5)
+        results.append({"model": model, "tokens": tokens, "engine": engine, "partitions": n, "strategy": strategy,
+                        "fwd_bwd_ms": timing.mean_ms})
+        del layer
+        torch.cuda.empty_cache()
+    return results
+
+
+HOST_EXPERTS = (8, 2)   # local experts of the host-cost measurements (E = 8 and E = 2, one rank)
+
+
+def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
+    """Measure every part on this CUDA device for the (d_model, d_hidden) `shapes`
+    (GELU, top-2: the benchmark's layer). Host costs first: the CUDA profiler, which
+    the device-time measurements use, slows every later launch of the process."""
+    import torch
+
+    from .comm import ExpertGroup
+    from .config import MoEConfig
+    from .perf_model import calibrate, device_name
+
+    device = device or torch.device("cuda")
+    dtype = dtype or torch.bfloat16
+    if device.type != "cuda":
+        raise ValueError("measure_parts needs a CUDA device: the parts are device times")
+    torch.manual_seed(0)
+    d_model, d_hidden = shapes[0]
+    printer("  host cost per engine ...")
+    host = {str(L): measure_host(MoEConfig(d_model, d_hidden, L, top_k=2, activation="gelu"), device, dtype)
+            for L in HOST_EXPERTS}
+    printer("  spot check of whole layers ...")
+    notes = {"spot_check": spot_check(device, dtype)}
+    ffn, rows, shell, slowdown = {}, {}, {}, {}
+    for d_model, d_hidden in shapes:
+        config = MoEConfig(d_model, d_hidden, 8, top_k=2, activation="gelu")
+        profile = calibrate(config, 16384, ExpertGroup(None), device, dtype)
+        notes[f"profile {d_model}x{d_hidden}"] = profile.to_json()
+        for k, v in profile.slowdown.items():
+            slowdown[k] = max(slowdown.get(k, 1.0), v)
+        printer(f"  ffn {d_model}x{d_hidden} ...")
+        ffn[ffn_key(d_model, d_hidden, "gelu")] = measure_ffn(config, device, dtype)
+        printer(f"  rows / shell d_model={d_model} ...")
+        rows[str(d_model)] = measure_rows(d_model, device, dtype)
+        shell[str(d_model)] = measure_shell(config, device, dtype)
+    printer("  host copies ...")
+    host_copy = measure_host_copy(device, dtype)
+    return GpuParts(device=device_name(device), dtype=str(dtype).replace("torch.", ""), ffn=ffn, rows=rows,
+                    shell=shell, host_copy=host_copy, host=host, slowdown=slowdown,
+                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    torch_version=torch.__version__, notes=notes)
