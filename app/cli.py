@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "check": ("app.check", "run the engine on gloo processes and compare with the reference"),
     "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
     "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
+    "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
 }
 
 

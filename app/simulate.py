@@ -1,0 +1,541 @@
+"""`mpipemoe simulate`: predict a cluster's MoE layer (and training step) from calibrated parts.
+
+    mpipemoe simulate --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 16384
+    mpipemoe simulate --model gpt-xl --tokens 16384 --sweep-nodes 1,2,4,8,16,32,64
+    mpipemoe simulate --model gpt-xl --tokens 4096,8192,16384,32768 --nodes 8 --step
+    mpipemoe simulate --validate results/bench-h200.json --out results/simulate-validation.json
+    mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
+
+The schedule simulator (moe_engine/simulator.py) replays the engine's operations on
+host, compute, communication and copy timelines. Compute, copy and host figures come
+from the parts measured on one GPU (--parts); the network from a profile (--network:
+dgx-a100, dgx-h200, or a JSON file of measured figures; moe_engine/network.py lists the
+datasheet defaults). Results print as a table, go to a JSON file (--out) and to MLflow
+(tag kind=simulate; --tracking-uri none to skip); `mpipemoe report` plots them.
+See docs/simulate.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+DEFAULT_PARTS = "results/sim-parts-h200.json"
+DEFAULT_PARTITIONS = (1, 2, 4, 8, 16)
+EXPERIMENT = "mpipemoe-simulate"
+TOLERANCE = 0.15          # the validation target: |simulated / measured - 1| <= 15%
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"--{field.replace('_', '-')} {value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class SimulateSettings:
+    """What to simulate; validated at construction (errors name the option and the fix).
+
+    model:          a preset of app.model (gpt-s, gpt-xl, bert-l, ...).
+    tokens:         tokens per GPU, one or several.
+    nodes:          node counts to simulate (one, or a sweep).
+    gpus_per_node:  GPUs per node.
+    experts:        experts per MoE layer; None = max(preset's experts, ranks): one expert per
+                    GPU once there are more GPUs than the preset's experts.
+    network:        a network preset name or a JSON file of measured figures.
+    routing:        uniform, hot:F (expert 0 takes the fraction F) or zipf:S.
+    partitions:     candidate n for MPipeMoE.
+    hierarchical:   use the two-level All-to-All instead of the flat one.
+    step:           also simulate a training step of the whole preset.
+    """
+
+    model: str
+    tokens: tuple
+    nodes: tuple
+    gpus_per_node: int = 8
+    experts: int | None = None
+    network: str = "dgx-a100"
+    routing: str = "uniform"
+    partitions: tuple = DEFAULT_PARTITIONS
+    hierarchical: bool = False
+    step: bool = False
+
+    def __post_init__(self) -> None:
+        from app.model import PRESETS
+        from moe_engine.network import PRESETS as NETWORKS
+
+        if self.model not in PRESETS:
+            _fail("model", self.model, f"choose one of {', '.join(PRESETS)}")
+        if not self.tokens or any(t < 1 for t in self.tokens):
+            _fail("tokens", self.tokens, "give positive token counts per GPU, e.g. 16384")
+        if not self.nodes or any(n < 1 for n in self.nodes):
+            _fail("nodes", self.nodes, "give node counts >= 1, e.g. 8 or 1,2,4,8")
+        if self.gpus_per_node < 1:
+            _fail("gpus_per_node", self.gpus_per_node, "give at least 1 GPU per node")
+        if not self.partitions or any(n < 1 for n in self.partitions):
+            _fail("partitions", self.partitions, "give partition counts >= 1, e.g. 1,2,4,8,16")
+        if self.network not in NETWORKS and not os.path.exists(self.network):
+            _fail("network", self.network, f"give {', '.join(NETWORKS)} or a JSON file of measured figures")
+        for nodes in self.nodes:
+            ranks = nodes * self.gpus_per_node
+            experts = self.experts_for(ranks)
+            if experts % ranks:
+                _fail("experts", experts, f"it must be a multiple of the {ranks} GPUs of {nodes} node(s)")
+
+    def experts_for(self, ranks: int) -> int:
+        from app.model import PRESETS
+
+        return self.experts if self.experts is not None else max(PRESETS[self.model].num_experts, ranks)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt-xl", help="model preset (default gpt-xl)")
+    parser.add_argument("--tokens", default="16384", help="tokens per GPU, comma list (default 16384)")
+    parser.add_argument("--nodes", type=int, default=8, help="nodes (default 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--sweep-nodes", default=None, help="comma list of node counts to sweep, e.g. 1,2,4,8,16,32,64")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="experts per MoE layer (default: the preset's 8, or one per GPU when there are more GPUs)")
+    parser.add_argument("--network", default="dgx-a100",
+                        help="dgx-a100, dgx-h200, or a JSON file of measured figures (default dgx-a100)")
+    parser.add_argument("--routing", default="uniform", help="uniform, hot:F or zipf:S (default uniform)")
+    parser.add_argument("--partitions", default=",".join(map(str, DEFAULT_PARTITIONS)),
+                        help="MPipeMoE partition counts to consider (default 1,2,4,8,16)")
+    parser.add_argument("--hierarchical", action="store_true", help="two-level All-to-All instead of the flat one")
+    parser.add_argument("--step", action="store_true", help="also simulate a training step of the whole preset")
+    parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"measured GPU parts (default {DEFAULT_PARTS})")
+    parser.add_argument("--out", default=None, help="JSON file to write (default: none; --validate: "
+                        "results/simulate-validation.json)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
+    parser.add_argument("--experiment", default=EXPERIMENT)
+    parser.add_argument("--validate", action="append", default=None, metavar="BENCH_JSON",
+                        help="compare the simulator with every record of a `mpipemoe bench` JSON (repeatable)")
+    parser.add_argument("--measure-parts", default=None, metavar="PATH",
+                        help="measure the GPU parts on this machine's CUDA device and write them to PATH")
+
+
+def _split(text: str, cast=str) -> tuple:
+    try:
+        return tuple(cast(v.strip()) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma list of {cast.__name__} values") from None
+
+
+# -- simulating -------------------------------------------------------------------------------------
+
+def _cluster(settings: SimulateSettings, nodes: int, experts: int):
+    from moe_engine.network import ClusterLayout, load_network, routing_load
+    from moe_engine.simulator import Cluster
+
+    layout = ClusterLayout(nodes, settings.gpus_per_node)
+    network = load_network(settings.network)
+    load = None if settings.routing == "uniform" else tuple(routing_load(settings.routing, experts))
+    return Cluster(layout, network, load, settings.hierarchical), network
+
+
+def _layer_row(result, fastermoe) -> dict:
+    return {"engine": result.engine, "partitions": result.partitions, "strategy": result.strategy,
+            "fwd_bwd_ms": result.total_s * 1e3, "forward_ms": result.forward_s * 1e3,
+            "backward_ms": result.backward_s * 1e3, "peak_memory_bytes": result.peak_bytes,
+            "host_memory_bytes": result.host_bytes,
+            "speedup_vs_fastermoe": fastermoe.total_s / result.total_s,
+            "memory_ratio_vs_fastermoe": result.peak_bytes / fastermoe.peak_bytes}
+
+
+def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -> dict:
+    """Every engine at one (nodes, tokens): the rows to print, log and plot."""
+    from app.model import PRESETS
+    from moe_engine.simulator import ModelShape, all_to_all_options, compare_engines, simulate_step
+
+    preset = PRESETS[settings.model]
+    ranks = nodes * settings.gpus_per_node
+    experts = settings.experts_for(ranks)
+    cluster, network = _cluster(settings, nodes, experts)
+    model = ModelShape(preset.d_model, preset.d_hidden, preset.num_layers, preset.num_heads, preset.seq_len, experts,
+                       preset.top_k, preset.activation, preset.vocab_size, preset.kind == "gpt")
+    shape = model.layer(tokens)
+    choice = compare_engines(shape, cluster, parts, settings.partitions)
+    engines = [("fastmoe", choice.fastmoe), ("fastermoe", choice.fastermoe), ("mpipemoe", choice.chosen),
+               ("mpipemoe-fastest", choice.fastest)]
+    rows = []
+    for label, result in engines:
+        row = {"label": label, **_layer_row(result, choice.fastermoe)}
+        if settings.step:
+            step = simulate_step(result.engine, model, tokens, cluster, parts, result.partitions, result.strategy)
+            row.update(step_ms=step.step_s * 1e3, step_peak_memory_bytes=step.peak_bytes,
+                       step_moe_ms=step.moe_s * 1e3, step_dense_ms=step.dense_s * 1e3,
+                       step_all_reduce_ms=step.all_reduce_s * 1e3)
+        rows.append(row)
+    if settings.step:
+        base = next(r for r in rows if r["label"] == "fastermoe")
+        for row in rows:
+            row["step_speedup_vs_fastermoe"] = base["step_ms"] / row["step_ms"]
+            row["step_memory_ratio_vs_fastermoe"] = row["step_peak_memory_bytes"] / base["step_peak_memory_bytes"]
+    full = choice.fastmoe
+    options = all_to_all_options(shape, cluster, parts)
+    flat, hier = options["flat_s"], options["hierarchical_s"]
+    return {"model": settings.model, "tokens": tokens, "nodes": nodes, "gpus_per_node": settings.gpus_per_node,
+            "ranks": ranks, "experts": experts, "network": network.name, "routing": settings.routing,
+            "hierarchical": settings.hierarchical, "leaving_node": full.leaving_node,
+            "all_to_all_ms": full.all_to_all_s * 1e3, "flat_all_to_all_ms": flat * 1e3,
+            "hierarchical_all_to_all_ms": hier * 1e3,
+            "best_partitions": choice.chosen.partitions, "best_strategy": choice.chosen.strategy,
+            "fastest_partitions": choice.fastest.partitions, "fastest_strategy": choice.fastest.strategy,
+            "engines": rows,
+            "grid": [{"partitions": r.partitions, "strategy": r.strategy, "fwd_bwd_ms": r.total_s * 1e3,
+                      "peak_memory_bytes": r.peak_bytes} for r in choice.grid]}
+
+
+def run_simulation(settings: SimulateSettings, parts, printer=print) -> list:
+    points = []
+    for nodes in settings.nodes:
+        for tokens in settings.tokens:
+            points.append(simulate_point(settings, parts, nodes, tokens))
+            printer(_point_text(points[-1], settings))
+    if len(points) > 1:
+        printer(_sweep_text(points, settings))
+    return points
+
+
+def _mib(value) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def _point_text(point: dict, settings: SimulateSettings) -> str:
+    lines = [f"\n{point['model']} MoE layer, {point['tokens']} tokens per GPU, {point['nodes']} node(s) x "
+             f"{point['gpus_per_node']} GPUs = {point['ranks']} ranks, {point['experts']} experts, network "
+             f"{point['network']}, routing {point['routing']}"
+             + (", hierarchical All-to-All" if point["hierarchical"] else ""),
+             f"  All-to-All of the whole batch: {point['all_to_all_ms']:.2f} ms; "
+             f"{point['leaving_node']:.1%} of the rows leave their node",
+             f"  {'engine':<18}{'n':>3}  {'strategy':<8}{'fwd+bwd ms':>11}{'peak MiB':>10}{'vs fastermoe':>14}"
+             f"{'memory vs fastermoe':>21}" + (f"{'step ms':>10}{'step GiB':>10}" if settings.step else "")]
+    for row in point["engines"]:
+        lines.append(f"  {row['label']:<18}{row['partitions']:>3}  {row['strategy']:<8}{row['fwd_bwd_ms']:>11.2f}"
+                     f"{_mib(row['peak_memory_bytes']):>10}{row['speedup_vs_fastermoe']:>13.2f}x"
+                     f"{row['memory_ratio_vs_fastermoe']:>21.2f}"
+                     + (f"{row['step_ms']:>10.0f}{row['step_peak_memory_bytes'] / 2**30:>10.1f}"
+                        if settings.step else ""))
+    chosen = next(r for r in point["engines"] if r["label"] == "mpipemoe")
+    lines.append(f"  best n and strategy: n={point['best_partitions']} {point['best_strategy']} "
+                 f"({chosen['speedup_vs_fastermoe']:.2f}x FasterMoE's speed, "
+                 f"{1 - chosen['memory_ratio_vs_fastermoe']:+.0%} memory saved); fastest of all: "
+                 f"n={point['fastest_partitions']} {point['fastest_strategy']}")
+    return "\n".join(lines)
+
+
+def _sweep_text(points: list, settings: SimulateSettings) -> str:
+    lines = ["\nHow each engine's cost grows (fwd+bwd ms of one MoE layer):",
+             f"  {'nodes':>5}{'ranks':>6}{'tokens':>7}{'fastmoe':>9}{'fastermoe':>10}{'mpipemoe':>9}{'n/strat':>9}"
+             f"{'speedup':>8}{'a2a ms':>8}{'leave':>7}{'flat/hier':>10}"]
+    for p in points:
+        by = {r["label"]: r for r in p["engines"]}
+        lines.append(f"  {p['nodes']:>5}{p['ranks']:>6}{p['tokens']:>7}{by['fastmoe']['fwd_bwd_ms']:>9.2f}"
+                     f"{by['fastermoe']['fwd_bwd_ms']:>10.2f}{by['mpipemoe']['fwd_bwd_ms']:>9.2f}"
+                     f"{str(p['best_partitions']) + '/' + p['best_strategy']:>9}"
+                     f"{by['mpipemoe']['speedup_vs_fastermoe']:>7.2f}x{p['all_to_all_ms']:>8.2f}"
+                     f"{p['leaving_node']:>7.1%}{p['flat_all_to_all_ms'] / p['hierarchical_all_to_all_ms']:>10.2f}")
+    return "\n".join(lines)
+
+
+# -- MLflow -------------------------------------------------------------------------------------------
+
+def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
+    """One MLflow run per (point, engine), tag kind=simulate."""
+    try:
+        from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
+        import mlflow  # noqa: F401
+    except ImportError:
+        printer("MLflow is not installed here: results stay in the JSON.")
+        return 0
+    uri = resolve_tracking_uri(tracking_uri)
+    if uri == NO_TRACKING:
+        return 0
+    count = 0
+    for point in result["points"]:
+        for row in point["engines"]:
+            run = RunLogger.start(uri, experiment, run_name=f"sim-{point['model']}-{point['tokens']}-"
+                                  f"{point['nodes']}x{point['gpus_per_node']}-{row['label']}",
+                                  tags={"kind": "simulate", "command": result["meta"]["command"][:250]})
+            params = {k: v for k, v in point.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)}
+            params.update(label=row["label"], engine=row["engine"], partitions=row["partitions"],
+                          strategy=row["strategy"], parts=result["meta"]["parts"])
+            metrics = {k: v for k, v in {**point, **row}.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            run.log_params(params)
+            run.log_metrics(metrics, step=0, flush=True)
+            run.finish()
+            count += 1
+    printer(f"Logged {count} MLflow runs to {uri} (experiment {experiment!r}).")
+    return count
+
+
+def load_simulations(tracking_uri: str) -> list[dict]:
+    """Every finished kind=simulate run as a flat dict of params and metrics (for the report)."""
+    from app.tracking import client
+
+    mlflow_client = client(tracking_uri)
+    ids = [e.experiment_id for e in mlflow_client.search_experiments()]
+    rows, token = [], None
+    while ids:
+        page = mlflow_client.search_runs(ids, filter_string="tags.kind = 'simulate' and attributes.status = 'FINISHED'",
+                                         max_results=1000, page_token=token)
+        for run in page:
+            rows.append({**run.data.params, **run.data.metrics, "run_id": run.info.run_id})
+        token = page.token
+        if not token:
+            break
+    return rows
+
+
+# -- the report's section -------------------------------------------------------------------------------
+
+def _series_key(row: dict) -> tuple:
+    return (row.get("model"), str(row.get("tokens")), row.get("network"), row.get("routing"),
+            str(row.get("gpus_per_node")))
+
+
+def section_simulations(rows: list[dict], out) -> list[str]:
+    """Markdown (and simulate.png) for `mpipemoe report`: each engine's simulated layer time
+    and MPipeMoE's speedup and memory against FasterMoE as the cluster grows."""
+    lines = ["## 5. Simulated clusters (`mpipemoe simulate`)", ""]
+    rows = [r for r in rows if r.get("label") in ("fastmoe", "fastermoe", "mpipemoe") and "fwd_bwd_ms" in r]
+    if not rows:
+        return lines + ["_No data: no simulation was logged (run `mpipemoe simulate --sweep-nodes 1,2,4,8,16,32,64`)._",
+                        ""]
+    latest = {}
+    for r in rows:  # the newest run of each (series, ranks, engine) counts
+        key = (_series_key(r), int(float(r["ranks"])), r["label"])
+        latest[key] = r
+    series = sorted({k[0] for k in latest}, key=str)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12.8, 4.2), layout="constrained")
+    ax_time, ax_ratio = figure.subplots(1, 2)
+    table = []
+    for i, key in enumerate(series):
+        model, tokens, network, routing, gpus = key
+        ranks = sorted({k[1] for k in latest if k[0] == key})
+        for j, label in enumerate(("fastmoe", "fastermoe", "mpipemoe")):
+            points = [(r, latest[(key, r, label)]["fwd_bwd_ms"]) for r in ranks if (key, r, label) in latest]
+            ax_time.plot([p[0] for p in points], [float(p[1]) for p in points], marker="o", color=f"C{j}",
+                         ls=("-", "--", ":", "-.")[i % 4], label=f"{label}: {model} {tokens} tok, {network}, {routing}")
+        ours = [(r, latest[(key, r, "mpipemoe")]) for r in ranks if (key, r, "mpipemoe") in latest]
+        ax_ratio.plot([r for r, _ in ours], [float(row["speedup_vs_fastermoe"]) for _, row in ours], marker="o",
+                      color="C2", ls=("-", "--", ":", "-.")[i % 4], label=f"speedup: {model} {tokens} tok, {network}")
+        ax_ratio.plot([r for r, _ in ours], [float(row["memory_ratio_vs_fastermoe"]) for _, row in ours], marker="s",
+                      color="C4", ls=("-", "--", ":", "-.")[i % 4], label=f"memory ratio: {model} {tokens} tok")
+        for r, row in ours:
+            table.append([model, tokens, network, routing, str(r),
+                          f"{float(latest[(key, r, 'fastmoe')]['fwd_bwd_ms']):.2f}" if (key, r, "fastmoe") in latest else "-",
+                          f"{float(latest[(key, r, 'fastermoe')]['fwd_bwd_ms']):.2f}" if (key, r, "fastermoe") in latest else "-",
+                          f"{float(row['fwd_bwd_ms']):.2f}", f"{row.get('partitions', '?')}/{row.get('strategy', '?')}",
+                          f"{float(row['speedup_vs_fastermoe']):.2f}x", f"{float(row['memory_ratio_vs_fastermoe']):.2f}"])
+    for ax in (ax_time, ax_ratio):
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    ax_time.set(title="simulated MoE layer fwd+bwd", xlabel="GPUs", ylabel="ms")
+    ax_ratio.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_ratio.set(title="MPipeMoE against FasterMoE (simulated)", xlabel="GPUs",
+                 ylabel="speedup (o) / memory ratio (s)")
+    figure.savefig(os.path.join(out, "simulate.png"), dpi=100)
+    lines += ["![simulated clusters](simulate.png)", "",
+              "Predictions, not measurements: the schedule simulator from parts measured on one GPU and a "
+              "network profile (docs/simulate.md). MPipeMoE at the n and strategy its search and performance "
+              "model would pick.", "",
+              "| model | tokens | network | routing | GPUs | FastMoE ms | FasterMoE ms | MPipeMoE ms | n/strategy | "
+              "speedup vs FasterMoE | memory vs FasterMoE |", "|" + "---|" * 11]
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    return lines + [""]
+
+
+# -- validation against measurements --------------------------------------------------------------------
+
+def _bound(busy: dict, total: float) -> str:
+    """The timeline that fills most of the simulated time."""
+    names = {"host": "host issue cost", "compute": "device compute", "copy": "host copies", "comm": "All-to-All"}
+    stream = max(busy, key=busy.get)
+    return f"{names[stream]} ({busy[stream] / total:.0%} busy)"
+
+
+def validate(bench_paths: list[str], parts, printer=print) -> dict:
+    """The simulator against every record of the bench JSON files."""
+    from moe_engine.simulator import LayerShape, simulate_layer, single_gpu
+
+    rows = []
+    for path in bench_paths:
+        with open(path) as f:
+            bench = json.load(f)
+        if bench["meta"]["world_size"] != 1:
+            printer(f"  {path}: world size {bench['meta']['world_size']}: only one-GPU records are simulated here")
+            continue
+        for r in bench["records"]:
+            shape = LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], r["tokens"], r["top_k"], r["activation"],
+                               2 if r["dtype"] == "bfloat16" else 4)
+            sim = simulate_layer(r["engine"], shape, single_gpu(), parts, r["partitions"], r["strategy"])
+            error = sim.total_s * 1e3 / r["fwd_bwd_ms"] - 1
+            measured_peak = r.get("peak_memory_bytes")
+            memory_error = sim.peak_bytes / measured_peak - 1 if measured_peak else None
+            rows.append({"source": os.path.basename(path), "model": r["model"], "tokens": r["tokens"],
+                         "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
+                         "strategy": r["strategy"], "measured_ms": r["fwd_bwd_ms"],
+                         "measured_ms_std": r.get("fwd_bwd_ms_std"), "simulated_ms": sim.total_s * 1e3,
+                         "error": error, "measured_peak_bytes": measured_peak, "simulated_peak_bytes": sim.peak_bytes,
+                         "memory_error": memory_error,
+                         "busy_ms": {k: v * 1e3 for k, v in sim.busy_s.items()},
+                         "term_off": _bound(sim.busy_s, sim.total_s) if abs(error) > TOLERANCE else ""})
+    return {"rows": rows, "summary": _summary(rows)}
+
+
+def _summary(rows: list[dict]) -> dict:
+    summary = {}
+    for source in sorted({r["source"] for r in rows}):
+        mine = [r for r in rows if r["source"] == source]
+        errors = sorted(abs(r["error"]) for r in mine)
+        memory = [abs(r["memory_error"]) for r in mine if r["memory_error"] is not None]
+        host_bound = [r for r in mine if r["busy_ms"]["host"] >= 0.8 * r["simulated_ms"]]
+        summary[source] = {
+            "records": len(mine), "within_15pct": sum(e <= TOLERANCE for e in errors),
+            "mean_abs_error": sum(errors) / len(errors), "median_abs_error": errors[len(errors) // 2],
+            "max_abs_error": errors[-1], "mean_signed_error": sum(r["error"] for r in mine) / len(mine),
+            "memory_within_15pct": sum(e <= TOLERANCE for e in memory),
+            "memory_max_abs_error": max(memory) if memory else None,
+            "host_bound_records": len(host_bound),
+            "host_bound_within_15pct": sum(abs(r["error"]) <= TOLERANCE for r in host_bound),
+            "device_bound_within_15pct": sum(abs(r["error"]) <= TOLERANCE for r in mine if r not in host_bound),
+        }
+    return summary
+
+
+def validation_markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = ["# Simulator against measurements", "",
+             f"Generated by `{meta['command']}` on {meta['date']} from `{meta['parts']}` "
+             f"(parts measured on {meta['parts_device']} at {meta['parts_measured_at']}); do not edit.", "",
+             "Each row: the schedule simulator's forward+backward time and peak memory for the record's engine, "
+             "n and strategy, against the measurement. Error = simulated / measured − 1. Where the time error "
+             "exceeds 15%, `term off` names the timeline that fills most of the simulated time — the term to "
+             "look at (docs/simulate.md, *Validation*).", "", "## Summary", "",
+             "| measurements | records | time within 15% | mean abs. error | median | max | mean signed | "
+             "host-bound (sim.) within 15% | device-bound within 15% | memory within 15% | memory max error |",
+             "|" + "---|" * 11]
+    for source, s in result["summary"].items():
+        lines.append(f"| {source} | {s['records']} | {s['within_15pct']} | {s['mean_abs_error']:.1%} | "
+                     f"{s['median_abs_error']:.1%} | {s['max_abs_error']:.1%} | {s['mean_signed_error']:+.1%} | "
+                     f"{s['host_bound_within_15pct']} of {s['host_bound_records']} | "
+                     f"{s['device_bound_within_15pct']} of {s['records'] - s['host_bound_records']} | "
+                     f"{s['memory_within_15pct']} | "
+                     + ("-" if s["memory_max_abs_error"] is None else f"{s['memory_max_abs_error']:.1%}") + " |")
+    spot = meta.get("spot_check")
+    if spot:
+        lines += ["", "## The same layers measured again", "",
+                  "Run-to-run spread of the measurements themselves: layers re-timed, as `mpipemoe bench` times "
+                  "them, on the machine and in the session that measured the parts (`parts.notes.spot_check`), "
+                  "against the committed records.", "",
+                  "| model | tokens | engine | n | strategy | committed ms | re-measured ms | difference |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in spot:
+            lines.append(f"| {s['model']} | {s['tokens']} | {s['engine']} | {s['partitions']} | {s['strategy']} | "
+                         f"{s['committed_ms']:.2f} | {s['fwd_bwd_ms']:.2f} | {s['difference']:+.1%} |"
+                         if s.get("committed_ms") else
+                         f"| {s['model']} | {s['tokens']} | {s['engine']} | {s['partitions']} | {s['strategy']} | - | "
+                         f"{s['fwd_bwd_ms']:.2f} | - |")
+    lines += ["", "## Every record", "",
+              "| source | model | tokens | engine | chosen by | n | strategy | measured ms | simulated ms | error | "
+              "measured MiB | simulated MiB | memory error | term off |", "|" + "---|" * 14]
+    for r in result["rows"]:
+        flag = "**" if abs(r["error"]) > TOLERANCE else ""
+        lines.append(
+            f"| {r['source']} | {r['model']} | {r['tokens']} | {r['engine']} | {r['chosen_by']} | {r['partitions']} | "
+            f"{r['strategy']} | {r['measured_ms']:.2f} | {r['simulated_ms']:.2f} | {flag}{r['error']:+.1%}{flag} | "
+            + ("-" if r["measured_peak_bytes"] is None else f"{r['measured_peak_bytes'] / 2**20:.0f}")
+            + f" | {r['simulated_peak_bytes'] / 2**20:.0f} | "
+            + ("-" if r["memory_error"] is None else f"{r['memory_error']:+.1%}") + f" | {r['term_off']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _spot_check(parts, bench_paths: list[str]) -> list:
+    """The parts file's re-timed layers, each beside the committed record of the same layer."""
+    checks = parts.notes.get("spot_check", [])
+    records = []
+    for path in bench_paths:
+        with open(path) as f:
+            records += json.load(f)["records"]
+    out = []
+    for s in checks:
+        match = next((r for r in records if r["model"] == s["model"] and r["tokens"] == s["tokens"]
+                      and r["engine"] == s["engine"] and r["partitions"] == s["partitions"]
+                      and r["strategy"] == s["strategy"] and r["chosen_by"] in ("grid", "baseline")), None)
+        row = dict(s)
+        if match:
+            row.update(committed_ms=match["fwd_bwd_ms"], difference=s["fwd_bwd_ms"] / match["fwd_bwd_ms"] - 1)
+        out.append(row)
+    return out
+
+
+# -- running ----------------------------------------------------------------------------------------------
+
+def _command() -> str:
+    return "mpipemoe simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else " ".join(sys.argv)
+
+
+def _write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
+def measure(path: str) -> int:
+    import torch
+
+    from moe_engine.parts import measure_parts
+
+    if not torch.cuda.is_available():
+        print("--measure-parts needs a CUDA GPU: the parts are device and host times of that GPU", file=sys.stderr)
+        return 2
+    started = time.time()
+    parts = measure_parts([(1024, 4096), (2048, 8192)], printer=lambda m: print(m, flush=True))
+    data = parts.to_json()
+    data["command"] = _command()
+    data["notes"]["wall_s"] = round(time.time() - started, 1)
+    _write_json(path, data)
+    print(f"Wrote {path} ({data['notes']['wall_s']} s)")
+    return 0
+
+
+def run(args) -> int:
+    if args.measure_parts:
+        return measure(args.measure_parts)
+    from moe_engine.parts import GpuParts
+
+    parts = GpuParts.load(args.parts)
+    meta = {"command": _command(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": args.parts,
+            "parts_device": parts.device, "parts_measured_at": parts.measured_at}
+    if args.validate:
+        result = validate(args.validate, parts)
+        meta["spot_check"] = _spot_check(parts, args.validate)
+        result = {"meta": meta, **result}
+        out = args.out or "results/simulate-validation.json"
+        _write_json(out, result)
+        markdown = validation_markdown(result)
+        with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            f.write(markdown)
+        print(markdown.split("## Every record")[0])
+        print(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
+        return 0
+    settings = SimulateSettings(
+        model=args.model, tokens=_split(args.tokens, int),
+        nodes=_split(args.sweep_nodes, int) if args.sweep_nodes else (args.nodes,),
+        gpus_per_node=args.gpus_per_node, experts=args.experts, network=args.network, routing=args.routing,
+        partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step)
+    print(f"Simulating {settings.model} on {', '.join(map(str, settings.nodes))} node(s) x {settings.gpus_per_node} "
+          f"GPUs from the parts of {parts.device} ({args.parts}) and the {settings.network} network...")
+    points = run_simulation(settings, parts)
+    result = {"meta": {**meta, "settings": settings.__dict__}, "points": points}
+    if args.out:
+        _write_json(args.out, result)
+        print(f"Wrote {args.out}")
+    log_to_mlflow(result, args.tracking_uri, args.experiment)
+    return 0
