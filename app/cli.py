@@ -11,12 +11,15 @@
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their subcommand runs, so ``mpipemoe --help`` is fast.
+A user error (see USER_ERRORS) prints one line and exits 1; ``--debug`` (anywhere on
+the line) prints the traceback too.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import traceback
 
 SUBCOMMANDS = {
     "train": ("app.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
@@ -32,8 +35,16 @@ SUBCOMMANDS = {
 }
 
 
+# Errors a user can act on: a bad option, file or data (ValueError, OSError) and a job
+# that failed for the cause its message names (RuntimeError). Anything else is a bug in
+# mpipemoe and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, RuntimeError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpipemoe", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, also print the traceback (allowed anywhere on the line)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
@@ -44,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
     parser = build_parser()
     # Find the subcommand first, then let its module add its own arguments.
     known, _ = parser.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
@@ -52,7 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                                   description=SUBCOMMANDS[known.command][1])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except USER_ERRORS as error:
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        print(f"mpipemoe {known.command}: error: {error}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"mpipemoe {known.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

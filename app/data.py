@@ -126,13 +126,41 @@ class Manifest:
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "Manifest":
+        """The manifest of ``data_dir``; a missing, unreadable or damaged one raises naming the fix."""
         path = Path(data_dir) / MANIFEST
         if not path.exists():
             raise FileNotFoundError(
                 f"no prepared data at {data_dir} ({MANIFEST} missing): run "
                 f"`mpipemoe data prepare --out {data_dir}` (on every node, or use shared storage)")
-        fields = json.loads(path.read_text())
-        return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+        try:
+            fields = json.loads(path.read_text())
+            return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"cannot read the prepared data's {path} ({type(error).__name__}: {error}): "
+                             f"check its permissions, or prepare it again with "
+                             f"`mpipemoe data prepare --out {data_dir}`") from error
+
+    def check_fits(self, data_dir: str | Path, world_size: int, batch_size: int, window: int) -> None:
+        """Raise ValueError naming the fix unless every shard is readable and each of
+        ``world_size`` ranks gets at least ``batch_size`` windows of ``window`` tokens."""
+        import pyarrow.parquet as pq
+
+        for shard in self.shards:
+            path = Path(data_dir) / shard["file"]
+            try:
+                rows = pq.read_metadata(path).num_rows
+            except (OSError, ValueError) as error:  # missing, unreadable, not Parquet
+                raise ValueError(f"cannot read data shard {path} ({type(error).__name__}: {error}): "
+                                 f"prepare the data again with `mpipemoe data prepare --out {data_dir}`") from error
+            if rows != shard["rows"]:
+                raise ValueError(f"data shard {path} holds {rows} rows, its manifest says {shard['rows']}: "
+                                 f"prepare the data again with `mpipemoe data prepare --out {data_dir}`")
+        windows = self.num_rows // world_size * self.row_len // window
+        if windows < batch_size:
+            raise ValueError(
+                f"{data_dir} holds {self.num_rows} rows of {self.row_len} tokens: {windows} windows of "
+                f"{window} tokens per worker ({world_size} workers), fewer than batch_size={batch_size}: "
+                f"prepare more data (--max-bytes), or lower --batch-size, --seq-len or --num-workers")
 
 
 def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None,
@@ -221,7 +249,12 @@ def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.nda
         column = pq.read_table(Path(data_dir) / shard["file"], columns=["tokens"]).column("tokens")
         values = column.combine_chunks().flatten().to_numpy()
         parts.append(values.reshape(-1, manifest.row_len)[local])
-    return np.concatenate(parts).reshape(-1)
+    tokens = np.concatenate(parts).reshape(-1)
+    if tokens.size and tokens.max() >= manifest.vocab_size:
+        raise ValueError(f"{data_dir}: rank {rank}'s rows hold token id {tokens.max()}, outside the "
+                         f"vocabulary of {manifest.vocab_size} its manifest declares: prepare the data again "
+                         f"with `mpipemoe data prepare --out {data_dir}`")
+    return tokens
 
 
 class BatchSampler:

@@ -115,14 +115,15 @@ def get_preset(name: str) -> ModelPreset:
 
 
 def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy="auto",
-                    profiles=None) -> nn.Module:
+                    profiles=None, host_pool=None) -> nn.Module:
     """One MoE layer of ``engine``; ``partitions``/``strategy``/``profiles`` (a
-    moe_engine.ProfileCache shared by the model's layers) only apply to mpipemoe."""
+    moe_engine.ProfileCache shared by the model's layers) and ``host_pool`` (a
+    moe_engine.HostBufferPool, likewise shared) only apply to mpipemoe."""
     import moe_engine
 
     if engine == "mpipemoe":
         return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy,
-                                   profile=profiles)
+                                   profile=profiles, host_pool=host_pool)
     if engine == "fastmoe":
         return moe_engine.FastMoE(config, group=group)
     if engine == "fastermoe":
@@ -172,13 +173,14 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     """Decoder or encoder with a MoE FFN in every block; returns (logits, mean aux loss).
 
-    group: the expert-parallel process group (None = default group if initialised).
+    group:     the expert-parallel process group (None = default group if initialised).
+    host_pool: host buffers for offloads, shared by the MoE layers (default: a new pool).
     """
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
-                 partitions="auto", strategy="auto"):
+                 partitions="auto", strategy="auto", host_pool=None):
         super().__init__()
-        from moe_engine import MoEConfig, ProfileCache
+        from moe_engine import HostBufferPool, MoEConfig, ProfileCache
 
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -190,8 +192,9 @@ class MoETransformer(nn.Module):
         self.tok_embed = nn.Embedding(preset.vocab_size, preset.d_model)
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
+        host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.blocks = nn.ModuleList(
-            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy, profiles))
+            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy, profiles, host_pool))
             for _ in range(preset.num_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)
 
@@ -199,6 +202,7 @@ class MoETransformer(nn.Module):
         B, S = tokens_BS.shape
         if S > self.preset.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.preset.seq_len}")
+        check_token_ids(tokens_BS, self.preset.vocab_size)
         positions_S = torch.arange(S, device=tokens_BS.device)
         x_BSD = self.tok_embed(tokens_BS) + self.pos_embed(positions_S)
         aux_losses = []
@@ -220,6 +224,18 @@ class MoETransformer(nn.Module):
             if value is not None:
                 choices[key] = value
         return choices
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, where: str = "the batch") -> None:
+    """Raise ValueError unless every id lies in [0, vocab_size) (an embedding lookup would
+    fail with an index error on CPU and a device-side assert, fatal to the process, on CUDA)."""
+    if tokens.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(tokens)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids outside the vocabulary in {where}: found {low}..{high}, the model has "
+                         f"vocab_size={vocab_size} (ids 0..{vocab_size - 1}); prepare the data with the "
+                         f"same tokenizer, or set the vocabulary to cover it")
 
 
 def param_counts(model: nn.Module) -> dict[str, int]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from app import data as data_lib
 from app.model import ENGINES, PRESETS, STRATEGIES, get_preset
+from workers.loop import NONFINITE_POLICIES
 
 PRESET_NAMES = tuple(PRESETS)
 
@@ -76,7 +77,8 @@ class TrainJob:
     grad_clip: float = 1.0             # global grad-norm clip; 0 = off
     aux_loss_weight: float = 0.01      # loss = lm_loss + aux_loss_weight * load-balance loss
     max_failures: int = 0              # Ray Train restarts from the last checkpoint
-    collective_timeout_s: int = 600    # a dead rank ends the job after this long
+    collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
+    on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
     log_every: int = 10                # progress line every N steps
 
     def __post_init__(self) -> None:
@@ -105,6 +107,8 @@ class TrainJob:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             _fail("dtype", self.dtype, "choose auto, float32, bfloat16 or float16")
+        if self.on_nonfinite_loss not in NONFINITE_POLICIES:
+            _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
         for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -158,16 +162,37 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
         "seq_len": preset.seq_len, "checkpoint_every": job.checkpoint_every,
         "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype,
         "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
-        "metrics_queue": metrics_queue,
+        "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
     }
 
 
 def ensure_data(job: TrainJob, echo=print) -> None:
-    """Prepare the default dataset when it is missing; a custom data_dir must be prepared."""
+    """Prepare the default dataset when it is missing; a custom data_dir must be prepared.
+    Then check, before any worker starts, that it is readable and holds a batch per worker."""
     if Path(job.data_dir) == data_lib.default_data_dir():
         data_lib.ensure_default_data(job.data_dir, echo=echo)
-    else:
-        data_lib.Manifest.load(job.data_dir)  # raises naming the fix
+    manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
+    preset = job.model_preset(vocab_size=manifest.vocab_size)
+    window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
+    manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
+
+
+def check_resources(scaling_config, nodes: list[dict]) -> None:
+    """Raise ValueError naming the fix unless ``nodes`` (each node's total resources, as in
+    ``ray.nodes()``) can hold all workers of ``scaling_config`` at once. Without this check
+    Ray Train waits for the missing resources forever."""
+    need = scaling_config.resources_per_worker or {}
+    workers = scaling_config.num_workers
+    fits = sum(min(int(node.get(key, 0) / amount + 1e-6) for key, amount in need.items() if amount > 0)
+               for node in nodes) if need else workers
+    if fits < workers:
+        have = {key: sum(node.get(key, 0) for node in nodes) for key in need}
+        per_worker = ", ".join(f"{amount:g} {key}" for key, amount in need.items())
+        totals = ", ".join(f"{amount:g} {key}" for key, amount in have.items())
+        hint = "or --no-gpu" if need.get("GPU") else "or a smaller --cpus-per-worker"
+        raise ValueError(f"TrainJob.num_workers={workers} is invalid: the Ray cluster ({len(nodes)} node(s), "
+                         f"{totals}) holds {fits} worker(s) of {per_worker} each; use --num-workers {max(fits, 1)} "
+                         f"{hint}, or add nodes")
 
 
 def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config: dict | None = None):
@@ -228,11 +253,17 @@ def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
 
 
 class _MetricsPump:
-    """Driver side of the metrics stream: queue -> history, progress lines, MLflow."""
+    """Driver side of the metrics stream: queue -> history, progress lines, MLflow.
+
+    A restart of the workers by Ray Train shows as a new ``attempt`` id (or a step that
+    goes back): it is printed and recorded in MLflow (tag and metric ``restarts``).
+    """
 
     def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step):
         self.queue, self.run, self.job, self.echo, self.on_step = metrics_queue, run, job, echo, on_step
         self.history: list[dict] = []
+        self.restarts = 0
+        self._attempt = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
         self._started = time.perf_counter()
@@ -258,10 +289,19 @@ class _MetricsPump:
                 continue
 
     def _handle(self, metrics: dict):
-        step = metrics["step"]
-        if self.history and step <= self.history[-1]["step"]:  # Ray Train restarted the workers
-            self.echo(f"[mpipemoe] workers restarted from a checkpoint; continuing at step {step}")
+        step, attempt = metrics["step"], metrics.get("attempt")
+        went_back = bool(self.history) and step <= self.history[-1]["step"]
+        if went_back or (attempt is not None and self._attempt not in (None, attempt)):
+            self.restarts += 1
+            self.echo(f"[mpipemoe] workers restarted from a checkpoint ({self.restarts} restart(s)); "
+                      f"continuing at step {step}")
+            self.run.set_tags({"restarts": self.restarts})
+            self.run.log_metrics({"restarts": self.restarts}, step=step)
             self.history = [m for m in self.history if m["step"] < step]
+        self._attempt = attempt
+        if metrics.get("skipped"):
+            self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
+                      f"aux_loss={metrics['aux_loss']}); no update")
         self.history.append(metrics)
         self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
@@ -272,21 +312,24 @@ class _MetricsPump:
 
 
 def summarize(history: list[dict]) -> dict:
-    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak."""
+    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak;
+    losses from the steps that were not skipped (non-finite), listed in ``skipped_steps``."""
     if not history:
         return {}
     steady = history[1:] or history
-    last = history[-1]
+    trained = [m for m in history if not m.get("skipped")] or history
+    last = trained[-1]
     summary = {
-        "steps": last["step"], "first_loss": history[0]["loss"], "final_loss": last["loss"],
+        "steps": history[-1]["step"], "first_loss": trained[0]["loss"], "final_loss": last["loss"],
         "final_lm_loss": last["lm_loss"], "final_aux_loss": last["aux_loss"],
+        "skipped_steps": [m["step"] for m in history if m.get("skipped")],
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in steady),
         "peak_memory_bytes": max(m["peak_memory_bytes"] for m in history),
     }
     for key in ("partitions", "strategy"):
-        if key in last:
-            summary[key] = last[key]
+        if key in history[-1]:
+            summary[key] = history[-1][key]
     return summary
 
 
@@ -308,15 +351,17 @@ def _run_params(job: TrainJob, config: dict) -> dict:
 
 
 def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
-            verbose: bool = False) -> dict:
+            verbose: bool = False, extra_config: dict | None = None) -> dict:
     """Run ``job`` on Ray (embedded local Ray unless ``address`` or Ray is already up).
 
     Logs one MLflow run (reopened when ``job.name`` resumes an earlier run) and returns a
     summary: name, engine, status, steps, first/final loss, tokens_per_s (median),
     step_time_s (median), peak_memory_bytes (max over ranks and steps), partitions/strategy
-    when the engine exposes them, mlflow_run_id, checkpoint_path, run_dir, history
-    (the per-step metrics). ``on_step(metrics)`` is called from a driver thread per step.
-    Raises ``RuntimeError`` naming the cause when training fails.
+    when the engine exposes them, restarts, skipped_steps, mlflow_run_id, checkpoint_path,
+    run_dir, history (the per-step metrics). ``on_step(metrics)`` is called from a driver
+    thread per step; ``extra_config`` goes to the workers (see ``build_trainer``).
+    Raises ``ValueError`` for settings the data or the cluster cannot serve (before any
+    worker starts) and ``RuntimeError`` naming the cause when training fails.
     """
     import ray
     from ray.util.queue import Queue
@@ -325,15 +370,11 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address, verbose)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if started_ray and _resolve_gpu(job) and gpus < job.num_workers:  # embedded Ray cannot grow
-        ray.shutdown()
-        raise ValueError(f"TrainJob.num_workers={job.num_workers} is invalid: this machine has {gpus} "
-                         f"GPU(s) and each worker takes one; use --num-workers {max(gpus, 1)} or --no-gpu")
     metrics_queue = Queue(actor_options={"num_cpus": 0})
     run = None
     try:
-        trainer = build_trainer(job, metrics_queue)
+        trainer = build_trainer(job, metrics_queue, extra_config=extra_config)
+        check_resources(trainer.scaling_config, [n["Resources"] for n in ray.nodes() if n["Alive"]])
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
         save_job(job)
@@ -367,7 +408,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
             run.finish("FAILED")
             raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
         summary = summarize(pump.history)
-        summary.update(name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
+        summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
                        wall_time_s=time.perf_counter() - started)
@@ -505,6 +546,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", "parameter dtype (auto: bfloat16 on GPU, float32 on CPU)",
         choices=("auto", "float32", "bfloat16", "float16"))
     add("--max-failures", "let Ray Train restart failed workers N times", type=int)
+    add("--collective-timeout-s", "a dead or stalled worker ends the job after this many seconds", type=int)
+    add("--on-nonfinite-loss", "NaN/Inf loss: halt the job, or skip that step's update",
+        choices=NONFINITE_POLICIES)
     add("--log-every", "progress line every N steps", type=int)
     parser.add_argument("--summary-json", default=None, metavar="PATH",
                         help="also write the summary (with per-step history) as JSON")
@@ -524,6 +568,9 @@ def save_job(job: TrainJob) -> None:
 def job_from_args(args: argparse.Namespace) -> TrainJob:
     """The job the options describe; ``--resume NAME`` starts from NAME's recorded settings."""
     given = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if getattr(args, f, None) is not None}
+    if args.resume and getattr(args, "engines", None):
+        raise ValueError(f"--resume {args.resume} and --engines cannot be combined: a run has one engine; "
+                         f"resume each engine's run by its name (<name>-<engine>)")
     if args.resume:
         run_dir = Path(given.get("storage_path") or "ray_results").expanduser().resolve() / args.resume
         if not (run_dir / JOB_FILE).exists():
@@ -547,27 +594,25 @@ def _quiet_mlflow() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Errors (bad options, data, resources; a failed job) propagate to ``app.cli.main``,
+    which prints them as one line (the traceback with ``--debug``)."""
     started = time.perf_counter()
     _quiet_mlflow()
-    try:
-        job = job_from_args(args)
-        if args.engines:
-            result = compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()],
-                                     args.address, verbose=args.verbose)
-            if args.summary_json:
-                Path(args.summary_json).write_text(json.dumps(result, indent=1, default=str) + "\n")
-        else:
-            summary = run_job(job, args.address, verbose=args.verbose)
-            if args.summary_json:
-                Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
-            print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
-                  f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
-                  f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
-            print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
-            print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
-    except (ValueError, RuntimeError, FileNotFoundError) as error:
-        print(f"mpipemoe train: error: {error}")
-        return 1
+    job = job_from_args(args)
+    if args.engines:
+        result = compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()],
+                                 args.address, verbose=args.verbose)
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    else:
+        summary = run_job(job, args.address, verbose=args.verbose)
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
+              f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
+              f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
+        print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
+        print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
     print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s; "
           f"browse runs with: mpipemoe ui")
     return 0

@@ -34,6 +34,10 @@ from .streams import StreamSet
 
 log = logging.getLogger(__name__)
 
+class NonFiniteInputError(ValueError):
+    """NaN or Inf in some rank's MoE layer input; raised on every rank together."""
+
+
 @dataclass(frozen=True)
 class AgreedStep:
     """Values every rank agrees on for one pass (max over ranks)."""
@@ -82,7 +86,7 @@ class MoELayerBase(nn.Module):
             local.to(x_TD.device) if self.group.distributed and x_TD.is_cuda else local).tolist()
         if bad_anywhere:
             where = "this rank's" if bool(bad) else "another rank's"
-            raise ValueError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
+            raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                              f"learning rate, or the data that produced it")
         return AgreedStep(max_tokens=tokens, skew_bucket=skew)
 

@@ -139,6 +139,11 @@ class HostBufferPool:
     def free_buffers(self) -> int:
         return sum(len(v) for v in self._free.values())
 
+    @property
+    def bytes_free(self) -> int:
+        """Bytes of the buffers given back and not taken again (all of them between steps)."""
+        return sum(b.numel() * b.element_size() for buffers in self._free.values() for b in buffers)
+
 
 # -- memory model (DESIGN.md §5; derivation in docs/engine.md) ---------------------------
 

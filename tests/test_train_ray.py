@@ -1,10 +1,15 @@
 """Ray local-cluster tests of ``mpipemoe train`` (tier 3: real Ray Train, gloo, MLflow).
 
-Seven short 2-worker runs on 2 cores; the first five are shared by the assertions:
+Short 2-worker runs on 2 cores; the first five are shared by the assertions:
 - ``compared``: tiny-gpt for N steps with each engine under one parent MLflow run;
 - ``resumed``: the mpipemoe job again as K steps, then ``mpipemoe train --resume`` up to N steps;
 - a diverging run (huge lr) that must stop with an error naming the step;
-- a run whose last worker dies mid-run and is restarted from its checkpoint.
+- a NaN loss at one step, skipped under ``on_nonfinite_loss="skip"``;
+- a run whose last worker dies mid-run and is restarted from its checkpoint;
+- a run whose last worker stops participating: the job ends at the collective timeout;
+- more workers than the cluster holds: refused before any worker starts.
+Partitions and strategy are fixed so runs are deterministic: resumed and restarted runs
+give the straight run's losses exactly.
 """
 from __future__ import annotations
 
@@ -12,12 +17,14 @@ import argparse
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 
 from app.data import prepare_dataset
 from app.model import ENGINES
+from app import cli
 from app.train import TrainJob, add_arguments, compare_engines, run, run_job
 from app.tracking import client, metric_history
 
@@ -31,7 +38,7 @@ def job(tmp_path_factory) -> TrainJob:
     root = tmp_path_factory.mktemp("train")
     prepare_dataset(root / "data", max_bytes=2**20)  # 1 MiB of stdlib sources
     return TrainJob(preset="tiny-gpt", steps=N, num_workers=2, use_gpu=False, batch_size=8,
-                    seq_len=64, lr=3e-3, warmup_steps=1, checkpoint_every=K, seed=7,
+                    seq_len=64, lr=3e-3, warmup_steps=1, checkpoint_every=K, seed=7, partitions=2, strategy="S1",
                     data_dir=str(root / "data"), storage_path=str(root / "ray_results"),
                     tracking_uri=f"sqlite:///{root / 'mlflow.db'}", name="cmp", experiment="test-train")
 
@@ -94,7 +101,7 @@ def test_resume_continues_step_count_and_data_position(compared, resumed, job):
     assert [m["step"] for m in first["history"]] == list(range(1, K + 1))
     assert [m["step"] for m in second["history"]] == list(range(K + 1, N + 1))
     straight = _losses(compared["summaries"]["mpipemoe"])
-    assert _losses(first) + _losses(second) == pytest.approx(straight, rel=1e-5)
+    assert _losses(first) + _losses(second) == straight  # exactly: data position and RNG restored
     meta = json.loads((Path(second["checkpoint_path"]) / "meta.json").read_text())
     assert meta["step"] == N and meta["data_position"] == N and meta["world_size"] == 2
     # The resumed job continues the same MLflow run, whose history covers every step.
@@ -113,24 +120,63 @@ def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
     assert runs[0].info.status == "FAILED" and "step" in runs[0].data.tags["error"]
 
 
+def _mlflow_run(job, name):
+    mlflow = client(job.tracking_uri)
+    experiment = mlflow.get_experiment_by_name(job.experiment).experiment_id
+    (found,) = mlflow.search_runs([experiment], filter_string=f"tags.ray_train_name = '{name}'")
+    return found
+
+
+def test_nan_loss_is_skipped_under_the_skip_policy(ray_local, job):
+    lines = []
+    skip = dataclasses.replace(job, name="skip", steps=4, on_nonfinite_loss="skip")
+    summary = run_job(skip, echo=lines.append, extra_config={"fault": {"kind": "nan_loss", "step": 2, "rank": 0}})
+    assert summary["skipped_steps"] == [2] and summary["steps"] == 4
+    assert [m["skipped"] for m in summary["history"]] == [0, 1, 0, 0]
+    assert all(math.isfinite(m["loss"]) for m in summary["history"] if not m["skipped"])
+    assert any("step 2 skipped: non-finite loss (lm_loss=nan" in line for line in lines)
+    assert _mlflow_run(job, "skip").info.status == "FINISHED"
+
+
 def test_killed_worker_is_restarted_from_the_last_checkpoint(ray_local, resumed, job):
     """DESIGN.md §8: a worker dying mid-run (after the step-K checkpoint) is restarted by Ray
-    Train (FailureConfig), resumes at step K+1 and finishes with the straight run's losses."""
-    from ray.util.queue import Queue
-
-    from app.train import build_trainer
-
-    metrics_queue = Queue(actor_options={"num_cpus": 0})
-    try:
-        trainer = build_trainer(dataclasses.replace(job, name="fault", max_failures=1), metrics_queue)
-        trainer.train_loop_config["fault_at_step"] = K + 2
-        result = trainer.fit()
-        history = [metrics_queue.get_nowait() for _ in range(metrics_queue.size())]
-    finally:
-        metrics_queue.shutdown()
-    assert result.error is None
-    steps = [m["step"] for m in history]
-    assert steps == list(range(1, K + 2)) + list(range(K + 1, N + 1))  # steps K+1.. ran twice
-    final = {m["step"]: m["loss"] for m in history}
+    Train (FailureConfig), resumes at step K+1 and finishes with the straight run's losses;
+    the MLflow run records the restart."""
+    lines = []
+    summary = run_job(dataclasses.replace(job, name="fault", max_failures=1), echo=lines.append,
+                      extra_config={"fault": {"kind": "exit", "step": K + 2}})
+    assert summary["restarts"] == 1 and summary["steps"] == N
+    assert [m["step"] for m in summary["history"]] == list(range(1, N + 1))
     straight = _losses(resumed[0]) + _losses(resumed[1])  # equal to N steps straight (tested above)
-    assert [final[s] for s in range(1, N + 1)] == pytest.approx(straight, rel=1e-5)
+    assert _losses(summary) == straight
+    assert any(f"restarted from a checkpoint (1 restart(s)); continuing at step {K + 1}" in line for line in lines)
+    recorded = _mlflow_run(job, "fault")
+    assert recorded.info.status == "FINISHED" and recorded.data.tags["restarts"] == "1"
+    assert recorded.data.metrics["restarts"] == 1
+    steps = [s for s, _ in metric_history(job.tracking_uri, summary["mlflow_run_id"], "loss")]
+    assert steps == list(range(1, K + 2)) + list(range(K + 1, N + 1))  # steps K+1.. ran twice
+
+
+def test_stalled_worker_ends_the_job_at_the_collective_timeout(ray_local, job):
+    """A worker that stops participating (alive, silent) must not hang the job: the others'
+    collectives time out and the job fails with an error naming the cause."""
+    stall = dataclasses.replace(job, name="stall", steps=4, collective_timeout_s=3)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"training job stall failed: .*(stopped participating|timed out|Timed out)"):
+        run_job(stall, echo=lambda line: None, extra_config={"fault": {"kind": "stall", "step": 2}})
+    assert time.perf_counter() - started < 90
+    assert _mlflow_run(job, "stall").info.status == "FAILED"
+
+
+def test_more_workers_than_the_cluster_holds_fail_fast(ray_local, job, capsys):
+    """The session's Ray has 2 CPUs: 4 workers of 0.9 CPU never fit. Ray Train would wait
+    forever; the job is refused at once, on the command line as one line and status 1."""
+    started = time.perf_counter()
+    status = cli.main(["train", "--num-workers", "4", "--no-gpu", "--data-dir", job.data_dir,
+                       "--storage-path", job.storage_path, "--tracking-uri", "none", "--name", "big"])
+    err = capsys.readouterr().err
+    assert status == 1 and time.perf_counter() - started < 30
+    assert err.strip().splitlines() == [
+        "mpipemoe train: error: TrainJob.num_workers=4 is invalid: the Ray cluster (1 node(s), 2 CPU) holds "
+        "2 worker(s) of 0.9 CPU each; use --num-workers 2 or a smaller --cpus-per-worker, or add nodes "
+        "(--debug shows the traceback)"]
