@@ -360,10 +360,14 @@ def measure_host_copy(device, dtype, sizes=tuple(2 ** i for i in range(20, 31, 2
     return out
 
 
-def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8), repeats: int = 30) -> dict:
-    """Host seconds of one layer's forward and backward at `tokens` tokens (the device is
-    idle at this size, so the time is the host's): per engine, strategy and n.
-    Run it before anything uses the CUDA profiler: profiling slows later launches."""
+def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8), rounds: int = 40) -> dict:
+    """Host seconds of one layer's forward and backward at `tokens` tokens (the device has
+    almost nothing to do at this size, so the wall time is the host's): per engine,
+    strategy and n.
+
+    Every configuration runs once per round, round after round, so a slow spell of the
+    machine touches all of them alike; the median over rounds counts. Run it before
+    anything uses the CUDA profiler: profiling slows later launches."""
     import statistics
 
     import torch
@@ -373,44 +377,40 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
 
     x = torch.randn(tokens, config.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
-    builds = {"fastmoe": [(1, lambda n: FastMoE(config, None, device=device, dtype=dtype))],
-              "fastermoe": [(1, lambda n: FasterMoE(config, None, device=device, dtype=dtype))]}
+    layers = {("fastmoe", 1): FastMoE(config, None, device=device, dtype=dtype),
+              ("fastermoe", 1): FasterMoE(config, None, device=device, dtype=dtype)}
     for s in ("none", "S1", "S2", "S3", "S4"):
-        builds[f"mpipemoe|{s}"] = [(n, lambda n, s=s: MPipeMoE(config, None, n, s, device=device, dtype=dtype))
-                                   for n in partitions]
+        for n in partitions:
+            layers[(f"mpipemoe|{s}", n)] = MPipeMoE(config, None, n, s, device=device, dtype=dtype)
+    samples = {key: ([], [], []) for key in layers}
+    clock = time.perf_counter
+    for round_ in range(rounds + 3):
+        for key, layer in layers.items():
+            torch.cuda.synchronize(device)
+            t0 = clock()
+            layer.zero_grad(set_to_none=True)
+            y, aux = layer(x.detach().requires_grad_(True))
+            t1 = clock()
+            torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
+            t2 = clock()
+            torch.cuda.synchronize(device)
+            x_TD = x.detach().requires_grad_(True)
+            t3 = clock()
+            routing = layer.router(x_TD)
+            agreed = layer._agree(x_TD, routing)
+            partition_P, parts = layer._partition_rows(routing, agreed)
+            dispatcher.plan_dispatch(routing, partition_P, parts, config.num_experts, layer.group)
+            t4 = clock()
+            if round_ >= 3:
+                for series, value in zip(samples[key], (t1 - t0, t2 - t1, t4 - t3)):
+                    series.append(value)
     result = {}
-    for key, variants in builds.items():
-        entry = {"partitions": [], "forward_s": [], "backward_s": [], "prelude_s": []}
-        for n, build in variants:
-            layer = build(n)
-            fwd, bwd, pre = [], [], []
-            for rep in range(repeats + 5):
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                layer.zero_grad(set_to_none=True)
-                x_in = x.detach().requires_grad_(True)
-                y, aux = layer(x_in)
-                t1 = time.perf_counter()
-                torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
-                t2 = time.perf_counter()
-                torch.cuda.synchronize(device)
-                x_TD = x.detach().requires_grad_(True)
-                t3 = time.perf_counter()
-                routing = layer.router(x_TD)
-                agreed = layer._agree(x_TD, routing)
-                partition_P, parts = layer._partition_rows(routing, agreed)
-                dispatcher.plan_dispatch(routing, partition_P, parts, config.num_experts, layer.group)
-                t4 = time.perf_counter()
-                if rep >= 5:
-                    fwd.append(t1 - t0)
-                    bwd.append(t2 - t1)
-                    pre.append(t4 - t3)
-            entry["partitions"].append(n)
-            entry["forward_s"].append(statistics.median(fwd))
-            entry["backward_s"].append(statistics.median(bwd))
-            entry["prelude_s"].append(statistics.median(pre))
-            del layer
-        result[key] = entry
+    for (engine_key, n), (fwd, bwd, pre) in samples.items():
+        entry = result.setdefault(engine_key, {"partitions": [], "forward_s": [], "backward_s": [], "prelude_s": []})
+        entry["partitions"].append(n)
+        entry["forward_s"].append(statistics.median(fwd))
+        entry["backward_s"].append(statistics.median(bwd))
+        entry["prelude_s"].append(statistics.median(pre))
     return result
 
 
