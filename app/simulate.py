@@ -105,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hierarchical", action="store_true", help="two-level All-to-All instead of the flat one")
     parser.add_argument("--step", action="store_true", help="also simulate a training step of the whole preset")
     parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"measured GPU parts (default {DEFAULT_PARTS})")
+    parser.add_argument("--host-scale", type=float, default=1.0,
+                        help="multiply the measured host issue costs (another CPU; 0: device-only bound)")
     parser.add_argument("--out", default=None, help="JSON file to write (default: none; --validate: "
                         "results/simulate-validation.json)")
     parser.add_argument("--tracking-uri", default=None,
@@ -510,9 +512,13 @@ def run(args) -> int:
         return measure(args.measure_parts)
     from moe_engine.parts import GpuParts
 
+    from moe_engine.simulator import HostScaled
+
     parts = GpuParts.load(args.parts)
     meta = {"command": _command(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": args.parts,
-            "parts_device": parts.device, "parts_measured_at": parts.measured_at}
+            "parts_device": parts.device, "parts_measured_at": parts.measured_at, "host_scale": args.host_scale}
+    if args.host_scale != 1.0:
+        parts = HostScaled(parts, args.host_scale)
     if args.validate:
         result = validate(args.validate, parts)
         meta["spot_check"] = _spot_check(parts, args.validate)

@@ -222,32 +222,30 @@ def all_to_all_traffic(layout: ClusterLayout, load_E: list[float], peers: list[i
     peers: ring offsets this exchange covers (FasterMoE steps talk to a group of peers);
     None means every rank. Rows for ranks outside `peers` are not part of this exchange.
     """
+    import numpy as np
+
     P, G = layout.ranks, layout.gpus_per_node
-    share = rank_load(load_E, P)
-    offsets = range(P) if peers is None else peers
-    send_intra, send_inter = [0.0] * P, [0.0] * P
-    recv_intra, recv_inter, received = [0.0] * P, [0.0] * P, [0.0] * P
-    msgs_intra, msgs_inter = [0] * P, [0] * P
-    leaving = 0.0
-    for src in range(P):
-        for offset in offsets:
-            dst = (src + offset) % P
-            rows = share[dst]
-            received[dst] += rows
-            if dst == src or rows == 0:
-                continue
-            if layout.node_of(dst) == layout.node_of(src):
-                send_intra[src] += rows
-                recv_intra[dst] += rows
-                msgs_intra[src] += 1
-            else:
-                send_inter[src] += rows
-                recv_inter[dst] += rows
-                msgs_inter[src] += 1
-                leaving += rows
-    return Traffic(intra=max(max(send_intra), max(recv_intra)), inter=max(max(send_inter), max(recv_inter)),
-                   intra_messages=max(msgs_intra), inter_messages=max(msgs_inter), received=max(received),
-                   leaving_node=leaving / P)
+    share_P = np.asarray(rank_load(load_E, P))
+    offsets_O = np.arange(P) if peers is None else np.asarray(peers)
+    src_PO = np.repeat(np.arange(P)[:, None], len(offsets_O), axis=1)
+    dst_PO = (src_PO + offsets_O[None, :]) % P
+    rows_PO = share_P[dst_PO]
+    remote_PO = (dst_PO != src_PO) & (rows_PO > 0)
+    inter_PO = remote_PO & (dst_PO // G != src_PO // G)
+    intra_PO = remote_PO & ~inter_PO
+
+    def received_by_destination(mask_PO):
+        out_P = np.zeros(P)
+        np.add.at(out_P, dst_PO[mask_PO], rows_PO[mask_PO])
+        return out_P
+
+    received_P = received_by_destination(np.ones_like(remote_PO))
+    send_intra_P, send_inter_P = (rows_PO * intra_PO).sum(1), (rows_PO * inter_PO).sum(1)
+    recv_intra_P, recv_inter_P = received_by_destination(intra_PO), received_by_destination(inter_PO)
+    return Traffic(intra=float(max(send_intra_P.max(), recv_intra_P.max())),
+                   inter=float(max(send_inter_P.max(), recv_inter_P.max())),
+                   intra_messages=int(intra_PO.sum(1).max()), inter_messages=int(inter_PO.sum(1).max()),
+                   received=float(received_P.max()), leaving_node=float(send_inter_P.sum() / P))
 
 
 def flat_all_to_all_s(network: NetworkProfile, traffic: Traffic, rank_bytes: float) -> float:

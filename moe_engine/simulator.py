@@ -208,6 +208,27 @@ class ProfileParts:
         return HostCost(0.0, p, 0.0, p, 0.0)
 
 
+class HostScaled:
+    """Parts whose host issue costs are multiplied by `factor` (everything else as measured):
+    another CPU (the measured run-to-run spread of host-bound layers is about ±25%), or
+    factor 0 for the device-only bound a launch-free engine (CUDA graphs) would approach."""
+
+    def __init__(self, parts, factor: float):
+        if not factor >= 0:
+            raise ValueError(f"host scale {factor!r} is invalid: give a factor >= 0 (1 = as measured)")
+        self.parts, self.factor = parts, factor
+        self.slowdown = parts.slowdown
+
+    def __getattr__(self, name):
+        return getattr(self.parts, name)
+
+    def host_cost(self, engine_key, local_experts=8):
+        from .parts import HostCost
+
+        cost = self.parts.host_cost(engine_key, local_experts)
+        return HostCost(*(self.factor * getattr(cost, f) for f in HostCost.__dataclass_fields__))
+
+
 def _local_all_to_all_s(parts, nbytes: float, d_model: int, s: int) -> float:
     """One rank: the All-to-All is the engine's local copy of the rows."""
     if hasattr(parts, "local_all_to_all_s"):
@@ -616,6 +637,19 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
                        all_to_all_s=full.all_to_all(full.b), leaving_node=full.traffic.leaving_node)
 
 
+def all_to_all_options(shape: LayerShape, cluster: Cluster, parts) -> dict:
+    """One All-to-All of the whole batch (k·T rows per rank): flat and hierarchical
+    seconds, and the fraction of rows that leaves the node."""
+    layer = _Layer(shape, cluster, parts, 1)
+    if cluster.layout.ranks == 1:
+        local = layer.all_to_all(layer.b)
+        return {"flat_s": local, "hierarchical_s": local, "leaving_node": 0.0}
+    nbytes = layer.rows_sent * shape.d_model * shape.dtype_bytes
+    return {"flat_s": flat_all_to_all_s(cluster.network, layer.traffic, nbytes),
+            "hierarchical_s": hierarchical_all_to_all_s(cluster.network, cluster.layout, layer.traffic, nbytes),
+            "leaving_node": layer.traffic.leaving_node}
+
+
 PARTITION_CANDIDATES = (1, 2, 4, 8, 16)
 
 
@@ -650,3 +684,107 @@ def compare_engines(shape: LayerShape, cluster: Cluster, parts, partitions=PARTI
     return EngineChoice(simulate_layer("fastmoe", shape, cluster, parts),
                         simulate_layer("fastermoe", shape, cluster, parts, group_size=group_size),
                         fastest, chosen, grid)
+
+
+# -- a training step of a whole MoE transformer ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A MoE transformer as app.model builds it: every block is pre-LN attention and a MoE layer."""
+
+    d_model: int
+    d_hidden: int
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    num_experts: int
+    top_k: int = 2
+    activation: str = "gelu"
+    vocab_size: int = 259
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_hidden", "num_layers", "num_heads", "seq_len", "num_experts", "top_k",
+                     "vocab_size"):
+            _positive_int("ModelShape", name, getattr(self, name))
+
+    def layer(self, tokens: int) -> LayerShape:
+        return LayerShape(self.d_model, self.d_hidden, self.num_experts, tokens, self.top_k, self.activation)
+
+    @property
+    def replicated_params(self) -> int:
+        """Parameters every rank holds: attention, layer norms, routers, embeddings."""
+        D = self.d_model
+        per_layer = 4 * D * D + 4 * D + 4 * D + self.num_experts * D
+        return self.num_layers * per_layer + (self.vocab_size + self.seq_len) * D + 2 * D
+
+    def expert_params(self, ranks: int) -> int:
+        """Expert parameters on one rank (its E / P experts in every layer)."""
+        D, H = self.d_model, self.d_hidden
+        per_expert = 2 * D * H + H + D + (D * H if self.activation == "swiglu" else 0)
+        return self.num_layers * (self.num_experts // ranks) * per_expert
+
+
+@dataclass(frozen=True)
+class StepResult:
+    engine: str
+    partitions: int
+    strategy: str
+    step_s: float
+    moe_s: float               # all MoE layers, forward and backward
+    dense_s: float             # attention blocks, embeddings and head
+    all_reduce_s: float        # replicated gradients, one flat all-reduce after backward
+    optimizer_s: float
+    peak_bytes: int
+    state_bytes: int           # parameters, gradients and AdamW moments
+    activation_bytes: int      # saved for backward over all layers
+
+
+def dense_flops_per_s(parts, d_model: int, d_hidden: int, rows: int) -> float:
+    """GEMM rate of the GPU at this width and row count, from the expert FFN's forward."""
+    flops = 2 * rows * d_model * 2 * d_hidden
+    return flops / max(parts.ffn_s("forward", rows, d_model, d_hidden), 1e-12)
+
+
+def memory_bytes_per_s(parts, d_model: int) -> float:
+    """Device memory bandwidth (bytes read + written per second) from the copy curve."""
+    rows = 131072
+    seconds = parts.rows_s("copy", rows, d_model)
+    return 2 * rows * d_model * 2 / seconds if seconds > 0 else float("inf")
+
+
+def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster, parts, partitions: int = 1,
+                  strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2) -> StepResult:
+    """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank.
+
+    The MoE layer is simulated (simulate_layer) and repeated per block; the dense parts are
+    their FLOPs at the GPU's GEMM rate (attention kernels assumed at that rate too) plus
+    four passes over the activations for norms and residuals; AdamW is memory-bound
+    (14 bytes moved per parameter). Memory: parameters, gradients and AdamW moments in
+    the model dtype (8 bytes per bf16 parameter), each block's saved activations
+    (attention: 7·T·D values and the softmax statistics; MoE: memory.predict_memory), the
+    largest MoE working set and the logits.
+    """
+    layer_shape = model.layer(tokens)
+    moe = simulate_layer(engine, layer_shape, cluster, parts, partitions, strategy, group_size)
+    D, T, S = model.d_model, tokens, model.seq_len
+    rate = dense_flops_per_s(parts, D, model.d_hidden, T)
+    bandwidth = memory_bytes_per_s(parts, D)
+    attention = 2 * T * 4 * D * D + 4 * T * S * D * (0.5 if model.causal else 1.0)
+    elementwise = 4 * 2 * T * D * dtype_bytes / bandwidth
+    head = 2 * T * D * model.vocab_size
+    dense = model.num_layers * (3 * attention / rate + 3 * elementwise) + 3 * head / rate
+    P = cluster.layout.ranks
+    params = model.replicated_params + model.expert_params(P)
+    reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * dtype_bytes) if P > 1 else 0.0
+    optimizer = 14 * params / bandwidth * dtype_bytes / 2
+    memory = _memory(moe.engine, layer_shape, cluster, _build(engine, layer_shape, cluster, parts, partitions, strategy,
+                                                             group_size)[1], moe.partitions, moe.strategy)
+    attention_saved = 7 * T * D * dtype_bytes + T * model.num_heads * 4
+    activations = model.num_layers * (attention_saved + memory.saved_bytes)
+    state = 4 * params * dtype_bytes
+    working = max(memory.forward_working_bytes, memory.backward_working_bytes)
+    peak = state + activations + working + T * model.vocab_size * 4
+    step = model.num_layers * moe.total_s + dense + reduce + optimizer
+    return StepResult(engine, moe.partitions, moe.strategy, step, model.num_layers * moe.total_s, dense, reduce,
+                      optimizer, peak, state, activations)
