@@ -13,7 +13,8 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 2. time and memory per memory-reuse strategy;
 3. the best number of partitions n against tokens, with every violation of the
    assumed monotonicity (best n non-decreasing in tokens) marked;
-4. predicted against measured peak memory.
+4. predicted against measured peak memory;
+5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate.py).
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -534,8 +535,10 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
                            "error"], table) + [""]
 
 
-def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "") -> Path:
-    """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path."""
+def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
+                 simulations: list[dict] | None = None) -> Path:
+    """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
+    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when given)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -554,6 +557,10 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
              "configuration was measured several times, the fastest measurement counts.", ""]
     for section in (section_baselines, section_strategies, section_best_n, section_memory):
         lines += section(records, out)
+    if simulations is not None:
+        from app.simulate import section_simulations
+
+        lines += section_simulations(simulations, str(out))
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -577,7 +584,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
-    path = write_report(records, args.out, source=tracking_uri)
+    from app.simulate import load_simulations
+
+    path = write_report(records, args.out, source=tracking_uri, simulations=load_simulations(tracking_uri, args.experiment))
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
           f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
     return 0

@@ -222,8 +222,8 @@ def _point_text(point: dict, settings: SimulateSettings) -> str:
                         if settings.step else ""))
     chosen = next(r for r in point["engines"] if r["label"] == "mpipemoe")
     lines.append(f"  best n and strategy: n={point['best_partitions']} {point['best_strategy']} "
-                 f"({chosen['speedup_vs_fastermoe']:.2f}x FasterMoE's speed, "
-                 f"{1 - chosen['memory_ratio_vs_fastermoe']:+.0%} memory saved); fastest of all: "
+                 f"({chosen['speedup_vs_fastermoe']:.2f}x FasterMoE's speed at "
+                 f"{chosen['memory_ratio_vs_fastermoe']:.2f}x its memory); fastest of all: "
                  f"n={point['fastest_partitions']} {point['fastest_strategy']}")
     return "\n".join(lines)
 
@@ -274,22 +274,25 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
     return count
 
 
-def load_simulations(tracking_uri: str) -> list[dict]:
-    """Every finished kind=simulate run as a flat dict of params and metrics (for the report)."""
+def load_simulations(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
+    """Every finished kind=simulate run (in `experiments`, default all) as a flat dict of
+    params and metrics, oldest first (for the report)."""
     from app.tracking import client
 
     mlflow_client = client(tracking_uri)
-    ids = [e.experiment_id for e in mlflow_client.search_experiments()]
+    ids = [e.experiment_id for e in mlflow_client.search_experiments()
+           if experiments is None or e.name in experiments]
     rows, token = [], None
     while ids:
         page = mlflow_client.search_runs(ids, filter_string="tags.kind = 'simulate' and attributes.status = 'FINISHED'",
                                          max_results=1000, page_token=token)
         for run in page:
-            rows.append({**run.data.params, **run.data.metrics, "run_id": run.info.run_id})
+            rows.append({**run.data.metrics, **run.data.params, "run_id": run.info.run_id,
+                         "start_time": run.info.start_time})
         token = page.token
         if not token:
             break
-    return rows
+    return sorted(rows, key=lambda r: r["start_time"] or 0)
 
 
 # -- the report's section -------------------------------------------------------------------------------
@@ -308,7 +311,7 @@ def section_simulations(rows: list[dict], out) -> list[str]:
         return lines + ["_No data: no simulation was logged (run `mpipemoe simulate --sweep-nodes 1,2,4,8,16,32,64`)._",
                         ""]
     latest = {}
-    for r in rows:  # the newest run of each (series, ranks, engine) counts
+    for r in rows:  # rows come oldest first: the newest run of each (series, ranks, engine) counts
         key = (_series_key(r), int(float(r["ranks"])), r["label"])
         latest[key] = r
     series = sorted({k[0] for k in latest}, key=str)
