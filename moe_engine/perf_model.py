@@ -95,7 +95,7 @@ class ProfileStore:
         data = self._read()
         data[profile.key] = profile.to_json()
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = self.path + ".tmp"
+        tmp = f"{self.path}.{os.getpid()}.tmp"  # one per process: every rank of a node may write
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True)
         os.replace(tmp, self.path)
