@@ -538,7 +538,7 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
                  simulations: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
-    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when given)."""
+    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -557,7 +557,7 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
              "configuration was measured several times, the fastest measurement counts.", ""]
     for section in (section_baselines, section_strategies, section_best_n, section_memory):
         lines += section(records, out)
-    if simulations is not None:
+    if simulations:  # section 5 only where `mpipemoe simulate` logged something
         from app.simulate import section_simulations
 
         lines += section_simulations(simulations, str(out))

@@ -178,11 +178,16 @@ def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -
     full = choice.fastmoe
     options = all_to_all_options(shape, cluster, parts)
     flat, hier = options["flat_s"], options["hierarchical_s"]
+    # One partition's All-to-All at MPipeMoE's n: smaller messages, where aggregation pays first.
+    n = choice.chosen.partitions
+    per_partition = all_to_all_options(model.layer(max(1, tokens // n)), cluster, parts)
     return {"model": settings.model, "tokens": tokens, "nodes": nodes, "gpus_per_node": settings.gpus_per_node,
             "ranks": ranks, "experts": experts, "network": network.name, "routing": settings.routing,
             "hierarchical": settings.hierarchical, "leaving_node": full.leaving_node,
             "all_to_all_ms": full.all_to_all_s * 1e3, "flat_all_to_all_ms": flat * 1e3,
             "hierarchical_all_to_all_ms": hier * 1e3,
+            "partition_flat_all_to_all_ms": per_partition["flat_s"] * 1e3,
+            "partition_hierarchical_all_to_all_ms": per_partition["hierarchical_s"] * 1e3,
             "best_partitions": choice.chosen.partitions, "best_strategy": choice.chosen.strategy,
             "fastest_partitions": choice.fastest.partitions, "fastest_strategy": choice.fastest.strategy,
             "engines": rows,
@@ -190,15 +195,18 @@ def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -
                       "peak_memory_bytes": r.peak_bytes} for r in choice.grid]}
 
 
-def run_simulation(settings: SimulateSettings, parts, printer=print) -> list:
-    points = []
+def run_simulation(settings: SimulateSettings, parts, printer=print) -> tuple[list, str]:
+    """Every (nodes, tokens) point; returns the points and the text printed."""
+    points, texts = [], []
     for nodes in settings.nodes:
         for tokens in settings.tokens:
             points.append(simulate_point(settings, parts, nodes, tokens))
-            printer(_point_text(points[-1], settings))
+            texts.append(_point_text(points[-1], settings))
+            printer(texts[-1])
     if len(points) > 1:
-        printer(_sweep_text(points, settings))
-    return points
+        texts.append(_sweep_text(points, settings))
+        printer(texts[-1])
+    return points, "\n".join(texts)
 
 
 def _mib(value) -> str:
@@ -228,8 +236,24 @@ def _point_text(point: dict, settings: SimulateSettings) -> str:
     return "\n".join(lines)
 
 
+def monotonicity(points: list) -> list[dict]:
+    """Per (nodes, network, routing): MPipeMoE's fastest n at each token count, and every
+    token count where it is smaller than at the previous (smaller) one."""
+    series = {}
+    for p in points:
+        series.setdefault((p["nodes"], p["network"], p["routing"]), []).append(p)
+    out = []
+    for (nodes, network, routing), ps in sorted(series.items(), key=lambda item: item[0]):
+        ps = sorted(ps, key=lambda p: p["tokens"])
+        best = [(p["tokens"], p["fastest_partitions"]) for p in ps]
+        drops = [(t0, n0, t1, n1) for (t0, n0), (t1, n1) in zip(best, best[1:]) if n1 < n0]
+        out.append({"nodes": nodes, "network": network, "routing": routing, "best_n": best, "drops": drops})
+    return out
+
+
 def _sweep_text(points: list, settings: SimulateSettings) -> str:
-    lines = ["\nHow each engine's cost grows (fwd+bwd ms of one MoE layer):",
+    lines = ["\nHow each engine's cost grows (fwd+bwd ms of one MoE layer; a2a: one All-to-All of the whole batch; "
+             "flat/hier: one partition's flat over hierarchical All-to-All time):",
              f"  {'nodes':>5}{'ranks':>6}{'tokens':>7}{'fastmoe':>9}{'fastermoe':>10}{'mpipemoe':>9}{'n/strat':>9}"
              f"{'speedup':>8}{'a2a ms':>8}{'leave':>7}{'flat/hier':>10}"]
     for p in points:
@@ -238,7 +262,14 @@ def _sweep_text(points: list, settings: SimulateSettings) -> str:
                      f"{by['fastermoe']['fwd_bwd_ms']:>10.2f}{by['mpipemoe']['fwd_bwd_ms']:>9.2f}"
                      f"{str(p['best_partitions']) + '/' + p['best_strategy']:>9}"
                      f"{by['mpipemoe']['speedup_vs_fastermoe']:>7.2f}x{p['all_to_all_ms']:>8.2f}"
-                     f"{p['leaving_node']:>7.1%}{p['flat_all_to_all_ms'] / p['hierarchical_all_to_all_ms']:>10.2f}")
+                     f"{p['leaving_node']:>7.1%}"
+                     f"{p['partition_flat_all_to_all_ms'] / p['partition_hierarchical_all_to_all_ms']:>10.2f}")
+    if len(settings.tokens) > 1:
+        lines.append("\nFastest n against tokens (the online search assumes it never decreases):")
+        for m in monotonicity(points):
+            where = "; ".join(f"{t0} tok n={n0} -> {t1} tok n={n1}" for t0, n0, t1, n1 in m["drops"])
+            lines.append(f"  {m['nodes']} node(s): " + " ".join(f"{t}:{n}" for t, n in m["best_n"])
+                         + (f"  DECREASES at {where}" if m["drops"] else "  monotone"))
     return "\n".join(lines)
 
 
@@ -541,10 +572,15 @@ def run(args) -> int:
         partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step)
     print(f"Simulating {settings.model} on {', '.join(map(str, settings.nodes))} node(s) x {settings.gpus_per_node} "
           f"GPUs from the parts of {parts.device} ({args.parts}) and the {settings.network} network...")
-    points = run_simulation(settings, parts)
+    points, text = run_simulation(settings, parts)
     result = {"meta": {**meta, "settings": settings.__dict__}, "points": points}
     if args.out:
         _write_json(args.out, result)
-        print(f"Wrote {args.out}")
+        markdown = os.path.splitext(args.out)[0] + ".md"
+        with open(markdown, "w") as f:
+            f.write(f"# Simulated: {settings.model}\n\nGenerated by `{meta['command']}` on {meta['date']} from "
+                    f"`{args.parts}` ({parts.device}); predictions, not measurements; do not edit.\n\n"
+                    f"```\n{text.strip()}\n```\n")
+        print(f"Wrote {args.out} and {markdown}")
     log_to_mlflow(result, args.tracking_uri, args.experiment)
     return 0
