@@ -18,9 +18,10 @@ being predicted:
                    device time at T tokens;
   * ``host_copy``  pinned device→host and host→device copies;
   * ``host``       the host's cost of issuing a whole layer, per engine,
-                   strategy and n, measured at a token count so small that the
-                   device is idle (what remains is the host: Python, launches,
-                   stream switches and events);
+                   strategy and n, measured at 64 tokens, where the device has
+                   almost nothing to do (what remains is the host: Python,
+                   launches, stream switches, events — and short waits at the
+                   host syncs, which bias it a little high; docs/simulate.md);
   * ``slowdown``   the hardware profile's concurrency factors (perf_model.calibrate).
 
 ``GpuParts.load(path)`` reads the JSON ``measure_parts`` writes
@@ -36,9 +37,6 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-
-ENGINE_KEYS = ("fastmoe", "fastermoe", "mpipemoe|none", "mpipemoe|S1", "mpipemoe|S2", "mpipemoe|S3",
-               "mpipemoe|S4")
 
 
 def interpolate(xs: list, ys: list, x: float) -> float:
@@ -96,7 +94,8 @@ class GpuParts:
     rows: dict         # str(d_model) -> {"rows": [...], "gather_s", "copy_s", "index_add_s"}
     shell: dict        # str(d_model) -> {"tokens": [...], "forward_s", "backward_s"}
     host_copy: dict    # {"bytes": [...], "d2h_s", "h2d_s"}
-    host: dict         # str(local experts) -> ENGINE_KEYS -> {"partitions": [...], "forward_s", "backward_s", "prelude_s"}
+    host: dict         # str(local experts) -> engine key (fastmoe, fastermoe, mpipemoe|none … mpipemoe|S4)
+                       #   -> {"partitions": [...], "forward_s", "backward_s", "prelude_s"}
     slowdown: dict     # "victim|other" -> factor, as HardwareProfile.slowdown
     measured_at: str = ""
     torch_version: str = ""

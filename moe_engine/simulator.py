@@ -173,10 +173,9 @@ class ProfileParts:
     or layer shell, and the per-partition overhead on the host. With these the simulator
     reproduces PerformanceModel.predict where the two schedules coincide (tests)."""
 
-    def __init__(self, profile, pre_activation_width_factor: int = 1):
+    def __init__(self, profile):
         self.profile = profile
         self.slowdown = dict(profile.slowdown)
-        self._a = pre_activation_width_factor
 
     def ffn_s(self, phase, rows, d_model, d_hidden, activation="gelu"):
         A = (2 if activation == "swiglu" else 1) * d_hidden
@@ -330,7 +329,7 @@ class _Layer:
         self.rows_sent = shape.top_k * shape.tokens                      # R
         self.b = math.ceil(self.rows_sent / partitions)                  # rows sent per partition
         self.traffic: Traffic = (all_to_all_traffic(cluster.layout, self.load, peers) if P > 1 else
-                                 Traffic(0, 0, 0, 0, 1.0 if peers is None else 1.0, 0.0))
+                                 Traffic(0, 0, 0, 0, 1.0, 0.0))
         # Rows of each local expert of the busiest receiver, per partition.
         hot = max(range(P), key=lambda r: sum(self.load[r * self.local:(r + 1) * self.local]))
         share = self.load[hot * self.local:(hot + 1) * self.local]
@@ -389,7 +388,13 @@ class _FasterLayer(_Layer):
         self.rows_received_total = self.Nn * steps
 
     def all_to_all(self, rows: float) -> float:
-        return super().all_to_all(rows * self.scale)
+        """A step exchanges with a few peers: always the flat exchange (a hierarchical one
+        aggregates messages to every node, which a peer group does not have)."""
+        cl = self.cluster
+        if cl.layout.ranks == 1:
+            return super().all_to_all(rows * self.scale)
+        nbytes = rows * self.scale * self.shape.d_model * self.shape.dtype_bytes
+        return flat_all_to_all_s(cl.network, self.traffic, nbytes)
 
 
 def _prelude(prog: Program, layer: _Layer, host) -> None:
