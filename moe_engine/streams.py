@@ -38,10 +38,6 @@ class Pending:
         return cls(None)
 
     @classmethod
-    def from_work(cls, work) -> "Pending":
-        return cls(work.wait)
-
-    @classmethod
     def from_event(cls, event: "torch.cuda.Event") -> "Pending":
         return cls(lambda: torch.cuda.current_stream().wait_event(event))
 

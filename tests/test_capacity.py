@@ -90,7 +90,7 @@ def test_capacity_command_on_ray_writes_a_record(ray_local, tmp_path):
 
 @pytest.mark.gpu
 def test_the_search_stops_where_the_memory_cap_is_reached():
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction call needs an index
     torch.cuda.empty_cache()
     trials = _tiny_trials("mpipemoe", device, torch.bfloat16)
     base = torch.cuda.memory_allocated(device)

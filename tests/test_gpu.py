@@ -92,3 +92,41 @@ def test_grouped_gemm_path_with_empty_experts_matches_reference():
             rel = float((got.detach().double() - want).abs().max() / want.abs().max())
             assert rel < 6e-2, f"{spec}: relative error {rel:.3g}"
     print("grouped GEMM used:", _grouped_mm_ok(x.detach(), layer.experts.w1.detach()))
+
+
+@pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
+def test_offload_falls_back_to_s4_on_cuda_when_host_memory_is_short(strategy):
+    """With no host memory to spare, an offloading layer on CUDA runs S4 (no pinned
+    buffers) and gives the numbers of the offloading run."""
+    from moe_engine import HostBufferPool
+
+    config = MoEConfig(d_model=64, d_hidden=128, num_experts=4, top_k=2)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step(available_bytes):
+        torch.manual_seed(0)
+        layer = MPipeMoE(config, partitions=4, strategy=strategy,
+                         host_pool=HostBufferPool(available_bytes=available_bytes)).cuda()
+        xi = x.clone().requires_grad_(True)
+        y, aux = layer(xi)
+        (y.pow(2).sum() + aux).backward()
+        return layer, y.detach(), xi.grad, layer.experts.w1.grad
+
+    short, y, dx, dw = step(lambda: 0)
+    enough, y_ref, dx_ref, dw_ref = step(lambda: 64 * 2**30)
+    assert (short.last_strategy, short.host_pool.bytes_allocated) == ("S4", 0)
+    assert enough.last_strategy == strategy and enough.host_pool.bytes_allocated > 0
+    for got, want in [(y, y_ref), (dx, dx_ref), (dw, dw_ref)]:
+        torch.testing.assert_close(got, want)
+
+
+def test_model_refuses_token_ids_outside_the_vocabulary_on_cuda():
+    """The check runs before the embedding, so CUDA raises a ValueError instead of a
+    device-side assert that would poison the process."""
+    from app.model import MoETransformer, get_preset
+
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe").cuda()
+    with pytest.raises(ValueError, match=r"token ids outside the vocabulary in the batch: found 0..259"):
+        model(torch.tensor([[0, 259]], device="cuda"))
+    logits = model(torch.tensor([[0, 258]], device="cuda"))[0]  # the process is still usable
+    assert torch.isfinite(logits).all()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU records of issue 5 (training on one H200 through Ray Train), run with the
+# `device` tool in two calls (each under its 10-minute limit), carrying `.devwheels`:
+#   bash tools/h200-training-records.sh train     # mpipemoe vs fastmoe training runs
+#   bash tools/h200-training-records.sh capacity  # largest batch under a 32 GiB cap + GPU tests
+# Writes under $OUT (default ./out): train-*.json, capacity-*.json, gpu.txt and logs.
+set -u
+stage=${1:?give a stage: train or capacity}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+mkdir -p .site && tar -xJf .devwheels/ray-cp312.tar.xz -C .site \
+  && python3 -m pip install -q --no-index --no-deps --no-compile --target .site .devwheels/*.whl \
+  && chmod -R +x .site/ray/core
+export PYTHONPATH=$PWD/.site:$PWD RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=60
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+step() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1;
+         echo "   rc=$? after ${SECONDS}s"; tail -8 "$OUT/$name.log"; }
+train=(python3 -m app.cli train --preset gpt-s --engines mpipemoe,fastmoe --use-gpu --num-workers 1
+       --tracking-uri none --steps 40 --lr 3e-4 --log-every 10)
+case $stage in
+train)
+  # 1. the default engine settings (n and strategy chosen online), 8 x 1024 tokens, bf16
+  step train-auto 280 "${train[@]}" --batch-size 8 --summary-json "$OUT/train-gpt-s-h200-auto.json"
+  # 2. fixed n=4 with S3 (the capacity search's setting), 16 x 1024 tokens
+  step train-n4-s3 280 "${train[@]}" --batch-size 16 --partitions 4 --strategy S3 \
+    --summary-json "$OUT/train-gpt-s-h200-n4-s3.json" ;;
+capacity)
+  # 3. the largest batch each engine trains with under a 32 GiB cap
+  step capacity 300 python3 -m app.cli capacity --preset gpt-s --engines mpipemoe,fastmoe --use-gpu \
+    --memory-cap-gib 32 --partitions 4 --strategy S3 --start-batch 8 --max-batch 64 --tracking-uri none \
+    --out "$OUT/capacity-gpt-s-h200.json"
+  # 4. every GPU test (engines on CUDA streams, memory model, capacity OOM search, host fallback)
+  step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
+*) echo "unknown stage $stage: give train or capacity"; exit 2 ;;
+esac
