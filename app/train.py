@@ -61,7 +61,7 @@ class TrainJob:
     strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
     seed: int = 0                      # model init and data order
     lr: float = 1e-3                   # peak AdamW learning rate
-    checkpoint_every: int = 25         # steps between checkpoints (and at the last step)
+    checkpoint_every: int = 25         # steps between checkpoints (and at the last step); 0 = none
     storage_path: str | None = None    # Ray Train storage (absolute); default ./ray_results
     name: str | None = None            # Ray Train run name; an existing name resumes it
     tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db; "none": off
@@ -85,8 +85,7 @@ class TrainJob:
         get_preset(self.preset)
         if self.engine not in ENGINES:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
-        for field in ("steps", "num_workers", "batch_size", "checkpoint_every", "log_every",
-                      "collective_timeout_s"):
+        for field in ("steps", "num_workers", "batch_size", "log_every", "collective_timeout_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(field, value, "give an integer >= 1")
@@ -94,7 +93,7 @@ class TrainJob:
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
-        for field in ("warmup_steps", "max_failures", "seed"):
+        for field in ("warmup_steps", "max_failures", "seed", "checkpoint_every"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(field, value, "give an integer >= 0")
@@ -415,7 +414,8 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                          if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes")},
                         step=summary.get("steps", 0))
-        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path") if k in summary})
+        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
+                      if summary.get(k) is not None})
         run.finish("FINISHED")
         summary["history"] = pump.history
         return summary
@@ -533,7 +533,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--strategy", "mpipemoe memory strategy", choices=STRATEGIES)
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
-    add("--checkpoint-every", "steps between checkpoints", type=int)
+    add("--checkpoint-every", "steps between checkpoints, also written at the last step; "
+        "0 writes none (benchmarks of large models, where each checkpoint is gigabytes)", type=int)
     add("--name", "run name (default: generated; an existing name continues that run)")
     parser.add_argument("--resume", default=None, metavar="NAME",
                         help="continue run NAME from its last checkpoint, with its settings")
@@ -611,8 +612,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
               f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
               f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
-        print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
-        print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
+        if summary["checkpoint_path"] is None:
+            print("[mpipemoe] no checkpoint written (--checkpoint-every 0); this run cannot be resumed")
+        else:
+            print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
+            print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
     print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s; "
           f"browse runs with: mpipemoe ui")
     return 0

@@ -228,7 +228,8 @@ def train_fn_per_worker(config: dict) -> None:
         }
         if queue is not None:
             queue.put(metrics)
-        if step % config["checkpoint_every"] == 0 or step == config["steps"]:
+        every = config["checkpoint_every"]  # 0 = no checkpoints
+        if every and (step % every == 0 or step == config["steps"]):
             meta = {"step": step, "data_position": step, "world_size": world_size,
                     "engine": config["engine"], "seed": seed, "preset": config["preset"]}
             with tempfile.TemporaryDirectory() as directory:
