@@ -311,7 +311,9 @@ class _MetricsPump:
 
 
 def summarize(history: list[dict]) -> dict:
-    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak;
+    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak
+    memory over the run and over its second half (``settled_peak_memory_bytes``: what the
+    settings chosen online need, without the search's and calibration's peaks; on CUDA);
     losses from the steps that were not skipped (non-finite), listed in ``skipped_steps``."""
     if not history:
         return {}
@@ -325,6 +327,8 @@ def summarize(history: list[dict]) -> dict:
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in steady),
         "peak_memory_bytes": max(m["peak_memory_bytes"] for m in history),
+        # after the online choice of n and strategy has settled: the second half of the run
+        "settled_peak_memory_bytes": max(m["peak_memory_bytes"] for m in history[len(history) // 2:]),
     }
     for key in ("partitions", "strategy"):
         if key in history[-1]:
@@ -446,7 +450,8 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
     """Run ``job`` once per engine (same data and seed) as sibling MLflow runs under one parent.
 
     The parent run carries, for the first engine R against each other engine X,
-    ``speedup_vs_X`` = tokens/s(R) / tokens/s(X) and ``memory_ratio_vs_X`` = peak(R) / peak(X).
+    ``speedup_vs_X`` = tokens/s(R) / tokens/s(X), ``memory_ratio_vs_X`` = peak(R) / peak(X)
+    over the whole run and ``settled_memory_ratio_vs_X`` over its second half.
     Returns {"parent_run_id", "summaries": {engine: summary}, "ratios": {...}}.
     """
     from app.tracking import NO_TRACKING, NullRun, RunLogger
@@ -477,28 +482,30 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
     ratios = {}
     for other in engines[1:]:
         ratios[f"speedup_vs_{other}"] = summaries[reference]["tokens_per_s"] / summaries[other]["tokens_per_s"]
-        ratios[f"memory_ratio_vs_{other}"] = (summaries[reference]["peak_memory_bytes"]
-                                              / summaries[other]["peak_memory_bytes"])
+        for key, name in (("peak_memory_bytes", "memory_ratio"), ("settled_peak_memory_bytes", "settled_memory_ratio")):
+            ratios[f"{name}_vs_{other}"] = summaries[reference][key] / summaries[other][key]
         ratios[f"final_loss_diff_vs_{other}"] = summaries[reference]["final_loss"] - summaries[other]["final_loss"]
     parent.log_metrics(ratios)
     for engine, summary in summaries.items():
         parent.log_metrics({f"{engine}.{k}": summary[k]
-                            for k in ("tokens_per_s", "peak_memory_bytes", "final_loss")})
+                            for k in ("tokens_per_s", "peak_memory_bytes", "settled_peak_memory_bytes", "final_loss")})
     parent.finish()
     echo(comparison_table(summaries, reference))
     return {"parent_run_id": parent.run_id, "summaries": summaries, "ratios": ratios}
 
 
 def comparison_table(summaries: dict, reference: str) -> str:
-    """A plain-text table: engine, final loss, tokens/s, peak memory, ratios to ``reference``."""
+    """A plain-text table: engine, final loss, tokens/s, peak memory over the run and over its
+    second half (settled), and the ratios of ``reference`` to each engine."""
     ref = summaries[reference]
-    lines = [f"{'engine':<10} {'final loss':>10} {'tokens/s':>10} {'peak MiB':>9} "
-             f"{'speed x':>8} {'memory x':>8}  (x = {reference} / engine)"]
+    lines = [f"{'engine':<10} {'final loss':>10} {'tokens/s':>10} {'peak MiB':>9} {'settled':>9} "
+             f"{'speed x':>8} {'memory x':>8} {'settled x':>9}  (x = {reference} / engine)"]
     for engine, s in summaries.items():
         lines.append(f"{engine:<10} {s['final_loss']:>10.4f} {s['tokens_per_s']:>10,.0f} "
-                     f"{s['peak_memory_bytes'] / 2**20:>9,.0f} "
+                     f"{s['peak_memory_bytes'] / 2**20:>9,.0f} {s['settled_peak_memory_bytes'] / 2**20:>9,.0f} "
                      f"{ref['tokens_per_s'] / s['tokens_per_s']:>8.2f} "
-                     f"{ref['peak_memory_bytes'] / s['peak_memory_bytes']:>8.2f}")
+                     f"{ref['peak_memory_bytes'] / s['peak_memory_bytes']:>8.2f} "
+                     f"{ref['settled_peak_memory_bytes'] / s['settled_peak_memory_bytes']:>9.2f}")
     return "\n".join(lines)
 
 

@@ -85,15 +85,17 @@ def test_resume_takes_the_recorded_settings(tmp_path):
 
 def test_summary_and_table():
     history = [{"step": s, "loss": 5.0 - s, "lm_loss": 4.9 - s, "aux_loss": 1.0, "tokens_per_s": t,
-                "step_time_s": 1 / t, "peak_memory_bytes": 2**20 * s, "strategy": "S2"}
-               for s, t in ((1, 10.0), (2, 100.0), (3, 300.0), (4, 200.0))]
+                "step_time_s": 1 / t, "peak_memory_bytes": 2**20 * m, "strategy": "S2"}
+               for s, t, m in ((1, 10.0, 9), (2, 100.0, 5), (3, 300.0, 3), (4, 200.0, 4))]
     summary = summarize(history)
     assert summary["tokens_per_s"] == 200.0           # median without step 1
-    assert summary["peak_memory_bytes"] == 4 * 2**20 and summary["final_loss"] == 1.0
+    assert summary["peak_memory_bytes"] == 9 * 2**20 and summary["final_loss"] == 1.0
+    assert summary["settled_peak_memory_bytes"] == 4 * 2**20  # steps 3-4, after the search
     assert summary["strategy"] == "S2" and summary["first_loss"] == 4.0
-    table = comparison_table({"mpipemoe": summary, "fastmoe": dict(summary, tokens_per_s=100.0)},
+    table = comparison_table({"mpipemoe": summary, "fastmoe": dict(summary, tokens_per_s=100.0,
+                                                                    settled_peak_memory_bytes=8 * 2**20)},
                              "mpipemoe")
-    assert "2.00" in table.splitlines()[2]
+    assert table.splitlines()[2].split()[-3:] == ["2.00", "1.00", "0.50"]  # speed, memory, settled
 
 
 def test_learning_rate_schedule_does_not_depend_on_run_length():

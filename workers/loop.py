@@ -92,7 +92,8 @@ def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: max bytes allocated by tensors; CPU: the process's peak resident set size."""
+    """CUDA: max bytes allocated by tensors since the step began; CPU: the process's peak
+    resident set size so far (it cannot be reset)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -161,6 +162,8 @@ def train_fn_per_worker(config: dict) -> None:
         if fault_here(config, "stall", step, rank, world_size):
             time.sleep(3600)  # alive but silent: the other ranks' collectives time out
         started = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # peak_memory_bytes is this step's peak
         # 1. this rank's batch at data position step-1
         window_BW = torch.from_numpy(sampler.batch(step - 1)).to(device)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + step)
