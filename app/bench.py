@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from app.records import record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.experts import Experts, activate
@@ -285,14 +283,6 @@ def markdown_table(result: dict) -> str:
 
 # -- running ----------------------------------------------------------------------------------
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> None:
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= settings.world_size
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
@@ -405,10 +395,7 @@ def run(args) -> int:
           f"{' and the n × strategy grid' if settings.grid else ''}...", flush=True)
     started = time.time()
     records = run_bench(settings, printer=lambda line: print(line, flush=True))
-    result = {"meta": {"command": "mpipemoe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
-                       else " ".join(sys.argv), "device": device, "world_size": settings.world_size,
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-                       "python": platform.python_version(), "git_commit": _git_commit(),
+    result = {"meta": {**record_meta("bench", on_gpu), "device": device, "world_size": settings.world_size,
                        "settings": asdict(settings), "wall_s": round(time.time() - started, 1)},
               "records": records, "summaries": summarize(records)}
     out = args.out or os.path.join("results", f"bench-{device.replace(' ', '-').lower()}-"

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.model import PRESETS
+from app.records import record_meta
 from app.train import ENGINES, TrainJob, build_trainer, ensure_data, init_ray
 
 
@@ -112,14 +111,6 @@ def comparison_table(results: list[dict], seq_len: int) -> str:
     return "\n".join(lines)
 
 
-def _hardware(use_gpu: bool) -> str:
-    import torch
-
-    if use_gpu and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
-    return f"cpu ({platform.processor() or platform.machine()})"
-
-
 def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
     """One MLflow run per engine: the search settings as params; the result as metrics."""
     from app.tracking import NO_TRACKING, RunLogger
@@ -194,10 +185,7 @@ def run(args: argparse.Namespace) -> int:
                              echo=lambda line: print(line, flush=True), address=args.address)
                for engine in engines]
     seq_len = base.model_preset().seq_len
-    record = {"meta": {"command": "mpipemoe " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["capacity"]
-                       else " ".join(sys.argv),
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "hardware": _hardware(use_gpu), "preset": args.preset, "seq_len": seq_len,
+    record = {"meta": {**record_meta("capacity", use_gpu), "preset": args.preset, "seq_len": seq_len,
                        "num_workers": args.num_workers, "partitions": args.partitions,
                        "strategy": args.strategy, "search": dataclasses.asdict(search)},
               "results": results}

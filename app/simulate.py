@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from app.records import command_line, utc_timestamp
+
 DEFAULT_PARTS = "results/sim-parts-h200.json"
 DEFAULT_PARTITIONS = (1, 2, 4, 8, 16)
 EXPERIMENT = "mpipemoe-simulate"
@@ -513,10 +515,6 @@ def _spot_check(parts, bench_paths: list[str]) -> list:
 
 # -- running ----------------------------------------------------------------------------------------------
 
-def _command() -> str:
-    return "mpipemoe simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else " ".join(sys.argv)
-
-
 def _write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -534,7 +532,7 @@ def measure(path: str) -> int:
     started = time.time()
     parts = measure_parts([(1024, 4096), (2048, 8192)], printer=lambda m: print(m, flush=True))
     data = parts.to_json()
-    data["command"] = _command()
+    data["command"] = command_line("simulate")
     data["notes"]["wall_s"] = round(time.time() - started, 1)
     _write_json(path, data)
     print(f"Wrote {path} ({data['notes']['wall_s']} s)")
@@ -549,7 +547,7 @@ def run(args) -> int:
     from moe_engine.simulator import HostScaled
 
     parts = GpuParts.load(args.parts)
-    meta = {"command": _command(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": args.parts,
+    meta = {"command": command_line("simulate"), "date": utc_timestamp(), "parts": args.parts,
             "parts_device": parts.device, "parts_measured_at": parts.measured_at, "host_scale": args.host_scale}
     if args.host_scale != 1.0:
         parts = HostScaled(parts, args.host_scale)

@@ -601,6 +601,15 @@ def _quiet_mlflow() -> None:
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
+def write_summary_json(path: str, summary: dict, job: TrainJob) -> None:
+    """The summary (or comparison) with the command, date, hardware and settings under ``meta``."""
+    from app.records import record_meta
+
+    meta = {**record_meta("train", use_gpu=job.use_gpu is not False),
+            "job": {k: v for k, v in dataclasses.asdict(job).items() if v is not None}}
+    Path(path).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str) + "\n")
+
+
 def run(args: argparse.Namespace) -> int:
     """Errors (bad options, data, resources; a failed job) propagate to ``app.cli.main``,
     which prints them as one line (the traceback with ``--debug``)."""
@@ -611,11 +620,11 @@ def run(args: argparse.Namespace) -> int:
         result = compare_engines(job, [e.strip() for e in args.engines.split(",") if e.strip()],
                                  args.address, verbose=args.verbose)
         if args.summary_json:
-            Path(args.summary_json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+            write_summary_json(args.summary_json, result, job)
     else:
         summary = run_job(job, args.address, verbose=args.verbose)
         if args.summary_json:
-            Path(args.summary_json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+            write_summary_json(args.summary_json, summary, job)
         print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
               f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
               f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")

@@ -108,6 +108,9 @@ def test_resume_continues_step_count_and_data_position(compared, resumed, job):
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
     steps = [s for s, _ in metric_history(job.tracking_uri, second["mlflow_run_id"], "loss")]
     assert steps == list(range(1, N + 1))
+    # --summary-json says what made it: the settings of the resumed job, when, on what.
+    assert second["meta"]["job"]["steps"] == N and second["meta"]["job"]["name"] == "resume"
+    assert second["meta"]["hardware"].startswith("cpu") and second["meta"]["date"].startswith("20")
 
 
 def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
