@@ -39,6 +39,9 @@ from moe_engine.timing import synchronize, time_fn
 # Layer shapes of the paper's models (DESIGN.md §6) and a tiny one for CPUs.
 LAYER_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192), "bert-l": (1024, 4096), "tiny": (64, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# uniform: random inputs through a random router (about 1/E of the rows per expert);
+# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows).
+ROUTINGS = ("uniform", "skewed")
 
 
 @dataclass
@@ -55,6 +58,7 @@ class BenchSettings:
     warmup: int = 2
     repeats: int = 5
     world_size: int = 1
+    routings: tuple = ("uniform",)
 
     def __post_init__(self):
         for m in self.models:
@@ -64,6 +68,9 @@ class BenchSettings:
             raise ValueError(f"--tokens {self.tokens} is invalid: give positive token counts, e.g. 4096,8192")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
+        for routing in self.routings:
+            if routing not in ROUTINGS:
+                raise ValueError(f"--routing {routing!r} is unknown: choose from {', '.join(ROUTINGS)}")
         if self.num_experts % self.world_size:
             raise ValueError(f"--experts {self.num_experts} must be a multiple of --world-size {self.world_size}")
 
@@ -85,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", default="1,2,4,8", help="grid of MPipeMoE partitions")
     parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
+    parser.add_argument("--routing", default="uniform",
+                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=1,
@@ -128,38 +137,90 @@ def measure(layer, x, grad_y, settings: BenchSettings, device) -> dict:
     return {"fwd_bwd_ms": timing.mean_ms, "fwd_bwd_ms_std": timing.stdev_s * 1e3, "peak_memory_bytes": peak}
 
 
-def expert_gemm_efficiency(config: MoEConfig, tokens: int, local_experts: int, device, dtype, settings) -> dict:
-    """Grouped expert FFN (forward + backward) against one dense GEMM chain of the same total rows."""
-    rows = config.top_k * tokens
-    grouped = Experts(config, local_experts, device=device, dtype=dtype)
-    dense = Experts(config, 1, device=device, dtype=dtype)
+def expert_ffn(config: MoEConfig, experts: Experts, counts: list, device, dtype):
+    """A callable running the expert FFN forward + backward on sum(counts) rows, counts[e]
+    of them for local expert e, with the engines' own kernels."""
+    rows = sum(counts)
     x = torch.randn(rows, config.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
 
-    def ffn(experts, counts):
+    def run():
         A = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
         y = torch.empty_like(x)
         experts.project_in(x, counts, A)
         experts.project_out(activate(A, config.activation), counts, y)
         experts.backward_rows(x, A, dy, counts, experts.new_grads(), torch.empty_like(x))
+    return run
 
+
+def expert_gemm_efficiency(config: MoEConfig, tokens: int, local_experts: int, device, dtype, settings) -> dict:
+    """Grouped expert FFN (forward + backward) against one dense GEMM chain of the same total rows."""
+    rows = config.top_k * tokens
+    grouped = Experts(config, local_experts, device=device, dtype=dtype)
+    dense = Experts(config, 1, device=device, dtype=dtype)
     counts = [rows // local_experts + (1 if i < rows % local_experts else 0) for i in range(local_experts)]
-    grouped_s = time_fn(lambda: ffn(grouped, counts), device, settings.warmup, settings.repeats).mean_s
-    dense_s = time_fn(lambda: ffn(dense, [rows]), device, settings.warmup, settings.repeats).mean_s
+    grouped_s = time_fn(expert_ffn(config, grouped, counts, device, dtype), device,
+                        settings.warmup, settings.repeats).mean_s
+    dense_s = time_fn(expert_ffn(config, dense, [rows], device, dtype), device,
+                      settings.warmup, settings.repeats).mean_s
     flops = 3 * 2 * rows * config.d_model * (grouped.pre_activation_width + config.d_hidden)
     return {"expert_ffn_ms": grouped_s * 1e3, "dense_ffn_ms": dense_s * 1e3,
             "expert_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
             "expert_gemm_efficiency": dense_s / grouped_s}
 
 
-def bench_point(model: str, tokens: int, settings: BenchSettings, group: ExpertGroup, device, log) -> list:
+def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str) -> torch.Tensor:
+    """This rank's tokens; ``skewed`` pushes the first half of them towards expert 0."""
+    x = torch.randn(tokens, router_weight.shape[1], device=router_weight.device, dtype=router_weight.dtype)
+    if routing == "skewed":
+        hot = router_weight[0].float()
+        x[: tokens // 2] += (8.0 * hot / hot.norm()).to(x.dtype)
+    return x
+
+
+def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Tensor, group: ExpertGroup,
+                    device, dtype, settings: BenchSettings) -> dict:
+    """The two stages MPipeMoE overlaps, each timed alone on this (model, tokens, routing),
+    slowest rank's figure (it sets the layer's time):
+
+    all_to_all_ms: the layer's four All-to-Alls of the routed rows (dispatch and combine,
+                   forward and backward) with the real per-rank split sizes;
+    expert_ms:     the expert FFN forward + backward on the rows this rank receives;
+    hot_expert_share: the busiest expert's share of all routed rows.
+    """
+    with torch.no_grad():
+        expert_ids = torch.topk(x @ router_weight.t(), config.top_k, dim=-1).indices.flatten()
+    local = config.experts_per_rank(group.size)
+    send_counts = torch.bincount(expert_ids, minlength=config.num_experts).view(group.size, local)
+    recv_counts = group.exchange_counts(send_counts)  # [source rank, local expert]
+    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    send = torch.randn(sum(send_splits), config.d_model, device=device, dtype=dtype)
+    recv = torch.empty(sum(recv_splits), config.d_model, device=device, dtype=dtype)
+
+    def four_all_to_alls():
+        for _ in range(2):  # forward, backward
+            group.all_to_all(recv, send, recv_splits, send_splits)  # dispatch (or its gradient's return)
+            group.all_to_all(send, recv, send_splits, recv_splits)  # combine
+
+    a2a_s = time_fn(four_all_to_alls, device, settings.warmup, settings.repeats).mean_s
+    experts = Experts(config, local, device=device, dtype=dtype)
+    expert_s = time_fn(expert_ffn(config, experts, recv_counts.sum(0).tolist(), device, dtype), device,
+                       settings.warmup, settings.repeats).mean_s
+    rows_per_expert = group.all_reduce_sum(torch.bincount(expert_ids, minlength=config.num_experts).to(device))
+    slowest = group.all_reduce_max(torch.tensor([a2a_s, expert_s], device=device, dtype=torch.float64))
+    return {"all_to_all_ms": float(slowest[0]) * 1e3, "expert_ms": float(slowest[1]) * 1e3,
+            "hot_expert_share": float(rows_per_expert.max() / rows_per_expert.sum())}
+
+
+def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, group: ExpertGroup, device,
+                log) -> list:
     d_model, d_hidden = LAYER_SHAPES[model]
     dtype = settings.torch_dtype(device)
     config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation)
     torch.manual_seed(0)
-    x = torch.randn(tokens, d_model, device=device, dtype=dtype, generator=None)
-    grad_y = torch.randn_like(x)
     source = FastMoE(config, group.group, device=device, dtype=dtype)
+    x = layer_inputs(tokens, source.router.weight.detach(), routing)
+    grad_y = torch.randn_like(x)
     profile = calibrate(config, tokens, group, device, dtype, repeats=3)
     model_of_time = PerformanceModel(profile)
     variants = [("fastmoe", "baseline", lambda: FastMoE(config, group.group, device=device, dtype=dtype)),
@@ -179,7 +240,7 @@ def bench_point(model: str, tokens: int, settings: BenchSettings, group: ExpertG
         strategy = getattr(layer, "last_strategy", None) or "none"
         predicted_memory = predict_memory(config, tokens, group.size, n if engine != "fastmoe" else 1, strategy,
                                           engine=engine, dtype=dtype).peak_bytes
-        record = {"engine": engine, "model": model, "tokens": tokens, "world_size": group.size,
+        record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **result,
                   "predicted_memory_bytes": predicted_memory,
@@ -196,32 +257,45 @@ def bench_point(model: str, tokens: int, settings: BenchSettings, group: ExpertG
         if device.type == "cuda":
             torch.cuda.empty_cache()
     efficiency = expert_gemm_efficiency(config, tokens, config.experts_per_rank(group.size), device, dtype, settings)
+    stages = pipeline_stages(config, x, source.router.weight.detach(), group, device, dtype, settings)
     for record in records:
-        record.update(efficiency)
+        record.update(efficiency, **stages)
     return records
 
 
 # -- summaries: the targets of DESIGN.md §7, from the records ------------------------------------
 
+def overlap_bound_ms(all_to_all_ms: float, expert_ms: float, partitions: int) -> float:
+    """The pipelined layer's floor: the longer stage, plus one partition of the shorter one
+    (the fill before the stages overlap); n = 1 gives the serial sum."""
+    return max(all_to_all_ms, expert_ms) + min(all_to_all_ms, expert_ms) / partitions
+
+
 def summarize(records: list) -> list:
-    """Per (model, tokens): auto vs grid best, strategy pick vs fastest, memory vs FastMoE."""
+    """Per (model, routing, tokens): auto vs grid best, strategy pick vs fastest, memory vs
+    FastMoE, and the auto choice's time against the overlap bound."""
     summaries = []
-    keys = sorted({(r["model"], r["tokens"]) for r in records})
-    for model, tokens in keys:
-        point = [r for r in records if r["model"] == model and r["tokens"] == tokens]
+    keys = sorted({(r["model"], r.get("routing", "uniform"), r["tokens"]) for r in records})
+    for model, routing, tokens in keys:
+        point = [r for r in records if (r["model"], r.get("routing", "uniform"), r["tokens"]) == (model, routing, tokens)]
         by = lambda engine, chosen_by: [r for r in point if r["engine"] == engine and r["chosen_by"] == chosen_by]  # noqa
         fast, faster, auto, grid = by("fastmoe", "baseline"), by("fastermoe", "baseline"), by("mpipemoe", "auto"), \
             by("mpipemoe", "grid")
         if not (fast and auto):
             continue
         fast, auto = fast[0], auto[0]
-        summary = {"model": model, "tokens": tokens, "auto_partitions": auto["partitions"],
+        summary = {"model": model, "tokens": tokens, "routing": routing, "auto_partitions": auto["partitions"],
                    "auto_strategy": auto["strategy"], "auto_fwd_bwd_ms": auto["fwd_bwd_ms"],
                    "fastmoe_fwd_bwd_ms": fast["fwd_bwd_ms"],
                    "speedup_vs_fastmoe": fast["fwd_bwd_ms"] / auto["fwd_bwd_ms"],
                    "expert_gemm_efficiency": auto.get("expert_gemm_efficiency")}
         if faster:
             summary["speedup_vs_fastermoe"] = faster[0]["fwd_bwd_ms"] / auto["fwd_bwd_ms"]
+        if auto.get("all_to_all_ms") is not None:
+            bound = overlap_bound_ms(auto["all_to_all_ms"], auto["expert_ms"], auto["partitions"])
+            summary.update(all_to_all_ms=auto["all_to_all_ms"], expert_ms=auto["expert_ms"],
+                           hot_expert_share=auto["hot_expert_share"], overlap_bound_ms=bound,
+                           auto_vs_overlap_bound=auto["fwd_bwd_ms"] / bound - 1)
         if fast.get("peak_memory_bytes") and auto.get("peak_memory_bytes"):
             summary["memory_ratio_vs_fastmoe"] = auto["peak_memory_bytes"] / fast["peak_memory_bytes"]
             summary["predicted_memory_error"] = auto["predicted_memory_bytes"] / auto["peak_memory_bytes"] - 1
@@ -248,6 +322,26 @@ def summarize(records: list) -> list:
     return summaries
 
 
+def targets(summaries: list) -> dict:
+    """DESIGN.md §7's targets, checked on the summaries (None where the data cannot say)."""
+    def share(values, limit):
+        values = [v for v in values if v is not None]
+        return (sum(v <= limit for v in values) / len(values)) if values else None
+
+    best_n = {}
+    for s in summaries:
+        if "grid_best_partitions" in s:
+            best_n.setdefault(f"{s['model']}/{s['routing']}", []).append((s["tokens"], s["grid_best_partitions"]))
+    monotone = {key: all(a[1] <= b[1] for a, b in zip(sorted(ns), sorted(ns)[1:])) for key, ns in best_n.items()}
+    return {
+        "within_15pct_of_overlap_bound": share([s.get("auto_vs_overlap_bound") for s in summaries], 0.15),
+        "auto_within_5pct_of_grid_best": share([s.get("auto_vs_grid_best") for s in summaries], 0.05),
+        "strategy_pick_within_3pct": share([s.get("strategy_pick_vs_fastest") for s in summaries], 0.03),
+        "best_n_by_tokens": {key: [n for _, n in sorted(ns)] for key, ns in best_n.items()},
+        "best_n_non_decreasing": monotone,
+    }
+
+
 def markdown_table(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# MoE layer benchmark — {meta['device']} × {meta['world_size']}, {meta['date']}", "",
@@ -257,25 +351,40 @@ def markdown_table(result: dict) -> str:
     if meta["world_size"] == 1:
         lines += ["With one GPU the All-to-All is a local copy, so there is nothing to overlap: "
                   "speedups over the baselines need several GPUs and are not claimed here.", ""]
-    lines += ["## Per model and token count", "",
-              "| model | tokens | auto n | auto strategy | auto ms | FastMoE ms | speedup vs FastMoE | "
-              "speedup vs FasterMoE | memory vs FastMoE | grid best | auto vs grid best | strategy pick vs "
-              "fastest at n | expert GEMM eff. |", "|" + "---|" * 13]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    checks = targets(result["summaries"])
+    lines += ["## Targets (DESIGN.md §7)", "",
+              f"- auto within 15% of the overlap bound: {fmt(checks['within_15pct_of_overlap_bound'], '.0%')} "
+              "of the points",
+              f"- auto within 5% of the grid's best: {fmt(checks['auto_within_5pct_of_grid_best'], '.0%')} of the points",
+              f"- strategy pick within 3% of the fastest at its n: {fmt(checks['strategy_pick_within_3pct'], '.0%')} "
+              "of the points (target ≥ 90%)"]
+    for key, ns in checks["best_n_by_tokens"].items():
+        verdict = "non-decreasing" if checks["best_n_non_decreasing"][key] else "NOT monotone"
+        lines.append(f"- best n by token count, {key}: {', '.join(map(str, ns))} ({verdict})")
+    lines += ["", "## Per model, routing and token count", "",
+              "Overlap bound = max(All-to-All, expert FFN) + the shorter stage / n, both timed alone.", "",
+              "| model | routing | tokens | auto n | auto strategy | auto ms | FastMoE ms | speedup vs FastMoE | "
+              "speedup vs FasterMoE | memory vs FastMoE | All-to-All ms | expert ms | auto vs bound | grid best | "
+              "auto vs grid best | strategy pick vs fastest at n | expert GEMM eff. |", "|" + "---|" * 17]
     for s in result["summaries"]:
         lines.append(
-            f"| {s['model']} | {s['tokens']} | {s['auto_partitions']} | {s['auto_strategy']} | "
+            f"| {s['model']} | {s.get('routing', 'uniform')} | {s['tokens']} | {s['auto_partitions']} | "
+            f"{s['auto_strategy']} | "
             f"{s['auto_fwd_bwd_ms']:.2f} | {s['fastmoe_fwd_bwd_ms']:.2f} | {fmt(s['speedup_vs_fastmoe'], '.2f')} | "
             f"{fmt(s.get('speedup_vs_fastermoe'), '.2f')} | {fmt(s.get('memory_ratio_vs_fastmoe'), '.2f')} | "
+            f"{fmt(s.get('all_to_all_ms'), '.2f')} | {fmt(s.get('expert_ms'), '.2f')} | "
+            f"{fmt(s.get('auto_vs_overlap_bound'), '+.1%')} | "
             f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
             f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
             f"{fmt(s.get('expert_gemm_efficiency'), '.0%')} |")
     lines += ["", "## Every measurement", "",
-              "| model | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB |",
-              "|" + "---|" * 10]
+              "| model | routing | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB |",
+              "|" + "---|" * 11]
     for r in result["records"]:
         peak = r.get("peak_memory_bytes")
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['engine']} | {r['chosen_by']} | {r['partitions']} | "
+        lines.append(f"| {r['model']} | {r.get('routing', 'uniform')} | {r['tokens']} | {r['engine']} | "
+                     f"{r['chosen_by']} | {r['partitions']} | "
                      f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
                      f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | {r['predicted_memory_bytes'] / 2**20:.0f} |")
     return "\n".join(lines) + "\n"
@@ -296,8 +405,9 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
     try:
         records = []
         for model in settings.models:
-            for tokens in settings.tokens:
-                records += bench_point(model, tokens, settings, group, device, log)
+            for routing in settings.routings:
+                for tokens in settings.tokens:
+                    records += bench_point(model, tokens, routing, settings, group, device, log)
         if rank == 0:
             queue.put(("done", records))
     finally:
@@ -339,7 +449,7 @@ def run_bench(settings: BenchSettings, printer=print) -> list:
 
 def _progress_line(r: dict) -> str:
     peak = r.get("peak_memory_bytes")
-    return (f"  {r['model']:>6} {r['tokens']:>6} tok  {r['engine']:<9} {r['chosen_by']:<8} n={r['partitions']:<2} "
+    return (f"  {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<9} {r['chosen_by']:<8} n={r['partitions']:<2} "
             f"{r['strategy']:<4}  {r['fwd_bwd_ms']:9.2f} ms  "
             f"{'' if peak is None else f'peak {peak / 2**20:8.0f} MiB'}")
 
@@ -388,7 +498,8 @@ def run(args) -> int:
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
         num_experts=args.experts, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
         partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
-        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, world_size=args.world_size)
+        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, world_size=args.world_size,
+        routings=tuple(_split(args.routing)))
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
     print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
           f"{settings.world_size} × {device}: FastMoE, FasterMoE, MPipeMoE auto"
@@ -398,6 +509,7 @@ def run(args) -> int:
     result = {"meta": {**record_meta("bench", on_gpu), "device": device, "world_size": settings.world_size,
                        "settings": asdict(settings), "wall_s": round(time.time() - started, 1)},
               "records": records, "summaries": summarize(records)}
+    result["targets"] = targets(result["summaries"])
     out = args.out or os.path.join("results", f"bench-{device.replace(' ', '-').lower()}-"
                                    f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

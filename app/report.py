@@ -91,6 +91,8 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
         return None
     model = params.get("model") or params.get("preset") or "?"
     if kind == "bench":  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
+        if params.get("routing", "uniform") != "uniform":  # skewed routing: its own series
+            model = f"{model}/{params['routing']}"
         auto_partitions = auto_strategy = params.get("chosen_by") == "auto"
         tokens = _int(params.get("tokens"))
         device, dtype = params.get("device", "?"), params.get("dtype", "?")
