@@ -117,8 +117,10 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
                top_k: int, tokens: int) -> DispatchPlan:
     """Local. Split the sorted pairs into partitions and derive every split size."""
     world_size, num_partitions, local = recv_PnL.shape
-    counts_host = counts_nE.reshape(num_partitions, world_size, local).cpu()
-    recv_host = recv_PnL.cpu()
+    # One device-to-host read for both count tables (each read waits for the device).
+    both_host = torch.cat([counts_nE.flatten(), recv_PnL.flatten()]).cpu()
+    counts_host = both_host[:counts_nE.numel()].reshape(num_partitions, world_size, local)
+    recv_host = both_host[counts_nE.numel():].reshape(world_size, num_partitions, local)
     device = pair_index_R.device
     local_ids = torch.arange(local, device=device).repeat(world_size)
     token_index_R = pair_index_R // top_k
@@ -129,7 +131,10 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
         rows = sum(send_splits)
         rows_in_partition = slice(start, start + rows)
         start += rows
-        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device))
+        expert_counts = recv_PL.sum(0).tolist()
+        # output_size known on the host: no device-to-host read of the repeats' sum
+        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device),
+                                                           output_size=sum(expert_counts))
         expert_order_N = torch.argsort(expert_of_received_N, stable=True)
         partitions.append(PartitionPlan(
             token_index_R=token_index_R[rows_in_partition],
@@ -138,7 +143,7 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
             recv_splits=recv_PL.sum(-1).tolist(),
             expert_order_N=expert_order_N,
             source_order_N=torch.argsort(expert_order_N),
-            expert_counts=recv_PL.sum(0).tolist(),
+            expert_counts=expert_counts,
         ))
     return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, partitions)
 

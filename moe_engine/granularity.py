@@ -76,13 +76,16 @@ class ActiveSearch:
         return self.call >= len(self.candidates) * self.calls_per_candidate
 
 
-def skew_bucket(expert_load: torch.Tensor) -> int:
-    """Routing skew as a small integer: round(log2(max load / mean load)) (0 = balanced)."""
+def skew_bucket(expert_load: torch.Tensor) -> torch.Tensor:
+    """Routing skew as a small integer: round(log2(max load / mean load)) (0 = balanced),
+    as a 0-d int64 tensor on the load's device (computed there: reading it is the caller's
+    one host sync)."""
+    if expert_load.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=expert_load.device)
     load = expert_load.double()
-    mean = float(load.mean()) if load.numel() else 0.0
-    if mean <= 0:
-        return 0
-    return int(round(math.log2(max(float(load.max()) / mean, 1.0))))
+    mean = load.mean()
+    ratio = torch.where(mean > 0, load.max() / mean.clamp_min(1e-300), torch.ones_like(mean))
+    return torch.round(torch.log2(ratio.clamp_min(1.0))).to(torch.int64)
 
 
 class GranularitySearch:

@@ -81,9 +81,10 @@ class MoELayerBase(nn.Module):
         an All-to-All, and all see the same token count and routing skew."""
         bad = (~torch.isfinite(x_TD)).any()
         load_E = torch.bincount(routing.expert_ids_TK[routing.keep_TK], minlength=self.config.num_experts)
-        local = torch.tensor([int(bad), x_TD.shape[0], skew_bucket(load_E)], dtype=torch.int64)
-        bad_anywhere, tokens, skew = self.group.all_reduce_max(
-            local.to(x_TD.device) if self.group.distributed and x_TD.is_cuda else local).tolist()
+        # Built on the input's device (fills, no host copies), read once after the collective.
+        local = torch.zeros(3, dtype=torch.int64, device=x_TD.device)
+        local[0], local[1], local[2] = bad, x_TD.shape[0], skew_bucket(load_E)
+        bad_anywhere, tokens, skew = self.group.all_reduce_max(local).tolist()
         if bad_anywhere:
             where = "this rank's" if bool(bad) else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "

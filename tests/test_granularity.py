@@ -147,6 +147,9 @@ def test_skew_bucket():
     assert skew_bucket(torch.tensor([10, 10, 10, 10])) == 0
     assert skew_bucket(torch.tensor([40, 0, 0, 0])) == 2
     assert skew_bucket(torch.tensor([0, 0])) == 0
+    assert skew_bucket(torch.tensor([], dtype=torch.long)) == 0
+    assert skew_bucket(torch.tensor([23, 1, 0, 0])) == 2   # max / mean = 3.83: log2 1.94
+    assert skew_bucket(torch.tensor([17, 5, 5, 5])) == 1   # 2.125: log2 1.09
 
 
 def test_bad_search_settings():
