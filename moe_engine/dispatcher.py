@@ -132,8 +132,9 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
         rows_in_partition = slice(start, start + rows)
         start += rows
         expert_counts = recv_PL.sum(0).tolist()
-        # output_size known on the host: no device-to-host read of the repeats' sum
-        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device),
+        # output_size known on the host: no device-to-host read of the repeats' sum; the
+        # repeats go up with a non-blocking copy (staged at once, no stream synchronisation)
+        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device, non_blocking=True),
                                                            output_size=sum(expert_counts))
         expert_order_N = torch.argsort(expert_of_received_N, stable=True)
         partitions.append(PartitionPlan(

@@ -16,6 +16,8 @@ pipeline, which decides itself what to keep).
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -203,8 +205,10 @@ def _grouped_mm_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_matmul_transposed(dy_NO: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """dx[rows of l] = dy[rows of l] @ w[l]ᵀ for all experts (the input gradient of a grouped linear)."""
     if dy_NO.shape[0] and _grouped_mm_ok(dy_NO, w_LIO):
-        offsets = torch.tensor(counts, device=dy_NO.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(dy_NO, w_LIO.transpose(-2, -1), offs=offsets)
+        # Offsets summed on the host; a non-blocking copy from pageable memory is staged at
+        # once and does not wait for the device (a blocking one synchronises the stream).
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        return torch._grouped_mm(dy_NO, w_LIO.transpose(-2, -1), offs=offsets.to(dy_NO.device, non_blocking=True))
     dx_NI = dy_NO.new_empty(dy_NO.shape[0], w_LIO.shape[1])
     for l, rows in enumerate(_slices(counts)):
         torch.mm(dy_NO[rows], w_LIO[l].t(), out=dx_NI[rows])
