@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import ExpertGroup
-from .router import Routing
+from .router import Routing, count_ids
 
 
 @dataclass(frozen=True)
@@ -91,18 +91,19 @@ def partition_by_peers(expert_ids_TK: torch.Tensor, experts_per_rank: int, rank:
 # -- plan (local, one collective, local) ---------------------------------------------------
 def count_rows(routing: Routing, partition_P: torch.Tensor, num_partitions: int, num_experts: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local. Sort kept pairs by (partition, expert); count rows per partition and expert.
+    """Local. Sort pairs by (partition, expert), dropped pairs last; count the kept rows
+    per partition and expert. No reads from the device: the caller learns how many
+    pairs are kept from the counts it reads anyway (`build_plan`).
 
-    Returns (sorted pair indices, counts [n, E]).
+    Returns (all pair indices, the kept ones first in send order; counts [n, E]).
     """
     expert_P = routing.expert_ids_TK.flatten()
     keep_P = routing.keep_TK.flatten()
-    key_P = partition_P * num_experts + expert_P
-    kept_pairs = torch.nonzero(keep_P, as_tuple=True)[0]
-    order = torch.argsort(key_P[kept_pairs], stable=True)
-    pair_index_R = kept_pairs[order]
-    counts_nE = torch.bincount(key_P[pair_index_R], minlength=num_partitions * num_experts)
-    return pair_index_R, counts_nE.reshape(num_partitions, num_experts)
+    dropped_key = num_partitions * num_experts  # sorts after every kept pair
+    kept_key_P = partition_P * num_experts + expert_P
+    pair_order = torch.argsort(torch.where(keep_P, kept_key_P, dropped_key), stable=True)
+    counts_nE = count_ids(kept_key_P, dropped_key, weights=keep_P)
+    return pair_order, counts_nE.reshape(num_partitions, num_experts)
 
 
 def exchange_counts(counts_nE: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
@@ -113,7 +114,7 @@ def exchange_counts(counts_nE: torch.Tensor, group: ExpertGroup) -> torch.Tensor
     return group.exchange_counts(send_PnL)
 
 
-def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: torch.Tensor,
+def build_plan(pair_order: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: torch.Tensor,
                top_k: int, tokens: int) -> DispatchPlan:
     """Local. Split the sorted pairs into partitions and derive every split size."""
     world_size, num_partitions, local = recv_PnL.shape
@@ -121,6 +122,7 @@ def build_plan(pair_index_R: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: to
     both_host = torch.cat([counts_nE.flatten(), recv_PnL.flatten()]).cpu()
     counts_host = both_host[:counts_nE.numel()].reshape(num_partitions, world_size, local)
     recv_host = both_host[counts_nE.numel():].reshape(world_size, num_partitions, local)
+    pair_index_R = pair_order[:int(counts_host.sum())]  # the kept pairs (dropped ones sort last)
     device = pair_index_R.device
     local_ids = torch.arange(local, device=device).repeat(world_size)
     token_index_R = pair_index_R // top_k
@@ -153,9 +155,9 @@ def plan_dispatch(routing: Routing, partition_P: torch.Tensor, num_partitions: i
                   num_experts: int, group: ExpertGroup) -> DispatchPlan:
     """Permute + exchange counts: the three steps above (local, collective, local)."""
     tokens, top_k = routing.expert_ids_TK.shape
-    pair_index_R, counts_nE = count_rows(routing, partition_P, num_partitions, num_experts)
+    pair_order, counts_nE = count_rows(routing, partition_P, num_partitions, num_experts)
     recv_PnL = exchange_counts(counts_nE, group)
-    return build_plan(pair_index_R, counts_nE, recv_PnL, top_k, tokens)
+    return build_plan(pair_order, counts_nE, recv_PnL, top_k, tokens)
 
 
 # -- moving rows (local) -------------------------------------------------------------

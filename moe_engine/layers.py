@@ -29,7 +29,7 @@ from .memory import HostBufferPool, RestorePolicy, predict_memory
 from .pipeline import PipelinedExperts, PipelineRun
 from .granularity import GranularitySearch, PassTiming, skew_bucket
 from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
-from .router import Router, Routing
+from .router import Router, Routing, count_ids
 from .streams import StreamSet
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class MoELayerBase(nn.Module):
         whether any rank got NaN/Inf, so all raise together instead of some waiting in
         an All-to-All, and all see the same token count and routing skew."""
         bad = (~torch.isfinite(x_TD)).any()
-        load_E = torch.bincount(routing.expert_ids_TK[routing.keep_TK], minlength=self.config.num_experts)
+        load_E = count_ids(routing.expert_ids_TK, self.config.num_experts, weights=routing.keep_TK)
         # Built on the input's device (fills, no host copies), read once after the collective.
         local = torch.zeros(3, dtype=torch.int64, device=x_TD.device)
         local[0], local[1], local[2] = bad, x_TD.shape[0], skew_bucket(load_E)

@@ -31,6 +31,14 @@ class Routing:
     aux_loss: torch.Tensor
 
 
+def count_ids(ids: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each id in [0, size) occurs in ``ids`` (each counted ``weights`` times,
+    default once), int64 on the ids' device. ``torch.bincount`` gives the same numbers but
+    on CUDA reads the largest id back to size its output: a wait for the device."""
+    counted = torch.ones_like(ids, dtype=torch.int64) if weights is None else weights.to(torch.int64)
+    return torch.zeros(size, dtype=torch.int64, device=ids.device).scatter_add_(0, ids.flatten(), counted.flatten())
+
+
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
     """Router math runs in fp32, or wider when the input is wider."""
     return torch.promote_types(dtype, torch.float32)
@@ -83,6 +91,6 @@ class Router(nn.Module):
         tokens, num_experts = probs_TE.shape
         if tokens == 0:
             return probs_TE.sum() * 0.0
-        first_choice_fraction_E = torch.bincount(expert_ids_TK[:, 0], minlength=num_experts).to(probs_TE.dtype) / tokens
+        first_choice_fraction_E = count_ids(expert_ids_TK[:, 0], num_experts).to(probs_TE.dtype) / tokens
         mean_prob_E = probs_TE.mean(dim=0)
         return num_experts * (first_choice_fraction_E * mean_prob_E).sum()

@@ -1,0 +1,120 @@
+"""Tier 1: what a pass reads back from the device. On CUDA each such read makes the host
+wait for every kernel issued so far, so the engine keeps them to a fixed few per pass —
+the step agreement and the dispatch plan's counts — whatever n is.
+
+The check runs on CPU by following where tensors come from: a tensor made by ``.cpu()``
+(and anything computed only from such tensors) lives on the host; a read of any other
+tensor (``tolist``, ``item``, ``int`` ...), and the ops that read the device internally
+(``nonzero``, ``bincount``, boolean-mask indexing, ``repeat_interleave`` without
+``output_size``), would wait for the device on CUDA.
+"""
+import weakref
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+
+READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"}
+SYNCING_OPS = {"nonzero", "bincount", "unique", "masked_select", "argwhere"}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts, by name, the reads and syncing ops that would wait for a CUDA device."""
+
+    def __init__(self):
+        super().__init__()
+        self.host = {}  # id -> weak reference (tensors compare elementwise, so no WeakSet)
+        self.waits = []
+
+    def _is_host(self, tensor) -> bool:
+        ref = self.host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _mark_host(self, tensor) -> None:
+        self.host[id(tensor)] = weakref.ref(tensor)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        on_host = bool(inputs) and all(self._is_host(t) for t in inputs)
+        if name in READS and not on_host:
+            self.waits.append(name)
+        elif name in SYNCING_OPS and not on_host:
+            self.waits.append(name)
+        elif name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"),
+                                                        torch.Tensor) and kwargs.get("output_size") is None:
+            self.waits.append("repeat_interleave without output_size")
+        elif name == "__getitem__" and not on_host and any(
+                t.dtype == torch.bool for t in _tensors(args[1:])):
+            self.waits.append("boolean-mask indexing")
+        result = func(*args, **kwargs)
+        if name == "cpu" or on_host:
+            for t in _tensors(result):
+                self._mark_host(t)
+        return result
+
+
+def _waits_per_pass(layer, x) -> list:
+    def step():
+        xi = x.clone().requires_grad_(True)
+        y, aux = layer(xi)
+        (y.sum() + aux).backward()
+    step()  # the first pass may also check host memory or measure; count a steady one
+    with DeviceReads() as reads:
+        step()
+    return reads.waits
+
+
+CONFIG = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2)
+CAPPED = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2, capacity_factor=1.0)
+
+
+@pytest.mark.parametrize("config", [CONFIG, CAPPED], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("build", [
+    lambda c: FastMoE(c), lambda c: FasterMoE(c),
+    lambda c: MPipeMoE(c, partitions=1, strategy="none"), lambda c: MPipeMoE(c, partitions=4, strategy="S3"),
+    lambda c: MPipeMoE(c, partitions=8, strategy="S1"), lambda c: MPipeMoE(c, partitions=3, strategy="S4"),
+], ids=["fastmoe", "fastermoe", "mpipemoe-n1-none", "mpipemoe-n4-S3", "mpipemoe-n8-S1", "mpipemoe-n3-S4"])
+def test_a_pass_reads_the_device_twice_whatever_n(build, config):
+    torch.manual_seed(0)
+    waits = _waits_per_pass(build(config), torch.randn(96, 16))
+    assert sorted(waits) == ["cpu", "tolist"], waits  # the step agreement, the plan's counts
+
+
+def test_the_tracker_sees_reads_of_device_tensors():
+    """The checker itself: reads of computed tensors count, reads after ``.cpu()`` do not."""
+    x = torch.arange(6)
+    with DeviceReads() as reads:
+        x.sum().item()
+        torch.bincount(x)
+        x[x > 2]
+        x.repeat_interleave(x)
+        host = (x * 2).cpu()
+        host[1:].sum().tolist()
+        int(host[0])
+    assert reads.waits == ["item", "bincount", "boolean-mask indexing", "repeat_interleave without output_size",
+                           "cpu"]
+
+
+def test_count_ids_matches_bincount():
+    from moe_engine.router import count_ids
+
+    ids = torch.tensor([[3, 0], [3, 5], [7, 3]])
+    keep = torch.tensor([[True, False], [True, True], [False, True]])
+    assert torch.equal(count_ids(ids, 8), torch.bincount(ids.flatten(), minlength=8))
+    assert torch.equal(count_ids(ids, 8, weights=keep), torch.bincount(ids[keep], minlength=8))
+    assert torch.equal(count_ids(torch.empty(0, dtype=torch.long), 4), torch.zeros(4, dtype=torch.long))
