@@ -18,6 +18,10 @@ Unlike the paper, the cache is not trusted forever:
     drift of routing during training does not restart the search every step.
 Among the candidates within `tolerance` of the fastest, the largest n wins: more
 partitions mean smaller shared buffers, so memory is saved at a bounded time cost.
+Candidates are timed in increasing n; once one is slower than the one before it and
+more than `give_up_slower` (default 50%) slower than the fastest so far, the larger
+ones are not timed (each would be a slow training step; on one GPU, where there is no
+All-to-All to hide, n = 16 runs several times slower than n = 1).
 Every decision is appended to `decisions` and logged.
 """
 from __future__ import annotations
@@ -67,6 +71,7 @@ class ActiveSearch:
     calls_per_candidate: int
     call: int = 0
     samples: dict = field(default_factory=dict)   # n -> [PassTiming]
+    checked_after: int = 0                        # candidates timed when last checked for a cut
 
     def current(self) -> int:
         return self.candidates[self.call // self.calls_per_candidate]
@@ -92,11 +97,16 @@ class GranularitySearch:
     """Chooses n for each pass of one MPipeMoE layer. Call `choose` once per forward."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
-                 recheck_every: int = 100, tolerance: float = 0.05, skew_shift: int = 2):
+                 recheck_every: int = 100, tolerance: float = 0.05, skew_shift: int = 2,
+                 give_up_slower: float | None = 0.5):
         if not candidates or any((not isinstance(c, int)) or c < 1 for c in candidates):
             raise ValueError(f"candidates={candidates!r} is invalid: give integers >= 1, e.g. (1, 2, 4, 8)")
         if warmup < 0 or repeats < 1:
             raise ValueError(f"warmup={warmup}, repeats={repeats} are invalid: warmup >= 0, repeats >= 1")
+        if give_up_slower is not None and not give_up_slower > 0:
+            raise ValueError(f"give_up_slower={give_up_slower!r} is invalid: give a fraction > 0 (0.5 = stop at "
+                             f"a candidate 50% slower than the fastest so far), or None to time every candidate")
+        self.give_up_slower = give_up_slower
         self.candidates = sorted(set(candidates))
         self.warmup, self.repeats = warmup, repeats
         self.recheck_every, self.tolerance, self.skew_shift = recheck_every, tolerance, skew_shift
@@ -114,6 +124,8 @@ class GranularitySearch:
         min_partitions: the smallest n allowed (e.g. the fewest partitions that fit a
         memory budget); cached choices below it are ignored and not searched."""
         self._floor = min(min_partitions, self.candidates[-1])
+        if self.active is not None and self.active.tokens == tokens and timing_wanted:
+            self._maybe_cut_short(group)
         if self.active is not None and self.active.finished:
             self._finish(group)
         if self.active is not None and (self.active.tokens != tokens or not timing_wanted):
@@ -196,14 +208,40 @@ class GranularitySearch:
         self.active = ActiveSearch(tokens, skew, candidates, reason, self.warmup + self.repeats)
         self._decide("search started", tokens, None, reason=reason, candidates=list(candidates))
 
-    def _finish(self, group: ExpertGroup) -> None:
-        search, self.active = self.active, None
+    @staticmethod
+    def _agreed_means(search: ActiveSearch, candidates: list[int], group: ExpertGroup) -> list[float]:
+        """Collective. Mean seconds per candidate, slowest rank's; inf where nothing was timed."""
         means = []
-        for n in search.candidates:
+        for n in candidates:
             seconds = [t.seconds() for t in search.samples.get(n, [])]
             seconds = [s for s in seconds if s is not None]
             means.append(sum(seconds) / len(seconds) if seconds else math.inf)
-        agreed = group.all_reduce_max(torch.tensor(means, dtype=torch.float64)).tolist()
+        return group.all_reduce_max(torch.tensor(means, dtype=torch.float64)).tolist()
+
+    def _maybe_cut_short(self, group: ExpertGroup) -> None:
+        """At the start of a candidate (the same pass on every rank): stop timing larger n
+        when the last one timed got slower and is `give_up_slower` behind the fastest."""
+        search = self.active
+        timed = search.call // search.calls_per_candidate
+        if self.give_up_slower is None or search.call % search.calls_per_candidate or timed < 2 \
+                or timed >= len(search.candidates) or timed == search.checked_after:
+            return
+        search.checked_after = timed
+        times = self._agreed_means(search, search.candidates[:timed], group)
+        if math.inf in times:  # a pass not yet timed to its end (e.g. micro-batches): no verdict
+            return
+        fastest = min(times)
+        if times[-1] > times[-2] and times[-1] > (1 + self.give_up_slower) * fastest:
+            skipped = search.candidates[timed:]
+            search.candidates = search.candidates[:timed]
+            self._decide("search cut short", search.tokens, None,
+                         reason=f"n={search.candidates[-1]} is {times[-1] / fastest - 1:.0%} slower than the "
+                                f"fastest and slower than n={search.candidates[-2]}: larger n not timed",
+                         skipped=skipped, times=dict(zip(search.candidates, times)))
+
+    def _finish(self, group: ExpertGroup) -> None:
+        search, self.active = self.active, None
+        agreed = self._agreed_means(search, search.candidates, group)
         times = {n: t for n, t in zip(search.candidates, agreed)}
         # More partitions mean smaller shared buffers: among the n within `tolerance`
         # of the fastest, take the largest (memory saved at a bounded time cost).

@@ -162,7 +162,7 @@ def _auto_layer_matches_fastmoe(rank, world_size):
     torch.manual_seed(0)
     reference = FastMoE(config, dtype=torch.float64)
     layer = MPipeMoE(config, partitions="auto", strategy="auto", dtype=torch.float64,
-                     search=GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1))
+                     search=GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1, give_up_slower=None))
     layer.load_state_dict(reference.state_dict())
     chosen = []
     for step in range(5):
@@ -191,3 +191,47 @@ def test_auto_layer_is_exact_and_ranks_agree(world_size):
     assert all(s in ("none", "S1", "S2", "S3", "S4") for _, s in chosen[0])
     profiles = [r[2] for r in results]
     assert len(profiles[0]) == 1 and all(p == profiles[0] for p in profiles), "ranks hold different profiles"
+
+
+def one_gpu_like(tokens, n):
+    """Nothing to overlap: every partition adds its launch cost."""
+    return 1.0 + 0.6 * (n - 1)
+
+
+def test_search_stops_timing_larger_n_once_they_only_get_slower():
+    search = ScriptedSearch(one_gpu_like, candidates=(1, 2, 4, 8, 16), warmup=1, repeats=2)
+    chosen = run_passes(search, 4096, 9 + 3)
+    # n=2 is 60% slower than n=1 and slower than it: 4, 8 and 16 are never run
+    assert chosen == [1, 1, 1, 2, 2, 2, 1, 1, 1, 1, 1, 1]
+    cut = next(d for d in search.decisions if d["event"] == "search cut short")
+    assert cut["skipped"] == [4, 8, 16] and "n=2 is 60% slower" in cut["reason"]
+    assert search.decisions[-1]["event"] == "chose" and search.decisions[-1]["partitions"] == 1
+
+
+def test_a_slower_candidate_within_the_margin_does_not_stop_the_search():
+    # n=2 is 30% slower than n=1 (under the 50% margin), n=4 is fastest
+    search = ScriptedSearch(lambda t, n: {1: 1.0, 2: 1.3, 4: 0.8, 8: 2.0, 16: 3.0}[n],
+                            candidates=(1, 2, 4, 8, 16), warmup=0, repeats=1)
+    chosen = run_passes(search, 4096, 5)
+    assert chosen[:4] == [1, 2, 4, 8]          # n=8 is 150% slower than n=4 and slower: 16 is skipped
+    assert search.cache[0].partitions == 4 and chosen[4] == 4
+    unlimited = ScriptedSearch(one_gpu_like, candidates=(1, 2, 4, 8, 16), warmup=0, repeats=1, give_up_slower=None)
+    assert run_passes(unlimited, 4096, 5) == [1, 2, 4, 8, 16]
+
+
+def test_give_up_slower_is_validated():
+    with pytest.raises(ValueError, match=r"give_up_slower=0 is invalid: give a fraction > 0"):
+        GranularitySearch(give_up_slower=0)
+
+
+def _cut_on_ranks(rank, world_size):
+    # rank 1 sees n=2 as slow, rank 0 does not: the slowest rank's times decide for both
+    cost = (lambda t, n: 1.0 + 0.05 * n) if rank == 0 else one_gpu_like
+    search = ScriptedSearch(cost, candidates=(1, 2, 4, 8), warmup=0, repeats=1)
+    return run_passes(search, 4096, 4), [d["event"] for d in search.decisions]
+
+
+def test_ranks_cut_the_search_at_the_same_pass():
+    results = run_on_ranks(2, _cut_on_ranks)
+    assert results[0] == results[1]
+    assert results[0][0] == [1, 2, 1, 1] and "search cut short" in results[0][1]

@@ -38,7 +38,9 @@ def _soak(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=1)
-    layer = MPipeMoE(config, partitions="auto", strategy="S1", search=GranularitySearch(recheck_every=50))
+    # every candidate n is timed in each search (no early cut): the soak covers all their buffers
+    layer = MPipeMoE(config, partitions="auto", strategy="S1",
+                     search=GranularitySearch(recheck_every=50, give_up_slower=None))
     head = torch.nn.Linear(16, 1)
     with torch.no_grad():  # a fixed router: input direction e_i goes to expert i
         layer.router.weight.copy_(torch.eye(8, 16))
