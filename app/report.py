@@ -15,6 +15,7 @@ Each becomes a ``Record``; the sections are pure functions of the records:
    assumed monotonicity (best n non-decreasing in tokens) marked;
 4. predicted against measured peak memory;
 5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate.py).
+6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity.py).
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -129,26 +130,14 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
 
 def load_records(tracking_uri: str, experiments: list[str] | None = None) -> list[Record]:
     """Records of the FINISHED runs in ``experiments`` (default: every experiment)."""
-    from app.tracking import client
+    from app.tracking import finished_runs
 
-    mlflow_client = client(tracking_uri)
-    found = mlflow_client.search_experiments()
-    names = {e.experiment_id: e.name for e in found if experiments is None or e.name in experiments}
     records = []
-    if not names:
-        return records
-    token = None
-    while True:
-        page = mlflow_client.search_runs(list(names), filter_string="attributes.status = 'FINISHED'",
-                                         max_results=1000, page_token=token)
-        for run in page:
-            record = to_record(run.info.run_id, names[run.info.experiment_id], run.data.params,
-                               run.data.metrics, run.data.tags)
-            if record is not None:
-                records.append(record)
-        token = page.token
-        if not token:
-            return records
+    for experiment, run in finished_runs(tracking_uri, experiments):
+        record = to_record(run.info.run_id, experiment, run.data.params, run.data.metrics, run.data.tags)
+        if record is not None:
+            records.append(record)
+    return records
 
 
 # --------------------------------------------------------------------------- analysis
@@ -538,9 +527,10 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 
 
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
-                 simulations: list[dict] | None = None) -> Path:
+                 simulations: list[dict] | None = None, capacities: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
-    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any)."""
+    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any);
+    ``capacities``: rows of ``app.capacity.load_capacity_runs`` (section 6 when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -563,6 +553,10 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
         from app.simulate import section_simulations
 
         lines += section_simulations(simulations, str(out))
+    if capacities:  # section 6 only where `mpipemoe capacity` logged something
+        from app.capacity import section_capacity
+
+        lines += section_capacity(capacities)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -586,9 +580,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
+    from app.capacity import load_capacity_runs
     from app.simulate import load_simulations
 
-    path = write_report(records, args.out, source=tracking_uri, simulations=load_simulations(tracking_uri, args.experiment))
+    path = write_report(records, args.out, source=tracking_uri,
+                        simulations=load_simulations(tracking_uri, args.experiment),
+                        capacities=load_capacity_runs(tracking_uri, args.experiment))
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
           f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
     return 0

@@ -310,21 +310,10 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
 def load_simulations(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
     """Every finished kind=simulate run (in `experiments`, default all) as a flat dict of
     params and metrics, oldest first (for the report)."""
-    from app.tracking import client
+    from app.tracking import finished_runs
 
-    mlflow_client = client(tracking_uri)
-    ids = [e.experiment_id for e in mlflow_client.search_experiments()
-           if experiments is None or e.name in experiments]
-    rows, token = [], None
-    while ids:
-        page = mlflow_client.search_runs(ids, filter_string="tags.kind = 'simulate' and attributes.status = 'FINISHED'",
-                                         max_results=1000, page_token=token)
-        for run in page:
-            rows.append({**run.data.metrics, **run.data.params, "run_id": run.info.run_id,
-                         "start_time": run.info.start_time})
-        token = page.token
-        if not token:
-            break
+    rows = [{**run.data.metrics, **run.data.params, "run_id": run.info.run_id, "start_time": run.info.start_time}
+            for _, run in finished_runs(tracking_uri, experiments, "tags.kind = 'simulate'")]
     return sorted(rows, key=lambda r: r["start_time"] or 0)
 
 

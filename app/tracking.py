@@ -168,3 +168,22 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
     """``[(step, value), ...]`` of metric ``key`` in run ``run_id``, sorted by step."""
     history = client(tracking_uri).get_metric_history(run_id, key)
     return sorted((m.step, m.value) for m in history)
+
+
+def finished_runs(tracking_uri: str, experiments: list[str] | None = None, where: str = ""):
+    """Yields ``(experiment name, run)`` for every FINISHED run in ``experiments`` (default:
+    all) that also matches the MLflow filter ``where`` (e.g. ``tags.kind = 'simulate'``)."""
+    mlflow_client = client(tracking_uri)
+    names = {e.experiment_id: e.name for e in mlflow_client.search_experiments()
+             if experiments is None or e.name in experiments}
+    if not names:
+        return
+    condition = "attributes.status = 'FINISHED'" + (f" and {where}" if where else "")
+    token = None
+    while True:
+        page = mlflow_client.search_runs(list(names), filter_string=condition, max_results=1000, page_token=token)
+        for run in page:
+            yield names[run.info.experiment_id], run
+        token = page.token
+        if not token:
+            return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +109,19 @@ def test_the_search_stops_where_the_memory_cap_is_reached():
         if trial["fits"]:
             assert trial["peak_memory_bytes"] <= base + headroom
     assert any(t["batch_size"] == largest + 1 and not t["fits"] for t in trials.trials)
+
+
+def test_report_section_tabulates_the_logged_h200_search(tmp_path):
+    """The committed H200 record, logged to a fresh MLflow store, read back for `mpipemoe report`."""
+    pytest.importorskip("mlflow")
+    from app.capacity import load_capacity_runs, log_to_mlflow, section_capacity
+
+    record = json.loads((Path(__file__).parent.parent / "results" / "capacity-gpt-s-h200.json").read_text())
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    log_to_mlflow(record, uri, "mpipemoe-capacity")
+    rows = load_capacity_runs(uri)
+    assert sorted(r["engine"] for r in rows) == ["fastmoe", "mpipemoe"]
+    table = [line for line in section_capacity(rows) if line.startswith("| gpt-s")]
+    assert table[0].startswith("| gpt-s | NVIDIA H200 (140 GiB) | 32.0 | 1 | mpipemoe | 43 | 58,176 | 31.20 | 1.00 | 1.00 |")
+    assert table[1].startswith("| gpt-s | NVIDIA H200 (140 GiB) | 32.0 | 1 | fastmoe | 16 | 44,784 | 31.44 | 0.37 | 0.77 |")
+    assert section_capacity([])[-2].startswith("_No data")

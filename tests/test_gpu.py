@@ -130,3 +130,36 @@ def test_model_refuses_token_ids_outside_the_vocabulary_on_cuda():
         model(torch.tensor([[0, 259]], device="cuda"))
     logits = model(torch.tensor([[0, 258]], device="cuda"))[0]  # the process is still usable
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("strategy", ["none", "S3"])
+def test_device_waits_per_pass_do_not_grow_with_n(strategy):
+    """PyTorch's sync debug mode flags every operation that makes the host wait for the
+    GPU; a pass waits the same number of times at n = 1 and n = 8 (tests/test_host_reads.py
+    checks the same on CPU by following the reads)."""
+    import warnings
+
+    config = MoEConfig(d_model=64, d_hidden=128, num_experts=8, top_k=2)
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16)
+
+    def waits(n):
+        layer = MPipeMoE(config, partitions=n, strategy=strategy).cuda().to(torch.bfloat16)
+        for _ in range(2):  # first passes check host memory and warm up
+            xi = x.clone().requires_grad_(True)
+            y, aux = layer(xi)
+            (y.float().sum() + aux).backward()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                xi = x.clone().requires_grad_(True)
+                y, aux = layer(xi)
+                (y.float().sum() + aux).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+
+    one, eight = waits(1), waits(8)
+    print(f"device waits per pass: n=1 {len(one)}, n=8 {len(eight)}: {one}")
+    assert len(eight) == len(one), (one, eight)
