@@ -195,9 +195,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", default="mpipemoe-capacity", help="MLflow experiment (default %(default)s)")
     parser.add_argument("--out", default=None,
                         help="JSON record to write (default results/capacity-<preset>-<date>.json)")
+    parser.add_argument("--import", dest="import_json", default=None, metavar="JSON",
+                        help="log the runs of an existing capacity record (e.g. made on a GPU machine "
+                             "without MLflow) to MLflow and exit")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.import_json:
+        from app.tracking import resolve_tracking_uri
+
+        uri = resolve_tracking_uri(args.tracking_uri)
+        record = json.loads(Path(args.import_json).read_text())
+        log_to_mlflow(record, uri, args.experiment)
+        print(f"[capacity] logged {len(record['results'])} run(s) of {args.import_json} to {uri}")
+        return 0
     search = CapacitySearch(memory_cap_gib=args.memory_cap_gib, start_batch=args.start_batch,
                             max_batch=args.max_batch, steps_per_trial=args.steps_per_trial)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

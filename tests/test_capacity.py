@@ -114,11 +114,13 @@ def test_the_search_stops_where_the_memory_cap_is_reached():
 def test_report_section_tabulates_the_logged_h200_search(tmp_path):
     """The committed H200 record, logged to a fresh MLflow store, read back for `mpipemoe report`."""
     pytest.importorskip("mlflow")
-    from app.capacity import load_capacity_runs, log_to_mlflow, section_capacity
+    from app.capacity import load_capacity_runs, section_capacity
 
-    record = json.loads((Path(__file__).parent.parent / "results" / "capacity-gpt-s-h200.json").read_text())
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    log_to_mlflow(record, uri, "mpipemoe-capacity")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    path = str(Path(__file__).parent.parent / "results" / "capacity-gpt-s-h200.json")
+    assert run(parser.parse_args(["--import", path, "--tracking-uri", uri])) == 0
     rows = load_capacity_runs(uri)
     assert sorted(r["engine"] for r in rows) == ["fastmoe", "mpipemoe"]
     table = [line for line in section_capacity(rows) if line.startswith("| gpt-s")]
