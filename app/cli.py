@@ -8,6 +8,7 @@
     mpipemoe ui               # MLflow UI on 127.0.0.1 over the same store
     mpipemoe check            # the engine on 2 gloo processes against the reference
     mpipemoe capacity         # the largest batch each engine trains with under a memory cap
+    mpipemoe simulate         # predict a cluster's MoE layer and training step from measured parts
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their subcommand runs, so ``mpipemoe --help`` is fast.
@@ -42,7 +43,10 @@ USER_ERRORS = (ValueError, OSError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mpipemoe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mpipemoe", description="Train Mixture-of-Experts models with MPipeMoE on Ray; benchmark, "
+        "sweep, simulate and report. Start with `mpipemoe train` (a short run on CPU workers).",
+        epilog="`mpipemoe COMMAND --help` lists a command's options; docs/ explains each command.")
     parser.add_argument("--debug", action="store_true",
                         help="on an error, also print the traceback (allowed anywhere on the line)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
