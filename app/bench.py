@@ -34,6 +34,7 @@ from moe_engine.experts import Experts, activate
 from moe_engine.granularity import GranularitySearch
 from moe_engine.memory import predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
+from moe_engine.router import count_ids
 from moe_engine.timing import synchronize, time_fn
 
 # Layer shapes of the paper's models (DESIGN.md §6) and a tiny one for CPUs.
@@ -191,7 +192,8 @@ def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Ten
     with torch.no_grad():
         expert_ids = torch.topk(x @ router_weight.t(), config.top_k, dim=-1).indices.flatten()
     local = config.experts_per_rank(group.size)
-    send_counts = torch.bincount(expert_ids, minlength=config.num_experts).view(group.size, local)
+    rows_per_expert = count_ids(expert_ids, config.num_experts)  # this rank's rows for each expert
+    send_counts = rows_per_expert.view(group.size, local)
     recv_counts = group.exchange_counts(send_counts)  # [source rank, local expert]
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     send = torch.randn(sum(send_splits), config.d_model, device=device, dtype=dtype)
@@ -206,10 +208,10 @@ def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Ten
     experts = Experts(config, local, device=device, dtype=dtype)
     expert_s = time_fn(expert_ffn(config, experts, recv_counts.sum(0).tolist(), device, dtype), device,
                        settings.warmup, settings.repeats).mean_s
-    rows_per_expert = group.all_reduce_sum(torch.bincount(expert_ids, minlength=config.num_experts).to(device))
+    all_rows_per_expert = group.all_reduce_sum(rows_per_expert)
     slowest = group.all_reduce_max(torch.tensor([a2a_s, expert_s], device=device, dtype=torch.float64))
     return {"all_to_all_ms": float(slowest[0]) * 1e3, "expert_ms": float(slowest[1]) * 1e3,
-            "hot_expert_share": float(rows_per_expert.max() / rows_per_expert.sum())}
+            "hot_expert_share": float(all_rows_per_expert.max() / all_rows_per_expert.sum())}
 
 
 def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, group: ExpertGroup, device,

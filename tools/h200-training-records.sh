@@ -6,14 +6,7 @@
 # Writes under $OUT (default ./out): train-*.json, capacity-*.json, gpu.txt and logs.
 set -u
 [ $# -gt 0 ] || { echo "give stages: train-auto train-n4-s3 capacity gpu-tests"; exit 2; }
-OUT=${OUT:-out}; mkdir -p "$OUT"
-mkdir -p .site && tar -xJf .devwheels/ray-cp312.tar.xz -C .site \
-  && python3 -m pip install -q --no-index --no-deps --no-compile --target .site .devwheels/*.whl \
-  && chmod -R +x .site/ray/core
-export PYTHONPATH=$PWD/.site:$PWD RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=60
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-step() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1;
-         echo "   rc=$? after ${SECONDS}s"; tail -8 "$OUT/$name.log"; }
+source "$(dirname "$0")/device-setup.sh"
 # No checkpoints: one of gpt-s with its AdamW state is several GiB and the disk is 64 GiB.
 train=(python3 -m app.cli train --preset gpt-s --engines mpipemoe,fastmoe --use-gpu --num-workers 1
        --tracking-uri none --steps 40 --lr 3e-4 --log-every 10 --checkpoint-every 0 --storage-path /tmp/mpipemoe-runs)

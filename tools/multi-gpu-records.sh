@@ -9,18 +9,9 @@
 # Writes under $OUT (default ./out): bench-h200-x<G>-<model>.json/.md, train-gpt-s-h200-x<G>.json, logs.
 set -u
 [ $# -gt 0 ] || { echo "give stages: bench-gpt-s bench-gpt-xl bench-bert-l train dry-run"; exit 2; }
-OUT=${OUT:-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device-setup.sh"
 G=$(nvidia-smi -L | wc -l)
-if [ -d .devwheels ]; then
-  mkdir -p .site && tar -xJf .devwheels/ray-cp312.tar.xz -C .site \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target .site .devwheels/*.whl 2>/dev/null \
-    && chmod -R +x .site/ray/core
-fi
-export PYTHONPATH=$PWD/.site:$PWD RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=60
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
-step() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1;
-         echo "   rc=$? after ${SECONDS}s"; tail -12 "$OUT/$name.log"; }
 # Runs 1-3: every engine, the n x strategy grid, uniform and skewed routing, 4k-32k tokens per GPU.
 bench=(python3 -m app.cli bench --tokens 4096,8192,16384,32768 --routing uniform,skewed --partitions 1,2,4,8,16
        --world-size "$G" --tracking-uri none)
