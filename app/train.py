@@ -585,6 +585,9 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
             raise ValueError(f"--resume {args.resume}: no run recorded at {run_dir} ({JOB_FILE} missing); "
                              f"check the name and --storage-path")
         recorded = json.loads((run_dir / JOB_FILE).read_text())
+        if recorded.get("checkpoint_every") == 0:
+            raise ValueError(f"--resume {args.resume}: that run wrote no checkpoints (--checkpoint-every 0), "
+                             f"so there is nothing to continue from; start a new run")
         given = {**recorded, **given, "name": args.resume, "parent_run_id": recorded.get("parent_run_id")}
     elif getattr(args, "engines", None) and not args.name:  # siblings get "<name>-<engine>"
         preset = given.get("preset", TrainJob.preset)

@@ -83,6 +83,14 @@ def test_resume_takes_the_recorded_settings(tmp_path):
     assert compare.name.startswith("tiny-bert-compare-")
 
 
+def test_a_run_without_checkpoints_cannot_be_resumed(tmp_path):
+    save_job(TrainJob(checkpoint_every=0, storage_path=str(tmp_path), name="bench"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match=r"--resume bench: that run wrote no checkpoints \(--checkpoint-every 0\)"):
+        job_from_args(parser.parse_args(["--resume", "bench", "--storage-path", str(tmp_path)]))
+
+
 def test_summary_and_table():
     history = [{"step": s, "loss": 5.0 - s, "lm_loss": 4.9 - s, "aux_loss": 1.0, "tokens_per_s": t,
                 "step_time_s": 1 / t, "peak_memory_bytes": 2**20 * m, "strategy": "S2"}
