@@ -9,9 +9,8 @@ The simulator replays, operation by operation, what the engine's host thread
 issues (pipeline.py, layers.py) on four timelines:
 
     host      the Python thread: issues every kernel and collective, in program
-              order, and waits where the engine synchronises with the device
-              (the dispatch plan reads counts; the grouped GEMM of the expert
-              backward copies its offsets to the device with a blocking copy);
+              order, and waits where the engine reads the device: twice per pass,
+              whatever n (the routing agreement and the dispatch plan's counts);
     compute   the caller's CUDA stream: gathers, GEMMs, activations;
     comm      the All-to-Alls;
     copy      offloads to and restores from pinned host memory.
@@ -43,11 +42,6 @@ GPU_STREAMS = ("compute", "comm", "copy")
 STREAMS = ("host",) + GPU_STREAMS
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 STRATEGIES = ("none", "S1", "S2", "S3", "S4")
-# The expert backward (experts.backward_rows) runs two grouped GEMMs whose offsets are
-# copied to the device with a blocking copy: the host waits for the compute stream twice
-# per partition. Its device time splits 1 : 2 : 1 around those waits (one of its four
-# equal GEMMs before the first, two between, one after).
-EXPERT_BACKWARD_SEGMENTS = (0.25, 0.5, 0.25)
 
 
 # -- the event-level scheduler ------------------------------------------------------------------
@@ -399,16 +393,19 @@ class _FasterLayer(_Layer):
 
 def _prelude(prog: Program, layer: _Layer, host) -> None:
     """Router, routing agreement and dispatch plan: the host waits for the device twice
-    (agreement and counts), plus the two small collectives on several ranks."""
+    (the agreement's read, and the plan's one read of both count tables), plus the two
+    small collectives on several ranks."""
     sh, cl = layer.shape, layer.cluster
     shell = layer.parts.shell_s("forward", sh.tokens, sh.d_model)
     prog.launch("compute", shell / 2, "router", host.prelude_s / 2)
     prog.sync("compute", "agree")
     if cl.layout.ranks > 1:
         prog.host(small_collective_s(cl.network, cl.layout), "agree collective")
-    prog.host(host.prelude_s / 2, "plan")
+    prog.launch("compute", 0.0, "count rows", host.prelude_s / 4)
     if cl.layout.ranks > 1:
         prog.host(small_collective_s(cl.network, cl.layout), "count exchange")
+    prog.sync("compute", "plan counts")
+    prog.host(host.prelude_s / 4, "plan")
 
 
 class _Pipelined:
@@ -475,7 +472,6 @@ class _Pipelined:
         kernels = 6 * L + 10 + (3 if policy.recommunicate_input else 1 if policy.offload_input else 0) \
             + policy.offload_preactivation + L * policy.recompute_preactivation
         per_op = host.backward_per_partition_s / kernels
-        seg = EXPERT_BACKWARD_SEGMENTS
         fetched_dy, fetched_input, fetched_preact, returned = [None] * n, [None] * n, [None] * n, [None] * n
 
         def issue_fetch(step):
@@ -504,15 +500,9 @@ class _Pipelined:
                 prog.wait("compute", fetched_preact[step])
             prog.wait("compute", fetched_dy[step])
             prog.launch("compute", layer.rows("gather", Nn), f"dy order {step}", per_op)
-            backward = layer.ffn("backward")
-            # activation recompute, dW2 and db2 per expert | dh, activation backward, dW1, db1 | dx
-            prog.launch("compute", seg[0] * backward, f"expert backward a {step}", (3 * L + 1) * per_op,
-                        kernels=3 * L + 1)
-            prog.sync("compute", f"offsets sync a {step}")
-            prog.launch("compute", seg[1] * backward, f"expert backward b {step}", (3 * L + 2) * per_op,
-                        kernels=3 * L + 2)
-            prog.sync("compute", f"offsets sync b {step}")
-            prog.launch("compute", seg[2] * backward, f"expert backward c {step}", 2 * per_op, kernels=2)
+            # activation recompute, dW2 and db2 per expert, dh, activation backward, dW1, db1, dx
+            prog.launch("compute", layer.ffn("backward"), f"expert backward {step}", (6 * L + 5) * per_op,
+                        kernels=6 * L + 5)
             if step >= 2:
                 prog.wait("compute", returned[step - 2])
             prog.launch("compute", layer.rows("gather", Nn), f"dx order {step}", per_op)

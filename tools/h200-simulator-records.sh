@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The one-GPU records that validate the simulator (issue 9): the parts and the layer
+# benchmark measured on the same machine in the same session, so the host's speed that
+# day is the same in both. Run with the `device` tool, carrying `.devwheels`, e.g.:
+#   bash tools/h200-simulator-records.sh parts bench bench-rerun gpu-tests
+# then, here: mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-rerun.json \
+#                 --parts results/sim-parts-h200.json --out results/simulate-validation.json
+# Writes under $OUT (default ./out): sim-parts-h200.json, bench-h200*.json/.md, gpu.txt, logs.
+set -u
+[ $# -gt 0 ] || { echo "give stages: parts bench bench-rerun gpu-tests"; exit 2; }
+source "$(dirname "$0")/device-setup.sh"
+bench=(python3 -m app.cli bench --model gpt-s,gpt-xl --tokens 4096,8192,16384,32768 --partitions 1,2,4,8
+       --tracking-uri none)
+for stage in "$@"; do case $stage in
+parts)  # 1. every part the simulator reads: GEMM, row kernels, shell, host copies, host issue cost
+  step parts 240 python3 -m app.cli simulate --measure-parts "$OUT/sim-parts-h200.json" --tracking-uri none ;;
+bench)  # 2. the layer benchmark the simulator is validated against (the committed grid)
+  step bench 200 "${bench[@]}" --out "$OUT/bench-h200.json" ;;
+bench-rerun)  # 3. the same again: the run-to-run spread of the measurements themselves
+  step bench-rerun 200 "${bench[@]}" --out "$OUT/bench-h200-rerun.json" ;;
+gpu-tests)  # 4. the GPU tests (engines on CUDA streams, device reads per pass, memory model)
+  step gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
+*) echo "unknown stage $stage: give parts, bench, bench-rerun or gpu-tests"; exit 2 ;;
+esac; done
