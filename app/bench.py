@@ -8,7 +8,10 @@ same inputs and parameters (DESIGN.md §7).
 
 For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeMoE
 with partitions="auto" and strategy="auto" (after its online search settles), and an
-exhaustive grid of MPipeMoE over partitions × strategies; it measures peak memory
+exhaustive grid of MPipeMoE over partitions × strategies. All of a point's layers are
+timed together in interleaved rounds (`--rounds`, each a warm-up and `--repeats` timed
+steps of every layer in turn) and each one's time is the median over rounds, so a
+slow spell of the machine falls on every engine alike. It measures peak memory
 (CUDA), the expert FFN's GEMM rate against one dense GEMM of the same total shape,
 and the performance model's predictions. Records are JSON (and a Markdown table
 beside them), and MLflow runs (tag kind=bench) when MLflow is installed.
@@ -32,10 +35,10 @@ from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.experts import Experts, activate
 from moe_engine.granularity import GranularitySearch
-from moe_engine.memory import predict_memory
+from moe_engine.memory import HostBufferPool, predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
 from moe_engine.router import count_ids
-from moe_engine.timing import synchronize, time_fn
+from moe_engine.timing import synchronize, time_fn, time_interleaved
 
 # Layer shapes of the paper's models (DESIGN.md §6) and a tiny one for CPUs.
 LAYER_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192), "bert-l": (1024, 4096), "tiny": (64, 128)}
@@ -56,8 +59,9 @@ class BenchSettings:
     partitions: tuple = (1, 2, 4, 8)
     strategies: tuple = ("none", "S1", "S2", "S3", "S4")
     grid: bool = True
-    warmup: int = 2
-    repeats: int = 5
+    warmup: int = 1
+    repeats: int = 3
+    rounds: int = 5
     world_size: int = 1
     routings: tuple = ("uniform",)
 
@@ -72,6 +76,11 @@ class BenchSettings:
         for routing in self.routings:
             if routing not in ROUTINGS:
                 raise ValueError(f"--routing {routing!r} is unknown: choose from {', '.join(ROUTINGS)}")
+        for name in ("repeats", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup} is invalid: give 0 or more")
         if self.num_experts % self.world_size:
             raise ValueError(f"--experts {self.num_experts} must be a multiple of --world-size {self.world_size}")
 
@@ -95,8 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
                         help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds; every engine of a point runs once per round, interleaved, and its time is "
+                             "the median over rounds (default 5)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
     parser.add_argument("--out", default=None, help="JSON file to write (default results/bench-<device>-<date>.json)")
@@ -116,8 +128,9 @@ def _step(layer, x, grad_y):
     torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
 
 
-def measure(layer, x, grad_y, settings: BenchSettings, device) -> dict:
-    """Forward+backward time and peak memory above parameters and inputs."""
+def settle_and_measure_memory(layer, x, grad_y, device) -> dict:
+    """Lets an automatic layer's search settle, then its peak memory above parameters and
+    inputs for one forward+backward (None off CUDA)."""
     if isinstance(layer, MPipeMoE) and layer.partitions == "auto":
         for _ in range(60):  # let the online search settle on an n
             _step(layer, x, grad_y)
@@ -134,8 +147,15 @@ def measure(layer, x, grad_y, settings: BenchSettings, device) -> dict:
         _step(layer, x, grad_y)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - baseline
-    timing = time_fn(lambda: _step(layer, x, grad_y), device, warmup=settings.warmup, repeats=settings.repeats)
-    return {"fwd_bwd_ms": timing.mean_ms, "fwd_bwd_ms_std": timing.stdev_s * 1e3, "peak_memory_bytes": peak}
+    return {"peak_memory_bytes": peak}
+
+
+def time_layers(layers: list, x, grad_y, settings: BenchSettings, device) -> list[dict]:
+    """Forward+backward time of every layer, timed in interleaved rounds (timing.time_interleaved):
+    the median over rounds, and the spread between rounds."""
+    timings = time_interleaved([lambda layer=layer: _step(layer, x, grad_y) for layer in layers], device,
+                               rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
+    return [{"fwd_bwd_ms": t.median_ms, "fwd_bwd_ms_std": t.spread_s * 1e3} for t in timings]
 
 
 def expert_ffn(config: MoEConfig, experts: Experts, counts: list, device, dtype):
@@ -225,26 +245,34 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     grad_y = torch.randn_like(x)
     profile = calibrate(config, tokens, group, device, dtype, repeats=3)
     model_of_time = PerformanceModel(profile)
+    # One pinned-host pool for all MPipeMoE variants: they stay alive together for the
+    # interleaved timing, and each would otherwise keep its own offload buffers.
+    host_pool = HostBufferPool()
     variants = [("fastmoe", "baseline", lambda: FastMoE(config, group.group, device=device, dtype=dtype)),
                 ("fastermoe", "baseline", lambda: FasterMoE(config, group.group, device=device, dtype=dtype)),
                 ("mpipemoe", "auto", lambda: MPipeMoE(config, group.group, "auto", "auto", profile=profile,
                                                       search=GranularitySearch(candidates=settings.partitions),
-                                                      device=device, dtype=dtype))]
+                                                      host_pool=host_pool, device=device, dtype=dtype))]
     if settings.grid:
-        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group.group, n, s, device=device, dtype=dtype))
+        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group.group, n, s, host_pool=host_pool,
+                                                                    device=device, dtype=dtype))
                      for n in settings.partitions for s in settings.strategies]
-    records = []
-    for engine, chosen_by, build in variants:
+    layers, memories = [], []
+    for _, _, build in variants:
         layer = build()
         layer.load_state_dict(source.state_dict())
-        result = measure(layer, x, grad_y, settings, device)
+        memories.append(settle_and_measure_memory(layer, x, grad_y, device))
+        layers.append(layer)
+    times = time_layers(layers, x, grad_y, settings, device)
+    records = []
+    for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers, memories, times):
         n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
         strategy = getattr(layer, "last_strategy", None) or "none"
         predicted_memory = predict_memory(config, tokens, group.size, n if engine != "fastmoe" else 1, strategy,
                                           engine=engine, dtype=dtype).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
-                  "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **result,
+                  "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
                   "top_k": settings.top_k, "activation": settings.activation}
@@ -255,9 +283,9 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                 record["search_decisions"] = layer.search.decisions
         records.append(record)
         log(record)
-        del layer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    del layers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     efficiency = expert_gemm_efficiency(config, tokens, config.experts_per_rank(group.size), device, dtype, settings)
     stages = pipeline_stages(config, x, source.router.weight.detach(), group, device, dtype, settings)
     for record in records:
@@ -500,7 +528,8 @@ def run(args) -> int:
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
         num_experts=args.experts, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
         partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
-        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, world_size=args.world_size,
+        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+        world_size=args.world_size,
         routings=tuple(_split(args.routing)))
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
     print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "

@@ -421,15 +421,16 @@ SPOT_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192)}
 
 
 def spot_check(device, dtype, checks=SPOT_CHECKS) -> list:
-    """A few whole layers timed the way `mpipemoe bench` times them, to compare this
-    machine today with the one that made the benchmark records (not used by the simulator)."""
+    """A few whole layers timed the way `mpipemoe bench` times them (interleaved rounds,
+    median), to compare this machine today with the one that made the benchmark records
+    (not used by the simulator)."""
     import torch
 
     from .config import MoEConfig
     from .layers import FastMoE, FasterMoE, MPipeMoE
-    from .timing import time_fn
+    from .timing import time_interleaved
 
-    results = []
+    steps = []
     for model, tokens, engine, n, strategy in checks:
         d_model, d_hidden = SPOT_SHAPES[model]
         config = MoEConfig(d_model, d_hidden, 8, top_k=2, activation="gelu")
@@ -437,18 +438,18 @@ def spot_check(device, dtype, checks=SPOT_CHECKS) -> list:
                  "fastermoe": lambda: FasterMoE(config, None, device=device, dtype=dtype),
                  "mpipemoe": lambda: MPipeMoE(config, None, n, strategy, device=device, dtype=dtype)}[engine]()
         x = torch.randn(tokens, d_model, device=device, dtype=dtype)
-        dy = torch.randn_like(x)
 
-        def step():
+        def step(layer=layer, x=x, dy=torch.randn_like(x)):
             layer.zero_grad(set_to_none=True)
             y, aux = layer(x.detach().requires_grad_(True))
             torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
-
-        timing = time_fn(step, device, warmup=2, repeats=5)
-        results.append({"model": model, "tokens": tokens, "engine": engine, "partitions": n, "strategy": strategy,
-                        "fwd_bwd_ms": timing.mean_ms})
-        del layer
-        torch.cuda.empty_cache()
+        steps.append(step)
+    timings = time_interleaved(steps, device, rounds=5, warmup=1, repeats=3)
+    results = [{"model": model, "tokens": tokens, "engine": engine, "partitions": n, "strategy": strategy,
+                "fwd_bwd_ms": timing.median_ms}
+               for (model, tokens, engine, n, strategy), timing in zip(checks, timings)]
+    del steps
+    torch.cuda.empty_cache()
     return results
 
 

@@ -66,3 +66,33 @@ def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, rep
         watch.stop()
         samples.append(watch.elapsed_s())
     return Timing(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0, len(samples))
+
+
+@dataclass(frozen=True)
+class RoundsTiming:
+    """One function's time over interleaved rounds: `median_s` is the median of its
+    per-round means, `spread_s` the standard deviation of those means."""
+
+    median_s: float
+    spread_s: float
+    round_means_s: tuple
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+
+def time_interleaved(fns: list, device: torch.device, rounds: int = 5, warmup: int = 1,
+                     repeats: int = 3) -> list[RoundsTiming]:
+    """Times every function in `fns` round after round — each round warms each one up
+    and then times `repeats` calls of it — so a slow spell of the machine (another
+    tenant, a CPU clock change) lands on all of them alike instead of on whichever ran
+    during it. Returns one `RoundsTiming` per function, in order."""
+    if rounds < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"time_interleaved needs rounds >= 1, repeats >= 1, warmup >= 0; "
+                         f"got rounds={rounds}, repeats={repeats}, warmup={warmup}")
+    means = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            means[i].append(time_fn(fn, device, warmup=warmup, repeats=repeats).mean_s)
+    return [RoundsTiming(statistics.median(m), statistics.stdev(m) if len(m) > 1 else 0.0, tuple(m)) for m in means]

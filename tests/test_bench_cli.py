@@ -77,3 +77,9 @@ def test_skewed_inputs_send_half_the_tokens_to_expert_zero_first():
 def test_unknown_routing_is_refused_naming_the_option():
     with pytest.raises(ValueError, match=r"--routing 'zipf' is unknown: choose from uniform, skewed"):
         BenchSettings(models=["tiny"], tokens=[64], routings=("zipf",))
+
+
+@pytest.mark.parametrize("field,value", [("rounds", 0), ("repeats", 0), ("warmup", -1)])
+def test_timing_counts_are_checked_naming_the_option(field, value):
+    with pytest.raises(ValueError, match=f"--{field} {value} is invalid"):
+        BenchSettings(models=["tiny"], tokens=[64], **{field: value})

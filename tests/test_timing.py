@@ -1,0 +1,44 @@
+"""Tier 1: the interleaved timing the benchmark uses (moe_engine/timing.py)."""
+import time
+
+import pytest
+import torch
+
+from moe_engine.timing import time_interleaved
+
+CPU = torch.device("cpu")
+
+
+def test_every_function_runs_once_per_round_in_turn():
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in "abc"]
+    timings = time_interleaved(fns, CPU, rounds=3, warmup=1, repeats=2)
+    # each round: a warm-up and two timed calls of a, then of b, then of c
+    assert calls == (["a"] * 3 + ["b"] * 3 + ["c"] * 3) * 3
+    assert [len(t.round_means_s) for t in timings] == [3, 3, 3]
+
+
+def test_a_slow_spell_lands_on_every_function_and_the_median_ignores_it():
+    """The machine is 20x slower during round 2: both functions see it in the same round,
+    and their medians stay at the normal cost with the right ratio."""
+    state = {"round_calls": 0}
+    per_round_calls = 2 * (1 + 2)  # two functions x (warm-up + repeats)
+
+    def work(seconds):
+        def run():
+            slow = state["round_calls"] // per_round_calls == 1
+            state["round_calls"] += 1
+            time.sleep(seconds * (20 if slow else 1))
+        return run
+
+    fast, slow = time_interleaved([work(0.002), work(0.004)], CPU, rounds=3, warmup=1, repeats=2)
+    assert fast.round_means_s[1] > 10 * fast.round_means_s[0] and slow.round_means_s[1] > 10 * slow.round_means_s[0]
+    assert fast.median_s == pytest.approx(0.002, rel=0.5) and slow.median_s == pytest.approx(0.004, rel=0.5)
+    assert slow.median_s / fast.median_s == pytest.approx(2.0, rel=0.4)
+    assert fast.spread_s > fast.median_s  # the slow round shows in the spread
+
+
+@pytest.mark.parametrize("kwargs", [dict(rounds=0), dict(repeats=0), dict(warmup=-1)])
+def test_nonsense_counts_are_refused_naming_them(kwargs):
+    with pytest.raises(ValueError, match="time_interleaved needs rounds >= 1"):
+        time_interleaved([lambda: None], CPU, **kwargs)
