@@ -15,10 +15,10 @@ for stage in "$@"; do case $stage in
 parts)  # 1. every part the simulator reads: GEMM, row kernels, shell, host copies, host issue cost
   step parts 240 python3 -m app.cli simulate --measure-parts "$OUT/sim-parts-h200.json" --tracking-uri none ;;
 bench)  # 2. the layer benchmark the simulator is validated against (the committed grid)
-  step bench 200 "${bench[@]}" --out "$OUT/bench-h200.json" ;;
+  step bench 300 "${bench[@]}" --out "$OUT/bench-h200.json" ;;
 bench-rerun)  # 3. the same again: the run-to-run spread of the measurements themselves
-  step bench-rerun 200 "${bench[@]}" --out "$OUT/bench-h200-rerun.json" ;;
+  step bench-rerun 300 "${bench[@]}" --out "$OUT/bench-h200-rerun.json" ;;
 gpu-tests)  # 4. the GPU tests (engines on CUDA streams, device reads per pass, memory model)
-  step gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
+  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
 *) echo "unknown stage $stage: give parts, bench, bench-rerun or gpu-tests"; exit 2 ;;
 esac; done
