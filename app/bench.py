@@ -150,12 +150,37 @@ def settle_and_measure_memory(layer, x, grad_y, device) -> dict:
     return {"peak_memory_bytes": peak}
 
 
-def time_layers(layers: list, x, grad_y, settings: BenchSettings, device) -> list[dict]:
+# The host probe: the same layer at so few tokens that the device has almost nothing to do,
+# so its time is the host's cost of issuing the layer (what the simulator's host term is).
+HOST_PROBE_TOKENS = 64
+
+
+def probe_inputs(x: torch.Tensor, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HOST_PROBE_TOKENS of the point's tokens, spread over the batch (its routing mix)."""
+    stride = max(1, x.shape[0] // HOST_PROBE_TOKENS)
+    return x[::stride][:HOST_PROBE_TOKENS].contiguous(), grad_y[::stride][:HOST_PROBE_TOKENS].contiguous()
+
+
+def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, device) -> list[dict]:
     """Forward+backward time of every layer, timed in interleaved rounds (timing.time_interleaved):
-    the median over rounds, and the spread between rounds."""
-    timings = time_interleaved([lambda layer=layer: _step(layer, x, grad_y) for layer in layers], device,
-                               rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
-    return [{"fwd_bwd_ms": t.median_ms, "fwd_bwd_ms_std": t.spread_s * 1e3} for t in timings]
+    the median over rounds and the spread between rounds; for the layers marked in `probed`
+    also the host probe, timed in the same rounds right after its layer (`host_probe_ms`), so
+    both see the machine in the same state."""
+    x_probe, grad_probe = probe_inputs(x, grad_y)
+    fns, slots = [], []
+    for layer, probe in zip(layers, probed):
+        fns.append(lambda layer=layer: _step(layer, x, grad_y))
+        slots.append((len(fns) - 1, len(fns) if probe else None))
+        if probe:
+            fns.append(lambda layer=layer: _step(layer, x_probe, grad_probe))
+    timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
+    results = []
+    for main, probe in slots:
+        result = {"fwd_bwd_ms": timings[main].median_ms, "fwd_bwd_ms_std": timings[main].spread_s * 1e3}
+        if probe is not None:
+            result.update(host_probe_ms=timings[probe].median_ms, host_probe_tokens=HOST_PROBE_TOKENS)
+        results.append(result)
+    return results
 
 
 def expert_ffn(config: MoEConfig, experts: Experts, counts: list, device, dtype):
@@ -263,7 +288,9 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
         layers.append(layer)
-    times = time_layers(layers, x, grad_y, settings, device)
+    # The automatic layer is not probed: a pass at another token count would start its search
+    # there. Its record takes the probe of the grid layer it settled on.
+    times = time_layers(layers, [chosen_by != "auto" for _, chosen_by, _ in variants], x, grad_y, settings, device)
     records = []
     for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers, memories, times):
         n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
@@ -282,6 +309,12 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
             if chosen_by == "auto":
                 record["search_decisions"] = layer.search.decisions
         records.append(record)
+    for record in records:
+        if record["chosen_by"] == "auto":
+            twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
+                         and r["strategy"] == record["strategy"]), None)
+            if twin:
+                record.update(host_probe_ms=twin["host_probe_ms"], host_probe_tokens=twin["host_probe_tokens"])
         log(record)
     del layers
     if device.type == "cuda":

@@ -387,8 +387,25 @@ def _bound(busy: dict, total: float) -> str:
     return f"{names[stream]} ({busy[stream] / total:.0%} busy)"
 
 
+def _host_matched(parts, record: dict, shape_at):
+    """`parts` with the host term scaled so that the simulator reproduces the record's host
+    probe (the same layer at a few tokens, timed in the same rounds as the record), or None
+    for a record without one."""
+    from moe_engine.simulator import HostScaled, simulate_layer, single_gpu
+
+    probe_ms = record.get("host_probe_ms")
+    if not probe_ms:
+        return None
+    at_probe = simulate_layer(record["engine"], shape_at(record["host_probe_tokens"]), single_gpu(), parts,
+                              record["partitions"], record["strategy"])
+    host_ms = at_probe.busy_s["host"] * 1e3
+    device_ms = at_probe.total_s * 1e3 - host_ms
+    return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
+
+
 def validate(bench_paths: list[str], parts, printer=print) -> dict:
-    """The simulator against every record of the bench JSON files."""
+    """The simulator against every record of the bench JSON files: with the parts' host
+    cost, and (records with a host probe) with the host term matched to the probe."""
     from moe_engine.simulator import LayerShape, simulate_layer, single_gpu
 
     rows = []
@@ -399,10 +416,15 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
             printer(f"  {path}: world size {bench['meta']['world_size']}: only one-GPU records are simulated here")
             continue
         for r in bench["records"]:
-            shape = LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], r["tokens"], r["top_k"], r["activation"],
-                               2 if r["dtype"] == "bfloat16" else 4)
-            sim = simulate_layer(r["engine"], shape, single_gpu(), parts, r["partitions"], r["strategy"])
+            def shape_at(tokens, r=r):
+                return LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], tokens, r["top_k"], r["activation"],
+                                  2 if r["dtype"] == "bfloat16" else 4)
+            sim = simulate_layer(r["engine"], shape_at(r["tokens"]), single_gpu(), parts, r["partitions"],
+                                 r["strategy"])
             error = sim.total_s * 1e3 / r["fwd_bwd_ms"] - 1
+            matched_parts = _host_matched(parts, r, shape_at)
+            matched = None if matched_parts is None else simulate_layer(
+                r["engine"], shape_at(r["tokens"]), single_gpu(), matched_parts, r["partitions"], r["strategy"])
             measured_peak = r.get("peak_memory_bytes")
             memory_error = sim.peak_bytes / measured_peak - 1 if measured_peak else None
             rows.append({"source": os.path.basename(path), "model": r["model"], "tokens": r["tokens"],
@@ -412,7 +434,10 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
                          "error": error, "measured_peak_bytes": measured_peak, "simulated_peak_bytes": sim.peak_bytes,
                          "memory_error": memory_error,
                          "busy_ms": {k: v * 1e3 for k, v in sim.busy_s.items()},
-                         "term_off": _bound(sim.busy_s, sim.total_s) if abs(error) > TOLERANCE else ""})
+                         "term_off": _bound(sim.busy_s, sim.total_s) if abs(error) > TOLERANCE else "",
+                         "host_probe_ms": r.get("host_probe_ms"),
+                         "host_matched_ms": None if matched is None else matched.total_s * 1e3,
+                         "host_matched_error": None if matched is None else matched.total_s * 1e3 / r["fwd_bwd_ms"] - 1})
     return {"rows": rows, "summary": _summary(rows)}
 
 
@@ -423,6 +448,7 @@ def _summary(rows: list[dict]) -> dict:
         errors = sorted(abs(r["error"]) for r in mine)
         memory = [abs(r["memory_error"]) for r in mine if r["memory_error"] is not None]
         host_bound = [r for r in mine if r["busy_ms"]["host"] >= 0.8 * r["simulated_ms"]]
+        matched = sorted(abs(r["host_matched_error"]) for r in mine if r.get("host_matched_error") is not None)
         summary[source] = {
             "records": len(mine), "within_15pct": sum(e <= TOLERANCE for e in errors),
             "mean_abs_error": sum(errors) / len(errors), "median_abs_error": errors[len(errors) // 2],
@@ -432,6 +458,9 @@ def _summary(rows: list[dict]) -> dict:
             "host_bound_records": len(host_bound),
             "host_bound_within_15pct": sum(abs(r["error"]) <= TOLERANCE for r in host_bound),
             "device_bound_within_15pct": sum(abs(r["error"]) <= TOLERANCE for r in mine if r not in host_bound),
+            "host_matched_records": len(matched),
+            "host_matched_within_15pct": sum(e <= TOLERANCE for e in matched),
+            "host_matched_max_abs_error": matched[-1] if matched else None,
         }
     return summary
 
@@ -446,15 +475,18 @@ def validation_markdown(result: dict) -> str:
              "exceeds 15%, `term off` names the timeline that fills most of the simulated time — the term to "
              "look at (docs/simulate.md, *Validation*).", "", "## Summary", "",
              "| measurements | records | time within 15% | mean abs. error | median | max | mean signed | "
-             "host-bound (sim.) within 15% | device-bound within 15% | memory within 15% | memory max error |",
-             "|" + "---|" * 11]
+             "host-bound (sim.) within 15% | device-bound within 15% | memory within 15% | memory max error | "
+             "host matched to the probe: within 15% | its max error |",
+             "|" + "---|" * 13]
     for source, s in result["summary"].items():
         lines.append(f"| {source} | {s['records']} | {s['within_15pct']} | {s['mean_abs_error']:.1%} | "
                      f"{s['median_abs_error']:.1%} | {s['max_abs_error']:.1%} | {s['mean_signed_error']:+.1%} | "
                      f"{s['host_bound_within_15pct']} of {s['host_bound_records']} | "
                      f"{s['device_bound_within_15pct']} of {s['records'] - s['host_bound_records']} | "
                      f"{s['memory_within_15pct']} | "
-                     + ("-" if s["memory_max_abs_error"] is None else f"{s['memory_max_abs_error']:.1%}") + " |")
+                     + ("-" if s["memory_max_abs_error"] is None else f"{s['memory_max_abs_error']:.1%}") + " | "
+                     + (f"{s['host_matched_within_15pct']} of {s['host_matched_records']} | "
+                        f"{s['host_matched_max_abs_error']:.1%} |" if s.get("host_matched_records") else "- | - |"))
     spot = meta.get("spot_check")
     if spot:
         lines += ["", "## The same layers measured again", "",
@@ -471,7 +503,8 @@ def validation_markdown(result: dict) -> str:
                          f"{s['fwd_bwd_ms']:.2f} | - |")
     lines += ["", "## Every record", "",
               "| source | model | tokens | engine | chosen by | n | strategy | measured ms | simulated ms | error | "
-              "measured MiB | simulated MiB | memory error | term off |", "|" + "---|" * 14]
+              "measured MiB | simulated MiB | memory error | term off | host probe ms | simulated, host matched | "
+              "error |", "|" + "---|" * 17]
     for r in result["rows"]:
         flag = "**" if abs(r["error"]) > TOLERANCE else ""
         lines.append(
@@ -479,8 +512,15 @@ def validation_markdown(result: dict) -> str:
             f"{r['strategy']} | {r['measured_ms']:.2f} | {r['simulated_ms']:.2f} | {flag}{r['error']:+.1%}{flag} | "
             + ("-" if r["measured_peak_bytes"] is None else f"{r['measured_peak_bytes'] / 2**20:.0f}")
             + f" | {r['simulated_peak_bytes'] / 2**20:.0f} | "
-            + ("-" if r["memory_error"] is None else f"{r['memory_error']:+.1%}") + f" | {r['term_off']} |")
+            + ("-" if r["memory_error"] is None else f"{r['memory_error']:+.1%}") + f" | {r['term_off']} | "
+            + (f"{r['host_probe_ms']:.2f} | {r['host_matched_ms']:.2f} | {_flagged(r['host_matched_error'])} |"
+               if r.get("host_matched_ms") is not None else "- | - | - |"))
     return "\n".join(lines) + "\n"
+
+
+def _flagged(error: float) -> str:
+    flag = "**" if abs(error) > TOLERANCE else ""
+    return f"{flag}{error:+.1%}{flag}"
 
 
 def _spot_check(parts, bench_paths: list[str]) -> list:

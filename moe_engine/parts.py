@@ -75,6 +75,14 @@ class HostCost:
         return self.backward_fixed_s + self.backward_per_partition_s * n
 
 
+def _scaled_curves(curves: dict, scale: float) -> dict:
+    """Every time series of a measured curve (nested ones too) times `scale`; the sizes
+    ("rows") as they are."""
+    return {name: value if name == "rows" else
+            _scaled_curves(value, scale) if isinstance(value, dict) else [v * scale for v in value]
+            for name, value in curves.items()}
+
+
 def _line(ns: list, ys: list) -> tuple[float, float]:
     """Least-squares (intercept, slope) of ys over ns; slope 0 for one point."""
     if len(ns) == 1:
@@ -133,8 +141,7 @@ class GpuParts:
             return int(d) * int(h)
         nearest = min(self.ffn, key=lambda k: abs(math.log(flops(k) / (d_model * d_hidden))))
         scale = d_model * d_hidden / flops(nearest)
-        base = self.ffn[nearest]
-        return {"rows": base["rows"], **{name: [v * scale for v in base[name]] for name in base if name != "rows"}}
+        return _scaled_curves(self.ffn[nearest], scale)
 
     def ffn_s(self, phase: str, rows: int, d_model: int, d_hidden: int, activation: str = "gelu") -> float:
         """Device seconds of one expert's FFN `phase` (gemm1, forward, backward,

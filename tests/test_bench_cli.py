@@ -30,6 +30,14 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
         for record in records:
             assert record["fwd_bwd_ms"] > 0 and record["world_size"] == 2
             assert record["all_to_all_ms"] > 0 and record["expert_ms"] > 0
+            if record["chosen_by"] != "auto":
+                assert record["host_probe_ms"] > 0 and record["host_probe_tokens"] == 64
+        # the automatic layer is not probed itself (its search would start at 64 tokens):
+        # it carries the probe of the grid layer it settled on, if the grid has that one
+        auto = next(r for r in records if r["chosen_by"] == "auto")
+        twin = [r for r in records if r["chosen_by"] == "grid" and
+                (r["partitions"], r["strategy"]) == (auto["partitions"], auto["strategy"])]
+        assert auto.get("host_probe_ms") == (twin[0]["host_probe_ms"] if twin else None)
     summaries = {s["routing"]: s for s in result["summaries"]}
     assert summaries["skewed"]["hot_expert_share"] > 0.25 > summaries["uniform"]["hot_expert_share"]
     for s in summaries.values():

@@ -293,3 +293,42 @@ def test_report_section_plots_simulations(tmp_path):
     assert (tmp_path / "simulate.png").exists()
     assert any("| gpt-xl | 16384 | dgx-a100 | uniform | 32 |" in line for line in lines)
     assert "No data" in "\n".join(section_simulations([], str(tmp_path)))
+
+
+def test_an_unmeasured_shape_scales_every_curve_of_the_nearest_one_by_flops(parts):
+    """A 512x2048 layer was not measured: its FFN curves (FastMoE's per-L curves too) are
+    the 1024x4096 ones times the FLOP ratio, 1/4."""
+    for phase in ("forward", "backward"):
+        assert parts.ffn_s(phase, 4096, 512, 2048) == pytest.approx(parts.ffn_s(phase, 4096, 1024, 4096) / 4)
+        assert parts.autograd_ffn_s(phase, 4096, 8, 512, 2048) == pytest.approx(
+            parts.autograd_ffn_s(phase, 4096, 8, 1024, 4096) / 4)
+
+
+def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tmp_path):
+    """A record's host probe (the same layer at 64 tokens, timed beside it) scales the host
+    term so that the simulator gives the probe's time at 64 tokens; at the record's own size
+    the matched simulation is what the validation reports beside the plain one."""
+    from app.simulate import _host_matched
+    from moe_engine.simulator import LayerShape, simulate_layer, single_gpu
+
+    with open("results/bench-h200.json") as f:
+        bench = json.load(f)
+    record = next(r for r in bench["records"] if r["model"] == "gpt-s" and r["tokens"] == 4096
+                  and r["chosen_by"] == "grid" and r["partitions"] == 4 and r["strategy"] == "S3")
+
+    def shape_at(tokens):
+        return LayerShape(1024, 4096, 8, tokens, 2, "gelu", 2)
+
+    plain = simulate_layer("mpipemoe", shape_at(64), single_gpu(), parts, 4, "S3").total_s * 1e3
+    for probe_ms in (0.5 * plain, 2.0 * plain):
+        matched = _host_matched(parts, dict(record, host_probe_ms=probe_ms, host_probe_tokens=64), shape_at)
+        at_probe = simulate_layer("mpipemoe", shape_at(64), single_gpu(), matched, 4, "S3").total_s * 1e3
+        assert at_probe == pytest.approx(probe_ms, rel=0.03)
+    assert _host_matched(parts, record, shape_at) is None  # the committed record has no probe
+
+    path = tmp_path / "bench.json"
+    bench["records"] = [dict(record, host_probe_ms=2.0 * plain, host_probe_tokens=64)]
+    path.write_text(json.dumps(bench))
+    row = validate([str(path)], parts, printer=lambda *_: None)["rows"][0]
+    assert row["host_matched_ms"] > row["simulated_ms"]  # a slower host than the parts' one
+    assert row["host_matched_error"] == pytest.approx(row["host_matched_ms"] / row["measured_ms"] - 1)
