@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Regenerates every simulator record docs/simulate.md quotes, from the committed parts
+# (results/sim-parts-h200.json) and the committed one-GPU benchmarks, on any machine
+# (the simulator needs no GPU). Run from the repository root after new parts or records:
+#   bash tools/simulate-answers.sh
+set -eu
+sim=(.venv/bin/mpipemoe simulate --tracking-uri none)
+[ -x .venv/bin/mpipemoe ] || sim=(python3 -m app.cli simulate --tracking-uri none)
+tokens=1024,1408,2048,2880,4096,5760,8192,11584,16384,23168,32768,46336,65536,92672,131072
+"${sim[@]}" --validate results/bench-h200-probe.json --validate results/bench-h200-probe-rerun.json \
+    --out results/simulate-validation.json
+"${sim[@]}" --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 4096,8192,16384,32768 --step \
+    --out results/simulate-8x8-gpt-xl.json
+"${sim[@]}" --model gpt-xl --sweep-nodes 1,8,32 --tokens $tokens --out results/simulate-best-n-gpt-xl.json
+"${sim[@]}" --model gpt-xl --sweep-nodes 1,8,32 --tokens $tokens --routing hot:0.3 \
+    --out results/simulate-best-n-gpt-xl-hot.json
+"${sim[@]}" --model gpt-xl --tokens 4096,16384 --sweep-nodes 1,2,4,8,16,32,64 --out results/simulate-sweep-gpt-xl.json
+"${sim[@]}" --model gpt-xl --tokens 4096,16384 --sweep-nodes 1,2,4,8,16,32,64 --hierarchical \
+    --out results/simulate-sweep-gpt-xl-hierarchical.json
