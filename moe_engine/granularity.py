@@ -72,6 +72,7 @@ class ActiveSearch:
     call: int = 0
     samples: dict = field(default_factory=dict)   # n -> [PassTiming]
     checked_after: int = 0                        # candidates timed when last checked for a cut
+    device: torch.device | None = None            # the timed passes' data device (set by timing_for_pass)
 
     def current(self) -> int:
         return self.candidates[self.call // self.calls_per_candidate]
@@ -143,10 +144,14 @@ class GranularitySearch:
         return [c for c in candidates if c >= floor] or [max(self.candidates)]
 
     def timing_for_pass(self, n: int, device: torch.device) -> PassTiming | None:
-        """A stopwatch pair for this pass when the search is measuring it."""
+        """A stopwatch pair for this pass when the search is measuring it.
+
+        device: the pass's data device; the search's agreement (an all-reduce of the
+        timings) runs on it, since NCCL process groups reject CPU tensors."""
         search = self.active
         if search is None:
             return None
+        search.device = torch.device(device)
         search.call += 1
         if (search.call - 1) % search.calls_per_candidate < self.warmup:
             return None
@@ -210,13 +215,17 @@ class GranularitySearch:
 
     @staticmethod
     def _agreed_means(search: ActiveSearch, candidates: list[int], group: ExpertGroup) -> list[float]:
-        """Collective. Mean seconds per candidate, slowest rank's; inf where nothing was timed."""
+        """Collective. Mean seconds per candidate, slowest rank's; inf where nothing was timed.
+        The all-reduce runs on the timed passes' device (NCCL rejects CPU tensors)."""
+        if search.device is None:  # unreachable from choose: the search only advances in timing_for_pass
+            raise RuntimeError(f"granularity search for {search.tokens} tokens has no device: call "
+                               f"timing_for_pass(n, device) for each pass after choose")
         means = []
         for n in candidates:
             seconds = [t.seconds() for t in search.samples.get(n, [])]
             seconds = [s for s in seconds if s is not None]
             means.append(sum(seconds) / len(seconds) if seconds else math.inf)
-        return group.all_reduce_max(torch.tensor(means, dtype=torch.float64)).tolist()
+        return group.all_reduce_max(torch.tensor(means, dtype=torch.float64, device=search.device)).tolist()
 
     def _maybe_cut_short(self, group: ExpertGroup) -> None:
         """At the start of a candidate (the same pass on every rank): stop timing larger n

@@ -235,3 +235,27 @@ def test_ranks_cut_the_search_at_the_same_pass():
     results = run_on_ranks(2, _cut_on_ranks)
     assert results[0] == results[1]
     assert results[0][0] == [1, 2, 1, 1] and "search cut short" in results[0][1]
+
+
+class RecordingGroup(ExpertGroup):
+    """One process; records the device of each all-reduce's tensor and answers zeros."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.devices = []
+
+    def all_reduce_max(self, values):
+        self.devices.append(values.device)
+        return torch.zeros(values.shape, dtype=values.dtype)
+
+
+def test_the_agreement_runs_on_the_timed_passes_device():
+    # NCCL rejects CPU tensors: the all-reduce of the timings must be on the data's device
+    # ("meta" stands in for a GPU: it is not the default device, and holds no data).
+    search = ScriptedSearch(one_gpu_like, candidates=(1, 2, 4), warmup=0, repeats=1)
+    group = RecordingGroup()
+    for _ in range(4):
+        n = search.choose(4096, 0, group)
+        search.timing_for_pass(n, torch.device("meta"))
+    assert group.devices and all(d == torch.device("meta") for d in group.devices), group.devices
+    assert search.decisions[-1]["event"] == "chose"
