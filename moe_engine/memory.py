@@ -88,6 +88,14 @@ class HostBufferPool:
     Sizes are rounded up to a power of two so buffers are reused across steps
     whose token counts differ a little.
 
+    A buffer can go back while a copy that reads it is still queued on a CUDA stream
+    (backward's host-to-device restore): `give_back(buffer, in_use_until=event)` with
+    the event recorded after that copy. `take` never hands such a buffer out unordered:
+    it makes the taker's `stream` wait for the event (the writer's copy then runs after
+    the reader's), or, with no stream, waits for the event on the host. Without this, a
+    later offload (another layer's copy stream, when layers share the pool) could
+    overwrite data not yet restored.
+
     available_bytes: returns the host bytes free now (default `available_host_memory`;
                      pass your own to test or to account for other users of the host).
     usable_fraction: the share of those bytes this pool may take when it grows; the
@@ -103,14 +111,27 @@ class HostBufferPool:
                              f"e.g. 0.8 / (ranks per node)")
         self.available_bytes = available_bytes
         self.usable_fraction = usable_fraction
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        # (dtype, capacity) -> [(buffer, event after the last queued copy reading it, or None)]
+        self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self.bytes_allocated = 0
 
-    def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, pin: bool,
+             stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Local. A buffer of at least ``numel`` elements that no one holds and no queued
+        copy still reads: a free one whose copies are done if there is one, else the
+        oldest free one with ``stream`` (the CUDA stream that will write it) made to wait
+        for its copies, or, with ``stream=None``, after waiting for them on the host."""
         capacity = _capacity(numel)
         free = self._free.get((dtype, capacity))
         if free:
-            return free.pop()
+            done = [i for i, (_, event) in enumerate(free) if event is None or event.query()]
+            buffer, event = free.pop(done[-1] if done else 0)
+            if not done:
+                if stream is not None:
+                    stream.wait_event(event)
+                else:
+                    event.synchronize()
+            return buffer
         buffer = torch.empty(capacity, dtype=dtype, pin_memory=pin)
         self.bytes_allocated += buffer.numel() * buffer.element_size()
         return buffer
@@ -118,7 +139,7 @@ class HostBufferPool:
     def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]]) -> int:
         """Bytes the pool would allocate to serve ``requests`` ((numel, dtype) pairs) now,
         after reusing its free buffers."""
-        free = {key: len(buffers) for key, buffers in self._free.items()}
+        free = {key: len(entries) for key, entries in self._free.items()}
         grow = 0
         for numel, dtype in requests:
             key = (dtype, _capacity(numel))
@@ -132,17 +153,19 @@ class HostBufferPool:
         """Host bytes this pool may still take now: ``usable_fraction`` of what is available."""
         return int(self.available_bytes() * self.usable_fraction)
 
-    def give_back(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+    def give_back(self, buffer: torch.Tensor, in_use_until: torch.cuda.Event | None = None) -> None:
+        """Local. Return ``buffer`` for reuse. in_use_until: a CUDA event recorded after the
+        last queued copy that reads ``buffer`` (None when no copy is pending)."""
+        self._free.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, in_use_until))
 
     @property
     def free_buffers(self) -> int:
-        return sum(len(v) for v in self._free.values())
+        return sum(len(entries) for entries in self._free.values())
 
     @property
     def bytes_free(self) -> int:
         """Bytes of the buffers given back and not taken again (all of them between steps)."""
-        return sum(b.numel() * b.element_size() for buffers in self._free.values() for b in buffers)
+        return sum(b.numel() * b.element_size() for entries in self._free.values() for b, _ in entries)
 
 
 # -- memory model (DESIGN.md §5; derivation in docs/engine.md) ---------------------------

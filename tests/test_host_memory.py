@@ -5,6 +5,7 @@ The available-memory source is injected (``HostBufferPool(available_bytes=...)``
 tests force the fallback without touching the machine's memory.
 """
 import logging
+import random
 
 import pytest
 import torch
@@ -111,3 +112,122 @@ def test_one_short_rank_moves_every_rank_to_s4():
     (s0, reason0, bytes0), (s1, reason1, bytes1) = run_on_ranks(2, _one_rank_short, collective_timeout_s=30)
     assert s0 == s1 == "S4" and bytes0 == bytes1 == 0
     assert "more bytes of host memory" in reason0 and "does not fit on another rank" in reason1
+
+
+# -- buffers whose host-to-device copy is still queued --------------------------------------
+
+class FakeEvent:
+    """A CUDA event stand-in: pending until `synchronize` (or ``done=True``)."""
+
+    def __init__(self, done=False):
+        self.done = done
+        self.synchronized = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.synchronized = self.done = True
+
+
+class FakeStream:
+    """A CUDA stream stand-in that records the events it was made to wait for."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_a_buffer_whose_copy_is_pending_orders_its_taker_after_the_copy():
+    pool = HostBufferPool()
+    buffer = pool.take(100, torch.float32, pin=False)
+    copy = FakeEvent()
+    pool.give_back(buffer, in_use_until=copy)
+    assert pool.free_buffers == 1 and pool.bytes_free == 128 * 4
+    assert pool.bytes_to_grow([(100, torch.float32)]) == 0
+    writer = FakeStream()
+    assert pool.take(100, torch.float32, pin=False, stream=writer) is buffer
+    assert writer.waited == [copy] and not copy.synchronized   # ordered on the device, host not blocked
+    copy = FakeEvent()
+    pool.give_back(buffer, in_use_until=copy)
+    assert pool.take(100, torch.float32, pin=False) is buffer   # no stream: the host waits
+    assert copy.synchronized
+
+
+def test_a_buffer_whose_copy_is_done_is_preferred_and_needs_no_wait():
+    pool = HostBufferPool()
+    busy, idle, bare = (pool.take(100, torch.float32, pin=False) for _ in range(3))
+    busy_copy, idle_copy = FakeEvent(), FakeEvent(done=True)
+    pool.give_back(busy, in_use_until=busy_copy)
+    pool.give_back(idle, in_use_until=idle_copy)
+    pool.give_back(bare)
+    writer = FakeStream()
+    assert {id(pool.take(100, torch.float32, pin=False, stream=writer)) for _ in range(2)} == {id(idle), id(bare)}
+    assert writer.waited == [] and not busy_copy.synchronized
+    assert pool.take(100, torch.float32, pin=False, stream=writer) is busy and writer.waited == [busy_copy]
+    assert pool.free_buffers == 0 and pool.bytes_allocated == 3 * 128 * 4
+
+
+def test_the_pool_never_hands_out_a_pending_buffer_unordered():
+    """Random give-backs (copy pending, done or none) and takes (on a stream or the host):
+    each buffer taken while its copy is pending was ordered after that copy."""
+    rng = random.Random(0)
+    pool = HostBufferPool()
+    held = [pool.take(100, torch.float32, pin=False) for _ in range(6)]
+    copies = {}                                   # id(buffer) -> the event it went back with
+    for _ in range(400):
+        if not pool.free_buffers or (held and rng.random() < 0.5):
+            buffer = held.pop(rng.randrange(len(held)))
+            copies[id(buffer)] = rng.choice((None, FakeEvent(), FakeEvent(done=True)))
+            pool.give_back(buffer, in_use_until=copies[id(buffer)])
+        else:
+            for event in copies.values():       # some queued copies finish meanwhile
+                if event is not None and rng.random() < 0.2:
+                    event.done = True
+            stream = rng.choice((None, FakeStream()))
+            pending_before = {key: event is not None and not event.done for key, event in copies.items()}
+            buffer = pool.take(rng.choice((65, 100, 128)), torch.float32, pin=False, stream=stream)
+            event = copies.pop(id(buffer), None)
+            if pending_before.get(id(buffer)):
+                assert (stream is not None and stream.waited == [event]) or (stream is None and event.synchronized)
+            else:
+                assert stream is None or stream.waited == []
+            held.append(buffer)
+    assert pool.bytes_allocated == 6 * 128 * 4   # every take reused a free buffer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("taker", ["stream", "host"])
+def test_a_queued_restore_reads_the_data_it_was_given(taker):
+    """Stream A restores a pooled pinned buffer to the device behind a long kernel; the
+    buffer goes back with an event and is taken again at once, then overwritten (on stream
+    B, or by the host). The restore must still read the original data."""
+    device = torch.device("cuda")
+    numel = 1 << 20
+    pool = HostBufferPool()
+    original = torch.arange(numel, dtype=torch.float32)
+    host = pool.take(numel, torch.float32, pin=True)
+    host.copy_(original)
+    restored = torch.empty(numel, device=device)
+    newer = torch.full((numel,), -1.0, device=device)
+    a, b = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    a.wait_stream(torch.cuda.current_stream(device))
+    b.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(50_000_000)             # the restore queues behind ~tens of ms of work
+        restored.copy_(host, non_blocking=True)
+        restore_done = a.record_event()
+    pool.give_back(host, in_use_until=restore_done)
+    if taker == "stream":
+        reused = pool.take(numel, torch.float32, pin=True, stream=b)
+        with torch.cuda.stream(b):
+            reused.copy_(newer, non_blocking=True)  # the next offload
+    else:
+        reused = pool.take(numel, torch.float32, pin=True)
+        reused.fill_(-1.0)
+    assert reused.data_ptr() == host.data_ptr()
+    torch.cuda.synchronize(device)
+    assert torch.equal(restored.cpu(), original), "the restore read data written after the buffer went back"
+    assert torch.equal(reused, torch.full((numel,), -1.0))
