@@ -5,10 +5,13 @@ same inputs and parameters (DESIGN.md §7).
     mpipemoe bench --model gpt-xl --tokens 4096,8192,16384,32768      # on a GPU (bf16)
     mpipemoe bench --model gpt-s --world-size 2      # 2 processes (NCCL on 2 GPUs, gloo on CPU)
     mpipemoe bench --import results/bench-h200.json  # log records made elsewhere to MLflow
+    mpipemoe bench --model gpt-s --activation swiglu --no-bias --peers torchtitan  # beside torchtitan's layer
 
 For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeMoE
-with partitions="auto" and strategy="auto" (after its online search settles), and an
-exhaustive grid of MPipeMoE over partitions × strategies. All of a point's layers are
+with partitions="auto" and strategy="auto" (after its online search settles), an
+exhaustive grid of MPipeMoE over partitions × strategies, the dense-GEMM floor of the
+same routed work and, with --peers, other libraries' layers on the same inputs and
+weights (app/peers.py). All of a point's layers are
 timed together in interleaved rounds (`--rounds`, each a warm-up and `--repeats` timed
 steps of every layer in turn) and each one's time is the median over rounds, so a
 slow spell of the machine falls on every engine alike. It measures peak memory
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.records import record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
@@ -64,6 +68,8 @@ class BenchSettings:
     rounds: int = 5
     world_size: int = 1
     routings: tuple = ("uniform",)
+    bias: bool = True       # expert FFN biases b1, b2 (MoEConfig.bias); --no-bias drops them
+    peers: tuple = ()       # other libraries' layers timed beside ours (app/peers.py)
 
     def __post_init__(self):
         for m in self.models:
@@ -83,6 +89,7 @@ class BenchSettings:
             raise ValueError(f"--warmup {self.warmup} is invalid: give 0 or more")
         if self.num_experts % self.world_size:
             raise ValueError(f"--experts {self.num_experts} must be a multiple of --world-size {self.world_size}")
+        check_peers(self.peers, activation=self.activation, bias=self.bias, world_size=self.world_size)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -98,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default 8)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
+    parser.add_argument("--no-bias", action="store_true", help="expert FFNs without biases b1, b2")
+    parser.add_argument("--peers", default="", help=f"comma list of other layers to time beside ours: "
+                        f"{', '.join(PEERS)} (needs --world-size 1, --activation swiglu, --no-bias; default none)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
     parser.add_argument("--partitions", default="1,2,4,8", help="grid of MPipeMoE partitions")
     parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
@@ -138,16 +148,20 @@ def settle_and_measure_memory(layer, x, grad_y, device) -> dict:
                 break
     _step(layer, x, grad_y)
     synchronize(device)
-    peak = None
-    if device.type == "cuda":
-        layer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        _step(layer, x, grad_y)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - baseline
-    return {"peak_memory_bytes": peak}
+    layer.zero_grad(set_to_none=True)
+    return {"peak_memory_bytes": peak_memory_bytes(lambda: _step(layer, x, grad_y), device)}
+
+
+def peak_memory_bytes(step, device) -> int | None:
+    """Peak CUDA memory of one call of `step` above what is allocated before it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline
 
 
 # The host probe: the same layer at so few tokens that the device has almost nothing to do,
@@ -161,11 +175,13 @@ def probe_inputs(x: torch.Tensor, grad_y: torch.Tensor) -> tuple[torch.Tensor, t
     return x[::stride][:HOST_PROBE_TOKENS].contiguous(), grad_y[::stride][:HOST_PROBE_TOKENS].contiguous()
 
 
-def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, device) -> list[dict]:
+def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, device,
+                extra: tuple = ()) -> list[dict]:
     """Forward+backward time of every layer, timed in interleaved rounds (timing.time_interleaved):
     the median over rounds and the spread between rounds; for the layers marked in `probed`
     also the host probe, timed in the same rounds right after its layer (`host_probe_ms`), so
-    both see the machine in the same state."""
+    both see the machine in the same state. `extra` callables (the dense floor) are timed in
+    the same rounds; their results follow the layers'."""
     x_probe, grad_probe = probe_inputs(x, grad_y)
     fns, slots = [], []
     for layer, probe in zip(layers, probed):
@@ -173,6 +189,9 @@ def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, 
         slots.append((len(fns) - 1, len(fns) if probe else None))
         if probe:
             fns.append(lambda layer=layer: _step(layer, x_probe, grad_probe))
+    for fn in extra:
+        fns.append(fn)
+        slots.append((len(fns) - 1, None))
     timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
     results = []
     for main, probe in slots:
@@ -263,7 +282,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                 log) -> list:
     d_model, d_hidden = LAYER_SHAPES[model]
     dtype = settings.torch_dtype(device)
-    config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation)
+    config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation,
+                       bias=settings.bias)
     torch.manual_seed(0)
     source = FastMoE(config, group.group, device=device, dtype=dtype)
     x = layer_inputs(tokens, source.router.weight.detach(), routing)
@@ -288,21 +308,34 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
         layers.append(layer)
+    # Peers (app/peers.py) copy the source's weights into their own layout themselves.
+    for peer in settings.peers:
+        variants.append((peer, "peer", None))
+        layers.append(build_peer(peer, config, source, device, dtype))
+        memories.append(settle_and_measure_memory(layers[-1], x, grad_y, device))
+    floor = dense_floor_step(config, tokens, device, dtype)
+    floor()
+    floor_memory = {"peak_memory_bytes": peak_memory_bytes(floor, device)}
     # The automatic layer is not probed: a pass at another token count would start its search
-    # there. Its record takes the probe of the grid layer it settled on.
-    times = time_layers(layers, [chosen_by != "auto" for _, chosen_by, _ in variants], x, grad_y, settings, device)
+    # there. Its record takes the probe of the grid layer it settled on. Peers are not probed
+    # (the probe is for the simulator, which models our engines only).
+    times = time_layers(layers, [chosen_by not in ("auto", "peer") for _, chosen_by, _ in variants], x, grad_y,
+                        settings, device, extra=(floor,))
+    variants.append(("dense-floor", "floor", None))
+    memories.append(floor_memory)
     records = []
-    for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers, memories, times):
+    for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers + [None], memories, times):
         n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
         strategy = getattr(layer, "last_strategy", None) or "none"
-        predicted_memory = predict_memory(config, tokens, group.size, n if engine != "fastmoe" else 1, strategy,
-                                          engine=engine, dtype=dtype).peak_bytes
+        predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
+            config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
+            dtype=dtype).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
-                  "top_k": settings.top_k, "activation": settings.activation}
+                  "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias}
         if engine == "mpipemoe":
             record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
                                                                          dtype).total_s
@@ -316,7 +349,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
             if twin:
                 record.update(host_probe_ms=twin["host_probe_ms"], host_probe_tokens=twin["host_probe_tokens"])
         log(record)
-    del layers
+    del layers, floor
     if device.type == "cuda":
         torch.cuda.empty_cache()
     efficiency = expert_gemm_efficiency(config, tokens, config.experts_per_rank(group.size), device, dtype, settings)
@@ -381,6 +414,7 @@ def summarize(records: list) -> list:
                 lean = min(cheapest, key=lambda r: r["peak_memory_bytes"])
                 summary["leanest_memory_ratio_vs_none"] = lean["peak_memory_bytes"] / max(
                     r["peak_memory_bytes"] for r in keep)
+        summary.update(peer_summary(point))
         summaries.append(summary)
     return summaries
 
@@ -441,7 +475,8 @@ def markdown_table(result: dict) -> str:
             f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
             f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
             f"{fmt(s.get('expert_gemm_efficiency'), '.0%')} |")
-    lines += ["", "## Every measurement", "",
+    lines += [""] + peer_table(result["summaries"])
+    lines += ["## Every measurement", "",
               "| model | routing | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB |",
               "|" + "---|" * 11]
     for r in result["records"]:
@@ -449,7 +484,8 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['model']} | {r.get('routing', 'uniform')} | {r['tokens']} | {r['engine']} | "
                      f"{r['chosen_by']} | {r['partitions']} | "
                      f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
-                     f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | {r['predicted_memory_bytes'] / 2**20:.0f} |")
+                     f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | "
+                     f"{fmt(r.get('predicted_memory_bytes') and r['predicted_memory_bytes'] / 2**20, '.0f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -512,7 +548,7 @@ def run_bench(settings: BenchSettings, printer=print) -> list:
 
 def _progress_line(r: dict) -> str:
     peak = r.get("peak_memory_bytes")
-    return (f"  {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<9} {r['chosen_by']:<8} n={r['partitions']:<2} "
+    return (f"  {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<11} {r['chosen_by']:<8} n={r['partitions']:<2} "
             f"{r['strategy']:<4}  {r['fwd_bwd_ms']:9.2f} ms  "
             f"{'' if peak is None else f'peak {peak / 2**20:8.0f} MiB'}")
 
@@ -563,11 +599,13 @@ def run(args) -> int:
         partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
         grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
         world_size=args.world_size,
-        routings=tuple(_split(args.routing)))
+        routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)))
+    require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
     print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
           f"{settings.world_size} × {device}: FastMoE, FasterMoE, MPipeMoE auto"
-          f"{' and the n × strategy grid' if settings.grid else ''}...", flush=True)
+          f"{' and the n × strategy grid' if settings.grid else ''}"
+          f"{''.join(', ' + peer for peer in settings.peers)}, the dense floor...", flush=True)
     started = time.time()
     records = run_bench(settings, printer=lambda line: print(line, flush=True))
     result = {"meta": {**record_meta("bench", on_gpu), "device": device, "world_size": settings.world_size,

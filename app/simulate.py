@@ -404,9 +404,10 @@ def _host_matched(parts, record: dict, shape_at):
 
 
 def validate(bench_paths: list[str], parts, printer=print) -> dict:
-    """The simulator against every record of the bench JSON files: with the parts' host
-    cost, and (records with a host probe) with the host term matched to the probe."""
-    from moe_engine.simulator import LayerShape, simulate_layer, single_gpu
+    """The simulator against every record of the bench JSON files (our engines' records;
+    peers and the dense floor are not simulated): with the parts' host cost, and (records
+    with a host probe) with the host term matched to the probe."""
+    from moe_engine.simulator import ENGINES, LayerShape, simulate_layer, single_gpu
 
     rows = []
     for path in bench_paths:
@@ -416,6 +417,9 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
             printer(f"  {path}: world size {bench['meta']['world_size']}: only one-GPU records are simulated here")
             continue
         for r in bench["records"]:
+            if r["engine"] not in ENGINES:
+                continue
+
             def shape_at(tokens, r=r):
                 return LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], tokens, r["top_k"], r["activation"],
                                   2 if r["dtype"] == "bfloat16" else 4)

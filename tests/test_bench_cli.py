@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from app.bench import BenchSettings, layer_inputs, overlap_bound_ms, pipeline_stages, targets
+from app.bench import BenchSettings, layer_inputs, markdown_table, overlap_bound_ms, pipeline_stages, summarize, \
+    targets
 from app.cli import main
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup
@@ -24,13 +25,14 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     for routing in ("uniform", "skewed"):
         records = [r for r in result["records"] if r["routing"] == routing]
         chosen = sorted((r["engine"], r["chosen_by"]) for r in records if r["chosen_by"] != "grid")
-        assert chosen == [("fastermoe", "baseline"), ("fastmoe", "baseline"), ("mpipemoe", "auto")]
+        assert chosen == [("dense-floor", "floor"), ("fastermoe", "baseline"), ("fastmoe", "baseline"),
+                          ("mpipemoe", "auto")]
         grid = {(r["partitions"], r["strategy"]) for r in records if r["chosen_by"] == "grid"}
         assert grid == {(1, "none"), (1, "S3"), (2, "none"), (2, "S3")}
         for record in records:
             assert record["fwd_bwd_ms"] > 0 and record["world_size"] == 2
             assert record["all_to_all_ms"] > 0 and record["expert_ms"] > 0
-            if record["chosen_by"] != "auto":
+            if record["chosen_by"] not in ("auto", "floor"):
                 assert record["host_probe_ms"] > 0 and record["host_probe_tokens"] == 64
         # the automatic layer is not probed itself (its search would start at 64 tokens):
         # it carries the probe of the grid layer it settled on, if the grid has that one
@@ -91,3 +93,60 @@ def test_unknown_routing_is_refused_naming_the_option():
 def test_timing_counts_are_checked_naming_the_option(field, value):
     with pytest.raises(ValueError, match=f"--{field} {value} is invalid"):
         BenchSettings(models=["tiny"], tokens=[64], **{field: value})
+
+
+def test_bench_times_the_dense_floor_in_the_same_rounds(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--tokens", "64", "--activation", "swiglu", "--no-bias", "--partitions", "1",
+                 "--strategies", "none,S4", "--warmup", "0", "--repeats", "1", "--rounds", "2",
+                 "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["settings"]["bias"] is False and result["meta"]["settings"]["peers"] == []
+    (floor,) = [r for r in result["records"] if r["engine"] == "dense-floor"]
+    assert floor["chosen_by"] == "floor" and floor["fwd_bwd_ms"] > 0 and floor["predicted_memory_bytes"] is None
+    assert all(r["bias"] is False for r in result["records"])
+    (summary,) = result["summaries"]
+    n1 = next(r for r in result["records"] if r["chosen_by"] == "grid" and r["partitions"] == 1
+              and r["strategy"] == "none")
+    assert summary["n1_vs_dense_floor"] == pytest.approx(n1["fwd_bwd_ms"] / floor["fwd_bwd_ms"])
+    assert summary["fastmoe_vs_mpipemoe_n1"] > 0 and "mpipemoe_n1_vs_torchtitan" not in summary
+    table = out.with_suffix(".md").read_text()
+    assert "## Against torchtitan and the dense-GEMM floor" in table and "| dense-floor | floor |" in table
+
+
+def _synthetic(engine, chosen_by, ms, peak, partitions=1, strategy="none"):
+    return {"engine": engine, "chosen_by": chosen_by, "model": "gpt-s", "routing": "uniform", "tokens": 4096,
+            "partitions": partitions, "strategy": strategy, "fwd_bwd_ms": ms, "fwd_bwd_ms_std": 0.1,
+            "peak_memory_bytes": peak, "predicted_memory_bytes": None if chosen_by in ("peer", "floor") else peak,
+            "expert_gemm_efficiency": 0.9}
+
+
+def test_summary_compares_with_torchtitan_and_the_floor_from_synthetic_records():
+    mib = 2 ** 20
+    records = [_synthetic("fastmoe", "baseline", 12.0, 900 * mib), _synthetic("fastermoe", "baseline", 11.0, 900 * mib),
+               _synthetic("mpipemoe", "auto", 10.0, 1000 * mib),
+               _synthetic("mpipemoe", "grid", 10.0, 1000 * mib), _synthetic("mpipemoe", "grid", 10.5, 900 * mib, 2),
+               _synthetic("mpipemoe", "grid", 11.0, 450 * mib, 2, "S3"),
+               _synthetic("mpipemoe", "grid", 9.0, 700 * mib, 2, "S1"),
+               _synthetic("mpipemoe", "grid", 14.0, 300 * mib, 4, "S4"),
+               _synthetic("torchtitan", "peer", 8.0, 1000 * mib), _synthetic("dense-floor", "floor", 5.0, 200 * mib)]
+    (summary,) = summarize(records)
+    assert summary["mpipemoe_n1_vs_torchtitan"] == pytest.approx(10 / 8)
+    assert summary["fastmoe_vs_mpipemoe_n1"] == pytest.approx(12 / 10)
+    assert summary["n1_vs_dense_floor"] == pytest.approx(10 / 5)
+    # lean: the fastest S1-S4 setting at <= half torchtitan's peak (S1 is faster but too big)
+    assert summary["lean_setting"] == "2/S3" and summary["lean_vs_torchtitan"] == pytest.approx(11 / 8)
+    assert summary["lean_memory_vs_torchtitan"] == pytest.approx(0.45)
+    assert summary["speedup_vs_fastmoe"] == pytest.approx(1.2)  # the existing fields are unchanged
+    meta = {"device": "H200", "world_size": 1, "date": "d", "command": "c", "torch": "t", "python": "p"}
+    table = markdown_table({"meta": meta, "records": records, "summaries": [summary]})
+    assert "| gpt-s | uniform | 4096 | 10.00 | 8.00 | 5.00 | 1.25 | 1.20 | 2.00 | 1.00 | 2/S3 | 1.38 | 0.45 |" in table
+    assert "| gpt-s | uniform | 4096 | torchtitan | peer | 1 | none | 8.00 | 0.10 | 1000 | – |" in table
+
+
+def test_peers_need_one_rank_naming_the_option():
+    with pytest.raises(ValueError, match=r"world size 2 \(give --world-size 1"):
+        BenchSettings(models=["tiny"], tokens=[64], activation="swiglu", bias=False, peers=("torchtitan",),
+                      world_size=2)
+    with pytest.raises(ValueError, match=r"--peers 'deepspeed' is unknown"):
+        BenchSettings(models=["tiny"], tokens=[64], peers=("deepspeed",))

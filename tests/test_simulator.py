@@ -332,3 +332,16 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
     row = validate([str(path)], parts, printer=lambda *_: None)["rows"][0]
     assert row["host_matched_ms"] > row["simulated_ms"]  # a slower host than the parts' one
     assert row["host_matched_error"] == pytest.approx(row["host_matched_ms"] / row["measured_ms"] - 1)
+
+
+def test_validation_skips_the_records_of_peers_and_the_dense_floor(parts, tmp_path):
+    """bench --peers adds torchtitan and dense-floor records; the simulator models our engines only."""
+    with open("results/bench-h200.json") as f:
+        bench = json.load(f)
+    ours = bench["records"][:2]
+    bench["records"] = ours + [dict(ours[0], engine="torchtitan", chosen_by="peer"),
+                               dict(ours[0], engine="dense-floor", chosen_by="floor")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    rows = validate([str(path)], parts, printer=lambda *_: None)["rows"]
+    assert [r["engine"] for r in rows] == [r["engine"] for r in ours]
