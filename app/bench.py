@@ -37,7 +37,7 @@ from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_sum
 from app.records import record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
-from moe_engine.experts import Experts, activate
+from moe_engine.experts import Experts, ExpertSegments
 from moe_engine.granularity import GranularitySearch
 from moe_engine.memory import HostBufferPool, predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
@@ -209,12 +209,12 @@ def expert_ffn(config: MoEConfig, experts: Experts, counts: list, device, dtype)
     x = torch.randn(rows, config.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
 
+    segments = ExpertSegments.from_counts(counts, device)
+
     def run():
-        A = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
-        y = torch.empty_like(x)
-        experts.project_in(x, counts, A)
-        experts.project_out(activate(A, config.activation), counts, y)
-        experts.backward_rows(x, A, dy, counts, experts.new_grads(), torch.empty_like(x))
+        A = experts.project_in(x, segments)
+        experts.project_out(experts.activate(A), segments)
+        experts.backward(x, A, dy, segments, experts.grads())
     return run
 
 

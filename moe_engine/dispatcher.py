@@ -1,39 +1,63 @@
 """Token dispatch: permute → exchange counts → dispatch → (experts) → combine → un-permute.
 
-Legend: T tokens on this rank, K top_k, D d_model, E global experts,
-L local experts (E / P), P ranks, R rows this rank sends (kept (token, choice)
-pairs), N rows this rank receives, n partitions.
+Legend (the engine's, see docs/engine.md): T tokens on this rank, K top_k, D d_model,
+E global experts, L local experts (E / W), W ranks, C count chunks, n partitions,
+R rows this rank sends, N rows it receives.
 
 Each function is either purely local or one collective, never both, and its
 docstring says which: that cut is what lets the pipeline overlap them.
 
 Rows are sent in *partition-major, expert-minor* order: all rows of partition 0
 sorted by global expert, then partition 1, ... . A partition is one All-to-All
-over all ranks. How rows are assigned to partitions is the caller's choice:
-MPipeMoE splits the *tokens* into n contiguous ranges (`partition_by_tokens`),
-FasterMoE splits by *destination rank* (`partition_by_peers`).
+over all ranks. How pairs are assigned to partitions is the caller's choice:
+MPipeMoE splits the *tokens* into n contiguous ranges (`chunk_by_tokens`),
+FasterMoE splits by *destination rank* (`chunk_by_peers`).
+
+Host reads. With several ranks the send splits of every All-to-All must be known on the
+host, so a pass reads the device exactly once: this rank's count table and the tables
+it received, together with every rank's pass statistics (`PassStats`), which ride in the
+same count exchange. Counts are exchanged per *chunk* (C of them); when the number of
+partitions is chosen only after the statistics are known (the online search), C is a
+multiple of every candidate n and a partition is a run of C/n chunks.
+
+With one rank nothing is read: every pair of partition i (dropped ones too, placed in
+the last expert's segment, where they compute harmless numbers and get zero gradient)
+is a row, so the row counts are static (K × the partition's tokens) and the grouped
+kernels take their expert offsets from the device.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .comm import ExpertGroup
+from .experts import ExpertSegments
 from .router import Routing, count_ids
+
+STATS = 3  # PassStats fields riding in the count exchange
+
+
+@dataclass(frozen=True)
+class PassStats:
+    """Values every rank agrees on for one pass (max over ranks)."""
+
+    nonfinite: bool      # some rank's input holds NaN or Inf
+    max_tokens: int      # the largest token count of any rank
+    skew_bucket: int     # round(log2(max expert load / mean load)) of the busiest rank
 
 
 @dataclass(frozen=True)
 class PartitionPlan:
     """One partition's All-to-All: what to send, what arrives, how to group it by expert."""
 
-    token_index_R: torch.Tensor        # token of each row sent, in send order
-    pair_index_R: torch.Tensor         # (token * K + choice) of each row sent
-    send_splits: list[int]             # rows to each rank
-    recv_splits: list[int]             # rows from each rank
-    expert_order_N: torch.Tensor       # expert-major row j is received row expert_order_N[j]
-    source_order_N: torch.Tensor       # received row i is expert-major row source_order_N[i]
-    expert_counts: list[int]           # rows per local expert, expert-major
+    token_index_R: torch.Tensor          # token of each row sent, in send order
+    send_splits: list[int]               # rows to each rank
+    recv_splits: list[int]               # rows from each rank
+    segments: ExpertSegments             # received rows grouped by local expert
+    expert_order_N: torch.Tensor | None  # expert-major row j is received row expert_order_N[j]; None: identity
+    source_order_N: torch.Tensor | None  # received row i is expert-major row source_order_N[i]; None: identity
 
     @property
     def rows_sent(self) -> int:
@@ -41,12 +65,14 @@ class PartitionPlan:
 
     @property
     def rows_received(self) -> int:
-        return sum(self.recv_splits)
+        return self.segments.rows
 
 
 @dataclass(frozen=True)
 class DispatchPlan:
     """Frozen metadata that dispatch produces and combine consumes.
+
+    single: one rank, no collectives: rows go straight from the tokens to the experts.
     The partitions' index tensors are views into token_index_R / pair_index_R."""
 
     tokens: int
@@ -54,14 +80,23 @@ class DispatchPlan:
     token_index_R: torch.Tensor
     pair_index_R: torch.Tensor
     partitions: list[PartitionPlan]
+    single: bool
+    stats: PassStats
 
     @property
     def row_of_pair(self) -> torch.Tensor:
-        """Row sent for each (token, choice) pair; row 0 for a dropped pair (weighted by 0)."""
+        """Row sent for each (token, choice) pair; row 0 for a pair without one (a dropped
+        pair with several ranks: its gate weight is 0)."""
         rows = self.pair_index_R.shape[0]
         index_P = torch.zeros((self.tokens * self.top_k,), dtype=torch.long, device=self.pair_index_R.device)
-        index_P[self.pair_index_R] = torch.arange(rows, device=self.pair_index_R.device)
-        return index_P
+        return index_P.index_copy_(0, self.pair_index_R, torch.arange(rows, device=self.pair_index_R.device))
+
+    @property
+    def send_offsets(self) -> list[int]:
+        offsets = [0]
+        for p in self.partitions:
+            offsets.append(offsets[-1] + p.rows_sent)
+        return offsets
 
     @property
     def max_rows_received(self) -> int:
@@ -72,92 +107,194 @@ class DispatchPlan:
         return max((p.rows_sent for p in self.partitions), default=0)
 
 
-# -- partition assignment (local) ---------------------------------------------------
-def partition_by_tokens(tokens: int, top_k: int, partitions: int, device) -> torch.Tensor:
-    """Local. Partition of each (token, choice) pair: token t is in partition t * n // T."""
+# -- chunk assignment (local) ---------------------------------------------------------
+def chunk_by_tokens(tokens: int, top_k: int, chunks: int, device) -> torch.Tensor:
+    """Local. Chunk of each (token, choice) pair: token t is in chunk t * C // T. For n
+    dividing C, partition t * n // T is chunk // (C / n)."""
     token_T = torch.arange(tokens, device=device)
-    return (token_T * partitions // max(tokens, 1)).repeat_interleave(top_k)
+    return (token_T * chunks // max(tokens, 1)).repeat_interleave(top_k)
 
 
-def partition_by_peers(expert_ids_TK: torch.Tensor, experts_per_rank: int, rank: int,
-                       world_size: int, group_size: int) -> torch.Tensor:
+partition_by_tokens = chunk_by_tokens
+
+
+def chunk_by_peers(expert_ids_TK: torch.Tensor, experts_per_rank: int, rank: int,
+                   world_size: int, group_size: int) -> torch.Tensor:
     """Local. FasterMoE's split along the device dimension: a pair destined for rank d
-    is in step ((d - rank) mod P) // group_size, so step s exchanges with one group of
+    is in step ((d - rank) mod W) // group_size, so step s exchanges with one group of
     `group_size` peers."""
     dest_rank = expert_ids_TK.flatten() // experts_per_rank
     return ((dest_rank - rank) % world_size) // group_size
 
 
-# -- plan (local, one collective, local) ---------------------------------------------------
-def count_rows(routing: Routing, partition_P: torch.Tensor, num_partitions: int, num_experts: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local. Sort pairs by (partition, expert), dropped pairs last; count the kept rows
-    per partition and expert. No reads from the device: the caller learns how many
-    pairs are kept from the counts it reads anyway (`build_plan`).
+partition_by_peers = chunk_by_peers
 
-    Returns (all pair indices, the kept ones first in send order; counts [n, E]).
-    """
+
+def tokens_of_partition(tokens: int, partitions: int, i: int) -> int:
+    """Local, host arithmetic. Tokens t with t * n // T == i."""
+    def first(j):
+        return -(-j * tokens // partitions)
+    return first(i + 1) - first(i)
+
+
+# -- pass statistics and counts (local) ---------------------------------------------
+def pass_stats(x_TD: torch.Tensor, skew_bucket: torch.Tensor | int) -> torch.Tensor:
+    """Local. [nonfinite, tokens, skew bucket] as int64 on the input's device (fills, no
+    host copies): the values every rank must agree on, sent with the counts."""
+    stats = torch.zeros(STATS, dtype=torch.int64, device=x_TD.device)
+    stats[0], stats[1], stats[2] = (~torch.isfinite(x_TD)).any(), x_TD.shape[0], skew_bucket
+    return stats
+
+
+def count_rows(routing: Routing, chunk_P: torch.Tensor, chunks: int, num_experts: int, single: bool
+               ) -> torch.Tensor:
+    """Local. Rows per (chunk, expert) [C, E], int64 on the device. With several ranks
+    dropped pairs are not counted (they are not sent); with one rank they count in the
+    last expert of their chunk (see the module docstring)."""
+    return count_ids(_pair_keys(routing, chunk_P, chunks, num_experts, single),
+                     chunks * num_experts + 1)[:-1].view(chunks, num_experts)
+
+
+def _pair_keys(routing: Routing, chunk_P: torch.Tensor, chunks: int, num_experts: int, single: bool) -> torch.Tensor:
+    """Sort key of each pair: chunk * E + expert; a dropped pair sorts last (several
+    ranks) or into its chunk's last expert (one rank)."""
     expert_P = routing.expert_ids_TK.flatten()
     keep_P = routing.keep_TK.flatten()
-    dropped_key = num_partitions * num_experts  # sorts after every kept pair
-    kept_key_P = partition_P * num_experts + expert_P
-    pair_order = torch.argsort(torch.where(keep_P, kept_key_P, dropped_key), stable=True)
-    counts_nE = count_ids(kept_key_P, dropped_key, weights=keep_P)
-    return pair_order, counts_nE.reshape(num_partitions, num_experts)
+    if single:
+        return chunk_P * num_experts + torch.where(keep_P, expert_P, num_experts - 1)
+    return torch.where(keep_P, chunk_P * num_experts + expert_P, chunks * num_experts)
 
 
-def exchange_counts(counts_nE: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
-    """Collective. Send counts [n, E] → received counts [P(src), n, L]."""
-    num_partitions, num_experts = counts_nE.shape
+def exchange_counts(counts_CE: torch.Tensor, stats: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
+    """Collective. Every rank sends each rank its counts for that rank's experts and its
+    pass statistics; returns [W(source), C·L + STATS] (int64, on the counts' device)."""
+    chunks, num_experts = counts_CE.shape
     local = num_experts // group.size
-    send_PnL = counts_nE.reshape(num_partitions, group.size, local).transpose(0, 1).contiguous()
-    return group.exchange_counts(send_PnL)
+    send_WCL = counts_CE.view(chunks, group.size, local).transpose(0, 1).reshape(group.size, chunks * local)
+    send = torch.cat([send_WCL, stats.expand(group.size, STATS)], dim=1)
+    return group.exchange_counts(send)
 
 
-def build_plan(pair_order: torch.Tensor, counts_nE: torch.Tensor, recv_PnL: torch.Tensor,
-               top_k: int, tokens: int) -> DispatchPlan:
-    """Local. Split the sorted pairs into partitions and derive every split size."""
-    world_size, num_partitions, local = recv_PnL.shape
-    # One device-to-host read for both count tables (each read waits for the device).
-    both_host = torch.cat([counts_nE.flatten(), recv_PnL.flatten()]).cpu()
-    counts_host = both_host[:counts_nE.numel()].reshape(num_partitions, world_size, local)
-    recv_host = both_host[counts_nE.numel():].reshape(world_size, num_partitions, local)
-    pair_index_R = pair_order[:int(counts_host.sum())]  # the kept pairs (dropped ones sort last)
-    device = pair_index_R.device
-    local_ids = torch.arange(local, device=device).repeat(world_size)
-    token_index_R = pair_index_R // top_k
-    partitions, start = [], 0
-    for i in range(num_partitions):
-        send_splits = counts_host[i].sum(-1).tolist()
-        recv_PL = recv_host[:, i, :]
-        rows = sum(send_splits)
-        rows_in_partition = slice(start, start + rows)
-        start += rows
-        expert_counts = recv_PL.sum(0).tolist()
-        # output_size known on the host: no device-to-host read of the repeats' sum; the
-        # repeats go up with a non-blocking copy (staged at once, no stream synchronisation)
-        expert_of_received_N = local_ids.repeat_interleave(recv_PL.flatten().to(device, non_blocking=True),
-                                                           output_size=sum(expert_counts))
-        expert_order_N = torch.argsort(expert_of_received_N, stable=True)
-        partitions.append(PartitionPlan(
-            token_index_R=token_index_R[rows_in_partition],
-            pair_index_R=pair_index_R[rows_in_partition],
-            send_splits=send_splits,
-            recv_splits=recv_PL.sum(-1).tolist(),
-            expert_order_N=expert_order_N,
-            source_order_N=torch.argsort(expert_order_N),
-            expert_counts=expert_counts,
-        ))
-    return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, partitions)
+@dataclass(frozen=True)
+class CountTables:
+    """The pass's one device read, on the host (numpy int64)."""
+
+    sent_CE: np.ndarray       # this rank's rows per (chunk, global expert)
+    received_WCL: np.ndarray  # rows per (source rank, chunk, local expert)
+    stats_W: np.ndarray       # every rank's pass statistics [W, STATS]
+
+    @property
+    def stats(self) -> PassStats:
+        """The agreed statistics: the maximum over ranks."""
+        top = self.stats_W.max(axis=0)
+        return PassStats(bool(top[0]), int(top[1]), int(top[2]))
 
 
-def plan_dispatch(routing: Routing, partition_P: torch.Tensor, num_partitions: int,
-                  num_experts: int, group: ExpertGroup) -> DispatchPlan:
-    """Permute + exchange counts: the three steps above (local, collective, local)."""
+def read_counts(counts_CE: torch.Tensor, received: torch.Tensor) -> CountTables:
+    """Local. The one blocking device-to-host read of a pass with several ranks."""
+    chunks, _ = counts_CE.shape
+    world = received.shape[0]
+    both = torch.cat([counts_CE.flatten(), received.flatten()]).cpu().numpy()
+    sent = both[:counts_CE.numel()].reshape(counts_CE.shape)
+    table = both[counts_CE.numel():].reshape(world, -1)
+    return CountTables(sent, table[:, :-STATS].reshape(world, chunks, -1), table[:, -STATS:])
+
+
+# -- plans (local) --------------------------------------------------------------------
+def plan_single(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_experts: int,
+                stats: PassStats) -> DispatchPlan:
+    """Local, no device reads. The plan on one rank (chunks = partitions)."""
     tokens, top_k = routing.expert_ids_TK.shape
-    pair_order, counts_nE = count_rows(routing, partition_P, num_partitions, num_experts)
-    recv_PnL = exchange_counts(counts_nE, group)
-    return build_plan(pair_order, counts_nE, recv_PnL, top_k, tokens)
+    keys_P = _pair_keys(routing, chunk_P, partitions, num_experts, single=True)
+    pair_order = torch.argsort(keys_P, stable=True)
+    counts_nE = count_ids(keys_P, partitions * num_experts).view(partitions, num_experts)
+    ends_nE = counts_nE.cumsum(1).to(torch.int32)
+    token_index_R = pair_order // top_k
+    parts, start = [], 0
+    for i in range(partitions):
+        rows = top_k * tokens_of_partition(tokens, partitions, i)
+        parts.append(PartitionPlan(token_index_R[start:start + rows], [rows], [rows],
+                                   ExpertSegments(rows, ends_nE[i], counts_nE[i]), None, None))
+        start += rows
+    return DispatchPlan(tokens, top_k, token_index_R, pair_order, parts, True, stats)
+
+
+def plan_exchanged(routing: Routing, chunk_P: torch.Tensor, partitions: int, tables: CountTables,
+                   group: ExpertGroup) -> DispatchPlan:
+    """Local, no device reads (the counts are on the host). The plan with several ranks:
+    the C chunks of the count exchange merge into `partitions` runs of C/n chunks."""
+    tokens, top_k = routing.expert_ids_TK.shape
+    chunks, num_experts = tables.sent_CE.shape
+    world, local, n = group.size, num_experts // group.size, partitions
+    if chunks % n:
+        raise ValueError(f"partitions={n} must divide the {chunks} count chunks of this pass")
+    per = chunks // n
+    device = chunk_P.device
+    partition_P = chunk_P // per if per > 1 else chunk_P
+    keys_P = _pair_keys(routing, partition_P, n, num_experts, single=False)
+    pair_order = torch.argsort(keys_P, stable=True)
+
+    sent_nWL = tables.sent_CE.reshape(n, per, world, local).sum(axis=1)
+    recv_nWL = tables.received_WCL.reshape(world, n, per, local).sum(axis=2).transpose(1, 0, 2)
+    send_splits_nW = sent_nWL.sum(axis=2)
+    recv_splits_nW = recv_nWL.sum(axis=2)
+    rows_received_n = recv_splits_nW.sum(axis=1)
+    counts_nL = recv_nWL.sum(axis=1)
+    total_sent = int(send_splits_nW.sum())
+    total_received = int(rows_received_n.sum())
+    pair_index_R = pair_order[:total_sent]  # the kept pairs (dropped ones sort last)
+    token_index_R = pair_index_R // top_k
+
+    # Everything the device needs from the host tables, in one host-to-device copy.
+    starts_n = np.concatenate([[0], np.cumsum(rows_received_n)[:-1]])
+    packed = np.concatenate([counts_nL.cumsum(axis=1).ravel(), counts_nL.ravel(), recv_nWL.ravel(),
+                             starts_n, rows_received_n])
+    packed_dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    nL = n * local
+    ends_nL = packed_dev[:nL].view(n, local).to(torch.int32)
+    counts_dev = packed_dev[nL:2 * nL].view(n, local)
+    expert_order, source_order = None, None
+    if local > 1 and total_received:
+        repeats = packed_dev[2 * nL:2 * nL + n * world * local]
+        starts_dev = packed_dev[2 * nL + n * world * local:2 * nL + n * world * local + n]
+        sizes_dev = packed_dev[2 * nL + n * world * local + n:]
+        block_key = torch.arange(nL, device=device).view(n, 1, local).expand(n, world, local).reshape(-1)
+        key_N = block_key.repeat_interleave(repeats, output_size=total_received)
+        order_N = torch.argsort(key_N, stable=True)
+        start_of_row_N = starts_dev.repeat_interleave(sizes_dev, output_size=total_received)
+        expert_order = order_N - start_of_row_N
+        source_order = torch.empty_like(order_N).index_copy_(
+            0, order_N, torch.arange(total_received, device=device)) - start_of_row_N
+
+    parts, sent, received = [], 0, 0
+    for i in range(n):
+        rows_sent, rows_received = int(send_splits_nW[i].sum()), int(rows_received_n[i])
+        received_rows = slice(received, received + rows_received)
+        parts.append(PartitionPlan(
+            token_index_R=token_index_R[sent:sent + rows_sent],
+            send_splits=send_splits_nW[i].tolist(),
+            recv_splits=recv_splits_nW[i].tolist(),
+            segments=ExpertSegments(rows_received, ends_nL[i], counts_dev[i], counts_nL[i].tolist()),
+            expert_order_N=None if expert_order is None else expert_order[received_rows],
+            source_order_N=None if source_order is None else source_order[received_rows],
+        ))
+        sent += rows_sent
+        received += rows_received
+    return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, parts, False, tables.stats)
+
+
+def plan_dispatch(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_experts: int,
+                  group: ExpertGroup) -> DispatchPlan:
+    """Permute + exchange counts for a partition count known beforehand (local, one
+    collective with several ranks, local). The layers run the same steps with their
+    pass statistics riding along (layers.MoELayerBase.plan)."""
+    tokens = routing.expert_ids_TK.shape[0]
+    if not group.distributed:
+        return plan_single(routing, chunk_P, partitions, num_experts, PassStats(False, tokens, 0))
+    counts_CE = count_rows(routing, chunk_P, partitions, num_experts, single=False)
+    stats = torch.zeros(STATS, dtype=torch.int64, device=chunk_P.device)
+    tables = read_counts(counts_CE, exchange_counts(counts_CE, stats, group))
+    return plan_exchanged(routing, chunk_P, partitions, tables, group)
 
 
 # -- moving rows (local) -------------------------------------------------------------
@@ -166,14 +303,14 @@ def gather_rows(x_TD: torch.Tensor, token_index_R: torch.Tensor) -> torch.Tensor
     return x_TD.index_select(0, token_index_R)
 
 
-def to_expert_major(received_ND: torch.Tensor, expert_order_N: torch.Tensor) -> torch.Tensor:
+def to_expert_major(received_ND: torch.Tensor, expert_order_N: torch.Tensor | None) -> torch.Tensor:
     """Local. Received rows (source rank, local expert) → grouped by local expert."""
-    return received_ND.index_select(0, expert_order_N)
+    return received_ND if expert_order_N is None else received_ND.index_select(0, expert_order_N)
 
 
-def from_expert_major(rows_ND: torch.Tensor, source_order_N: torch.Tensor) -> torch.Tensor:
+def from_expert_major(rows_ND: torch.Tensor, source_order_N: torch.Tensor | None) -> torch.Tensor:
     """Local. Inverse of `to_expert_major` (give the partition's source_order_N)."""
-    return rows_ND.index_select(0, source_order_N)
+    return rows_ND if source_order_N is None else rows_ND.index_select(0, source_order_N)
 
 
 def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
@@ -181,8 +318,8 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
 
     Rows go back to (token, choice) order, then one batched (1 × K) @ (K × D) product
     per token weights and sums them; autograd keeps the K rows per token once, for the
-    gate weights' gradient. A dropped pair reads any row with weight 0 (so it adds
-    nothing and gets no gradient).
+    gate weights' gradient. A dropped pair's row is weighted by 0 (so it adds nothing
+    and gets no gradient).
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
     weights_T1K = (weights_TK * keep_TK).to(y_RD.dtype).unsqueeze(1)

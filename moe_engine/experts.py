@@ -1,22 +1,28 @@
-"""All local experts' FFNs as one grouped computation.
+"""All local experts' FFNs as grouped GEMMs: one kernel per projection for all experts.
 
-Legend: N rows grouped by local expert (counts[l] rows for expert l, in order),
-D d_model, H d_hidden, A width of the pre-activation (H, or 2H for SwiGLU),
-L local experts.
+Legend (the engine's, see docs/engine.md): N rows grouped by local expert (expert l owns
+rows [end[l-1], end[l])), D d_model, H d_hidden, L local experts.
 
-    A = x @ w1 + b1              (SwiGLU: A = [x @ w1 + b1 | x @ w3])   "GEMM1"
-    h = act(A)                   (SwiGLU: silu(A[:, :H]) * A[:, H:])
-    y = h @ w2 + b2                                                       "GEMM2"
+    A = x @ w1 + b1              (SwiGLU: A = (x @ w1 + b1, x @ w3), two parts)   "GEMM1"
+    h = act(A)                   (SwiGLU: silu(gate) * up)
+    y = h @ w2 + b2                                                               "GEMM2"
 
-The grouped GEMM is one dense GEMM per local expert on its contiguous rows (L is
-small; each GEMM is large), never a loop over tokens. Two forms are offered:
-autograd-tracked (used by FastMoE and FasterMoE, which keep what autograd saves)
-and explicit forward/backward into preallocated buffers (used by MPipeMoE's
-pipeline, which decides itself what to keep).
+Every projection, its input gradient and its weight gradient is one grouped GEMM
+(`torch._grouped_mm`, on CUDA for bf16 on Hopper and on CPU for float32/bf16/fp16), so
+the number of kernel launches does not grow with the number of experts. Bias gradients
+are one grouped GEMM too (a row of ones against the output gradient). Where the kernel
+has no such dtype (float64, fp32 on CUDA) a per-expert loop computes the same numbers.
+
+The pre-activation A is a list of one tensor (ReLU, GELU) or two (SwiGLU's gate and up
+projections, each N × H): the grouped kernel writes fresh outputs, so two GEMMs into two
+tensors cost nothing extra, where one GEMM into one tensor would need the weights
+concatenated (a weight-sized copy per pass) or the output split (a copy per partition).
+
+Forward and backward are explicit (no autograd inside): the pipeline decides what to
+keep, and backward is split in two, `input_grad` then `weight_grads`, so the input
+gradient can be sent back while the weight-gradient GEMMs run.
 """
 from __future__ import annotations
-
-import itertools
 
 from dataclasses import dataclass
 
@@ -26,70 +32,142 @@ import torch.nn.functional as F
 
 from .config import MoEConfig
 
-
-def activate(A_NA: torch.Tensor, activation: str) -> torch.Tensor:
-    """Local. The expert's activation on the pre-activation A."""
-    if activation == "relu":
-        return F.relu(A_NA)
-    if activation == "gelu":
-        return F.gelu(A_NA)
-    gate_NH, up_NH = A_NA.chunk(2, dim=-1)
-    return F.silu(gate_NH) * up_NH
+PreActivation = list  # [A] or [gate, up]; each N × H
 
 
-def _slices(counts: list[int]):
+@dataclass(frozen=True)
+class ExpertSegments:
+    """Local. How N rows split into the local experts' contiguous segments.
+
+    rows:     N, known on the host.
+    ends_L:   int32 on the rows' device: end row of each expert's segment (cumulative).
+    counts_L: int64 on the rows' device: rows per expert.
+    counts:   the same on the host when known without reading the device (several ranks
+              read their count tables anyway); None otherwise.
+    """
+
+    rows: int
+    ends_L: torch.Tensor
+    counts_L: torch.Tensor
+    counts: list[int] | None = None
+
+    @classmethod
+    def from_counts(cls, counts: list[int], device) -> "ExpertSegments":
+        """Local. Segments of known sizes (benchmarks, calibration, tests)."""
+        counts_L = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(sum(counts), counts_L.cumsum(0).to(torch.int32), counts_L, list(counts))
+
+    def host_counts(self) -> list[int]:
+        """Rows per expert on the host; reads the device when not known (only the per-expert
+        fallback for dtypes without a grouped kernel needs it)."""
+        return self.counts if self.counts is not None else self.counts_L.tolist()
+
+
+def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
+    """Whether `torch._grouped_mm` runs on rows like `x` with these inner widths (else:
+    the per-expert loop)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    # The kernel asks for 16-byte strides: the inner widths (not the row count) must align.
+    if any(size * x.element_size() % 16 for size in widths):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _segments(rows: int, counts: list[int]):
     start = 0
     for count in counts:
         yield slice(start, start + count)
         start += count
 
 
-def grouped_linear(x_NI: torch.Tensor, w_LIO: torch.Tensor, b_LO: torch.Tensor | None,
-                   counts: list[int], out_NO: torch.Tensor | None = None) -> torch.Tensor:
-    """y[rows of l] = x[rows of l] @ w[l] (+ b[l]). Autograd-tracked unless `out_NO` is given."""
-    if out_NO is not None:
-        for l, rows in enumerate(_slices(counts)):
-            if b_LO is None:
-                torch.mm(x_NI[rows], w_LIO[l], out=out_NO[rows])
-            else:
-                torch.addmm(b_LO[l], x_NI[rows], w_LIO[l], out=out_NO[rows])
-        return out_NO
-    parts = []
-    for l, rows in enumerate(_slices(counts)):
-        parts.append(x_NI[rows] @ w_LIO[l] if b_LO is None else torch.addmm(b_LO[l], x_NI[rows], w_LIO[l]))
-    if not parts:
-        return x_NI.new_zeros(0, w_LIO.shape[-1])
-    return torch.cat(parts)
+def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+    """Local. y[rows of l] = x[rows of l] @ w[l], one kernel for all experts."""
+    if seg.rows == 0:
+        return x_NI.new_empty(0, w_LIO.shape[-1])
+    if x_NI.dtype == w_LIO.dtype and grouped_kernel_supports(x_NI, *w_LIO.shape[-2:]):
+        return torch._grouped_mm(x_NI, w_LIO, offs=seg.ends_L)
+    y_NO = x_NI.new_empty(seg.rows, w_LIO.shape[-1])
+    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+        torch.mm(x_NI[rows], w_LIO[l], out=y_NO[rows])
+    return y_NO
 
 
-def grouped_linear_backward(dy_NO: torch.Tensor, x_NI: torch.Tensor, w_LIO: torch.Tensor,
-                            counts: list[int], grad_w_LIO: torch.Tensor, grad_b_LO: torch.Tensor | None,
-                            dx_NI: torch.Tensor | None) -> torch.Tensor | None:
-    """Accumulates dw[l] += x_lᵀ dy_l and db[l] += Σ dy_l; writes dx_l = dy_l w[l]ᵀ into dx_NI."""
-    for l, rows in enumerate(_slices(counts)):
-        if rows.stop == rows.start:
-            continue
-        grad_w_LIO[l].addmm_(x_NI[rows].t(), dy_NO[rows])
-        if grad_b_LO is not None:
-            grad_b_LO[l].add_(dy_NO[rows].sum(0))
-        if dx_NI is not None:
-            torch.mm(dy_NO[rows], w_LIO[l].t(), out=dx_NI[rows])
-    return dx_NI
+def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+    """Local. dw[l] = x[rows of l]ᵀ @ dy[rows of l] for all experts: [L, I, O]."""
+    L = seg.ends_L.shape[0]
+    if seg.rows == 0:
+        return dy_NO.new_zeros(L, x_NI.shape[-1], dy_NO.shape[-1])
+    if x_NI.dtype == dy_NO.dtype and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
+        return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L)
+    dw_LIO = dy_NO.new_empty(L, x_NI.shape[-1], dy_NO.shape[-1])
+    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+        torch.mm(x_NI[rows].t(), dy_NO[rows], out=dw_LIO[l])
+    return dw_LIO
+
+
+def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+    """Local. db[l] = Σ dy[rows of l]: a row of ones against dy, one grouped GEMM.
+    (An index_add over rows would serialise on atomics: every row of an expert adds
+    into the same O numbers.) The ones are 8 rows, their stride padded to 16 bytes, as
+    the kernel's alignment rules ask; the first row is the answer."""
+    L = seg.ends_L.shape[0]
+    if seg.rows == 0:
+        return dy_NO.new_zeros(L, dy_NO.shape[-1])
+    if grouped_kernel_supports(dy_NO, dy_NO.shape[-1]):
+        ones_8N = dy_NO.new_ones(8, -(-seg.rows // 8) * 8)[:, :seg.rows]
+        return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L)[:, 0]
+    db_LO = dy_NO.new_empty(L, dy_NO.shape[-1])
+    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+        torch.sum(dy_NO[rows], 0, out=db_LO[l])
+    return db_LO
+
+
+def _add_bias(y_NO: torch.Tensor, b_LO: torch.Tensor | None, seg: ExpertSegments) -> torch.Tensor:
+    if b_LO is None or seg.rows == 0:
+        return y_NO
+    return y_NO.add_(b_LO.repeat_interleave(seg.counts_L, dim=0, output_size=seg.rows))
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
 
 
 @dataclass
 class ExpertGrads:
-    """Gradient accumulators of the expert parameters (same layout as the parameters)."""
+    """Gradient accumulators of the expert parameters (parameter layout; None until a
+    partition adds to it)."""
 
-    w1: torch.Tensor
-    b1: torch.Tensor | None
-    w2: torch.Tensor
-    b2: torch.Tensor | None
-    w3: torch.Tensor | None
+    w1: torch.Tensor | None = None
+    b1: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    w3: torch.Tensor | None = None
+
+    def for_parameters(self, experts: "Experts") -> list:
+        """[w1, b1, w2, b2, w3] gradients, zeros for a present parameter no row reached."""
+        out = []
+        for name in ("w1", "b1", "w2", "b2", "w3"):
+            param, grad = getattr(experts, name), getattr(self, name)
+            out.append(None if param is None else (grad if grad is not None else torch.zeros_like(param)))
+        return out
+
+
+@dataclass
+class InputGrad:
+    """What `Experts.input_grad` leaves for `Experts.weight_grads`."""
+
+    dx_ND: torch.Tensor
+    dA: PreActivation       # gradients of the pre-activation parts
+    h_NH: torch.Tensor | None  # act(A) where the backward computed it anyway (SwiGLU)
 
 
 class Experts(nn.Module):
-    """This rank's E_local experts. Parameters (DESIGN.md §4.1):
+    """This rank's L experts. Parameters (docs/engine.md, "Parameters"):
     w1 [L, D, H], b1 [L, H], w2 [L, H, D], b2 [L, D]; SwiGLU adds w3 [L, D, H] (no bias)."""
 
     def __init__(self, config: MoEConfig, local_experts: int, device=None, dtype=None):
@@ -117,63 +195,76 @@ class Experts(nn.Module):
     def pre_activation_width(self) -> int:
         return 2 * self.config.d_hidden if self.config.gated else self.config.d_hidden
 
-    # -- autograd-tracked form (baselines) ----------------------------------------------
-    def forward(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Local. The FFN of every local expert on its rows, tracked by autograd."""
-        A_NA = grouped_linear(x_ND, self.w1, self.b1, counts)
-        if self.w3 is not None:
-            A_NA = torch.cat([A_NA, grouped_linear(x_ND, self.w3, None, counts)], dim=-1)
-        h_NH = activate(A_NA, self.config.activation)
-        return grouped_linear(h_NH, self.w2, self.b2, counts)
-
-    # -- explicit form (pipeline) ---------------------------------------------------------
-    def project_in(self, x_ND: torch.Tensor, counts: list[int], out_NA: torch.Tensor) -> torch.Tensor:
-        """Local, no autograd. GEMM1 into out_NA: A = x @ w1 + b1 (| x @ w3)."""
-        H = self.config.d_hidden
+    # -- forward ------------------------------------------------------------------------------
+    def project_in(self, x_ND: torch.Tensor, seg: ExpertSegments) -> PreActivation:
+        """Local. GEMM1: A = [x @ w1 + b1] (SwiGLU: [x @ w1 + b1, x @ w3])."""
         with torch.no_grad():
+            A = [_add_bias(grouped_mm(x_ND, self.w1, seg), self.b1, seg)]
+            if self.w3 is not None:
+                A.append(grouped_mm(x_ND, self.w3, seg))
+            return A
+
+    def activate(self, A: PreActivation) -> torch.Tensor:
+        """Local. h = act(A)."""
+        with torch.no_grad():
+            if self.config.activation == "relu":
+                return F.relu(A[0])
+            if self.config.activation == "gelu":
+                return F.gelu(A[0])
+            return F.silu(A[0]).mul_(A[1])
+
+    def project_out(self, h_NH: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+        """Local. GEMM2: y = h @ w2 + b2."""
+        with torch.no_grad():
+            return _add_bias(grouped_mm(h_NH, self.w2, seg), self.b2, seg)
+
+    def forward(self, x_ND: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
+        """Local, no autograd. The whole FFN of every local expert on its rows."""
+        return self.project_out(self.activate(self.project_in(x_ND, seg)), seg)
+
+    # -- backward -----------------------------------------------------------------------------
+    def grads(self) -> ExpertGrads:
+        """Empty gradient accumulators for `weight_grads`."""
+        return ExpertGrads()
+
+    def backward(self, x_ND: torch.Tensor, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments,
+                 grads: ExpertGrads) -> torch.Tensor:
+        """Local. The whole backward of one group of rows (benchmarks and calibration):
+        returns dx and adds the parameter gradients into `grads`."""
+        done = self.input_grad(A, dy_ND, seg)
+        self.weight_grads(x_ND, A, dy_ND, seg, done, grads)
+        return done.dx_ND
+
+    def input_grad(self, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments) -> InputGrad:
+        """Local. dx = d(FFN)/dx · dy, from the pre-activation A (the activation is
+        differentiated from A, elementwise). Run `weight_grads` with the result after
+        sending dx on its way."""
+        with torch.no_grad():
+            dh_NH = grouped_mm(dy_ND, self.w2.transpose(-2, -1), seg)
             if self.w3 is None:
-                return grouped_linear(x_ND, self.w1, self.b1, counts, out_NO=out_NA)
-            # out_NA[:, :H] is not contiguous; GEMM into contiguous temporaries per expert.
-            for l, rows in enumerate(_slices(counts)):
-                gate = x_ND[rows] @ self.w1[l]
-                if self.b1 is not None:
-                    gate += self.b1[l]
-                out_NA[rows, :H] = gate
-                out_NA[rows, H:] = x_ND[rows] @ self.w3[l]
-            return out_NA
+                dA = [activation_backward(dh_NH, A[0], self.config.activation)]
+                return InputGrad(grouped_mm(dA[0], self.w1.transpose(-2, -1), seg), dA, None)
+            dgate_NH, dup_NH, h_NH = swiglu_backward(dh_NH, A[0], A[1])
+            dx_ND = grouped_mm(dgate_NH, self.w1.transpose(-2, -1), seg)
+            dx_ND.add_(grouped_mm(dup_NH, self.w3.transpose(-2, -1), seg))
+            return InputGrad(dx_ND, [dgate_NH, dup_NH], h_NH)
 
-    def project_out(self, h_NH: torch.Tensor, counts: list[int], out_ND: torch.Tensor) -> torch.Tensor:
-        """Local, no autograd. GEMM2 into out_ND: y = h @ w2 + b2."""
+    def weight_grads(self, x_ND: torch.Tensor, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments,
+                     done: InputGrad, grads: ExpertGrads, h_NH: torch.Tensor | None = None) -> None:
+        """Local. Adds this group of rows' parameter gradients into `grads`. `h_NH` is the
+        activation when the caller kept it; otherwise it is recomputed from A."""
         with torch.no_grad():
-            return grouped_linear(h_NH, self.w2, self.b2, counts, out_NO=out_ND)
-
-    def new_grads(self) -> ExpertGrads:
-        zeros = lambda p: None if p is None else torch.zeros_like(p)  # noqa: E731
-        return ExpertGrads(zeros(self.w1), zeros(self.b1), zeros(self.w2), zeros(self.b2), zeros(self.w3))
-
-    def backward_rows(self, x_ND: torch.Tensor, A_NA: torch.Tensor, dy_ND: torch.Tensor,
-                      counts: list[int], grads: ExpertGrads, dx_ND: torch.Tensor) -> torch.Tensor:
-        """Local. Backward of the FFN for one group of rows, from its input x and
-        pre-activation A (the activation itself is recomputed from A, elementwise).
-        Accumulates parameter gradients into `grads`; returns the input gradient
-        (written into dx_ND). Frees each hidden-width temporary as soon as it is used,
-        so at most one or two N × H tensors live beside A."""
-        with torch.no_grad():
-            h_NH = activate(A_NA, self.config.activation)
-            grouped_linear_backward(dy_ND, h_NH, self.w2, counts, grads.w2, grads.b2, None)
+            if h_NH is None:
+                h_NH = done.h_NH if done.h_NH is not None else self.activate(A)
+            grads.w2 = _accumulate(grads.w2, grouped_weight_grad(h_NH, dy_ND, seg))
             del h_NH
-            dh_NH = grouped_matmul_transposed(dy_ND, self.w2, counts)
-            if self.w3 is None:
-                dA_NH = activation_backward(dh_NH, A_NA, self.config.activation)
-                grouped_linear_backward(dA_NH, x_ND, self.w1, counts, grads.w1, grads.b1, None)
-                dx_ND.copy_(grouped_matmul_transposed(dA_NH, self.w1, counts))
-                return dx_ND
-            dgate_NH, dup_NH = swiglu_backward(dh_NH, A_NA)
-            grouped_linear_backward(dgate_NH, x_ND, self.w1, counts, grads.w1, grads.b1, None)
-            grouped_linear_backward(dup_NH, x_ND, self.w3, counts, grads.w3, None, None)
-            dx_ND.copy_(grouped_matmul_transposed(dgate_NH, self.w1, counts))
-            dx_ND.add_(grouped_matmul_transposed(dup_NH, self.w3, counts))
-            return dx_ND
+            if self.b2 is not None:
+                grads.b2 = _accumulate(grads.b2, grouped_bias_grad(dy_ND, seg))
+            grads.w1 = _accumulate(grads.w1, grouped_weight_grad(x_ND, done.dA[0], seg))
+            if self.b1 is not None:
+                grads.b1 = _accumulate(grads.b1, grouped_bias_grad(done.dA[0], seg))
+            if self.w3 is not None:
+                grads.w3 = _accumulate(grads.w3, grouped_weight_grad(x_ND, done.dA[1], seg))
 
 
 def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str) -> torch.Tensor:
@@ -183,33 +274,14 @@ def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str
     return torch.ops.aten.gelu_backward.grad_input(dh_NH, A_NH, grad_input=dh_NH)
 
 
-def swiglu_backward(dh_NH: torch.Tensor, A_N2H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) of h = silu(gate) * up; d gate is computed in place into dh_NH."""
-    gate_NH, up_NH = A_N2H.chunk(2, dim=-1)
+def swiglu_backward(dh_NH: torch.Tensor, gate_NH: torch.Tensor, up_NH: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate, d up, h) of h = silu(gate) * up; d gate is computed in place into dh_NH."""
     sigmoid_NH = torch.sigmoid(gate_NH)
     silu_NH = gate_NH * sigmoid_NH
     dup_NH = dh_NH * silu_NH
+    h_NH = silu_NH * up_NH
     # silu'(g) = s·(1 + g·(1 − s)) = s·(1 + g − silu(g))
     dsilu_NH = torch.sub(gate_NH, silu_NH, out=silu_NH).add_(1).mul_(sigmoid_NH)
     del sigmoid_NH
-    return dh_NH.mul_(up_NH).mul_(dsilu_NH), dup_NH
-
-
-def _grouped_mm_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm (one kernel for all experts) where this PyTorch and device offer it."""
-    return (hasattr(torch, "_grouped_mm") and a.is_cuda and a.dtype == torch.bfloat16
-            and w.dtype == torch.bfloat16 and a.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0
-            and w.shape[-1] % 16 == 0 and torch.cuda.get_device_capability(a.device)[0] >= 9)
-
-
-def grouped_matmul_transposed(dy_NO: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """dx[rows of l] = dy[rows of l] @ w[l]ᵀ for all experts (the input gradient of a grouped linear)."""
-    if dy_NO.shape[0] and _grouped_mm_ok(dy_NO, w_LIO):
-        # Offsets summed on the host; a non-blocking copy from pageable memory is staged at
-        # once and does not wait for the device (a blocking one synchronises the stream).
-        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-        return torch._grouped_mm(dy_NO, w_LIO.transpose(-2, -1), offs=offsets.to(dy_NO.device, non_blocking=True))
-    dx_NI = dy_NO.new_empty(dy_NO.shape[0], w_LIO.shape[1])
-    for l, rows in enumerate(_slices(counts)):
-        torch.mm(dy_NO[rows], w_LIO[l].t(), out=dx_NI[rows])
-    return dx_NI
+    return dh_NH.mul_(up_NH).mul_(dsilu_NH), dup_NH, h_NH

@@ -1,55 +1,62 @@
 """The public MoE layers: MPipeMoE and the FastMoE / FasterMoE baselines.
 
 All three share `MoELayerBase`: the same configuration, the same parameters
-(router.weight, experts.w1/b1/w2/b2[/w3]) and the same call,
-``y, aux_loss = layer(x)``. They differ only in step 3 below, how the routed
-rows travel to the experts and back.
+(router.weight, experts.w1/b1/w2/b2[/w3]), the same call ``y, aux_loss = layer(x)``
+and the same kernels (dispatcher.py, experts.py, pipeline.py). They differ only in
+how step 2 cuts the routed rows into partitions and what step 3 keeps for backward,
+so a measured difference between them is the method's, not the implementation's:
 
-    1. route       softmax top-k gate, capacity, load-balance loss      (local)
-    2. plan        partition rows, exchange counts                      (local + one collective)
-    3. experts     dispatch → expert FFN → combine                       (engine-specific)
-    4. un-permute  weight each row by its gate and sum per token        (local)
+    1. route       softmax top-k gate, capacity, load-balance loss          (local)
+    2. plan        partition rows, exchange counts + pass statistics        (local + one collective)
+    3. experts     dispatch → expert FFN → combine, pipelined per partition  (pipeline.py)
+    4. un-permute  weight each row by its gate and sum per token            (local)
 
-Legend: T tokens on this rank, D d_model, K top_k, R rows sent.
+FastMoE: one partition, keeps everything autograd would (T_DI, A and act(A)).
+FasterMoE: partitions along the destination ranks, keeps everything.
+MPipeMoE: partitions along the tokens (n chosen online), shares buffers and restores
+them by a strategy S1–S4 (chosen by the performance model).
+
+Host reads: with several ranks a pass reads the device once (the count tables and the
+pass statistics, together); with one rank never (dispatcher.py says how).
+
+Legend (the engine's, see docs/engine.md): T tokens on this rank, D d_model, K top_k,
+E experts, C count chunks, R rows sent.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import dispatcher
-from .comm import ExpertGroup, all_to_all_with_grad
+from .comm import ExpertGroup
 from .config import STRATEGIES, MoEConfig
+from .dispatcher import DispatchPlan, PassStats
 from .experts import Experts
 from .memory import HostBufferPool, RestorePolicy, predict_memory
 from .pipeline import PipelinedExperts, PipelineRun
 from .granularity import GranularitySearch, PassTiming, skew_bucket
 from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
-from .router import Router, Routing, count_ids
+from .router import Router, Routing
 from .streams import StreamSet
 
 log = logging.getLogger(__name__)
+
 
 class NonFiniteInputError(ValueError):
     """NaN or Inf in some rank's MoE layer input; raised on every rank together."""
 
 
-@dataclass(frozen=True)
-class AgreedStep:
-    """Values every rank agrees on for one pass (max over ranks)."""
-
-    max_tokens: int
-    skew_bucket: int
-
-
 class MoELayerBase(nn.Module):
-    """Router + this rank's experts + the checks every engine shares."""
+    """Router + this rank's experts + the steps every engine shares."""
 
-    def __init__(self, config: MoEConfig, group: dist.ProcessGroup | None = None, *, device=None, dtype=None):
+    keep_activation = False  # FastMoE keeps act(A) for backward, as autograd would
+
+    def __init__(self, config: MoEConfig, group: dist.ProcessGroup | None = None, *,
+                 host_pool: HostBufferPool | None = None, device=None, dtype=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -58,8 +65,15 @@ class MoELayerBase(nn.Module):
         self.local_experts = config.experts_per_rank(self.group.size)
         self.router = Router(config, device=device, dtype=dtype)
         self.experts = Experts(config, self.local_experts, device=device, dtype=dtype)
+        self.host_pool = host_pool if host_pool is not None else HostBufferPool()
+        self._streams: dict[torch.device, StreamSet] = {}
 
-    # -- shared steps ---------------------------------------------------------------
+    def streams_for(self, device: torch.device) -> StreamSet:
+        if device not in self._streams:
+            self._streams[device] = StreamSet(device)
+        return self._streams[device]
+
+    # -- step 1: input -------------------------------------------------------------------------
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Local. Validate x and view it as (tokens, d_model)."""
         if not isinstance(x, torch.Tensor):
@@ -75,88 +89,84 @@ class MoELayerBase(nn.Module):
                             f"{self.router.weight.dtype}; call layer.to({x.dtype}) or cast x")
         return x.reshape(-1, x.shape[-1])
 
-    def _agree(self, x_TD: torch.Tensor, routing: Routing) -> AgreedStep:
-        """One small collective (max over ranks of three numbers): every rank learns
-        whether any rank got NaN/Inf, so all raise together instead of some waiting in
-        an All-to-All, and all see the same token count and routing skew."""
-        bad = (~torch.isfinite(x_TD)).any()
-        load_E = count_ids(routing.expert_ids_TK, self.config.num_experts, weights=routing.keep_TK)
-        # Built on the input's device (fills, no host copies), read once after the collective.
-        local = torch.zeros(3, dtype=torch.int64, device=x_TD.device)
-        local[0], local[1], local[2] = bad, x_TD.shape[0], skew_bucket(load_E)
-        bad_anywhere, tokens, skew = self.group.all_reduce_max(local).tolist()
-        if bad_anywhere:
-            where = "this rank's" if bool(bad) else "another rank's"
+    # -- step 2: plan (engine hooks) -------------------------------------------------------------
+    def _count_chunks(self) -> int:
+        """Chunks the counts are exchanged in: a multiple of every n this pass may use."""
+        return 1
+
+    def _chunk_pairs(self, routing: Routing, chunks: int) -> torch.Tensor:
+        """Local. Chunk of each (token, choice) pair."""
+        return torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
+
+    def _partitions(self, stats: PassStats) -> int:
+        """n for this pass, from agreed values only (it decides which collectives run)."""
+        return 1
+
+    def _wants_skew(self) -> bool:
+        return False
+
+    def plan(self, x_TD: torch.Tensor, routing: Routing) -> DispatchPlan:
+        """Step 2. With one rank: local, no device reads. With several: count rows (local),
+        exchange counts with every rank's pass statistics (one collective), read both
+        (the pass's one device read), raise together on NaN/Inf, choose n, plan (local)."""
+        E = self.config.num_experts
+        if not self.group.distributed:
+            stats = PassStats(False, x_TD.shape[0], 0)
+            n = self._partitions(stats)
+            return dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, stats)
+        chunks = self._count_chunks()
+        chunk_P = self._chunk_pairs(routing, chunks)
+        counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
+        skew = skew_bucket(counts_CE.sum(0)) if self._wants_skew() else 0
+        stats = dispatcher.pass_stats(x_TD, skew)
+        tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group))
+        agreed = tables.stats
+        if agreed.nonfinite:
+            where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
-                             f"learning rate, or the data that produced it")
-        return AgreedStep(max_tokens=tokens, skew_bucket=skew)
+                                      f"learning rate, or the data that produced it")
+        return dispatcher.plan_exchanged(routing, chunk_P, self._partitions(agreed), tables, self.group)
 
-    def _partition_rows(self, routing: Routing, agreed: AgreedStep) -> tuple[torch.Tensor, int]:
-        """Local. Partition of each (token, choice) pair, and the number of partitions."""
-        zeros = torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
-        return zeros, 1
-
-    def _run_experts(self, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan, agreed: AgreedStep) -> torch.Tensor:
-        """Engine-specific: rows in send order (R × D) after dispatch → experts → combine.
-        Any choice that changes which collectives run must depend on ``agreed`` values
-        only (never on this rank's token count), or ranks with different batches hang."""
-        raise TypeError(f"{type(self).__name__} is abstract; use MPipeMoE, FastMoE or FasterMoE")
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_TD = self._tokens(x)
-        routing = self.router(x_TD)                                                    # 1. route
-        agreed = self._agree(x_TD, routing)
-        partition_P, num_partitions = self._partition_rows(routing, agreed)            # 2. plan
-        plan = dispatcher.plan_dispatch(routing, partition_P, num_partitions,
-                                        self.config.num_experts, self.group)
-        y_RD = self._run_experts(x_TD, plan, agreed)                                   # 3. experts
-        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
-        return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
-
-
-class FastMoE(MoELayerBase):
-    """Keep-everything baseline: one dispatch, all experts, one combine; no overlap,
-    no memory reuse; autograd saves whatever each op needs (as FastMoE does)."""
-
-    def _run_experts(self, x_TD, plan, agreed):
-        (p,) = plan.partitions
-        x_RD = dispatcher.gather_rows(x_TD, p.token_index_R)
-        received_ND = all_to_all_with_grad(self.group, x_RD, p.recv_splits, p.send_splits)
-        x_ND = dispatcher.to_expert_major(received_ND, p.expert_order_N)
-        y_ND = self.experts(x_ND, p.expert_counts)
-        y_received_ND = dispatcher.from_expert_major(y_ND, p.source_order_N)
-        return all_to_all_with_grad(self.group, y_received_ND, p.send_splits, p.recv_splits)
-
-
-class _PipelinedLayer(MoELayerBase):
-    """Runs step 3 through the pipelined schedule (pipeline.py)."""
-
-    def __init__(self, config, group=None, *, host_pool: HostBufferPool | None = None, device=None, dtype=None):
-        super().__init__(config, group, device=device, dtype=dtype)
-        self.host_pool = host_pool if host_pool is not None else HostBufferPool()
-        self._streams: dict[torch.device, StreamSet] = {}
-
-    def streams_for(self, device: torch.device) -> StreamSet:
-        if device not in self._streams:
-            self._streams[device] = StreamSet(device)
-        return self._streams[device]
-
-    def _strategy_for(self, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan, agreed: AgreedStep) -> str:
+    # -- step 3: experts ---------------------------------------------------------------------
+    def _strategy_for(self, x_TD: torch.Tensor, plan: DispatchPlan) -> str:
         return "none"
 
     def _pass_timing(self, device: torch.device) -> PassTiming | None:
         return None
 
-    def _run_experts(self, x_TD, plan, agreed):
-        self.last_strategy = self._strategy_for(x_TD, plan, agreed)
+    def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Rows in send order (R × D) after dispatch → experts → combine. Any choice that
+        changes which collectives run depends on agreed values only (plan.stats), never
+        on this rank's token count, or ranks with different batches would hang."""
+        self.last_strategy = self._strategy_for(x_TD, plan)
         run = PipelineRun(self.experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(self.last_strategy), self.host_pool,
-                          timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None)
+                          timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None,
+                          keep_activation=self.keep_activation)
         e = self.experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3)
 
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_TD = self._tokens(x)
+        routing = self.router(x_TD)                                                    # 1. route
+        plan = self.plan(x_TD, routing)                                                # 2. plan
+        y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
+        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
+        return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
-class FasterMoE(_PipelinedLayer):
+
+class FastMoE(MoELayerBase):
+    """Keep-everything baseline: one dispatch, all experts, one combine; no partitions,
+    no memory reuse; keeps T_DI, A and act(A) for backward, as autograd would (as
+    FastMoE does). Same kernels as the other engines."""
+
+    keep_activation = True
+
+    def __init__(self, config, group=None, *, device=None, dtype=None):
+        super().__init__(config, group, device=device, dtype=dtype)
+
+
+class FasterMoE(MoELayerBase):
     """FasterMoE-style baseline: the batch is split along the *device* dimension.
     Step s exchanges with one group of `group_size` peers (ranks rank+s·g … rank+s·g+g−1)
     and overlaps that exchange with the previous step's experts. No memory reuse."""
@@ -172,13 +182,18 @@ class FasterMoE(_PipelinedLayer):
     def steps(self) -> int:
         return -(-self.group.size // self.group_size)
 
-    def _partition_rows(self, routing, agreed):
-        partition_P = dispatcher.partition_by_peers(routing.expert_ids_TK, self.local_experts,
-                                                    self.group.rank, self.group.size, self.group_size)
-        return partition_P, self.steps
+    def _count_chunks(self):
+        return self.steps
+
+    def _chunk_pairs(self, routing, chunks):
+        return dispatcher.chunk_by_peers(routing.expert_ids_TK, self.local_experts,
+                                         self.group.rank, self.group.size, self.group_size)
+
+    def _partitions(self, stats):
+        return self.steps
 
 
-class MPipeMoE(_PipelinedLayer):
+class MPipeMoE(MoELayerBase):
     """MPipeMoE: the batch's tokens are split into n partitions; partition i+1's
     All-to-All overlaps partition i's experts; T_DI / A / T_DO share one-partition
     buffers and backward restores them by the strategy S1–S4 ("none" keeps all).
@@ -219,19 +234,31 @@ class MPipeMoE(_PipelinedLayer):
         self.host_fallback_reason: str | None = None  # why the last check chose S4 over an offload
         self._host_check: tuple | None = None         # (pass shape, fell back) of the last host check
 
-    def _partition_rows(self, routing, agreed):
+    def _count_chunks(self):
+        """n when fixed; with the online search, a multiple of every candidate n (n is
+        chosen only once the pass statistics arrive with the counts)."""
+        if self.partitions != "auto":
+            return self.partitions
+        return math.lcm(*self.search.candidates)
+
+    def _chunk_pairs(self, routing, chunks):
+        tokens = routing.expert_ids_TK.shape[0]
+        return dispatcher.chunk_by_tokens(tokens, self.config.top_k, chunks, routing.expert_ids_TK.device)
+
+    def _wants_skew(self):
+        return self.partitions == "auto"
+
+    def _partitions(self, stats):
         if self.partitions == "auto":
-            n = self.search.choose(agreed.max_tokens, agreed.skew_bucket, self.group,
+            n = self.search.choose(stats.max_tokens, stats.skew_bucket, self.group,
                                    timing_wanted=torch.is_grad_enabled(),
-                                   min_partitions=self._fewest_partitions_within_budget(agreed.max_tokens,
-                                                                                        routing.weights_TK.dtype))
+                                   min_partitions=self._fewest_partitions_within_budget(stats.max_tokens))
         else:
             n = self.partitions
         self.last_partitions = n
-        tokens = routing.expert_ids_TK.shape[0]
-        return dispatcher.partition_by_tokens(tokens, self.config.top_k, n, routing.expert_ids_TK.device), n
+        return n
 
-    def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype) -> int:
+    def _fewest_partitions_within_budget(self, tokens: int) -> int:
         """With a memory budget, the smallest candidate n whose leanest strategy fits
         (the memory model shrinks as n grows); 1 without a budget."""
         if self.memory_budget is None:
@@ -257,23 +284,23 @@ class MPipeMoE(_PipelinedLayer):
             profile = profile.get_or_measure(self.config, max(tokens, 1), self.group, x_TD.device, x_TD.dtype)
         return PerformanceModel(profile)
 
-    def _strategy_for(self, x_TD, plan, agreed):
+    def _strategy_for(self, x_TD, plan):
         """The strategy of this pass: the same on every rank (it decides whether backward
         runs re-communication All-to-Alls), so it is chosen from agreed values only."""
         strategy = self.strategy
         if strategy == "auto":
-            model = self.performance_model(x_TD, agreed.max_tokens)
-            strategy = model.choose(self.config, agreed.max_tokens, self.group.size, x_TD.dtype,
+            model = self.performance_model(x_TD, plan.stats.max_tokens)
+            strategy = model.choose(self.config, plan.stats.max_tokens, self.group.size, x_TD.dtype,
                                     [len(plan.partitions)], SHARED_STRATEGIES, self.memory_budget).strategy
         if torch.is_grad_enabled() and RestorePolicy.of(strategy).offloads:
-            strategy = self._host_memory_fallback(strategy, x_TD, plan, agreed)
+            strategy = self._host_memory_fallback(strategy, x_TD, plan)
         return strategy
 
-    def _host_memory_fallback(self, strategy: str, x_TD: torch.Tensor, plan: dispatcher.DispatchPlan,
-                              agreed: AgreedStep) -> str:
+    def _host_memory_fallback(self, strategy: str, x_TD: torch.Tensor, plan: DispatchPlan) -> str:
         """``strategy``, or S4 (no host memory) on every rank when the host buffers of this
         pass do not fit on some rank. One collective (a max over ranks), run only when the
         agreed pass shape (tokens, skew, n, strategy) differs from the last one checked."""
+        agreed = plan.stats
         key = (agreed.max_tokens, agreed.skew_bucket, len(plan.partitions), strategy)
         if self._host_check is not None and self._host_check[0] == key:
             return "S4" if self._host_check[1] else strategy
@@ -283,9 +310,8 @@ class MPipeMoE(_PipelinedLayer):
         requests = [(p.rows_received * w, x_TD.dtype) for p in plan.partitions for w in widths]
         grow = self.host_pool.bytes_to_grow(requests)
         usable = self.host_pool.usable_bytes() if grow else 0
-        short_local = torch.tensor([int(grow > usable)], dtype=torch.int64)
-        short = bool(self.group.all_reduce_max(
-            short_local.to(x_TD.device) if self.group.distributed and x_TD.is_cuda else short_local).item())
+        short_local = torch.tensor([int(grow > usable)], dtype=torch.int64, device=x_TD.device)
+        short = bool(self.group.all_reduce_max(short_local).item())
         self._host_check = (key, short)
         if short:
             where = (f"needs {grow:,} more bytes of host memory, {usable:,} usable" if grow > usable

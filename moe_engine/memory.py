@@ -171,10 +171,6 @@ class HostBufferPool:
 # -- memory model (DESIGN.md §5; derivation in docs/engine.md) ---------------------------
 
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
-# Hidden-width tensors autograd keeps per row in the keep-everything baseline:
-# ReLU keeps its output (shared with GEMM2's input), GELU its input and output,
-# SwiGLU the two projections (2H), silu's output and the product.
-_AUTOGRAD_ACTIVATION_FACTOR = {"relu": 1, "gelu": 2, "swiglu": 4}
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ class MemoryEstimate:
     saved_bytes:   kept on the device from forward until backward (what autograd
                    and the pipeline save), parameters excluded.
     host_bytes:    offloaded to pinned host memory (S1–S3).
-    forward_working_bytes / backward_working_bytes: transient buffers of a pass.
+    forward_working_bytes / backward_working_bytes: transient tensors of a pass.
     peak_bytes:    saved + the larger working set: the layer's activation peak
                    above its parameters and input.
     """
@@ -202,11 +198,12 @@ class MemoryEstimate:
 def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
                    rows_sent: int | None = None, rows_received: int | None = None) -> MemoryEstimate:
-    """Predict the layer's activation memory per rank (DESIGN.md §5).
+    """Predict the layer's activation memory per rank (derivation in docs/engine.md).
 
     tokens: T on this rank. rows_sent / rows_received: R and N when known (e.g.
-    measured); by default R = N = k·T, exact for dropless routing on one rank and
-    the balanced-routing expectation on several.
+    measured; the busiest rank's N under skewed routing); by default R = N = k·T, exact
+    for dropless routing on one rank (and for any routing there: one rank computes
+    every pair) and the balanced-routing expectation on several.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: choose one of {', '.join(ENGINES)}")
@@ -219,55 +216,63 @@ def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1
     s = torch.empty((), dtype=dtype).element_size()
     r = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     index = 8
-    R = K * T if rows_sent is None else rows_sent
-    N = K * T if rows_received is None else rows_received
+    single = world_size == 1
+    R = K * T if rows_sent is None or single else rows_sent
+    N = K * T if rows_received is None or single else rows_received
+    n = max(1, partitions)
+    Rn, Nn = -(-R // n), -(-N // n)
+    keep_activation = engine == "fastmoe"
+    reorder = not single and L > 1  # received rows are re-ordered by expert (a copy each way)
+    bias = config.bias
 
     # Saved by every engine: X (router GEMM), router probabilities, top-k indices and
     # weights, f (balance loss), the (token, choice) rows and weights of un-permute.
     saved = s * (T * D + T * K * D + T * K) + r * (T * E + E) + index * 2 * T * K + T * K  # + keep mask (bool)
     if K > 1:
         saved += r * (T * K + T)  # top-k values and their sum (renormalisation)
+    if not policy.share_buffers:
+        saved += s * N * (D + A_width + (H if keep_activation else 0))
+    host = s * N * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
+    held_input = D if policy.offload_input else 0            # kept until its copy is done
+    held_preact = A_width if policy.offload_preactivation else 0
 
-    if engine == "fastmoe":
-        saved += index * (R + 2 * N) + s * N * (D + _AUTOGRAD_ACTIVATION_FACTOR[config.activation] * H)
-        host = 0
-        # Live at the end of the keep-everything forward: gathered rows, received rows,
-        # expert output (and its concatenation), re-ordered output, combined rows.
-        forward_working = max(s * (2 * R * D + 3 * N * D - T * K * D), s * R * D)
-        # Backward: the incoming and outgoing gradients, one hidden-width gradient and two
-        # row-width ones at a time (autograd frees saved tensors node by node).
-        backward_working = s * (R * D + T * D - T * K * D + N * (H + 2 * D))
+    # Forward (pipeline.pipelined_forward), at partition i's GEMM2, the last partition
+    # being the fullest: the outputs so far, this partition's T_DI, A, act(A), T_DO (and
+    # its bias rows), the previous partition's tensors still being copied to the host,
+    # and with several ranks the sends, receives and expert re-orders in flight.
+    current = Nn * (H + D + (D if bias else 0))
+    if policy.share_buffers:
+        current += Nn * (D + A_width)
+    if n > 1:
+        current += Nn * (held_input + held_preact)
+    if single:
+        outputs = (n - 1) * Rn * D
+        finish = (2 if n > 1 else 1) * R * D  # the partitions' outputs and their concatenation
     else:
-        n = max(1, partitions)
-        S = min(2, n)  # a double-buffered ring only has a second buffer when there is a second partition
-        Rn, Nn = -(-R // n), -(-N // n)
-        if not policy.share_buffers:
-            saved += s * N * (D + A_width)
-        host = s * N * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
-        input_slots = min(2 if policy.offload_input else 1, n) if policy.share_buffers else 0
-        preact_slots = min(2 if policy.offload_preactivation else 1, n) if policy.share_buffers else 0
-        # Forward (pipeline.pipelined_forward): combined rows, send ×S, receive ×S,
-        # expert output, combine input ×S, T_DI and A slots, the activation. The
-        # combined rows then become the saved (token, choice) rows of un-permute.
-        inside = s * (R * D + S * Rn * D + 2 * S * Nn * D + Nn * D + input_slots * Nn * D
-                      + preact_slots * Nn * A_width + Nn * H)
-        forward_working = max(inside - s * T * K * D, s * R * D)
-        # Backward (pipeline.pipelined_backward): dy rows, dx of the layer input, dy
-        # receive ×S, dx send ×S, dx rows ×S, dy/dx grouped by expert and the grouped
-        # dx product, restore slots, and the hidden-width temporaries of Experts.backward_rows
-        # (the saved (token, choice) rows are freed by then).
-        restore = 0
-        if policy.share_buffers:
-            restore = (S if policy.offload_preactivation else 1) * Nn * A_width
-            if policy.offload_input or policy.recommunicate_input:
-                restore += S * Nn * D
-            if policy.recommunicate_input:
-                restore += S * (Nn + Rn) * D
-        hidden_temporaries = (4 if config.gated else 1) * Nn * H
-        # The dx-send and dx-row rings are first allocated after partition 0's hidden
-        # temporaries are freed: with one partition they are not part of the peak.
-        dx_rings = S * Nn * D + S * Rn * D if n > 1 else 0
-        backward_working = s * (R * D + T * D - T * K * D + S * Nn * D + dx_rings + 3 * Nn * D
-                                + restore + hidden_temporaries)
-    grads = s * L * (2 * D * H + (D * H if config.gated else 0) + (H + D if config.bias else 0))
+        outputs = R * D + min(2, n) * Rn * D + (2 if n > 1 else 1) * Nn * D + (2 * Nn * D if reorder else 0)
+        finish = R * D
+    forward_working = s * max(outputs + current - T * K * D, finish)
+
+    # Backward (pipeline.pipelined_backward), at the first partition it runs (the last
+    # one): dy rows and dx of the layer input (the saved (token, choice) rows are freed by
+    # then), the restored T_DI and A, the hidden-width temporaries of Experts.input_grad
+    # and weight_grads, dx of the rows, the next partition's prefetched restores, and the
+    # gradients (a second weight-sized term while a later partition's adds into them).
+    restore = 0
+    if policy.share_buffers:
+        restore = Nn * (D + A_width)
+        if n > 1:
+            restore += Nn * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
+    if config.gated:
+        hidden_temporaries = 5 * Nn * H          # dh, sigmoid, silu, d up, act(A)
+    else:
+        hidden_temporaries = (1 if keep_activation else 2) * Nn * H  # dA (and act(A))
+    rows = Nn * D                                # dx of the rows
+    if not single:
+        rows += Nn * D * (2 if n > 1 else 1) + 2 * Rn * D * min(2, n) + (2 * Nn * D if reorder else 0)
+        if policy.recommunicate_input and n > 1:
+            rows += Nn * D + Rn * D
+    backward_working = s * (R * D + T * D - T * K * D + restore + hidden_temporaries + rows)
+    param_grads = L * (2 * D * H + (D * H if config.gated else 0) + (H + D if bias else 0))
+    grads = s * (param_grads + (L * D * H if n > 1 else 0))
     return MemoryEstimate(saved, host, forward_working, backward_working + grads)

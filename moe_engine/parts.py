@@ -7,7 +7,7 @@ measured here, each on its own, never by timing the whole layer at the size
 being predicted:
 
   * ``ffn``        one expert's FFN on M rows (M = 64 … 65536): GEMM1 alone,
-                   the pipeline's explicit forward and ``backward_rows``, and
+                   the pipeline's explicit forward and ``backward``, and
                    the autograd form FastMoE uses; device time only (the sum of
                    the kernels' durations in the CUDA profiler, so launch gaps
                    and host syncs are not counted);
@@ -240,20 +240,24 @@ TOKEN_GRID = tuple(2 ** i for i in range(8, 17))      # 256 … 65536 tokens
 
 
 def _autograd_ffn(experts, x, dy, counts, device) -> tuple[float, float]:
-    """Device seconds of the autograd FFN's forward and of its backward."""
-    x_req = x.detach().requires_grad_(True)
+    """Device seconds of FastMoE's FFN forward and of its backward. FastMoE runs the
+    engines' shared grouped kernels (it keeps act(A) instead of recomputing it), so
+    these are the explicit forward and backward on rows split as `counts`.
+    (The name stays: the simulator's records call these curves "autograd".)"""
+    from .experts import ExpertSegments
 
-    def both():
-        experts(x_req, counts).backward(dy)
-
-    forward = _device_seconds(lambda: experts(x_req, counts), device)
-    return forward, max(_device_seconds(both, device) - forward, 1e-6)
+    segments = ExpertSegments.from_counts(list(counts), device)
+    A = experts.project_in(x, segments)
+    grads = experts.grads()
+    forward = _device_seconds(lambda: experts(x, segments), device)
+    backward = _device_seconds(lambda: experts.backward(x, A, dy, segments, grads), device)
+    return forward, max(backward, 1e-6)
 
 
 def measure_ffn(config, device, dtype, rows_grid=ROW_GRID) -> dict:
     import torch
 
-    from .experts import Experts, activate
+    from .experts import Experts, ExpertSegments
 
     experts = Experts(config, 1, device=device, dtype=dtype)
     out = {"rows": list(rows_grid), "gemm1_s": [], "forward_s": [], "backward_s": [],
@@ -261,24 +265,21 @@ def measure_ffn(config, device, dtype, rows_grid=ROW_GRID) -> dict:
     for M in rows_grid:
         x = torch.randn(M, config.d_model, device=device, dtype=dtype)
         dy = torch.randn_like(x)
-        A = torch.empty(M, experts.pre_activation_width, device=device, dtype=dtype)
-        y = torch.empty_like(x)
-        dx = torch.empty_like(x)
-        grads = experts.new_grads()
-        counts = [M]
+        segments = ExpertSegments.from_counts([M], device)
+        A = experts.project_in(x, segments)
+        grads = experts.grads()
 
         def forward():
-            experts.project_in(x, counts, A)
-            experts.project_out(activate(A, config.activation), counts, y)
+            experts(x, segments)
 
-        out["gemm1_s"].append(_device_seconds(lambda: experts.project_in(x, counts, A), device))
+        out["gemm1_s"].append(_device_seconds(lambda: experts.project_in(x, segments), device))
         out["forward_s"].append(_device_seconds(forward, device))
         out["backward_s"].append(_device_seconds(
-            lambda: experts.backward_rows(x, A, dy, counts, grads, dx), device))
-        forward, backward = _autograd_ffn(experts, x, dy, counts, device)
+            lambda: experts.backward(x, A, dy, segments, grads), device))
+        forward, backward = _autograd_ffn(experts, x, dy, [M], device)
         out["autograd_forward_s"].append(forward)
         out["autograd_backward_s"].append(backward)
-        del x, dy, A, y, dx, grads
+        del x, dy, A, grads
     # FastMoE's autograd FFN slices its rows per local expert, and autograd adds the
     # slices' gradients into full-size tensors: its cost grows with the number of local
     # experts L, not only with their rows. Measured for L = 2, 4, 8 (rows per expert).
@@ -336,9 +337,7 @@ def measure_shell(config, device, dtype, token_grid=TOKEN_GRID) -> dict:
         def forward():
             x_TD = x.detach().requires_grad_(True)
             routing = layer.router(x_TD)
-            agreed = layer._agree(x_TD, routing)
-            partition_P, n = layer._partition_rows(routing, agreed)
-            plan = dispatcher.plan_dispatch(routing, partition_P, n, config.num_experts, layer.group)
+            plan = layer.plan(x_TD, routing)
             y_TD = dispatcher.unpermute(rows_RD, plan, routing.weights_TK, routing.keep_TK)
             holder["out"] = (y_TD, routing.aux_loss)
 
@@ -403,9 +402,7 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
             x_TD = x.detach().requires_grad_(True)
             t3 = clock()
             routing = layer.router(x_TD)
-            agreed = layer._agree(x_TD, routing)
-            partition_P, parts = layer._partition_rows(routing, agreed)
-            dispatcher.plan_dispatch(routing, partition_P, parts, config.num_experts, layer.group)
+            layer.plan(x_TD, routing)
             t4 = clock()
             if round_ >= 3:
                 for series, value in zip(samples[key], (t1 - t0, t2 - t1, t4 - t3)):

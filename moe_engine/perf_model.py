@@ -28,7 +28,7 @@ import torch
 
 from .comm import ExpertGroup
 from .config import MoEConfig
-from .experts import Experts, activate
+from .experts import Experts, ExpertSegments
 from .memory import RestorePolicy, predict_memory
 from .streams import StreamSet
 from .timing import Stopwatch, synchronize, time_fn
@@ -141,14 +141,13 @@ def calibrate(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.
     rows = max(group.size * L, config.top_k * tokens)
     experts = Experts(config, L, device=device, dtype=dtype)
     counts = [rows // L + (1 if l < rows % L else 0) for l in range(L)]
+    segments = ExpertSegments.from_counts(counts, device)
     x_ND = torch.randn(rows, config.d_model, device=device, dtype=dtype)
     A_NA = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
-    y_ND = torch.empty_like(x_ND)
     streams = StreamSet(device)
 
     def ffn():
-        experts.project_in(x_ND, counts, A_NA)
-        experts.project_out(activate(A_NA, config.activation), counts, y_ND)
+        experts(x_ND, segments)
 
     flops = 2 * rows * config.d_model * (experts.pre_activation_width + config.d_hidden)
     gemm_s = time_fn(ffn, device, warmup=2, repeats=repeats).mean_s
@@ -193,14 +192,11 @@ def _partition_overhead(experts, config, device, dtype, repeats) -> float:
     """Cost of one more partition: the FFN on a handful of rows (launches, bookkeeping)."""
     L = experts.local_experts
     x = torch.randn(L, config.d_model, device=device, dtype=dtype)
-    A = torch.empty(L, experts.pre_activation_width, device=device, dtype=dtype)
-    y = torch.empty_like(x)
-    counts = [1] * L
+    segments = ExpertSegments.from_counts([1] * L, device)
+    index = torch.arange(L, device=device)
 
     def tiny():
-        experts.project_in(x, counts, A)
-        experts.project_out(activate(A, config.activation), counts, y)
-        torch.index_select(x, 0, torch.arange(L, device=device), out=y)
+        experts(x.index_select(0, index), segments)
 
     return time_fn(tiny, device, repeats=repeats).mean_s
 

@@ -1,33 +1,41 @@
-"""The partitioned forward/backward schedule of MPipeMoE (DESIGN.md §2).
+"""The partitioned forward/backward schedule of MPipeMoE (docs/engine.md, "The method").
 
-Legend: T tokens on this rank, D d_model, A pre-activation width (H or 2H),
+Legend (the engine's, see docs/engine.md): T tokens on this rank, D d_model, H d_hidden,
 R rows this rank sends, N rows it receives, n partitions.
 
 Forward, for each partition i (rows of one token range, one All-to-All each):
 
-    1. gather    x rows of partition i into a send slot              (compute stream)
-    2. dispatch  All-to-All → receive slot                           (comm stream)
-    3. experts   group by expert → T_DI, GEMM1 → A, act, GEMM2 → T_DO (compute stream)
-    4. offload   T_DI and/or A to host, as the strategy says          (copy stream)
-    5. combine   All-to-All of T_DO back into the output rows         (comm stream)
+    1. dispatch  gather x rows (compute stream), All-to-All (comm stream)
+    2. experts   group by expert → T_DI, GEMM1 → A, act, GEMM2 → T_DO  (compute stream)
+    3. offload   T_DI and/or A to host, as the strategy says            (copy stream)
+    4. combine   All-to-All of T_DO back into the output rows           (comm stream)
 
-Partition i+1's dispatch is issued before partition i's experts, and
-partition i's combine after them, so communication of one partition overlaps
-computation of the next. T_DI, A and T_DO live in slots sized for one
-partition (two slots where a side stream may still read the previous one);
-backward restores what the slots overwrote (memory.py) and runs the same
-pipeline in reverse order, prefetching partition i−1 while computing i.
+Partition i+1's dispatch is issued before partition i's experts, and partition i's
+combine after them, so communication of one partition overlaps computation of the
+next. With one rank there is no All-to-All: dispatch gathers the rows straight into
+expert order and combine is a concatenation.
+
+Backward runs the partitions in reverse order, fetching partition i−1's inputs (the
+output gradient's All-to-All, restores by host copy or re-communication) while
+partition i computes. Within a partition the input gradient is computed first and
+sent back at once; the weight-gradient GEMMs then run while it travels.
+
+Memory reuse: the grouped kernels allocate their outputs, and a partition's T_DI, A
+and T_DO are dropped once partition i+2 starts (a strategy S1–S4) or kept for backward
+("none"); the caching allocator hands the freed blocks to the next partition, so the
+working set is a partition's, and backward restores what was dropped (memory.py).
+Every tensor a side stream reads stays referenced until the stream that frees it has
+waited for that read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
 from .comm import ExpertGroup
-from .dispatcher import DispatchPlan
-from .experts import Experts, activate
+from .dispatcher import DispatchPlan, from_expert_major, to_expert_major
+from .experts import Experts
 from .granularity import PassTiming
 from .memory import HostBufferPool, RestorePolicy
 from .streams import Pending, StreamSet
@@ -35,7 +43,10 @@ from .streams import Pending, StreamSet
 
 @dataclass
 class PipelineRun:
-    """Everything one pipelined call needs besides tensors (built per forward)."""
+    """Everything one pipelined call needs besides tensors (built per forward).
+
+    keep_activation: also keep act(A) for backward, as autograd would (the FastMoE
+    baseline); otherwise backward recomputes it from A, elementwise."""
 
     experts: Experts
     group: ExpertGroup
@@ -44,242 +55,249 @@ class PipelineRun:
     policy: RestorePolicy
     host_pool: HostBufferPool
     timing: PassTiming | None = None   # set while the granularity search measures this pass
-
-    @property
-    def send_offsets(self) -> list[int]:
-        return [0] + list(accumulate(p.rows_sent for p in self.plan.partitions))
-
-
-class SlotRing:
-    """Up to `count` working buffers of `rows × width`; step s uses buffer s % count.
-    Buffers are allocated on first use, so a ring the schedule never touches (or
-    touches once, with a single partition) costs nothing."""
-
-    def __init__(self, count: int, rows: int, width: int, like: torch.Tensor):
-        self.count, self.rows, self.width, self.like = count, rows, width, like
-        self.buffers: dict[int, torch.Tensor] = {}
-
-    def take(self, step: int, rows: int) -> torch.Tensor:
-        slot = step % self.count
-        if slot not in self.buffers:
-            self.buffers[slot] = self.like.new_empty(self.rows, self.width)
-        return self.buffers[slot][:rows]
+    keep_activation: bool = False
 
 
 @dataclass
-class Restorable:
-    """What backward has of one partition's T_DI or A: a device tensor, or a host copy."""
+class Saved:
+    """What backward has of one partition's T_DI or A (a list of tensors): device
+    tensors, or host copies (and the pool buffers behind them)."""
 
-    device: torch.Tensor | None = None
-    host: torch.Tensor | None = None
-    host_base: torch.Tensor | None = None
+    device: list | None = None
+    host: list | None = None
+    host_bases: list = field(default_factory=list)
     copied: Pending = field(default_factory=Pending.done)
 
 
-def _offload(run: PipelineRun, tensor: torch.Tensor) -> Restorable:
-    """Copy stream. Start copying `tensor` to a host buffer of this micro-batch."""
-    base = run.host_pool.take(tensor.numel(), tensor.dtype, pin=run.streams.is_cuda)
-    host = base[:tensor.numel()].view(tensor.shape)
-    with run.streams.on_copy():
-        host.copy_(tensor, non_blocking=True)
-    return Restorable(host=host, host_base=base, copied=run.streams.record_copy())
+def _offload(run: PipelineRun, tensors: list) -> Saved:
+    """Copy stream. Start copying `tensors` to host buffers of this micro-batch."""
+    streams = run.streams
+    hosts, bases = [], []
+    with streams.on_copy():
+        for tensor in tensors:
+            base = run.host_pool.take(tensor.numel(), tensor.dtype, pin=streams.is_cuda,
+                                      stream=streams.copy if streams.is_cuda else None)
+            host = base[:tensor.numel()].view(tensor.shape)
+            host.copy_(tensor, non_blocking=True)
+            hosts.append(host)
+            bases.append(base)
+    return Saved(host=hosts, host_bases=bases, copied=streams.record_copy())
 
 
-def _fetch_from_host(run: PipelineRun, saved: Restorable, out: torch.Tensor) -> Pending:
-    """Copy stream. Start copying a host copy back into a device slot."""
+def _fetch_from_host(run: PipelineRun, saved: Saved) -> tuple[list, Pending]:
+    """Copy stream. Start copying host copies back into new device tensors."""
+    device = run.streams.device
+    outs = [torch.empty(h.shape, dtype=h.dtype, device=device) for h in saved.host]
     with run.streams.on_copy():
-        out.copy_(saved.host, non_blocking=True)
-    return run.streams.record_copy()
+        for out, host in zip(outs, saved.host):
+            out.copy_(host, non_blocking=True)
+    return outs, run.streams.record_copy()
 
 
 def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
-    """Returns (y_RD, saved_inputs, saved_preacts): combined rows in send order and,
-    when `save`, what backward needs per partition (as `Restorable`s)."""
-    parts, experts, group, streams = run.plan.partitions, run.experts, run.group, run.streams
-    policy = run.policy
-    n, D, A_width = len(parts), x_TD.shape[1], experts.pre_activation_width
-    max_sent, max_recv = run.plan.max_rows_sent, run.plan.max_rows_received
-    offsets = run.send_offsets
+    """Returns (y_RD, saved_inputs, saved_preacts, saved_acts): combined rows in send
+    order and, when `save`, what backward needs per partition."""
+    plan, experts, group, streams, policy = run.plan, run.experts, run.group, run.streams, run.policy
+    parts, n, D = plan.partitions, len(plan.partitions), x_TD.shape[1]
+    offsets = plan.send_offsets
     keep_on_device = save and not policy.share_buffers
     offload_input = save and policy.offload_input
     offload_preact = save and policy.offload_preactivation
 
-    y_RD = x_TD.new_empty(offsets[-1], D)
-    send = SlotRing(2, max_sent, D, x_TD)
-    recv = SlotRing(2, max_recv, D, x_TD)
-    expert_out = SlotRing(1, max_recv, D, x_TD)
-    combine_in = SlotRing(2, max_recv, D, x_TD)
-    inputs = None if keep_on_device else SlotRing(2 if offload_input else 1, max_recv, D, x_TD)
-    preacts = None if keep_on_device else SlotRing(2 if offload_preact else 1, max_recv, A_width, x_TD)
+    y_RD = None if plan.single else x_TD.new_empty(offsets[-1], D)
+    outputs: list = []                  # single rank: each partition's T_DO, concatenated at the end
+    received: list = [None] * n         # the rows each dispatch brings (or, on one rank, gathers)
+    in_flight: list = [None] * n        # tensors a side stream still reads, per partition
+    dispatched = [Pending.done()] * n
+    combined = [Pending.done()] * n
+    saved_inputs = [Saved() for _ in range(n)]
+    saved_preacts = [Saved() for _ in range(n)]
+    saved_acts: list = [None] * n
 
-    dispatched: list[Pending] = [Pending.done()] * n
-    combined: list[Pending] = [Pending.done()] * n
-    saved_inputs = [Restorable() for _ in range(n)]
-    saved_preacts = [Restorable() for _ in range(n)]
-
-    def issue_dispatch(i: int) -> None:
+    def dispatch(i: int) -> None:                                                     # 1. dispatch
         p = parts[i]
-        if i >= 2:
-            dispatched[i - 2].wait()  # its send slot is ours now
-        send_RD = send.take(i, p.rows_sent)
-        torch.index_select(x_TD, 0, p.token_index_R, out=send_RD)                       # 1. gather
-        dispatched[i] = group.all_to_all_async(recv.take(i, p.rows_received), send_RD,  # 2. dispatch
-                                               p.recv_splits, p.send_splits, streams)
+        x_RD = x_TD.index_select(0, p.token_index_R)
+        if plan.single:
+            received[i] = x_RD
+            return
+        received[i] = x_TD.new_empty(p.rows_received, D)
+        in_flight[i] = [x_RD]
+        dispatched[i] = group.all_to_all_async(received[i], x_RD, p.recv_splits, p.send_splits, streams)
 
-    def run_experts(i: int) -> None:
-        p, N = parts[i], parts[i].rows_received
+    def compute(i: int) -> None:
+        p = parts[i]
         dispatched[i].wait()
-        if i >= 2:  # slots of partition i-2 are ours once its offload and combine are done
+        if i >= 2:  # partition i-2's copies and combine are done: drop what they read
             saved_inputs[i - 2].copied.wait()
             saved_preacts[i - 2].copied.wait()
             combined[i - 2].wait()
-        if keep_on_device:
-            x_ND, A_NA = x_TD.new_empty(N, D), x_TD.new_empty(N, A_width)
-        else:
-            x_ND, A_NA = inputs.take(i, N), preacts.take(i, N)
-        torch.index_select(recv.take(i, N), 0, p.expert_order_N, out=x_ND)              # 3. T_DI
-        experts.project_in(x_ND, p.expert_counts, A_NA)                                  #    GEMM1
-        h_NH = activate(A_NA, experts.config.activation)                                 #    act
-        y_ND = experts.project_out(h_NH, p.expert_counts, expert_out.take(i, N))         #    GEMM2
+            in_flight[i - 2] = None
+        x_ND = to_expert_major(received[i], p.expert_order_N)                           # 2. experts
+        received[i] = None
+        A = experts.project_in(x_ND, p.segments)
+        h_NH = experts.activate(A)
+        y_ND = experts.project_out(h_NH, p.segments)
+        if save and run.keep_activation:
+            saved_acts[i] = h_NH
         del h_NH
-        y_received_ND = torch.index_select(y_ND, 0, p.source_order_N, out=combine_in.take(i, N))
+        y_received_ND = from_expert_major(y_ND, p.source_order_N)
         if keep_on_device:
-            saved_inputs[i], saved_preacts[i] = Restorable(device=x_ND), Restorable(device=A_NA)
-        if offload_input:                                                                # 4. offload
-            saved_inputs[i] = _offload(run, x_ND)
+            saved_inputs[i], saved_preacts[i] = Saved(device=[x_ND]), Saved(device=A)
+        keep = [y_received_ND]
+        if offload_input:                                                              # 3. offload
+            saved_inputs[i] = _offload(run, [x_ND])
+            keep.append(x_ND)
         if offload_preact:
-            saved_preacts[i] = _offload(run, A_NA)
-        out_RD = y_RD[offsets[i]:offsets[i + 1]]                                         # 5. combine
-        combined[i] = group.all_to_all_async(out_RD, y_received_ND, p.send_splits, p.recv_splits, streams)
+            saved_preacts[i] = _offload(run, A)
+            keep.extend(A)
+        if plan.single:                                                                # 4. combine
+            outputs.append(y_received_ND)
+        else:
+            out_RD = y_RD[offsets[i]:offsets[i + 1]]
+            combined[i] = group.all_to_all_async(out_RD, y_received_ND, p.send_splits, p.recv_splits, streams)
+        in_flight[i] = keep
 
     if run.timing is not None:
         run.timing.forward.start()
     with torch.no_grad():
         if n:
-            issue_dispatch(0)
+            dispatch(0)
         for i in range(n):
             if i + 1 < n:
-                issue_dispatch(i + 1)
-            run_experts(i)
+                dispatch(i + 1)
+            compute(i)
         for pending in combined:
             pending.wait()
         for saved in saved_inputs + saved_preacts:
             saved.copied.wait()
         streams.join()
+        if plan.single:
+            y_RD = outputs[0] if n == 1 else torch.cat(outputs) if n else x_TD.new_empty(0, D)
+    del in_flight
     if run.timing is not None:
         run.timing.forward.stop()
-    return y_RD, saved_inputs, saved_preacts
+    return y_RD, saved_inputs, saved_preacts, saved_acts
 
 
 def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: PipelineRun,
-                       saved_inputs: list[Restorable], saved_preacts: list[Restorable], tokens: int):
+                       saved_inputs: list[Saved], saved_preacts: list[Saved], saved_acts: list, tokens: int):
     """Backward of `pipelined_forward`, partitions in reverse order.
 
     For each partition: dy rows go to the experts' ranks (All-to-All), T_DI and A
-    are restored per the strategy (prefetched one partition ahead), the expert
-    backward accumulates parameter gradients, and the input gradient rows come
-    back (All-to-All) and are added into dx_TD.
+    are restored per the strategy (fetched one partition ahead), the input gradient
+    is computed and sent back (All-to-All), the weight gradients accumulate while it
+    travels, and the returned rows are added into dx_TD.
     """
-    parts, experts, group, streams, policy = (run.plan.partitions, run.experts, run.group,
-                                              run.streams, run.policy)
-    n, D, A_width = len(parts), dy_RD.shape[1], experts.pre_activation_width
-    max_sent, max_recv = run.plan.max_rows_sent, run.plan.max_rows_received
-    offsets = run.send_offsets
+    plan, experts, group, streams, policy = run.plan, run.experts, run.group, run.streams, run.policy
+    parts, n, D = plan.partitions, len(plan.partitions), dy_RD.shape[1]
+    offsets = plan.send_offsets
     order = list(reversed(range(n)))
     dy_RD = dy_RD.contiguous()
-    grads = experts.new_grads()
+    grads = experts.grads()
     dx_TD = dy_RD.new_zeros(tokens, D)
 
-    dy_recv = SlotRing(2, max_recv, D, dy_RD)
-    input_slots = SlotRing(2, max_recv, D, dy_RD)        # restored T_DI (host copy or re-dispatch)
-    input_recv = SlotRing(2, max_recv, D, dy_RD)         # re-dispatch arrivals (source order)
-    input_send = SlotRing(2, max_sent, D, dy_RD)         # re-dispatch gathers
-    preact_slots = SlotRing(2 if policy.offload_preactivation else 1, max_recv, A_width, dy_RD)
-    dy_expert = SlotRing(1, max_recv, D, dy_RD)
-    dx_expert = SlotRing(1, max_recv, D, dy_RD)
-    dx_send = SlotRing(2, max_recv, D, dy_RD)
-    dx_rows = SlotRing(2, max_sent, D, dy_RD)
+    dy_received: list = [None] * n
+    inputs_fetched: list = [None] * n
+    preacts_fetched: list = [None] * n
+    in_flight: list = [None] * n
+    dx_returned: list = [None] * n
+    fetched_dy = [Pending.done()] * n
+    fetched_input = [Pending.done()] * n
+    fetched_preact = [Pending.done()] * n
+    returned = [Pending.done()] * n
+    host_reads_done: list = []
 
-    fetched_dy: list[Pending] = [Pending.done()] * n
-    fetched_input: list[Pending] = [Pending.done()] * n
-    fetched_preact: list[Pending] = [Pending.done()] * n
-    returned: list[Pending] = [Pending.done()] * n
-
-    def issue_fetch(step: int) -> None:
+    def fetch(step: int) -> None:
         """Comm + copy streams: everything partition order[step] needs, ahead of its compute."""
         i = order[step]
         p = parts[i]
-        fetched_dy[step] = group.all_to_all_async(dy_recv.take(step, p.rows_received),
-                                                  dy_RD[offsets[i]:offsets[i + 1]],
-                                                  p.recv_splits, p.send_splits, streams)
-        if policy.recommunicate_input:
-            if step >= 2:
-                fetched_input[step - 2].wait()
-            send_RD = input_send.take(step, p.rows_sent)
-            torch.index_select(x_TD, 0, p.token_index_R, out=send_RD)
-            fetched_input[step] = group.all_to_all_async(input_recv.take(step, p.rows_received), send_RD,
+        dy_slice = dy_RD[offsets[i]:offsets[i + 1]]
+        if plan.single:
+            dy_received[step] = dy_slice
+        else:
+            dy_received[step] = dy_RD.new_empty(p.rows_received, D)
+            fetched_dy[step] = group.all_to_all_async(dy_received[step], dy_slice,
+                                                      p.recv_splits, p.send_splits, streams)
+        if policy.recommunicate_input and not plan.single:
+            x_RD = x_TD.index_select(0, p.token_index_R)
+            inputs_fetched[step] = x_TD.new_empty(p.rows_received, D)
+            in_flight[step] = [x_RD]
+            fetched_input[step] = group.all_to_all_async(inputs_fetched[step], x_RD,
                                                          p.recv_splits, p.send_splits, streams)
         elif saved_inputs[i].host is not None:
-            fetched_input[step] = _fetch_from_host(run, saved_inputs[i], input_slots.take(step, p.rows_received))
+            (inputs_fetched[step],), fetched_input[step] = _fetch_from_host(run, saved_inputs[i])
+            host_reads_done.append((saved_inputs[i], fetched_input[step]))
         if saved_preacts[i].host is not None:
-            fetched_preact[step] = _fetch_from_host(run, saved_preacts[i], preact_slots.take(step, p.rows_received))
+            preacts_fetched[step], fetched_preact[step] = _fetch_from_host(run, saved_preacts[i])
+            host_reads_done.append((saved_preacts[i], fetched_preact[step]))
 
-    def restore_and_backward(step: int) -> None:
+    def compute(step: int) -> None:
         i = order[step]
-        p, N = parts[i], parts[i].rows_received
-        # T_DI of this partition
-        fetched_input[step].wait()
+        p = parts[i]
+        fetched_input[step].wait()                                   # T_DI of this partition
         if saved_inputs[i].device is not None:
-            x_ND = saved_inputs[i].device
+            (x_ND,) = saved_inputs[i].device
+        elif policy.recommunicate_input and plan.single:
+            x_ND = x_TD.index_select(0, p.token_index_R)
         elif policy.recommunicate_input:
-            x_ND = input_slots.take(step, N)
-            torch.index_select(input_recv.take(step, N), 0, p.expert_order_N, out=x_ND)
+            x_ND = to_expert_major(inputs_fetched[step], p.expert_order_N)
         else:
-            x_ND = input_slots.take(step, N)
-        # A of this partition
-        if saved_preacts[i].device is not None:
-            A_NA = saved_preacts[i].device
+            x_ND = inputs_fetched[step]
+        inputs_fetched[step] = None
+        if saved_preacts[i].device is not None:                      # A of this partition
+            A = saved_preacts[i].device
         elif policy.recompute_preactivation:
-            A_NA = experts.project_in(x_ND, p.expert_counts, preact_slots.take(step, N))
+            A = experts.project_in(x_ND, p.segments)
         else:
             fetched_preact[step].wait()
-            A_NA = preact_slots.take(step, N)
-        # dy of this partition, grouped by expert
-        fetched_dy[step].wait()
-        dy_ND = dy_expert.take(step, N)
-        torch.index_select(dy_recv.take(step, N), 0, p.expert_order_N, out=dy_ND)
-        dx_ND = experts.backward_rows(x_ND, A_NA, dy_ND, p.expert_counts, grads, dx_expert.take(step, N))
-        if step >= 2:
-            returned[step - 2].wait()  # its dx_send slot is ours now
-        dx_received_ND = torch.index_select(dx_ND, 0, p.source_order_N, out=dx_send.take(step, N))
-        returned[step] = group.all_to_all_async(dx_rows.take(step, p.rows_sent), dx_received_ND,
-                                                p.send_splits, p.recv_splits, streams)
+            A = preacts_fetched[step]
+        preacts_fetched[step] = None
+        fetched_dy[step].wait()                                      # dy, grouped by expert
+        dy_ND = to_expert_major(dy_received[step], p.expert_order_N)
+        dy_received[step] = None
+        done = experts.input_grad(A, dy_ND, p.segments)
+        dx_received_ND = from_expert_major(done.dx_ND, p.source_order_N)
+        if plan.single:
+            dx_TD.index_add_(0, p.token_index_R, dx_received_ND)
+        else:
+            if step >= 2:
+                returned[step - 2].wait()
+                in_flight[step - 2] = None
+            dx_returned[step] = dy_RD.new_empty(p.rows_sent, D)
+            returned[step] = group.all_to_all_async(dx_returned[step], dx_received_ND,
+                                                    p.send_splits, p.recv_splits, streams)
+            in_flight[step] = [dx_received_ND]
+        experts.weight_grads(x_ND, A, dy_ND, p.segments, done, grads, h_NH=saved_acts[i])
+        saved_acts[i] = None
 
     def accumulate_input_grad(step: int) -> None:
-        i = order[step]
+        if plan.single:
+            return
         returned[step].wait()
-        dx_TD.index_add_(0, parts[i].token_index_R, dx_rows.take(step, parts[i].rows_sent))
+        dx_TD.index_add_(0, parts[order[step]].token_index_R, dx_returned[step])
+        dx_returned[step] = None
 
     if run.timing is not None:
         run.timing.backward.start()
     with torch.no_grad():
         if n:
-            issue_fetch(0)
+            fetch(0)
         for step in range(n):
             if step + 1 < n:
-                issue_fetch(step + 1)
-            restore_and_backward(step)
+                fetch(step + 1)
+            compute(step)
             if step >= 1:
                 accumulate_input_grad(step - 1)
         if n:
             accumulate_input_grad(n - 1)
         streams.join()
+    del in_flight
     if run.timing is not None:
         run.timing.backward.stop()
         run.timing.backward_done = True
-    for saved in saved_inputs + saved_preacts:
-        if saved.host_base is not None:
-            run.host_pool.give_back(saved.host_base)
+    for saved, fetched in host_reads_done:
+        for base in saved.host_bases:
+            run.host_pool.give_back(base, in_use_until=fetched.event)
     return dx_TD, grads
 
 
@@ -293,30 +311,34 @@ class PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, run: PipelineRun, w1, b1, w2, b2, w3):
         save = any(ctx.needs_input_grad)
-        y_RD, saved_inputs, saved_preacts = pipelined_forward(x_TD, run, save)
+        y_RD, saved_inputs, saved_preacts, saved_acts = pipelined_forward(x_TD, run, save)
         ctx.run, ctx.tokens = run, x_TD.shape[0]
         # Device tensors go through save_for_backward (visible to saved-tensor hooks);
         # host copies are plain attributes.
-        device_tensors = [s.device for s in saved_inputs + saved_preacts if s.device is not None]
+        device_lists = [s.device for s in saved_inputs + saved_preacts] + [
+            None if a is None else [a] for a in saved_acts]
+        ctx.layout = [0 if tensors is None else len(tensors) for tensors in device_lists]
+        device_tensors = [t for tensors in device_lists if tensors is not None for t in tensors]
         if save and run.policy.needs_layer_input:
             device_tensors.append(x_TD)
         ctx.save_for_backward(*device_tensors)
-        ctx.saved_inputs = [Restorable(host=s.host, host_base=s.host_base) for s in saved_inputs]
-        ctx.saved_preacts = [Restorable(host=s.host, host_base=s.host_base) for s in saved_preacts]
-        ctx.layout = [s.device is not None for s in saved_inputs + saved_preacts]
-        ctx.param_present = [t is not None for t in (w1, b1, w2, b2, w3)]
+        ctx.saved_host = [Saved(host=s.host, host_bases=s.host_bases) for s in saved_inputs + saved_preacts]
         return y_RD
 
     @staticmethod
     def backward(ctx, dy_RD):
         tensors = list(ctx.saved_tensors)
         x_TD = tensors.pop() if ctx.run.policy.needs_layer_input else None
-        n = len(ctx.saved_inputs)
-        restorables = ctx.saved_inputs + ctx.saved_preacts
-        for restorable, on_device in zip(restorables, ctx.layout):
-            if on_device:
-                restorable.device = tensors.pop(0)
-        dx_TD, grads = pipelined_backward(dy_RD, x_TD, ctx.run, restorables[:n], restorables[n:], ctx.tokens)
+        restored = []
+        for count in ctx.layout:
+            restored.append(tensors[:count] if count else None)
+            tensors = tensors[count:]
+        n = len(ctx.saved_host) // 2
+        saved = ctx.saved_host
+        for s, device in zip(saved, restored[:2 * n]):
+            s.device = device
+        acts = [None if a is None else a[0] for a in restored[2 * n:]]
+        dx_TD, grads = pipelined_backward(dy_RD, x_TD, ctx.run, saved[:n], saved[n:], acts, ctx.tokens)
+        experts = ctx.run.experts
         ctx.run = None
-        param_grads = [grads.w1, grads.b1, grads.w2, grads.b2, grads.w3]
-        return (dx_TD, None, *[g if present else None for g, present in zip(param_grads, ctx.param_present)])
+        return (dx_TD, None, *grads.for_parameters(experts))

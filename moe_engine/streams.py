@@ -2,13 +2,17 @@
 
 The pipeline (pipeline.py) is written once against `StreamSet`:
 
-* ``on_compute()`` / ``on_comm()`` / ``on_copy()`` select where the next kernels run;
+* ``on_comm()`` / ``on_copy()`` select a side stream for the next kernels (after it
+  waits for everything queued so far on the caller's current stream);
 * ``record_*()`` returns a `Pending` marking "everything issued so far on that stream";
 * ``Pending.wait()`` makes the *current* stream (CUDA) or the host (CPU) wait for it.
 
-CUDA: three real streams. Compute is the caller's current stream, so the layer's
-inputs and outputs need no extra synchronisation; communication and host copies
-get side streams of their own.
+CUDA: compute runs on whatever stream is current when the layer is called (the default
+stream, a side stream of the caller's, a stream capturing a CUDA graph): it is read at
+every use, never fixed, so the layer's inputs and outputs need no extra synchronisation
+and `join()` orders the caller's stream after the side streams. Communication gets a
+side stream of high priority (its kernels are short and gate the next partition's
+compute), host copies another.
 
 CPU: kernels run synchronously on the host, so streams are no-ops and a recorded
 event is already complete. Asynchrony comes only from gloo collectives, whose
@@ -28,10 +32,11 @@ import torch
 class Pending:
     """Something issued asynchronously; `wait()` orders the caller after it."""
 
-    __slots__ = ("_wait",)
+    __slots__ = ("_wait", "event")
 
-    def __init__(self, wait: Optional[Callable[[], None]] = None):
+    def __init__(self, wait: Optional[Callable[[], None]] = None, event=None):
         self._wait = wait
+        self.event = event  # the CUDA event behind it, when there is one
 
     @classmethod
     def done(cls) -> "Pending":
@@ -39,7 +44,7 @@ class Pending:
 
     @classmethod
     def from_event(cls, event: "torch.cuda.Event") -> "Pending":
-        return cls(lambda: torch.cuda.current_stream().wait_event(event))
+        return cls(lambda: torch.cuda.current_stream().wait_event(event), event)
 
     def wait(self) -> None:
         if self._wait is not None:
@@ -47,15 +52,21 @@ class Pending:
 
 
 class StreamSet:
-    """Compute, communication and host-copy streams of one device."""
+    """Communication and host-copy side streams of one device; compute is the caller's
+    current stream."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
-            self.compute = torch.cuda.current_stream(device)
-            self.comm = torch.cuda.Stream(device)
+            high_priority = torch.cuda.Stream.priority_range()[1]
+            self.comm = torch.cuda.Stream(device, priority=high_priority)
             self.copy = torch.cuda.Stream(device)
+
+    @property
+    def compute(self):
+        """The caller's current stream (CUDA), read now."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
     # -- where work runs -------------------------------------------------------
     def _on(self, stream_name: str):
@@ -74,34 +85,29 @@ class StreamSet:
         return self._on("copy")
 
     def on_compute(self):
-        if not self.is_cuda:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.compute)
+        """The current stream (kept for callers that name the stream they time)."""
+        return contextlib.nullcontext()
 
     # -- events -----------------------------------------------------------------
-    def _record(self, stream_name: str) -> Pending:
+    def _record(self, stream) -> Pending:
         if not self.is_cuda:
             return Pending.done()
         event = torch.cuda.Event()
-        event.record(getattr(self, stream_name))
+        event.record(stream)
         return Pending.from_event(event)
 
     def record_comm(self) -> Pending:
-        return self._record("comm")
+        return self._record(self.comm if self.is_cuda else None)
 
     def record_copy(self) -> Pending:
-        return self._record("copy")
+        return self._record(self.copy if self.is_cuda else None)
 
     def record_compute(self) -> Pending:
-        return self._record("compute")
+        return self._record(self.compute)
 
     def join(self) -> None:
-        """The compute stream waits for every side stream (end of a pipelined pass)."""
+        """The caller's current stream waits for every side stream (end of a pipelined pass)."""
         if self.is_cuda:
-            self.compute.wait_stream(self.comm)
-            self.compute.wait_stream(self.copy)
-
-    def keep_alive(self, tensor: torch.Tensor, stream_name: str) -> None:
-        """Tell the caching allocator `tensor` is used on a side stream (record_stream)."""
-        if self.is_cuda and tensor.is_cuda:
-            tensor.record_stream(getattr(self, stream_name))
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.comm)
+            current.wait_stream(self.copy)

@@ -1,5 +1,7 @@
 """The reference matrix: every engine × partitions × strategy on several routing
-scenarios, compared with the brute-force reference (tests/reference.py) in float64.
+scenarios, compared with the brute-force reference (moe_engine/reference.py) in float64.
+The engines run in float64 (the experts' per-expert loop: the grouped kernel has no
+float64) and in float32 (the grouped kernel, `torch._grouped_mm`, on CPU).
 
 Runs inside each rank (see tests/distributed.py); returns, per (scenario, engine),
 the largest error of each compared quantity, so the test can name what broke.
@@ -125,16 +127,17 @@ def load_params(layer, problem: Problem, rank: int) -> None:
 
 def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
     """Run the layer on this rank's problem; largest |engine − reference| per quantity."""
-    x = problem.x[rank].clone()
+    dtype = layer.router.weight.dtype
+    x = problem.x[rank].clone().to(dtype)
     if scenario.three_d:
         x = x.reshape(2, -1, x.shape[-1])
     x.requires_grad_(True)
     y, aux = layer(x)
     assert y.shape == x.shape, f"output shape {tuple(y.shape)} != input shape {tuple(x.shape)}"
-    loss = (y.reshape(-1, y.shape[-1]) * problem.grad_y[rank]).sum() + problem.aux_coef * aux
+    loss = (y.reshape(-1, y.shape[-1]) * problem.grad_y[rank].to(dtype)).sum() + problem.aux_coef * aux
     loss.backward()
     L = layer.local_experts
-    err = lambda a, b: float((a.reshape(b.shape) - b).abs().max()) if b.numel() else 0.0  # noqa: E731
+    err = lambda a, b: float((a.reshape(b.shape).double() - b).abs().max()) if b.numel() else 0.0  # noqa: E731
     errors = {
         "y": err(y.detach(), problem.ref_y[rank]),
         "aux_loss": err(aux.detach(), problem.ref_aux[rank]),
@@ -148,8 +151,10 @@ def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
     return errors
 
 
-def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list) -> dict:
-    """Per rank: {(scenario, engine): {quantity: max error}}."""
+def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list,
+                 dtype: torch.dtype = torch.float64) -> dict:
+    """Per rank: {(scenario, engine): {quantity: max error}}, the engines run in `dtype`
+    against the float64 reference."""
     results = {}
     for scenario in SCENARIOS:
         if scenario.name not in scenario_names:
@@ -158,7 +163,7 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
         solve_reference(problem, scenario.config)
         for spec in engines:
             torch.manual_seed(0)
-            layer = build_engine(spec, scenario.config)
+            layer = build_engine(spec, scenario.config, dtype=dtype)
             load_params(layer, problem, rank)
             results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank)
     return results

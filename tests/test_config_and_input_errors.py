@@ -45,10 +45,13 @@ def test_bad_input(engine):
         layer(torch.ones(5, 8, dtype=torch.long))
     with pytest.raises(TypeError, match=r"layer.to\(torch.float64\)"):
         layer(torch.randn(5, 8, dtype=torch.float64))
+    # One rank: the layer reads nothing back from the device, so NaN/Inf flows to the
+    # output as in any PyTorch layer (the training loop's loss check stops it). With
+    # several ranks every rank raises together (test_nan_on_one_rank_fails_on_every_rank).
     bad = torch.randn(5, 8)
     bad[2, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf in this rank's"):
-        layer(bad)
+    y, _ = layer(bad)
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
 
 
 @pytest.mark.parametrize("engine", [FastMoE, MPipeMoE, FasterMoE])

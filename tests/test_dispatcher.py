@@ -37,23 +37,54 @@ def test_permute_unpermute_round_trip_restores_input_and_gradient():
     partition_P = dispatcher.partition_by_tokens(T, K, 3, "cpu")
     plan = dispatcher.plan_dispatch(routing, partition_P, 3, E, ExpertGroup(None))
     assert sum(p.rows_sent for p in plan.partitions) == T * K
-    # rows are partition-major and expert-sorted within a partition
-    for p in plan.partitions:
-        experts = routing.expert_ids_TK.flatten()[p.pair_index_R]
+    # rows are partition-major and expert-sorted within a partition; segments match
+    start = 0
+    for i, p in enumerate(plan.partitions):
+        pairs = plan.pair_index_R[start:start + p.rows_sent]
+        start += p.rows_sent
+        experts = routing.expert_ids_TK.flatten()[pairs]
         assert torch.equal(experts, experts.sort().values)
+        assert torch.equal(p.segments.counts_L, torch.bincount(experts, minlength=E))
+        assert torch.equal(pairs // K, p.token_index_R)
+        assert p.rows_sent == K * dispatcher.tokens_of_partition(T, 3, i)
     x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
     rows = dispatcher.gather_rows(x, plan.token_index_R)
-    # round trip through the expert-major order and back
-    for p in plan.partitions:
-        part = dispatcher.gather_rows(x, p.token_index_R)
-        assert torch.equal(dispatcher.from_expert_major(dispatcher.to_expert_major(part, p.expert_order_N),
-                                                        p.source_order_N), part)
     halves = torch.full((T, K), 1.0 / K, dtype=torch.float64)
     back = dispatcher.unpermute(rows, plan, halves, torch.ones(T, K, dtype=torch.bool))
     torch.testing.assert_close(back, x)
     g = torch.randn(T, D, dtype=torch.float64)
     back.backward(g)
     torch.testing.assert_close(x.grad, g)
+
+
+def test_expert_order_round_trip_with_several_ranks():
+    """Received rows arrive (source rank, local expert)-major; to_expert_major groups
+    them by expert and from_expert_major undoes it (built from count tables as a
+    2-rank exchange would deliver them, without a process group)."""
+    import numpy as np
+
+    W, C, L = 2, 3, 2  # ranks, chunks (= partitions), local experts
+    torch.manual_seed(2)
+    received_WCL = np.random.default_rng(0).integers(0, 4, size=(W, C, L))
+    T, K = 6, 1
+    routing = Router(MoEConfig(4, 8, W * L, top_k=K))(torch.randn(T, 4))
+    chunk_P = dispatcher.chunk_by_tokens(T, K, C, "cpu")
+    counts = dispatcher.count_rows(routing, chunk_P, C, W * L, single=False).numpy()
+    tables = dispatcher.CountTables(counts, received_WCL, np.zeros((W, dispatcher.STATS), dtype=np.int64))
+
+    class TwoRanks:
+        size, rank, distributed = W, 0, True
+
+    plan = dispatcher.plan_exchanged(routing, chunk_P, C, tables, TwoRanks())
+    for i, p in enumerate(plan.partitions):
+        assert p.recv_splits == received_WCL[:, i].sum(-1).tolist()
+        assert p.segments.counts == received_WCL[:, i].sum(0).tolist()
+        rows = torch.arange(p.rows_received).double().unsqueeze(1)
+        # expert id of each received row, in arrival order
+        expert_of_row = torch.tensor([l for w in range(W) for l in range(L) for _ in range(received_WCL[w, i, l])])
+        grouped = dispatcher.to_expert_major(rows, p.expert_order_N)
+        assert torch.equal(expert_of_row[grouped.long().flatten()], expert_of_row.sort(stable=True).values)
+        assert torch.equal(dispatcher.from_expert_major(grouped, p.source_order_N), rows)
 
 
 def test_partition_by_tokens_more_partitions_than_tokens():

@@ -1,6 +1,8 @@
-"""Tier 1: what a pass reads back from the device. On CUDA each such read makes the host
-wait for every kernel issued so far, so the engine keeps them to a fixed few per pass —
-the step agreement and the dispatch plan's counts — whatever n is.
+"""Tiers 1 and 2: what a pass reads back from the device, and how many operators it
+calls. On CUDA each such read makes the host wait for every kernel issued so far, so a
+pass reads once with several ranks (the count tables and the pass statistics, which ride
+in the same exchange) and never with one rank, whatever n is. Every operator call costs
+host time, so the calls a partition adds stay few and do not grow with the experts.
 
 The check runs on CPU by following where tensors come from: a tensor made by ``.cpu()``
 (and anything computed only from such tensors) lives on the host; a read of any other
@@ -13,8 +15,10 @@ import weakref
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from tests.distributed import run_on_ranks
 
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"}
 SYNCING_OPS = {"nonzero", "bincount", "unique", "masked_select", "argwhere"}
@@ -81,18 +85,76 @@ def _waits_per_pass(layer, x) -> list:
 
 CONFIG = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2)
 CAPPED = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2, capacity_factor=1.0)
+BUILDS = {
+    "fastmoe": lambda c: FastMoE(c), "fastermoe": lambda c: FasterMoE(c, group_size=1),
+    "mpipemoe-n1-none": lambda c: MPipeMoE(c, partitions=1, strategy="none"),
+    "mpipemoe-n4-S3": lambda c: MPipeMoE(c, partitions=4, strategy="S3"),
+    "mpipemoe-n8-S1": lambda c: MPipeMoE(c, partitions=8, strategy="S1"),
+    "mpipemoe-n3-S4": lambda c: MPipeMoE(c, partitions=3, strategy="S4"),
+    "mpipemoe-auto-S2": lambda c: MPipeMoE(c, partitions="auto", strategy="S2"),
+}
 
 
 @pytest.mark.parametrize("config", [CONFIG, CAPPED], ids=["dropless", "capacity"])
-@pytest.mark.parametrize("build", [
-    lambda c: FastMoE(c), lambda c: FasterMoE(c),
-    lambda c: MPipeMoE(c, partitions=1, strategy="none"), lambda c: MPipeMoE(c, partitions=4, strategy="S3"),
-    lambda c: MPipeMoE(c, partitions=8, strategy="S1"), lambda c: MPipeMoE(c, partitions=3, strategy="S4"),
-], ids=["fastmoe", "fastermoe", "mpipemoe-n1-none", "mpipemoe-n4-S3", "mpipemoe-n8-S1", "mpipemoe-n3-S4"])
-def test_a_pass_reads_the_device_twice_whatever_n(build, config):
+@pytest.mark.parametrize("name", BUILDS)
+def test_a_pass_on_one_rank_never_reads_the_device(name, config):
     torch.manual_seed(0)
-    waits = _waits_per_pass(build(config), torch.randn(96, 16))
-    assert sorted(waits) == ["cpu", "tolist"], waits  # the step agreement, the plan's counts
+    assert _waits_per_pass(BUILDS[name](config), torch.randn(96, 16)) == []
+
+
+def _waits_on_rank(rank, world_size):
+    waits = {}
+    for config, label in ((CONFIG, "dropless"), (CAPPED, "capacity")):
+        for name, build in BUILDS.items():
+            torch.manual_seed(0)
+            waits[f"{name}-{label}"] = _waits_per_pass(build(config), torch.randn(48 + 8 * rank, 16))
+    return waits
+
+
+def test_a_pass_on_several_ranks_reads_the_device_once():
+    """With 2 gloo ranks: one read per pass (`.cpu()` of the count tables and statistics)."""
+    for rank_waits in run_on_ranks(2, _waits_on_rank):
+        assert rank_waits and all(w == ["cpu"] for w in rank_waits.values()), rank_waits
+
+
+class OperatorCalls(TorchDispatchMode):
+    """Counts the non-view operator calls that reach the dispatcher (each costs host time
+    on a GPU: a kernel launch or allocator work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in (torch.ops.aten.detach.default,):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_per_pass(config, partitions, strategy, tokens=512) -> int:
+    torch.manual_seed(0)
+    layer = MPipeMoE(config, partitions=partitions, strategy=strategy)
+    x = torch.randn(tokens, config.d_model)
+
+    def step():
+        xi = x.clone().requires_grad_(True)
+        y, aux = layer(xi)
+        (y.sum() + aux).backward()
+    step()
+    with OperatorCalls() as counter:
+        step()
+    return counter.calls
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("strategy", ["none", "S3"])
+def test_operator_calls_per_partition_are_few_and_do_not_grow_with_experts(strategy, activation):
+    per_partition = {}
+    for experts in (8, 32):
+        config = MoEConfig(d_model=64, d_hidden=128, num_experts=experts, top_k=2, activation=activation)
+        per_partition[experts] = (_calls_per_pass(config, 8, strategy) - _calls_per_pass(config, 1, strategy)) / 7
+    assert per_partition[8] <= 50, per_partition
+    assert abs(per_partition[32] / per_partition[8] - 1) <= 0.15, per_partition
 
 
 def test_the_tracker_sees_reads_of_device_tensors():

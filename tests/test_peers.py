@@ -9,6 +9,8 @@ Tier 4 (marker gpu): the same in bf16 on CUDA, where torch._grouped_mm runs.
 import pytest
 import torch
 
+from moe_engine.experts import ExpertSegments
+
 from app.peers import (LEAN_MEMORY_SHARE, build_peer, check_peers, dense_ffn, dense_floor_step, peer_summary,
                        require_peers)
 from moe_engine import FastMoE, MoEConfig
@@ -140,7 +142,7 @@ def test_dense_ffn_is_one_expert_of_ours(activation, bias):
     w3 = experts.w3[0].t() if config.gated else None
     y = dense_ffn(x, experts.w1[0].t(), w3, experts.w2[0].t(), activation,
                   experts.b1[0] if bias else None, experts.b2[0] if bias else None)
-    torch.testing.assert_close(y, experts(x, [40]))
+    torch.testing.assert_close(y, experts(x, ExpertSegments.from_counts([40], x.device)))
 
 
 def test_dense_floor_step_runs_forward_and_backward_keeping_nothing():
