@@ -36,18 +36,26 @@ class ExpertGroup:
 
     group: a torch.distributed ProcessGroup; None means the default process
     group when one is initialised, else a single process.
+    always_communicate: run every collective through the process group even when it
+    has one rank (tests send the engine's real collectives through NCCL on one GPU);
+    by default a one-rank group is treated as a single process (no collectives).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, always_communicate: bool = False):
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
+        if always_communicate and group is None:
+            raise ValueError("always_communicate=True needs a process group: initialise one "
+                             "(torch.distributed.init_process_group) or pass it as group=")
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.always_communicate = always_communicate
 
     @property
     def distributed(self) -> bool:
-        return self.group is not None and self.size > 1
+        """Whether collectives go through the process group."""
+        return self.group is not None and (self.size > 1 or self.always_communicate)
 
     def _run(self, what: str, collective: Callable):
         """``collective()``, with a failure re-raised as a `CollectiveError` naming it."""

@@ -316,16 +316,21 @@ def from_expert_major(rows_ND: torch.Tensor, source_order_N: torch.Tensor | None
 def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
     """Local. y_t = Σ_k weight_tk × (expert output of pair (t, k)), 0 for a dropped pair.
 
-    Rows go back to (token, choice) order, then one batched (1 × K) @ (K × D) product
-    per token weights and sums them; autograd keeps the K rows per token once, for the
-    gate weights' gradient. A dropped pair's row is weighted by 0 (so it adds nothing
-    and gets no gradient).
+    Rows go back to (token, choice) order (one gather), then the K choices are weighted
+    and summed elementwise, one multiply-add per choice (a batched (1 × K) @ (K × D)
+    product per token runs as T tiny GEMMs: measured 1.5 ms forward and 1.3 ms backward
+    at 16k tokens, d_model 1024, on an H200, against tens of µs elementwise); autograd
+    keeps the K rows per token once, for the gate weights' gradient. A dropped pair's
+    row is weighted by 0 (so it adds nothing and gets no gradient).
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
-    weights_T1K = (weights_TK * keep_TK).to(y_RD.dtype).unsqueeze(1)
+    weights_TK1 = (weights_TK * keep_TK).to(y_RD.dtype).unsqueeze(-1)
     if y_RD.shape[0] == 0:
         # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
         # runs collectives that the other ranks wait for.
-        return y_RD.new_zeros(tokens, D) + (y_RD.sum() + weights_T1K.sum()) * 0
+        return y_RD.new_zeros(tokens, D) + (y_RD.sum() + weights_TK1.sum()) * 0
     y_TKD = y_RD.index_select(0, plan.row_of_pair).view(tokens, top_k, D)
-    return torch.bmm(weights_T1K, y_TKD).squeeze(1)
+    y_TD = y_TKD[:, 0] * weights_TK1[:, 0]
+    for k in range(1, top_k):
+        y_TD = y_TD.addcmul(y_TKD[:, k], weights_TK1[:, k])
+    return y_TD

@@ -55,13 +55,13 @@ class MoELayerBase(nn.Module):
 
     keep_activation = False  # FastMoE keeps act(A) for backward, as autograd would
 
-    def __init__(self, config: MoEConfig, group: dist.ProcessGroup | None = None, *,
+    def __init__(self, config: MoEConfig, group: dist.ProcessGroup | ExpertGroup | None = None, *,
                  host_pool: HostBufferPool | None = None, device=None, dtype=None):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
-        self.group = ExpertGroup(group)
+        self.group = group if isinstance(group, ExpertGroup) else ExpertGroup(group)
         self.local_experts = config.experts_per_rank(self.group.size)
         self.router = Router(config, device=device, dtype=dtype)
         self.experts = Experts(config, self.local_experts, device=device, dtype=dtype)
