@@ -113,13 +113,14 @@ def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegm
 def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
     """Local. db[l] = Σ dy[rows of l]: a row of ones against dy, one grouped GEMM.
     (An index_add over rows would serialise on atomics: every row of an expert adds
-    into the same O numbers.) The ones are 8 rows, their stride padded to 16 bytes, as
-    the kernel's alignment rules ask; the first row is the answer."""
+    into the same O numbers.) The kernel asks that a group's rows span a multiple of 16
+    bytes along the operand's contiguous dimension, so the ones are 8 columns of N
+    (column-major: the rows are the outer dimension); the first row is the answer."""
     L = seg.ends_L.shape[0]
     if seg.rows == 0:
         return dy_NO.new_zeros(L, dy_NO.shape[-1])
     if grouped_kernel_supports(dy_NO, dy_NO.shape[-1]):
-        ones_8N = dy_NO.new_ones(8, -(-seg.rows // 8) * 8)[:, :seg.rows]
+        ones_8N = dy_NO.new_ones(seg.rows, 8).t()
         return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L)[:, 0]
     db_LO = dy_NO.new_empty(L, dy_NO.shape[-1])
     for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):

@@ -253,26 +253,32 @@ def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1
         finish = R * D
     forward_working = s * max(outputs + current - T * K * D, finish)
 
-    # Backward (pipeline.pipelined_backward), at the first partition it runs (the last
-    # one): dy rows and dx of the layer input (the saved (token, choice) rows are freed by
-    # then), the restored T_DI and A, the hidden-width temporaries of Experts.input_grad
-    # and weight_grads, dx of the rows, the next partition's prefetched restores, and the
-    # gradients (a second weight-sized term while a later partition's adds into them).
-    restore = 0
-    if policy.share_buffers:
-        restore = Nn * (D + A_width)
-        if n > 1:
-            restore += Nn * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
-    if config.gated:
-        hidden_temporaries = 5 * Nn * H          # dh, sigmoid, silu, d up, act(A)
-    else:
-        hidden_temporaries = (1 if keep_activation else 2) * Nn * H  # dA (and act(A))
-    rows = Nn * D                                # dx of the rows
+    # Backward (pipeline.pipelined_backward), per partition step: dy rows and dx rows
+    # (the saved (token, choice) rows are freed by then), the restored T_DI
+    # and A, the next partition's prefetched host copies, then two phases: the input
+    # gradient (Experts.input_grad: dh and the activation's temporaries, five N·H for
+    # SwiGLU) and the weight gradients (act(A) and dA beside the gradients, plus one
+    # weight-sized product while a later partition adds into them). The first step runs
+    # before any gradient exists; later ones hold all of them.
+    # dy rows, and dx of every row (written per partition; one partition on one rank
+    # hands its dx straight on), summed per token at the end.
+    base = R * D + (0 if single and n == 1 else R * D) - T * K * D
     if not single:
-        rows += Nn * D * (2 if n > 1 else 1) + 2 * Rn * D * min(2, n) + (2 * Nn * D if reorder else 0)
+        base += Nn * D * (2 if n > 1 else 1) + 2 * Rn * D * min(2, n) + (2 * Nn * D if reorder else 0)
         if policy.recommunicate_input and n > 1:
-            rows += Nn * D + Rn * D
-    backward_working = s * (R * D + T * D - T * K * D + restore + hidden_temporaries + rows)
+            base += Nn * D + Rn * D
+    restore = Nn * (D + A_width) if policy.share_buffers else 0
+    prefetch = Nn * (held_input + held_preact)  # host copies of the next partition, fetched ahead
+    if config.gated:
+        input_phase, weight_phase = 5 * Nn * H + 2 * Nn * D, 3 * Nn * H + Nn * D
+    else:
+        input_phase, weight_phase = Nn * H + 2 * Nn * D, (1 if keep_activation else 2) * Nn * H + Nn * D
     param_grads = L * (2 * D * H + (D * H if config.gated else 0) + (H + D if bias else 0))
-    grads = s * (param_grads + (L * D * H if n > 1 else 0))
-    return MemoryEstimate(saved, host, forward_working, backward_working + grads)
+    first_step = base + restore + (prefetch if n > 1 else 0) + max(input_phase, weight_phase + param_grads)
+    later_steps = 0
+    if n > 1:
+        later_steps = (base + restore + (prefetch if n > 2 else 0) + param_grads
+                       + max(input_phase, weight_phase + L * D * H))
+    finish = 3 * R * D + T * D - T * K * D + param_grads  # dy, dx rows, their gather and sum
+    backward_working = s * max(first_step, later_steps, finish)
+    return MemoryEstimate(saved, host, forward_working, backward_working)

@@ -185,8 +185,8 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
 
     For each partition: dy rows go to the experts' ranks (All-to-All), T_DI and A
     are restored per the strategy (fetched one partition ahead), the input gradient
-    is computed and sent back (All-to-All), the weight gradients accumulate while it
-    travels, and the returned rows are added into dx_TD.
+    is computed and sent back (All-to-All) into its rows of dx_RD, and the weight
+    gradients accumulate while it travels. At the end each token sums its K rows.
     """
     plan, experts, group, streams, policy = run.plan, run.experts, run.group, run.streams, run.policy
     parts, n, D = plan.partitions, len(plan.partitions), dy_RD.shape[1]
@@ -194,13 +194,16 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     order = list(reversed(range(n)))
     dy_RD = dy_RD.contiguous()
     grads = experts.grads()
-    dx_TD = dy_RD.new_zeros(tokens, D)
+    # dx of every row, in send order (several ranks: plus one zero row for dropped pairs);
+    # summed per token at the end (DispatchPlan.sum_rows_per_token).
+    dx_RD = None if plan.single and n == 1 else dy_RD.new_empty(offsets[-1] + (0 if plan.single else 1), D)
+    if not plan.single:
+        dx_RD[-1].zero_()
 
     dy_received: list = [None] * n
     inputs_fetched: list = [None] * n
     preacts_fetched: list = [None] * n
     in_flight: list = [None] * n
-    dx_returned: list = [None] * n
     fetched_dy = [Pending.done()] * n
     fetched_input = [Pending.done()] * n
     fetched_preact = [Pending.done()] * n
@@ -257,25 +260,21 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         dy_received[step] = None
         done = experts.input_grad(A, dy_ND, p.segments)
         dx_received_ND = from_expert_major(done.dx_ND, p.source_order_N)
-        if plan.single:
-            dx_TD.index_add_(0, p.token_index_R, dx_received_ND)
+        nonlocal dx_RD
+        if plan.single and n == 1:
+            dx_RD = dx_received_ND
+        elif plan.single:
+            dx_RD[offsets[i]:offsets[i + 1]].copy_(dx_received_ND)
         else:
             if step >= 2:
                 returned[step - 2].wait()
                 in_flight[step - 2] = None
-            dx_returned[step] = dy_RD.new_empty(p.rows_sent, D)
-            returned[step] = group.all_to_all_async(dx_returned[step], dx_received_ND,
+            returned[step] = group.all_to_all_async(dx_RD[offsets[i]:offsets[i + 1]], dx_received_ND,
                                                     p.send_splits, p.recv_splits, streams)
             in_flight[step] = [dx_received_ND]
         experts.weight_grads(x_ND, A, dy_ND, p.segments, done, grads, h_NH=saved_acts[i])
         saved_acts[i] = None
 
-    def accumulate_input_grad(step: int) -> None:
-        if plan.single:
-            return
-        returned[step].wait()
-        dx_TD.index_add_(0, parts[order[step]].token_index_R, dx_returned[step])
-        dx_returned[step] = None
 
     if run.timing is not None:
         run.timing.backward.start()
@@ -286,11 +285,10 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
             if step + 1 < n:
                 fetch(step + 1)
             compute(step)
-            if step >= 1:
-                accumulate_input_grad(step - 1)
-        if n:
-            accumulate_input_grad(n - 1)
+        for pending in returned:
+            pending.wait()
         streams.join()
+        dx_TD = plan.sum_rows_per_token(dx_RD) if n else dy_RD.new_zeros(tokens, D)
     del in_flight
     if run.timing is not None:
         run.timing.backward.stop()
