@@ -6,22 +6,25 @@ its stream busy and how long the host takes to issue it. Those figures are
 measured here, each on its own, never by timing the whole layer at the size
 being predicted:
 
-  * ``ffn``        one expert's FFN on M rows (M = 64 … 65536): GEMM1 alone,
-                   the pipeline's explicit forward and ``backward``, and
-                   the autograd form FastMoE uses; device time only (the sum of
-                   the kernels' durations in the CUDA profiler, so launch gaps
-                   and host syncs are not counted);
+  * ``ffn``        the experts' FFN, device time only (the sum of the kernels'
+                   durations in the CUDA profiler, so launch gaps and host syncs
+                   are not counted): one expert on M rows (M = 64 … 65536) —
+                   GEMM1, the forward, the backward and its input-gradient part
+                   (``Experts.input_grad``; the rest is ``weight_grads``) — and
+                   the same for L = 2, 4, 8 experts of M rows each
+                   (``by_experts``), where one grouped GEMM per projection
+                   serves every expert (``ffn_kernels = "grouped"``);
   * ``rows``       row-moving kernels of width D (gather = index_select,
                    copy, index_add), device time;
-  * ``shell``      the layer's local work around the experts (router, routing
-                   agreement, dispatch plan, un-permute, forward and backward),
-                   device time at T tokens;
+  * ``shell``      the layer's local work around the experts (router, dispatch
+                   plan, un-permute, forward and backward), device time at T
+                   tokens, on one rank (``dispatcher.plan_single``);
   * ``host_copy``  pinned device→host and host→device copies;
   * ``host``       the host's cost of issuing a whole layer, per engine,
                    strategy and n, measured at 64 tokens, where the device has
                    almost nothing to do (what remains is the host: Python,
-                   launches, stream switches, events — and short waits at the
-                   host syncs, which bias it a little high; docs/simulate.md);
+                   launches, stream switches, events; one rank reads nothing
+                   back from the device, docs/simulate.md);
   * ``slowdown``   the hardware profile's concurrency factors (perf_model.calibrate).
 
 ``GpuParts.load(path)`` reads the JSON ``measure_parts`` writes
@@ -29,6 +32,13 @@ being predicted:
 Curves are interpolated in log-log; beyond the largest measured size a curve
 grows in proportion (constant rate), below the smallest it stays flat (the
 launch floor).
+
+Older files (before the grouped kernels, commit 190f888) have no ``ffn_kernels``
+and no ``input_grad_s``: their FFN curves are the per-expert GEMM loop of that
+engine, so an expert group costs the sum of its experts' curves, and their
+backward is split by FLOPs (`input_grad_share`). Their ``autograd_*`` curves
+measured FastMoE's former autograd FFN, which no engine runs any more; they are
+not read.
 """
 from __future__ import annotations
 
@@ -66,7 +76,7 @@ class HostCost:
     forward_per_partition_s: float
     backward_fixed_s: float
     backward_per_partition_s: float
-    prelude_s: float            # router + routing agreement + dispatch plan (inside the forward)
+    prelude_s: float            # router + dispatch plan (inside the forward)
 
     def forward_s(self, n: int) -> float:
         return self.forward_fixed_s + self.forward_per_partition_s * n
@@ -92,13 +102,47 @@ def _line(ns: list, ys: list) -> tuple[float, float]:
     return mean_y - slope * mean_n, slope
 
 
+FFN_PHASES = ("gemm1", "forward", "backward", "input_grad", "weight_grads")
+
+
+def input_grad_share(activation: str) -> float:
+    """Share of the expert backward's GEMM FLOPs in its input-gradient part.
+
+    `Experts.input_grad` runs the data-gradient GEMMs (GELU/ReLU: dh = dy·w2ᵀ and
+    dx = dA·w1ᵀ, 2 of the 4 backward GEMMs; SwiGLU: dy·w2ᵀ, dgate·w1ᵀ and dup·w3ᵀ, 3 of
+    6) and `weight_grads` the weight-gradient GEMMs; every one of them is 2·N·D·H FLOPs.
+    Used to split a measured total backward where the parts have no input-gradient
+    curve (files measured before the grouped kernels): the elementwise work (activation
+    backward, its recomputation, bias gradients) is split the same way, an approximation.
+    """
+    data_gemms, all_gemms = (3, 6) if activation == "swiglu" else (2, 4)
+    return data_gemms / all_gemms
+
+
+def _phase_s(curve: dict, phase: str, rows: float, activation: str) -> float | None:
+    """Seconds of an FFN `phase` from one measured curve; the backward's two parts from
+    their own curve when measured, else split by FLOPs (`input_grad_share`). None for
+    GEMM1 on a curve without it (the expert-group curves)."""
+    if phase in ("input_grad", "weight_grads"):
+        backward = interpolate(curve["rows"], curve["backward_s"], rows)
+        if "input_grad_s" in curve:
+            data = min(interpolate(curve["rows"], curve["input_grad_s"], rows), backward)
+        else:
+            data = backward * input_grad_share(activation)
+        return data if phase == "input_grad" else backward - data
+    if phase == "gemm1" and "gemm1_s" not in curve:  # an expert-group curve: GEMM1 as in one expert
+        return None
+    return interpolate(curve["rows"], curve[f"{phase}_s"], rows)
+
+
 @dataclass(frozen=True)
 class GpuParts:
     """Everything measured on one GPU that the simulator needs (see the module docstring)."""
 
     device: str
     dtype: str
-    ffn: dict          # ffn_key -> {"rows": [...], "gemm1_s", "forward_s", "backward_s", "autograd_forward_s", "autograd_backward_s"}
+    ffn: dict          # ffn_key -> {"rows": [...], "gemm1_s", "forward_s", "backward_s", "input_grad_s",
+                       #   "by_experts": {str(L): {"rows", "forward_s", "backward_s", "input_grad_s"}}}
     rows: dict         # str(d_model) -> {"rows": [...], "gather_s", "copy_s", "index_add_s"}
     shell: dict        # str(d_model) -> {"tokens": [...], "forward_s", "backward_s"}
     host_copy: dict    # {"bytes": [...], "d2h_s", "h2d_s"}
@@ -109,6 +153,7 @@ class GpuParts:
     torch_version: str = ""
     command: str = ""
     notes: dict = field(default_factory=dict)
+    ffn_kernels: str = "per-expert"  # "grouped": one GEMM per projection for all experts (190f888 on)
 
     # -- reading -----------------------------------------------------------------------
     @classmethod
@@ -133,37 +178,62 @@ class GpuParts:
         key = ffn_key(d_model, d_hidden, activation)
         if key in self.ffn:
             return self.ffn[key]
-        # Another shape: scale the nearest measured shape by FLOPs (same rows).
+        # Another shape: scale the nearest measured shape by FLOPs per row (same rows),
+        # preferring a curve of the same activation (SwiGLU has a third projection).
         if not self.ffn:
             raise ValueError("GpuParts.ffn is empty; measure the parts again")
+
         def flops(k):
-            d, h = k.split("-")[0].split("x")
-            return int(d) * int(h)
-        nearest = min(self.ffn, key=lambda k: abs(math.log(flops(k) / (d_model * d_hidden))))
-        scale = d_model * d_hidden / flops(nearest)
-        return _scaled_curves(self.ffn[nearest], scale)
+            size, act = k.split("-")
+            d, h = size.split("x")
+            return int(d) * int(h) * (3 if act == "swiglu" else 2)
+
+        wanted = flops(key)
+        nearest = min(self.ffn, key=lambda k: (k.split("-")[1] != activation, abs(math.log(flops(k) / wanted))))
+        return _scaled_curves(self.ffn[nearest], wanted / flops(nearest))
 
     def ffn_s(self, phase: str, rows: int, d_model: int, d_hidden: int, activation: str = "gelu") -> float:
         """Device seconds of one expert's FFN `phase` (gemm1, forward, backward,
-        autograd_forward, autograd_backward) on `rows` rows; 0 for no rows."""
+        input_grad, weight_grads) on `rows` rows; 0 for no rows."""
+        if phase not in FFN_PHASES:
+            raise ValueError(f"phase={phase!r} is invalid: choose one of {', '.join(FFN_PHASES)}")
         if rows <= 0:
             return 0.0
-        curve = self._ffn(d_model, d_hidden, activation)
-        return interpolate(curve["rows"], curve[f"{phase}_s"], rows)
+        return _phase_s(self._ffn(d_model, d_hidden, activation), phase, rows, activation)
 
-    def autograd_ffn_s(self, phase: str, rows: int, local_experts: int, d_model: int, d_hidden: int,
-                       activation: str = "gelu") -> float:
-        """Device seconds of FastMoE's autograd FFN `phase` (forward, backward) over
-        `local_experts` experts of `rows` rows each (the nearest measured L)."""
-        if rows <= 0:
+    def grouped_ffn_s(self, phase: str, expert_rows: list, d_model: int, d_hidden: int,
+                      activation: str = "gelu") -> float:
+        """Device seconds of FFN `phase` over a rank's local experts, `expert_rows[l]` rows
+        for expert l (experts.py: one grouped GEMM per projection for all of them).
+
+        The sum of the experts' one-expert times, times the grouping factor measured at
+        their mean rows: the grouped kernels on the nearest measured number of experts
+        (``by_experts``) over that many one-expert kernels. So uniform routing gets the
+        grouped measurement itself and skewed routing keeps the one-expert curve's shape.
+        Files without grouped measurements: the plain sum (their engine ran one GEMM
+        per expert)."""
+        rows = [round(m) for m in expert_rows if m >= 0.5]
+        if not rows:
             return 0.0
+        alone = sum(self.ffn_s(phase, m, d_model, d_hidden, activation) for m in rows)
+        return alone * self._grouping(phase, len(rows), sum(rows) / len(rows), d_model, d_hidden, activation)
+
+    def _grouping(self, phase: str, experts: int, rows: float, d_model: int, d_hidden: int,
+                  activation: str) -> float:
+        """Grouped kernels over `experts` experts of `rows` rows each, against as many
+        one-expert kernels (1 where not measured)."""
+        if self.ffn_kernels != "grouped" or experts == 1:
+            return 1.0
         curve = self._ffn(d_model, d_hidden, activation)
-        by_experts = {1: {"rows": curve["rows"], "forward_s": curve["autograd_forward_s"],
-                          "backward_s": curve["autograd_backward_s"]}}
-        by_experts.update({int(k): v for k, v in curve.get("autograd_by_experts", {}).items()})
-        nearest = min(by_experts, key=lambda L: (abs(math.log(L / local_experts)), L))
-        measured = by_experts[nearest]
-        return interpolate(measured["rows"], measured[f"{phase}_s"], rows) * local_experts / nearest
+        groups = {int(L): c for L, c in curve.get("by_experts", {}).items()}
+        nearest = min([1, *groups], key=lambda L: (abs(math.log(L / experts)), L))
+        if nearest == 1:
+            return 1.0
+        grouped = _phase_s(groups[nearest], phase, rows, activation)
+        if grouped is None:  # no GEMM1 curve per group: GEMM1 groups as the forward does
+            return self._grouping("forward", experts, rows, d_model, d_hidden, activation)
+        alone = nearest * _phase_s(curve, phase, rows, activation)
+        return grouped / alone if alone > 0 else 1.0
 
     def rows_s(self, op: str, rows: int, d_model: int) -> float:
         """Device seconds of a row kernel (gather, copy, index_add) over rows × d_model."""
@@ -202,14 +272,18 @@ class GpuParts:
 
     def host_cost(self, engine_key: str, local_experts: int = 8) -> HostCost:
         """The host cost line of one engine (``fastmoe``, ``fastermoe``, ``mpipemoe|S1`` ...)
-        with `local_experts` experts per rank: linear in L through the two measured L
-        (launches per expert), never below zero."""
+        with `local_experts` experts per rank, never below zero. Grouped kernels issue
+        the same calls whatever the number of experts, so between the two measured L the
+        line is interpolated and outside them it stays at the nearer one; older files
+        (a GEMM launch per expert) extrapolate linearly in L."""
         measured = sorted(int(k) for k in self.host)
         lines = {L: self._host_line(engine_key, str(L)) for L in measured}
         if len(measured) == 1:
             return lines[measured[0]]
         lo, hi = measured[0], measured[-1]
         w = (local_experts - lo) / (hi - lo)
+        if self.ffn_kernels == "grouped":
+            w = min(max(w, 0.0), 1.0)
         mix = {name: max(0.0, (1 - w) * getattr(lines[lo], name) + w * getattr(lines[hi], name))
                for name in HostCost.__dataclass_fields__}
         return HostCost(**mix)
@@ -239,63 +313,48 @@ ROW_GRID = tuple(2 ** i for i in range(6, 17))        # 64 … 65536 rows per ex
 TOKEN_GRID = tuple(2 ** i for i in range(8, 17))      # 256 … 65536 tokens
 
 
-def _autograd_ffn(experts, x, dy, counts, device) -> tuple[float, float]:
-    """Device seconds of FastMoE's FFN forward and of its backward. FastMoE runs the
-    engines' shared grouped kernels (it keeps act(A) instead of recomputing it), so
-    these are the explicit forward and backward on rows split as `counts`.
-    (The name stays: the simulator's records call these curves "autograd".)"""
+def _grouped_ffn(experts, x, dy, counts, device) -> dict:
+    """Device seconds of the FFN kernels every engine runs (experts.py), on rows split
+    as `counts` over the local experts: GEMM1, the forward, the backward and its
+    input-gradient part (`Experts.input_grad`; the weight-gradient GEMMs are the rest).
+    Each backward starts from empty gradients, as the pipeline's first partition does
+    (the simulator adds a later partition's gradient adds itself)."""
     from .experts import ExpertSegments
 
     segments = ExpertSegments.from_counts(list(counts), device)
     A = experts.project_in(x, segments)
-    grads = experts.grads()
-    forward = _device_seconds(lambda: experts(x, segments), device)
-    backward = _device_seconds(lambda: experts.backward(x, A, dy, segments, grads), device)
-    return forward, max(backward, 1e-6)
+    return {"gemm1_s": _device_seconds(lambda: experts.project_in(x, segments), device),
+            "forward_s": _device_seconds(lambda: experts(x, segments), device),
+            "backward_s": max(_device_seconds(lambda: experts.backward(x, A, dy, segments, experts.grads()),
+                                              device), 1e-6),
+            "input_grad_s": _device_seconds(lambda: experts.input_grad(A, dy, segments), device)}
+
+
+GROUPS = (2, 4, 8)  # local experts of the expert-group curves
 
 
 def measure_ffn(config, device, dtype, rows_grid=ROW_GRID) -> dict:
+    """One expert's FFN at every size of `rows_grid`, and the grouped kernels over L =
+    2, 4, 8 experts of M rows each (M up to 16384): the grouping factor the simulator
+    applies to a rank's experts (`GpuParts.grouped_ffn_s`)."""
     import torch
 
-    from .experts import Experts, ExpertSegments
+    from .experts import Experts
 
-    experts = Experts(config, 1, device=device, dtype=dtype)
-    out = {"rows": list(rows_grid), "gemm1_s": [], "forward_s": [], "backward_s": [],
-           "autograd_forward_s": [], "autograd_backward_s": []}
-    for M in rows_grid:
-        x = torch.randn(M, config.d_model, device=device, dtype=dtype)
-        dy = torch.randn_like(x)
-        segments = ExpertSegments.from_counts([M], device)
-        A = experts.project_in(x, segments)
-        grads = experts.grads()
-
-        def forward():
-            experts(x, segments)
-
-        out["gemm1_s"].append(_device_seconds(lambda: experts.project_in(x, segments), device))
-        out["forward_s"].append(_device_seconds(forward, device))
-        out["backward_s"].append(_device_seconds(
-            lambda: experts.backward(x, A, dy, segments, grads), device))
-        forward, backward = _autograd_ffn(experts, x, dy, [M], device)
-        out["autograd_forward_s"].append(forward)
-        out["autograd_backward_s"].append(backward)
-        del x, dy, A, grads
-    # FastMoE's autograd FFN slices its rows per local expert, and autograd adds the
-    # slices' gradients into full-size tensors: its cost grows with the number of local
-    # experts L, not only with their rows. Measured for L = 2, 4, 8 (rows per expert).
-    out["autograd_by_experts"] = {}
-    for L in (2, 4, 8):
-        many = Experts(config, L, device=device, dtype=dtype)
-        curve = {"rows": [], "forward_s": [], "backward_s": []}
-        for M in [m for m in rows_grid if m <= 16384]:
+    def curve(L, grid, phases):
+        experts = Experts(config, L, device=device, dtype=dtype)
+        out = {"rows": list(grid), **{f"{phase}_s": [] for phase in phases}}
+        for M in grid:
             x = torch.randn(L * M, config.d_model, device=device, dtype=dtype)
-            forward, backward = _autograd_ffn(many, x, torch.randn_like(x), [M] * L, device)
-            curve["rows"].append(M)
-            curve["forward_s"].append(forward)
-            curve["backward_s"].append(backward)
+            measured = _grouped_ffn(experts, x, torch.randn_like(x), [M] * L, device)
+            for phase in phases:
+                out[f"{phase}_s"].append(measured[f"{phase}_s"])
             del x
-        out["autograd_by_experts"][str(L)] = curve
-        del many
+        return out
+
+    out = curve(1, rows_grid, ("gemm1", "forward", "backward", "input_grad"))
+    out["by_experts"] = {str(L): curve(L, [m for m in rows_grid if m <= 16384], ("forward", "backward", "input_grad"))
+                         for L in GROUPS}
     return out
 
 
@@ -319,8 +378,8 @@ def measure_rows(d_model: int, device, dtype, rows_grid=ROW_GRID) -> dict:
 
 
 def measure_shell(config, device, dtype, token_grid=TOKEN_GRID) -> dict:
-    """Router + agreement + plan + un-permute, forward and backward (the experts' output
-    rows are a leaf tensor here: what produces them is simulated op by op)."""
+    """Router + dispatch plan + un-permute, forward and backward, on one rank (the
+    experts' output rows are a leaf tensor here: what produces them is simulated op by op)."""
     import torch
 
     from . import dispatcher
@@ -377,8 +436,8 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
 
     import torch
 
-    from . import dispatcher
     from .layers import FastMoE, FasterMoE, MPipeMoE
+    from .timing import synchronize
 
     x = torch.randn(tokens, config.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
@@ -391,14 +450,14 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
     clock = time.perf_counter
     for round_ in range(rounds + 3):
         for key, layer in layers.items():
-            torch.cuda.synchronize(device)
+            synchronize(device)
             t0 = clock()
             layer.zero_grad(set_to_none=True)
             y, aux = layer(x.detach().requires_grad_(True))
             t1 = clock()
             torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
             t2 = clock()
-            torch.cuda.synchronize(device)
+            synchronize(device)
             x_TD = x.detach().requires_grad_(True)
             t3 = clock()
             routing = layer.router(x_TD)
@@ -458,12 +517,15 @@ def spot_check(device, dtype, checks=SPOT_CHECKS) -> list:
 
 
 HOST_EXPERTS = (8, 2)   # local experts of the host-cost measurements (E = 8 and E = 2, one rank)
+HOST_LAYER = {"top_k": 2, "activation": "gelu", "bias": True}  # the layer the host costs are measured on
+FFN_ACTIVATIONS = ("gelu", "swiglu")  # the FFN curves of each shape (SwiGLU: the lean engine's benchmarks)
 
 
 def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
     """Measure every part on this CUDA device for the (d_model, d_hidden) `shapes`
-    (GELU, top-2: the benchmark's layer). Host costs first: the CUDA profiler, which
-    the device-time measurements use, slows every later launch of the process."""
+    (GELU, top-2: the benchmark's layer; the FFN also with SwiGLU). Host costs first: the
+    CUDA profiler, which the device-time measurements use, slows every later launch of
+    the process."""
     import torch
 
     from .comm import ExpertGroup
@@ -477,7 +539,7 @@ def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
     torch.manual_seed(0)
     d_model, d_hidden = shapes[0]
     printer("  host cost per engine ...")
-    host = {str(L): measure_host(MoEConfig(d_model, d_hidden, L, top_k=2, activation="gelu"), device, dtype)
+    host = {str(L): measure_host(MoEConfig(d_model, d_hidden, L, **HOST_LAYER), device, dtype)
             for L in HOST_EXPERTS}
     printer("  spot check of whole layers ...")
     notes = {"spot_check": spot_check(device, dtype)}
@@ -488,8 +550,10 @@ def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
         notes[f"profile {d_model}x{d_hidden}"] = profile.to_json()
         for k, v in profile.slowdown.items():
             slowdown[k] = max(slowdown.get(k, 1.0), v)
-        printer(f"  ffn {d_model}x{d_hidden} ...")
-        ffn[ffn_key(d_model, d_hidden, "gelu")] = measure_ffn(config, device, dtype)
+        for activation in FFN_ACTIVATIONS:
+            printer(f"  ffn {d_model}x{d_hidden} {activation} ...")
+            ffn[ffn_key(d_model, d_hidden, activation)] = measure_ffn(
+                MoEConfig(d_model, d_hidden, 8, top_k=2, activation=activation), device, dtype)
         printer(f"  rows / shell d_model={d_model} ...")
         rows[str(d_model)] = measure_rows(d_model, device, dtype)
         shell[str(d_model)] = measure_shell(config, device, dtype)
@@ -498,4 +562,4 @@ def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
     return GpuParts(device=device_name(device), dtype=str(dtype).replace("torch.", ""), ffn=ffn, rows=rows,
                     shell=shell, host_copy=host_copy, host=host, slowdown=slowdown,
                     measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    torch_version=torch.__version__, notes=notes)
+                    torch_version=torch.__version__, notes=notes, ffn_kernels="grouped")

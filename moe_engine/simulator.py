@@ -6,14 +6,24 @@ width, L local experts, n partitions, b = k·T/n rows a rank sends per
 partition, Nn rows the busiest rank receives per partition.
 
 The simulator replays, operation by operation, what the engine's host thread
-issues (pipeline.py, layers.py) on four timelines:
+issues (pipeline.py, layers.py, dispatcher.py, experts.py) on four timelines:
 
-    host      the Python thread: issues every kernel and collective, in program
-              order, and waits where the engine reads the device: twice per pass,
-              whatever n (the routing agreement and the dispatch plan's counts);
-    compute   the caller's CUDA stream: gathers, GEMMs, activations;
-    comm      the All-to-Alls;
+    host      the Python thread: issues every operator, in program order, each
+              at a measured cost per call, and waits where the engine reads the
+              device: once per pass with several ranks (the count tables and the
+              pass statistics, `dispatcher.read_counts`), never with one rank;
+    compute   the caller's CUDA stream: gathers, grouped GEMMs, activations;
+    comm      the All-to-Alls and the count exchange (several ranks only);
     copy      offloads to and restores from pinned host memory.
+
+All three engines run the same pipeline (layers.py): MPipeMoE with its n and
+strategy, FasterMoE with one partition per peer group, FastMoE with one partition
+that keeps act(A). With one rank there are no collectives: dispatch gathers the
+rows straight into expert order, combine concatenates the partitions' outputs,
+backward adds each partition's dx with one index_add_. The expert FFN is one
+grouped GEMM per projection for all local experts; in backward its input-gradient
+part runs first, the dx All-to-All is issued, and the weight-gradient GEMMs run
+while it travels.
 
 Each stream runs its operations in order; an operation starts when its stream
 is free, the host has issued it, and the events it waits for have fired (the
@@ -23,11 +33,11 @@ much slower compute runs beside communication, …): the simulation advances
 from event to event, re-rating the work left on each busy stream.
 
 Durations come from a `Parts` object: measured single-GPU parts
-(`parts.GpuParts`: GEMM, row-kernel, shell, host-copy curves and host issue
-costs) or the performance model's profile (`ProfileParts`, the degenerate case
-the tests compare with `PerformanceModel.predict`). All-to-All time on several
-ranks comes from the network model (network.py); on one rank it is the local
-copy the engine makes. Memory is ``memory.predict_memory`` for the busiest rank.
+(`parts.GpuParts`: grouped-FFN, row-kernel, shell, host-copy curves and host
+issue costs) or the performance model's profile (`ProfileParts`, the degenerate
+case the tests compare with `PerformanceModel.predict`). All-to-All time comes
+from the network model (network.py). Memory is ``memory.predict_memory`` for the
+busiest rank.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from .memory import RestorePolicy, predict_memory
 from .network import (ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
                       flat_all_to_all_s, hierarchical_all_to_all_s, small_collective_s, uniform_load)
+from .parts import HOST_LAYER
 
 GPU_STREAMS = ("compute", "comm", "copy")
 STREAMS = ("host",) + GPU_STREAMS
@@ -119,7 +130,8 @@ class Program:
 
     ``launch`` charges host time, then queues a device op that waits for that issue
     and for the events recorded against its stream; ``wait`` is ``wait_event``
-    (the stream's next op waits), ``sync`` is a blocking host wait on a stream.
+    (the stream's next op waits), ``sync`` is a blocking host wait on a stream
+    (counted in ``host_waits``).
     """
 
     def __init__(self):
@@ -127,6 +139,7 @@ class Program:
         self.host_tail: int | None = None
         self.tail: dict[str, int | None] = {s: None for s in GPU_STREAMS}
         self.pending: dict[str, set] = {s: set() for s in GPU_STREAMS}
+        self.host_waits = 0
 
     def _add(self, name: str, stream: str, seconds: float, after) -> int:
         self.ops.append(Op(name, stream, max(0.0, seconds), tuple(sorted(a for a in after if a is not None))))
@@ -157,26 +170,34 @@ class Program:
 
     def sync(self, stream: str, name: str = "sync") -> None:
         self.host(0.0, name, after=[self.tail[stream]])
+        self.host_waits += 1
 
 
 # -- what the simulator needs to know of the hardware ----------------------------------------------
 
 class ProfileParts:
     """Parts from a perf_model.HardwareProfile alone: GEMMs at the profile's FLOP rate,
-    the expert backward twice the forward, host copies at its bandwidths, no row kernels
-    or layer shell, and the per-partition overhead on the host. With these the simulator
-    reproduces PerformanceModel.predict where the two schedules coincide (tests)."""
+    the expert backward twice the forward (its input gradient half of it, by FLOPs),
+    host copies at its bandwidths, no row kernels or layer shell, and the per-partition
+    overhead on the host. With these the simulator reproduces PerformanceModel.predict
+    where the two schedules coincide (tests)."""
 
     def __init__(self, profile):
         self.profile = profile
         self.slowdown = dict(profile.slowdown)
 
     def ffn_s(self, phase, rows, d_model, d_hidden, activation="gelu"):
+        from .parts import input_grad_share
+
         A = (2 if activation == "swiglu" else 1) * d_hidden
         gemm1 = 2 * rows * d_model * A / self.profile.gemm_flops
         forward = gemm1 + 2 * rows * d_hidden * d_model / self.profile.gemm_flops
+        share = input_grad_share(activation)
         return {"gemm1": gemm1, "forward": forward, "backward": 2 * forward,
-                "autograd_forward": forward, "autograd_backward": 2 * forward}[phase]
+                "input_grad": 2 * forward * share, "weight_grads": 2 * forward * (1 - share)}[phase]
+
+    def grouped_ffn_s(self, phase, expert_rows, d_model, d_hidden, activation="gelu"):
+        return sum(self.ffn_s(phase, round(m), d_model, d_hidden, activation) for m in expert_rows if m >= 0.5)
 
     def rows_s(self, op, rows, d_model):
         return 0.0
@@ -187,12 +208,6 @@ class ProfileParts:
     def host_copy_s(self, direction, nbytes):
         rate = self.profile.d2h_bytes_per_s if direction == "d2h" else self.profile.h2d_bytes_per_s
         return nbytes / rate
-
-    def local_all_to_all_s(self, nbytes):
-        return self.profile.a2a_latency_s + nbytes / self.profile.a2a_bytes_per_s
-
-    def autograd_ffn_s(self, phase, rows, local_experts, d_model, d_hidden, activation="gelu"):
-        return local_experts * self.ffn_s(f"autograd_{phase}", rows, d_model, d_hidden, activation)
 
     def host_cost(self, engine_key, local_experts=8):
         from .parts import HostCost
@@ -222,11 +237,69 @@ class HostScaled:
         return HostCost(*(self.factor * getattr(cost, f) for f in HostCost.__dataclass_fields__))
 
 
-def _local_all_to_all_s(parts, nbytes: float, d_model: int, s: int) -> float:
-    """One rank: the All-to-All is the engine's local copy of the rows."""
-    if hasattr(parts, "local_all_to_all_s"):
-        return parts.local_all_to_all_s(nbytes)
-    return parts.rows_s("copy", round(nbytes / (d_model * s)), d_model)
+# -- the operator calls the engine's host issues per partition ------------------------------------
+#
+# Every operator call costs host time (a kernel launch, or allocator work). The parts
+# measure the host's cost of a partition on one GPU; it is spread over the partition's
+# calls, and a partition on several ranks, which calls more operators (the All-to-Alls,
+# their receive buffers, the re-orders by expert), is charged for its calls at that
+# rate. The counts are the engine's own: tests/test_simulator.py counts the calls of
+# pipeline.py on CPU (tests/test_host_reads.OperatorCalls) and compares them with these.
+# None of them grows with the number of experts (one grouped GEMM per projection).
+
+def _projection_calls(shape: "LayerShape") -> tuple[int, int]:
+    """Calls of GEMM1 and of GEMM2 (Experts.project_in / project_out): one grouped GEMM
+    per projection (SwiGLU: w1 and w3 for GEMM1) and, with biases, the bias rows
+    (repeat_interleave, index_select, add_)."""
+    bias = 3 if shape.bias else 0
+    return 1 + int(shape.gated) + bias, 1 + bias
+
+
+def forward_calls(policy: RestorePolicy, shape: "LayerShape", several: bool, reorder: bool) -> dict:
+    """Operator calls of one partition of pipeline.pipelined_forward, by step. `several`:
+    more than one rank (All-to-Alls); `reorder`: received rows are re-ordered by expert
+    (several ranks and several local experts)."""
+    gemm1, gemm2 = _projection_calls(shape)
+    return {
+        "gather": 1,                                              # x_TD.index_select (1. dispatch)
+        "dispatch": 2 * several,                                  # new_empty + all_to_all
+        "to expert order": int(reorder),                          # index_select (2. experts)
+        "GEMM1": gemm1,
+        "activation, GEMM2": (2 if shape.gated else 1) + gemm2,   # act (SwiGLU: silu, mul_) + GEMM2
+        "to source order": int(reorder),
+        "offload T_DI": int(policy.offload_input),                # copy_ to a pooled host buffer (3. offload)
+        "offload A": (2 if shape.gated else 1) * policy.offload_preactivation,
+        "combine": int(several),                                  # all_to_all into y_RD (4. combine)
+    }
+
+
+def backward_calls(policy: RestorePolicy, shape: "LayerShape", several: bool, reorder: bool,
+                   keep_activation: bool = False, first: bool = False, only: bool = False) -> dict:
+    """Operator calls of one partition of pipeline.pipelined_backward, by step. `first`:
+    the first partition backward runs (it adds no earlier gradients); `only`: the one
+    partition of a one-rank pass (its dx is passed on as it is)."""
+    gemm1, _ = _projection_calls(shape)
+    gated, bias, recommunicate = int(shape.gated), int(shape.bias), policy.recommunicate_input
+    activation_backward = 5 if shape.gated else 2 if shape.activation == "relu" else 1
+    return {
+        "dy": 2 * several,                                        # new_empty + all_to_all
+        "re-gather": int(recommunicate),                          # x_TD.index_select (S2, S4)
+        "re-dispatch": 2 * (recommunicate and several),           # new_empty + all_to_all
+        "restore T_DI": 2 * policy.offload_input,                 # empty + copy_
+        "restore A": 2 * (1 + gated) * policy.offload_preactivation,
+        "T_DI to expert order": int(recommunicate and reorder),
+        "recompute A": gemm1 * policy.recompute_preactivation,   # GEMM1 (S3, S4)
+        "dy to expert order": int(reorder),
+        # Experts.input_grad: dh = dy·w2ᵀ, the activation's backward, dx = dA·w1ᵀ (SwiGLU:
+        # + dup·w3ᵀ and its add_)
+        "input gradient": 1 + activation_backward + 1 + 2 * gated,
+        "dx to source order": int(reorder),
+        "dx": int(several or not only),                           # all_to_all (one rank: copy_) into dx_RD
+        # Experts.weight_grads: act(A) again (unless kept, or SwiGLU's backward made it),
+        # dW2, dW1 (dW3), bias gradients (new_ones + grouped GEMM each)
+        "weight gradients": int(not (shape.gated or keep_activation)) + 2 + gated + 4 * bias,
+        "accumulate gradients": 0 if first else 2 + gated + 2 * bias,   # add_ into the earlier partitions'
+    }
 
 
 # -- the layer and where it runs ------------------------------------------------------------------
@@ -238,7 +311,8 @@ def _positive_int(owner: str, name: str, value) -> None:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One MoE layer and the tokens each rank feeds it (bf16 unless dtype_bytes says)."""
+    """One MoE layer and the tokens each rank feeds it (bf16 unless dtype_bytes says;
+    expert biases b1, b2 unless bias is False)."""
 
     d_model: int
     d_hidden: int
@@ -247,21 +321,29 @@ class LayerShape:
     top_k: int = 2
     activation: str = "gelu"
     dtype_bytes: int = 2
+    bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_hidden", "num_experts", "tokens", "top_k", "dtype_bytes"):
             _positive_int("LayerShape", name, getattr(self, name))
         if self.activation not in ("relu", "gelu", "swiglu"):
             raise ValueError(f"LayerShape.activation={self.activation!r} is invalid: choose relu, gelu or swiglu")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"LayerShape.bias={self.bias!r} is invalid: give True or False")
+
+    @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
 
     @property
     def pre_activation_width(self) -> int:
-        return 2 * self.d_hidden if self.activation == "swiglu" else self.d_hidden
+        return 2 * self.d_hidden if self.gated else self.d_hidden
 
     def config(self):
         from .config import MoEConfig
 
-        return MoEConfig(self.d_model, self.d_hidden, self.num_experts, top_k=self.top_k, activation=self.activation)
+        return MoEConfig(self.d_model, self.d_hidden, self.num_experts, top_k=self.top_k, activation=self.activation,
+                         bias=self.bias)
 
     def torch_dtype(self):
         import torch
@@ -301,8 +383,9 @@ class LayerResult:
     peak_bytes: int
     host_bytes: int
     busy_s: dict = field(default_factory=dict)
-    all_to_all_s: float = 0.0            # one full-size (n = 1) All-to-All
+    all_to_all_s: float = 0.0            # one full-size (n = 1) All-to-All; none with one rank
     leaving_node: float = 0.0
+    host_waits: int = 0                  # blocking device reads per pass (1 with several ranks, 0 with one)
 
     @property
     def total_s(self) -> float:
@@ -334,25 +417,26 @@ class _Layer:
 
     # durations ------------------------------------------------------------------------------
     def ffn(self, phase: str) -> float:
+        """One partition's expert FFN `phase` (gemm1, forward, input_grad, weight_grads) on
+        the busiest rank: one grouped GEMM per projection over its local experts."""
         sh = self.shape
-        return sum(self.parts.ffn_s(phase, round(m), sh.d_model, sh.d_hidden, sh.activation)
-                   for m in self.expert_rows if m >= 0.5)
-
-    def autograd_ffn(self, phase: str) -> float:
-        """FastMoE's autograd FFN over all local experts (their mean rows)."""
-        sh = self.shape
-        mean = sum(self.expert_rows) / len(self.expert_rows)
-        return self.parts.autograd_ffn_s(phase, round(mean), len(self.expert_rows), sh.d_model, sh.d_hidden,
-                                         sh.activation)
+        return self.parts.grouped_ffn_s(phase, self.expert_rows, sh.d_model, sh.d_hidden, sh.activation)
 
     def rows(self, op: str, count: float) -> float:
         return self.parts.rows_s(op, round(count), self.shape.d_model)
 
+    def elementwise(self, values: float, passes: int) -> float:
+        """An elementwise kernel that reads or writes each of `values` values `passes` times
+        in all (a fill: 1, an add_ of two tensors: 3), from the copy curve (2 passes)."""
+        D = self.shape.d_model
+        return passes / 2 * self.parts.rows_s("copy", round(values / D), D)
+
     def all_to_all(self, rows: float) -> float:
+        """One All-to-All of `rows` rows per rank; 0 with one rank, which has none."""
         sh, cl = self.shape, self.cluster
-        nbytes = rows * sh.d_model * sh.dtype_bytes
         if cl.layout.ranks == 1:
-            return _local_all_to_all_s(self.parts, nbytes, sh.d_model, sh.dtype_bytes)
+            return 0.0
+        nbytes = rows * sh.d_model * sh.dtype_bytes
         if cl.hierarchical:
             return hierarchical_all_to_all_s(cl.network, cl.layout, self.traffic, nbytes)
         return flat_all_to_all_s(cl.network, self.traffic, nbytes)
@@ -392,181 +476,187 @@ class _FasterLayer(_Layer):
 
 
 def _prelude(prog: Program, layer: _Layer, host) -> None:
-    """Router, routing agreement and dispatch plan: the host waits for the device twice
-    (the agreement's read, and the plan's one read of both count tables), plus the two
-    small collectives on several ranks."""
+    """Router and dispatch plan (layers.MoELayerBase.plan). One rank: all local, nothing
+    read back (dispatcher.plan_single). Several ranks: count rows and the pass
+    statistics, the count exchange (one small collective, which carries the statistics:
+    there is no separate agreement), the pass's one device read (dispatcher.read_counts:
+    the host waits for everything issued so far), then the plan on the host."""
     sh, cl = layer.shape, layer.cluster
     shell = layer.parts.shell_s("forward", sh.tokens, sh.d_model)
     prog.launch("compute", shell / 2, "router", host.prelude_s / 2)
-    prog.sync("compute", "agree")
-    if cl.layout.ranks > 1:
-        prog.host(small_collective_s(cl.network, cl.layout), "agree collective")
-    prog.launch("compute", 0.0, "count rows", host.prelude_s / 4)
-    if cl.layout.ranks > 1:
-        prog.host(small_collective_s(cl.network, cl.layout), "count exchange")
-    prog.sync("compute", "plan counts")
+    if cl.layout.ranks == 1:
+        prog.launch("compute", 0.0, "plan", host.prelude_s / 2)
+        return
+    prog.launch("compute", 0.0, "count rows and pass statistics", host.prelude_s / 4)
+    prog.wait_stream("comm", "compute")
+    prog.launch("comm", small_collective_s(cl.network, cl.layout), "count exchange")
+    prog.sync("comm", "read counts")
     prog.host(host.prelude_s / 4, "plan")
 
 
 class _Pipelined:
-    """pipeline.pipelined_forward and pipelined_backward, op for op (MPipeMoE, FasterMoE)."""
+    """pipeline.pipelined_forward and pipelined_backward, op for op, as every engine runs
+    them (layers.py): MPipeMoE with its n and strategy, FasterMoE with one partition per
+    peer group, FastMoE with one partition that keeps act(A) for backward."""
 
-    def __init__(self, layer: _Layer, strategy: str, host):
+    def __init__(self, layer: _Layer, strategy: str, host, keep_activation: bool = False):
         self.layer, self.policy, self.host = layer, RestorePolicy.of(strategy), host
+        self.keep_activation = keep_activation
+        self.several = layer.cluster.layout.ranks > 1
+        # With several ranks the received rows arrive by source rank and are re-ordered by
+        # expert and back (dispatcher.plan_exchanged), unless a rank holds one expert.
+        self.reorder = self.several and layer.local > 1
         self.a2a = layer.all_to_all(layer.b)
+
+    def _measured_calls(self, phase: str, **flags) -> int:
+        """Calls of one partition of the layer whose host cost the parts measured (one
+        rank, parts.HOST_LAYER; MPipeMoE's lines, which never keep act(A)): host seconds
+        per call are its per-partition cost over these."""
+        measured = replace(self.layer.shape, activation=HOST_LAYER["activation"], bias=HOST_LAYER["bias"])
+        if phase == "forward":
+            return sum(forward_calls(self.policy, measured, False, False).values())
+        return sum(backward_calls(self.policy, measured, False, False, **flags).values())
+
+    @staticmethod
+    def _issuer(prog: Program, calls: dict, per_call: float):
+        def issue(stream: str, seconds: float, step: str, i: int, kernels: int | None = None) -> int:
+            """Launch `step` of partition i: its calls' host cost, its device time spread
+            over `kernels` launches (default one per call)."""
+            return prog.launch(stream, seconds, f"{step} {i}", calls[step] * per_call,
+                               kernels=calls[step] if kernels is None else kernels)
+        return issue
 
     def forward(self, prog: Program) -> int:
         layer, policy, host, a2a = self.layer, self.policy, self.host, self.a2a
         sh, n, b, Nn = layer.shape, layer.n, layer.b, layer.Nn
-        D, A = sh.d_model, sh.pre_activation_width
-        L = len(layer.expert_rows)
-        # The host's per-partition cost, spread over the kernels of a partition.
-        per_op = host.forward_per_partition_s / (2 * L + 6 + policy.offload_input + policy.offload_preactivation)
+        calls = forward_calls(policy, sh, self.several, self.reorder)
+        issue = self._issuer(prog, calls, host.forward_per_partition_s / self._measured_calls("forward"))
+        gemm1, ffn = layer.ffn("gemm1"), layer.ffn("forward")
         _prelude(prog, layer, host)
         dispatched, combined, copies = [None] * n, [None] * n, [[] for _ in range(n)]
 
-        def issue_dispatch(i):
-            if i >= 2:
-                prog.wait("compute", dispatched[i - 2])
-            prog.launch("compute", layer.rows("gather", b), f"gather {i}", per_op)
-            prog.wait_stream("comm", "compute")
-            dispatched[i] = prog.launch("comm", a2a, f"dispatch {i}", per_op)
+        def dispatch(i):                                                               # 1. dispatch
+            issue("compute", layer.rows("gather", b), "gather", i)
+            if self.several:
+                prog.wait_stream("comm", "compute")
+                dispatched[i] = issue("comm", a2a, "dispatch", i, kernels=1)
 
-        def run_experts(i):
+        def compute(i):
             prog.wait("compute", dispatched[i])
-            if i >= 2:
-                for c in copies[i - 2]:
-                    prog.wait("compute", c)
+            if i >= 2:  # partition i-2's copies and combine are done: what they read is dropped
+                for copy in copies[i - 2]:
+                    prog.wait("compute", copy)
                 prog.wait("compute", combined[i - 2])
-            prog.launch("compute", layer.rows("gather", Nn), f"T_DI {i}", per_op)
-            prog.launch("compute", layer.ffn("forward"), f"experts {i}", (2 * L + 1) * per_op, kernels=2 * L + 1)
-            prog.launch("compute", layer.rows("gather", Nn), f"to source order {i}", per_op)
-            if policy.offload_input:
+            if self.reorder:                                                           # 2. experts
+                issue("compute", layer.rows("gather", Nn), "to expert order", i)
+            issue("compute", gemm1, "GEMM1", i)
+            issue("compute", ffn - gemm1, "activation, GEMM2", i)
+            if self.reorder:
+                issue("compute", layer.rows("gather", Nn), "to source order", i)
+            if policy.offload_input:                                                   # 3. offload
                 prog.wait_stream("copy", "compute")
-                copies[i].append(prog.launch("copy", layer.host_copy("d2h", D), f"offload T_DI {i}", per_op))
+                copies[i].append(issue("copy", layer.host_copy("d2h", sh.d_model), "offload T_DI", i))
             if policy.offload_preactivation:
                 prog.wait_stream("copy", "compute")
-                copies[i].append(prog.launch("copy", layer.host_copy("d2h", A), f"offload A {i}", per_op))
-            prog.wait_stream("comm", "compute")
-            combined[i] = prog.launch("comm", a2a, f"combine {i}", per_op)
+                copies[i].append(issue("copy", layer.host_copy("d2h", sh.pre_activation_width), "offload A", i))
+            if self.several:                                                           # 4. combine
+                prog.wait_stream("comm", "compute")
+                combined[i] = issue("comm", a2a, "combine", i)
 
-        issue_dispatch(0)
+        dispatch(0)
         for i in range(n):
             if i + 1 < n:
-                issue_dispatch(i + 1)
-            run_experts(i)
+                dispatch(i + 1)
+            compute(i)
         for op in combined + [c for cs in copies for c in cs]:
             prog.wait("compute", op)
+        if not self.several and n > 1:  # one rank: the partitions' outputs, concatenated
+            prog.launch("compute", layer.rows("copy", layer.rows_sent), "concatenate")
         fixed_rest = max(host.forward_fixed_s - host.prelude_s, 0.0)
-        return prog.launch("compute", layer.parts.shell_s("forward", sh.tokens, D) / 2, "un-permute", fixed_rest)
+        return prog.launch("compute", layer.parts.shell_s("forward", sh.tokens, sh.d_model) / 2, "un-permute",
+                           fixed_rest)
 
     def backward(self, prog: Program) -> int:
         layer, policy, host, a2a = self.layer, self.policy, self.host, self.a2a
         sh, n, b, Nn = layer.shape, layer.n, layer.b, layer.Nn
-        D, A = sh.d_model, sh.pre_activation_width
-        shell_bwd = layer.parts.shell_s("backward", sh.tokens, D)
-        prog.launch("compute", shell_bwd / 2, "un-permute backward", host.backward_fixed_s / 2)
-        prog.launch("compute", 0.5 * layer.rows("copy", sh.tokens) + 0.5 * layer.rows("copy", layer.local * 2 * sh.d_hidden),
-                    "zero dx and expert grads")
-        L = len(layer.expert_rows)
-        kernels = 6 * L + 10 + (3 if policy.recommunicate_input else 1 if policy.offload_input else 0) \
-            + policy.offload_preactivation + L * policy.recompute_preactivation
-        per_op = host.backward_per_partition_s / kernels
-        fetched_dy, fetched_input, fetched_preact, returned = [None] * n, [None] * n, [None] * n, [None] * n
+        D, H = sh.d_model, sh.d_hidden
+        calls = backward_calls(policy, sh, self.several, self.reorder, self.keep_activation)
+        per_call = host.backward_per_partition_s / self._measured_calls("backward")
+        issue = self._issuer(prog, calls, per_call)
+        # The measured line is fixed + per partition × n on one rank; what this engine's
+        # partitions call less there (the first adds no earlier gradients, a lone one
+        # copies no dx, FastMoE does not recompute act(A)) stays in the fixed part, so the
+        # measured layer on one rank totals the line.
+        issued = (self._measured_calls("backward", keep_activation=self.keep_activation, first=True, only=n == 1)
+                  + (n - 1) * self._measured_calls("backward", keep_activation=self.keep_activation))
+        fixed = host.backward_fixed_s + n * host.backward_per_partition_s - issued * per_call
+        shell = layer.parts.shell_s("backward", sh.tokens, D)
+        prog.launch("compute", shell / 2, "un-permute backward", fixed / 2)
+        input_grad, weight_grads = layer.ffn("input_grad"), layer.ffn("weight_grads")
+        if self.keep_activation and not sh.gated:
+            # FastMoE kept act(A): its weight gradients skip recomputing it (read A, write h).
+            weight_grads = max(weight_grads - layer.elementwise(Nn * H, 2), 0.0)
+        gradients = layer.local * (D * H * (2 + sh.gated) + sh.bias * (D + H))
+        accumulate = layer.elementwise(gradients, 3)
+        fetched_dy, fetched_input, fetched_preact, returned = [None] * n, [None] * n, [None] * n, []
 
-        def issue_fetch(step):
-            prog.wait_stream("comm", "compute")
-            fetched_dy[step] = prog.launch("comm", a2a, f"dy {step}", per_op)
-            if policy.recommunicate_input:
-                if step >= 2:
-                    prog.wait("compute", fetched_input[step - 2])
-                prog.launch("compute", layer.rows("gather", b), f"re-gather {step}", per_op)
+        def fetch(step):
+            """Comm + copy streams: what partition `step` needs, ahead of its compute."""
+            if self.several:
                 prog.wait_stream("comm", "compute")
-                fetched_input[step] = prog.launch("comm", a2a, f"re-dispatch {step}", per_op)
+                fetched_dy[step] = issue("comm", a2a, "dy", step, kernels=1)
+            if policy.recommunicate_input and self.several:
+                issue("compute", layer.rows("gather", b), "re-gather", step)
+                prog.wait_stream("comm", "compute")
+                fetched_input[step] = issue("comm", a2a, "re-dispatch", step, kernels=1)
             elif policy.offload_input:
                 prog.wait_stream("copy", "compute")
-                fetched_input[step] = prog.launch("copy", layer.host_copy("h2d", D), f"restore T_DI {step}", per_op)
+                fetched_input[step] = issue("copy", layer.host_copy("h2d", D), "restore T_DI", step, kernels=1)
             if policy.offload_preactivation:
                 prog.wait_stream("copy", "compute")
-                fetched_preact[step] = prog.launch("copy", layer.host_copy("h2d", A), f"restore A {step}", per_op)
+                fetched_preact[step] = issue("copy", layer.host_copy("h2d", sh.pre_activation_width), "restore A",
+                                             step, kernels=1 + sh.gated)
 
-        def restore_and_backward(step):
-            prog.wait("compute", fetched_input[step])
-            if policy.recommunicate_input:
-                prog.launch("compute", layer.rows("gather", Nn), f"T_DI order {step}", per_op)
-            if policy.recompute_preactivation:
-                prog.launch("compute", layer.ffn("gemm1"), f"recompute A {step}", L * per_op, kernels=L)
+        def compute(step):
+            prog.wait("compute", fetched_input[step])                            # T_DI of this partition
+            if policy.recommunicate_input and not self.several:  # one rank: re-gathered into expert order
+                issue("compute", layer.rows("gather", b), "re-gather", step)
+            elif policy.recommunicate_input and self.reorder:
+                issue("compute", layer.rows("gather", Nn), "T_DI to expert order", step)
+            if policy.recompute_preactivation:                                   # A of this partition
+                issue("compute", layer.ffn("gemm1"), "recompute A", step)
             else:
                 prog.wait("compute", fetched_preact[step])
-            prog.wait("compute", fetched_dy[step])
-            prog.launch("compute", layer.rows("gather", Nn), f"dy order {step}", per_op)
-            # activation recompute, dW2 and db2 per expert, dh, activation backward, dW1, db1, dx
-            prog.launch("compute", layer.ffn("backward"), f"expert backward {step}", (6 * L + 5) * per_op,
-                        kernels=6 * L + 5)
-            if step >= 2:
-                prog.wait("compute", returned[step - 2])
-            prog.launch("compute", layer.rows("gather", Nn), f"dx order {step}", per_op)
-            prog.wait_stream("comm", "compute")
-            returned[step] = prog.launch("comm", a2a, f"dx {step}", per_op)
+            prog.wait("compute", fetched_dy[step])                               # dy, grouped by expert
+            if self.reorder:
+                issue("compute", layer.rows("gather", Nn), "dy to expert order", step)
+            issue("compute", input_grad, "input gradient", step)
+            if self.reorder:
+                issue("compute", layer.rows("gather", Nn), "dx to source order", step)
+            if self.several:  # dx goes back into its rows of dx_RD, beside the weight gradients
+                if step >= 2:
+                    prog.wait("compute", returned[step - 2])
+                prog.wait_stream("comm", "compute")
+                returned.append(issue("comm", a2a, "dx", step, kernels=1))
+            elif n > 1:       # one rank: into its rows of dx_RD (a lone partition's dx is dx_RD)
+                issue("compute", layer.rows("copy", b), "dx", step)
+            issue("compute", weight_grads, "weight gradients", step)
+            if step:
+                issue("compute", accumulate, "accumulate gradients", step)
 
-        def accumulate(step):
-            prog.wait("compute", returned[step])
-            prog.launch("compute", layer.rows("index_add", b), f"accumulate dx {step}", per_op)
-
-        issue_fetch(0)
+        fetch(0)
         for step in range(n):
             if step + 1 < n:
-                issue_fetch(step + 1)
-            restore_and_backward(step)
-            if step >= 1:
-                accumulate(step - 1)
-        accumulate(n - 1)
+                fetch(step + 1)
+            compute(step)
+        for op in returned:
+            prog.wait("compute", op)
         prog.wait_stream("compute", "comm")
         prog.wait_stream("compute", "copy")
-        return prog.launch("compute", shell_bwd / 2, "router backward", host.backward_fixed_s / 2)
-
-
-class _Serial:
-    """layers.FastMoE under autograd: one blocking All-to-All each way, nothing overlaps.
-    The host's cost is spread over the kernels in proportion to their count."""
-
-    def __init__(self, layer: _Layer, host):
-        self.layer, self.host = layer, host
-        self.a2a = layer.all_to_all(layer.rows_sent)
-        self.L = len(layer.expert_rows)
-
-    @staticmethod
-    def _chain(prog: Program, steps, host_s: float) -> int:
-        per_kernel = host_s / sum(kernels for *_, kernels in steps)
-        op = None
-        for name, seconds, stream, kernels in steps:
-            prog.wait_stream(stream, "compute" if stream == "comm" else "comm")
-            op = prog.launch(stream, seconds, name, per_kernel * kernels, kernels=kernels)
-        return op
-
-    def forward(self, prog: Program) -> int:
-        layer, host, a2a, L = self.layer, self.host, self.a2a, self.L
-        sh, R, Nn = layer.shape, layer.rows_sent, layer.Nn
-        _prelude(prog, layer, host)
-        shell = layer.parts.shell_s("forward", sh.tokens, sh.d_model)
-        return self._chain(prog, [
-            ("gather", layer.rows("gather", R), "compute", 1), ("dispatch", a2a, "comm", 1),
-            ("to expert order", layer.rows("gather", Nn), "compute", 1),
-            ("experts", layer.autograd_ffn("forward"), "compute", 2 * L + 3),
-            ("to source order", layer.rows("gather", Nn), "compute", 1), ("combine", a2a, "comm", 1),
-            ("un-permute", shell / 2, "compute", 5)], max(host.forward_s(1) - host.prelude_s, 0.0))
-
-    def backward(self, prog: Program) -> int:
-        layer, host, a2a, L = self.layer, self.host, self.a2a, self.L
-        sh, R, Nn = layer.shape, layer.rows_sent, layer.Nn
-        shell_bwd = layer.parts.shell_s("backward", sh.tokens, sh.d_model)
-        return self._chain(prog, [
-            ("un-permute backward", shell_bwd / 2, "compute", 5), ("combine backward", a2a, "comm", 1),
-            ("to source order backward", layer.rows("index_add", Nn), "compute", 2),
-            ("experts backward", layer.autograd_ffn("backward"), "compute", 6 * L),
-            ("to expert order backward", layer.rows("index_add", Nn), "compute", 2),
-            ("dispatch backward", a2a, "comm", 1), ("gather backward", layer.rows("index_add", R), "compute", 2),
-            ("router backward", shell_bwd / 2, "compute", 8)], host.backward_s(1))
+        # Each token sums its K rows of dx (DispatchPlan.sum_rows_per_token): one gather, one sum.
+        prog.launch("compute", layer.rows("gather", layer.rows_sent) + layer.elementwise(sh.tokens * D, sh.top_k + 1),
+                    "sum dx per token")
+        return prog.launch("compute", shell / 2, "router backward", fixed / 2)
 
 
 def fastermoe_steps(ranks: int, group_size: int = 4) -> int:
@@ -581,27 +671,33 @@ def _check(engine: str, partitions: int, strategy: str) -> None:
         raise ValueError(f"strategy={strategy!r} is invalid: choose one of {', '.join(STRATEGIES)}")
 
 
+def _host_cost(parts, engine: str, strategy: str, local_experts: int):
+    """The host cost line the engine's schedule is charged. FastMoE and FasterMoE were
+    measured at their one partition on one GPU: that total, and each further partition
+    (FasterMoE's steps on several ranks) adds what a further MPipeMoE partition adds —
+    the same pipeline code."""
+    if engine == "mpipemoe":
+        return parts.host_cost(f"mpipemoe|{strategy}", local_experts)
+    base, slope = parts.host_cost(engine, local_experts), parts.host_cost("mpipemoe|none", local_experts)
+    return replace(base, forward_fixed_s=base.forward_s(1) - slope.forward_per_partition_s,
+                   forward_per_partition_s=slope.forward_per_partition_s,
+                   backward_fixed_s=base.backward_s(1) - slope.backward_per_partition_s,
+                   backward_per_partition_s=slope.backward_per_partition_s)
+
+
 def _build(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: int, strategy: str,
            group_size: int):
     """(schedule object, layer, partitions, strategy) as the engine runs them."""
     if engine == "fastmoe":
-        layer = _Layer(shape, cluster, parts, 1)
-        return _Serial(layer, parts.host_cost("fastmoe", layer.local)), layer, 1, "none"
-    if engine == "fastermoe":
+        layer, partitions, strategy = _Layer(shape, cluster, parts, 1), 1, "none"
+    elif engine == "fastermoe":
         P = cluster.layout.ranks
-        steps = fastermoe_steps(P, group_size)
-        layer = _FasterLayer(shape, cluster, parts, steps, min(group_size, P))
-        base, slope = parts.host_cost("fastermoe", layer.local), parts.host_cost("mpipemoe|none", layer.local)
-        # One-rank FasterMoE has one step: its own measured cost; each further step adds
-        # what a further MPipeMoE partition adds (the same pipeline code).
-        host = replace(base, forward_fixed_s=base.forward_s(1) - slope.forward_per_partition_s,
-                       forward_per_partition_s=slope.forward_per_partition_s,
-                       backward_fixed_s=base.backward_s(1) - slope.backward_per_partition_s,
-                       backward_per_partition_s=slope.backward_per_partition_s)
-        return _Pipelined(layer, "none", host), layer, steps, "none"
-    layer = _Layer(shape, cluster, parts, partitions)
-    host = parts.host_cost(f"mpipemoe|{strategy}", layer.local)
-    return _Pipelined(layer, strategy, host), layer, partitions, strategy
+        partitions, strategy = fastermoe_steps(P, group_size), "none"
+        layer = _FasterLayer(shape, cluster, parts, partitions, min(group_size, P))
+    else:
+        layer = _Layer(shape, cluster, parts, partitions)
+    host = _host_cost(parts, engine, strategy, layer.local)
+    return _Pipelined(layer, strategy, host, keep_activation=engine == "fastmoe"), layer, partitions, strategy
 
 
 def _memory(engine: str, shape: LayerShape, cluster: Cluster, layer: _Layer, partitions: int, strategy: str):
@@ -615,8 +711,8 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     """Forward+backward of one layer of `engine` on the busiest rank of `cluster`.
 
     mpipemoe: `partitions` and `strategy` as given. fastmoe: one partition, keep
-    everything. fastermoe: ceil(P / group_size) steps, step s exchanging with the ring
-    offsets s·g … s·g+g−1 (layers.FasterMoE), keep everything.
+    everything (act(A) too). fastermoe: ceil(P / group_size) steps, step s exchanging
+    with the ring offsets s·g … s·g+g−1 (layers.FasterMoE), keep everything.
     """
     _check(engine, partitions, strategy)
     schedule, layer, partitions, strategy = _build(engine, shape, cluster, parts, partitions, strategy, group_size)
@@ -629,16 +725,16 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     full = _Layer(shape, cluster, parts, 1)
     return LayerResult(engine, partitions, strategy, forward_s, timeline.makespan_s - forward_s,
                        memory.peak_bytes, memory.host_bytes, timeline.busy_s,
-                       all_to_all_s=full.all_to_all(full.b), leaving_node=full.traffic.leaving_node)
+                       all_to_all_s=full.all_to_all(full.b), leaving_node=full.traffic.leaving_node,
+                       host_waits=prog.host_waits)
 
 
 def all_to_all_options(shape: LayerShape, cluster: Cluster, parts) -> dict:
     """One All-to-All of the whole batch (k·T rows per rank): flat and hierarchical
     seconds, and the fraction of rows that leaves the node."""
     layer = _Layer(shape, cluster, parts, 1)
-    if cluster.layout.ranks == 1:
-        local = layer.all_to_all(layer.b)
-        return {"flat_s": local, "hierarchical_s": local, "leaving_node": 0.0}
+    if cluster.layout.ranks == 1:  # one rank has no All-to-All
+        return {"flat_s": 0.0, "hierarchical_s": 0.0, "leaving_node": 0.0}
     nbytes = layer.rows_sent * shape.d_model * shape.dtype_bytes
     return {"flat_s": flat_all_to_all_s(cluster.network, layer.traffic, nbytes),
             "hierarchical_s": hierarchical_all_to_all_s(cluster.network, cluster.layout, layer.traffic, nbytes),

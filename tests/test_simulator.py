@@ -1,12 +1,15 @@
 """Unit tier, no GPU: the schedule simulator, the network model and `mpipemoe simulate`.
 
 The simulator's degenerate case (one rank, no host cost, no row kernels) must agree
-with the performance model where their schedules coincide; the network model's
-traffic fractions must match the arithmetic of uniform and skewed routing; costs must
-grow the way the physics says they do.
+with the performance model where their schedules coincide, and its several-rank
+schedule with the arithmetic of the engine's pipeline; the operator calls it charges
+host time for must be the ones the engine makes; the network model's traffic
+fractions must match the arithmetic of uniform and skewed routing; costs must grow the
+way the physics says they do.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -21,8 +24,8 @@ from moe_engine.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_a
                                 uniform_load)
 from moe_engine.parts import GpuParts, interpolate
 from moe_engine.perf_model import HardwareProfile, PerformanceModel
-from moe_engine.simulator import (Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts, compare_engines,
-                                  run_schedule, simulate_layer, simulate_step, single_gpu)
+from moe_engine.simulator import (STRATEGIES, Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts,
+                                  compare_engines, run_schedule, simulate_layer, simulate_step, single_gpu)
 
 PARTS = "results/sim-parts-h200.json"
 
@@ -64,23 +67,32 @@ def test_a_dependency_cycle_is_reported_not_hung():
 
 
 # -- the degenerate case against the performance model -----------------------------------------------
+#
+# One rank has no collectives (dispatch gathers into expert order, combine concatenates),
+# so the simulator meets the performance model where the model's All-to-All is free.
+
+def free_all_to_all(**changes) -> HardwareProfile:
+    return profile(a2a_latency_s=0.0, a2a_bytes_per_s=math.inf, **changes)
+
 
 @pytest.mark.parametrize("strategy", ["none", "S4"])
 def test_one_rank_one_partition_equals_the_performance_model(strategy):
-    """n = 1 without host copies: both are the plain sum of All-to-All and GEMM time."""
-    prof = profile(a2a_latency_s=20e-6, partition_overhead_s=0.0)
+    """n = 1 without host copies: the plain sum of the GEMM time; an All-to-All's cost
+    changes nothing on one rank, and the host never waits for the device."""
     config = MoEConfig(2048, 8192, 8)
-    predicted = PerformanceModel(prof).predict(config, 16384, 1, 1, strategy, torch.bfloat16)
-    simulated = simulate_layer("mpipemoe", LayerShape(2048, 8192, 8, 16384), single_gpu(), ProfileParts(prof), 1,
-                               strategy)
-    assert simulated.total_s == pytest.approx(predicted.total_s, rel=1e-9)
-    assert simulated.peak_bytes == predicted.peak_bytes
+    predicted = PerformanceModel(free_all_to_all()).predict(config, 16384, 1, 1, strategy, torch.bfloat16)
+    for prof in (free_all_to_all(), profile(a2a_latency_s=20e-6, a2a_bytes_per_s=1e9)):
+        simulated = simulate_layer("mpipemoe", LayerShape(2048, 8192, 8, 16384), single_gpu(), ProfileParts(prof),
+                                   1, strategy)
+        assert simulated.total_s == pytest.approx(predicted.total_s, rel=1e-9)
+        assert simulated.peak_bytes == predicted.peak_bytes
+        assert simulated.busy_s["comm"] == 0 and simulated.all_to_all_s == 0 and simulated.host_waits == 0
 
 
 @pytest.mark.parametrize("partitions", [2, 4, 8])
 def test_compute_bound_pipeline_equals_the_performance_model(partitions):
-    """Unit slowdowns and a fast All-to-All: fill + (n − 1) × compute, as the model says."""
-    prof = profile(slowdown={})
+    """Unit slowdowns on one rank: n partitions of compute, as the model says."""
+    prof = free_all_to_all(slowdown={})
     config = MoEConfig(2048, 8192, 8)
     predicted = PerformanceModel(prof).predict(config, 16384, 1, partitions, "none", torch.bfloat16)
     simulated = simulate_layer("mpipemoe", LayerShape(2048, 8192, 8, 16384), single_gpu(), ProfileParts(prof),
@@ -89,14 +101,112 @@ def test_compute_bound_pipeline_equals_the_performance_model(partitions):
     assert simulated.backward_s == pytest.approx(predicted.backward_s, rel=1e-9)
 
 
-def test_offloads_overlap_the_combine_so_the_simulator_is_not_slower_than_the_model():
-    prof = profile()
+@pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
+def test_one_partition_on_one_rank_overlaps_no_copy(strategy):
+    """n = 1: the offloads start after GEMM2 and backward's GEMMs wait for the restores, so
+    compute and copies add up, as the model says (its slowdown factors never apply)."""
+    prof = free_all_to_all()
     config = MoEConfig(2048, 8192, 8)
-    for strategy in ("S1", "S2", "S3"):
-        predicted = PerformanceModel(prof).predict(config, 16384, 1, 1, strategy, torch.bfloat16)
-        simulated = simulate_layer("mpipemoe", LayerShape(2048, 8192, 8, 16384), single_gpu(), ProfileParts(prof), 1,
-                                   strategy)
-        assert simulated.total_s <= predicted.total_s * (1 + 1e-9)
+    predicted = PerformanceModel(prof).predict(config, 16384, 1, 1, strategy, torch.bfloat16)
+    simulated = simulate_layer("mpipemoe", LayerShape(2048, 8192, 8, 16384), single_gpu(), ProfileParts(prof), 1,
+                               strategy)
+    assert simulated.busy_s["copy"] > 0
+    assert simulated.total_s == pytest.approx(predicted.total_s, rel=1e-9)
+
+
+# -- the schedule of several ranks -------------------------------------------------------------------
+
+def _two_ranks(bytes_per_s: float) -> Cluster:
+    network = NetworkProfile("test", intra_bytes_per_s=bytes_per_s, inter_bytes_per_s=bytes_per_s,
+                             intra_message_s=0.0, collective_s=10e-6)
+    return Cluster(ClusterLayout(1, 2), network)
+
+
+@pytest.mark.parametrize("bytes_per_s", [400e9, 10e9])
+def test_several_ranks_read_the_device_once_and_send_dx_beside_the_weight_gradients(bytes_per_s):
+    """2 ranks, n = 1, no host cost, unit slowdowns. Forward: the count exchange (the
+    pass's one device read waits for it), dispatch, the FFN, combine. Backward: dy, the
+    input gradient, then dx travels while the weight gradients run."""
+    parts = ProfileParts(profile(slowdown={}))
+    shape = LayerShape(2048, 8192, 8, 16384)
+    rows = 2 * 16384                                    # uniform routing: a rank receives what it sends
+    input_grad = parts.ffn_s("input_grad", rows, 2048, 8192)
+    weight_grads = parts.ffn_s("weight_grads", rows, 2048, 8192)
+    for engine in ("mpipemoe", "fastmoe"):              # FastMoE is the same pipeline with n = 1
+        result = simulate_layer(engine, shape, _two_ranks(bytes_per_s), parts, 1, "none")
+        a2a = result.all_to_all_s
+        assert result.host_waits == 1
+        assert result.forward_s == pytest.approx(10e-6 + 2 * a2a + parts.ffn_s("forward", rows, 2048, 8192))
+        assert result.backward_s == pytest.approx(a2a + input_grad + max(a2a, weight_grads))
+    assert (a2a < weight_grads) == (bytes_per_s > 100e9)  # both cases: dx hidden, and dx the longer
+
+
+def test_every_engine_reads_the_device_once_per_pass_on_several_ranks_and_never_on_one(parts):
+    shape = LayerShape(1024, 4096, 16, 4096)
+    for cluster, waits in ((single_gpu(), 0), (_cluster(2), 1)):
+        for engine, n, strategy in (("fastmoe", 1, "none"), ("fastermoe", 1, "none"), ("mpipemoe", 4, "S1"),
+                                    ("mpipemoe", 8, "S4")):
+            assert simulate_layer(engine, shape, cluster, parts, n, strategy).host_waits == waits
+
+
+def _calls_by_phase(config, partitions: int, strategy: str):
+    """Operator calls of one MPipeMoE pass on CPU: (forward, backward)."""
+    from moe_engine import MPipeMoE
+    from tests.test_host_reads import OperatorCalls
+
+    torch.manual_seed(0)
+    layer = MPipeMoE(config, partitions=partitions, strategy=strategy)
+    x = torch.randn(96, config.d_model)
+
+    def step(forward_calls=None, backward_calls=None):
+        xi = x.clone().requires_grad_(True)
+        with forward_calls or contextlib.nullcontext():
+            y, aux = layer(xi)
+        with backward_calls or contextlib.nullcontext():
+            (y.sum() + aux).backward()
+    step()
+    forward_calls, backward_calls = OperatorCalls(), OperatorCalls()
+    step(forward_calls, backward_calls)
+    return forward_calls.calls, backward_calls.calls
+
+
+def _calls_per_partition(rank, world_size, cases):
+    """Calls one more partition adds (n = 2 → 3), per case, forward and backward."""
+    out = []
+    for activation, bias, strategy in cases:
+        config = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2, activation=activation, bias=bias)
+        two, three = _calls_by_phase(config, 2, strategy), _calls_by_phase(config, 3, strategy)
+        out.append((three[0] - two[0], three[1] - two[1]))
+    return out
+
+
+def _counted(cases, several: bool):
+    from moe_engine.memory import RestorePolicy
+    from moe_engine.simulator import backward_calls, forward_calls
+
+    out = []
+    for activation, bias, strategy in cases:
+        shape = LayerShape(16, 32, 8, 96, 2, activation, 4, bias)
+        policy = RestorePolicy.of(strategy)
+        out.append((sum(forward_calls(policy, shape, several, several).values()),
+                    sum(backward_calls(policy, shape, several, several).values())))
+    return out
+
+
+ONE_RANK_CASES = [(a, True, s) for a in ("gelu", "swiglu") for s in STRATEGIES] + [("relu", False, "none"),
+                                                                                     ("swiglu", False, "S3")]
+TWO_RANK_CASES = [("gelu", True, "none"), ("swiglu", True, "S2"), ("gelu", False, "S4")]
+
+
+def test_the_operator_calls_charged_per_partition_are_the_engines():
+    """The simulator charges host time per operator call: its counts are what the engine's
+    pipeline calls on CPU, one rank (all strategies) and two gloo ranks (All-to-Alls,
+    receive buffers, re-orders by expert)."""
+    from tests.distributed import run_on_ranks
+
+    assert _calls_per_partition(0, 1, ONE_RANK_CASES) == _counted(ONE_RANK_CASES, several=False)
+    for rank_calls in run_on_ranks(2, _calls_per_partition, TWO_RANK_CASES):
+        assert rank_calls == _counted(TWO_RANK_CASES, several=True)
 
 
 # -- the network model ---------------------------------------------------------------------------------
@@ -276,12 +386,49 @@ def test_settings_errors_name_the_option():
 
 
 def test_validation_covers_every_record_and_names_the_term_off(parts):
+    """Every record of a committed benchmark gets a row with a finite simulated time, and
+    the timeline to look at wherever the time is off by more than 15%. Memory counts only
+    where the record's memory prediction is today's model's (these records were measured
+    with the engine before 190f888: most predate the current model)."""
     result = validate(["results/bench-h200.json"], parts, printer=lambda *_: None)
-    assert len(result["rows"]) == 184
+    rows = result["rows"]
+    assert len(rows) == 184
+    assert all(math.isfinite(r["simulated_ms"]) and r["simulated_ms"] > 0 for r in rows)
+    assert all(bool(r["term_off"]) == (abs(r["error"]) > 0.15) for r in rows)
+    with open("results/bench-h200.json") as f:
+        predicted = [r["predicted_memory_bytes"] for r in json.load(f)["records"]]
+    assert [r["memory_model_current"] for r in rows] == [p == r["simulated_peak_bytes"] for p, r in zip(predicted, rows)]
     summary = result["summary"]["bench-h200.json"]
-    assert summary["memory_within_15pct"] == 184
-    assert all(r["term_off"] for r in result["rows"] if abs(r["error"]) > 0.15)
-    assert all(math.isfinite(r["simulated_ms"]) for r in result["rows"])
+    assert summary["memory_records"] + summary["memory_model_changed"] == 184
+    assert summary["memory_records"] == sum(r["memory_model_current"] for r in rows) < 184
+
+
+def test_memory_is_checked_against_records_of_the_current_memory_model(parts, tmp_path):
+    """Three records: two measured under today's memory model (peaks 5% and 30% above its
+    prediction), one under an earlier model (its bench-time prediction differs)."""
+    from moe_engine.memory import predict_memory
+
+    with open("results/bench-h200.json") as f:
+        bench = json.load(f)
+    grid = [r for r in bench["records"] if r["chosen_by"] == "grid"][:3]
+    records = []
+    for record, factor in zip(grid, (1.05, 1.30, None)):
+        config = MoEConfig(record["d_model"], record["d_hidden"], record["num_experts"], top_k=record["top_k"],
+                           activation=record["activation"])
+        today = predict_memory(config, record["tokens"], 1, record["partitions"], record["strategy"]).peak_bytes
+        if factor is None:
+            records.append(dict(record, predicted_memory_bytes=today + 1, peak_memory_bytes=today))
+        else:
+            records.append(dict(record, predicted_memory_bytes=today, peak_memory_bytes=round(today * factor)))
+    bench["records"] = records
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    result = validate([str(path)], parts, printer=lambda *_: None)
+    rows, summary = result["rows"], result["summary"]["bench.json"]
+    assert [r["memory_model_current"] for r in rows] == [True, True, False]
+    assert rows[0]["memory_error"] == pytest.approx(1 / 1.05 - 1, abs=1e-6)
+    assert summary["memory_records"] == 2 and summary["memory_within_15pct"] == 1
+    assert summary["memory_max_abs_error"] == pytest.approx(1 - 1 / 1.30, abs=1e-6)
 
 
 def test_report_section_plots_simulations(tmp_path):
@@ -296,12 +443,99 @@ def test_report_section_plots_simulations(tmp_path):
 
 
 def test_an_unmeasured_shape_scales_every_curve_of_the_nearest_one_by_flops(parts):
-    """A 512x2048 layer was not measured: its FFN curves (FastMoE's per-L curves too) are
-    the 1024x4096 ones times the FLOP ratio, 1/4."""
-    for phase in ("forward", "backward"):
+    """A 512x2048 layer was not measured: its FFN curves (the expert-group ones too) are the
+    1024x4096 ones times the FLOP ratio, 1/4."""
+    for phase in ("forward", "backward", "input_grad"):
         assert parts.ffn_s(phase, 4096, 512, 2048) == pytest.approx(parts.ffn_s(phase, 4096, 1024, 4096) / 4)
-        assert parts.autograd_ffn_s(phase, 4096, 8, 512, 2048) == pytest.approx(
-            parts.autograd_ffn_s(phase, 4096, 8, 1024, 4096) / 4)
+        grouped = _grouped_parts()
+        assert grouped.grouped_ffn_s(phase, [4096] * 8, 512, 2048) == pytest.approx(
+            grouped.grouped_ffn_s(phase, [4096] * 8, 1024, 4096) / 4)
+
+
+def _grouped_parts(**changes) -> GpuParts:
+    """Parts as measure_parts writes them now, with round numbers: one expert, and the
+    grouped kernels over 8 experts (rows per expert)."""
+    one = {"rows": [64, 4096], "gemm1_s": [1e-5, 4e-4], "forward_s": [2e-5, 1e-3], "backward_s": [4e-5, 2e-3],
+           "input_grad_s": [2e-5, 0.8e-3]}
+    eight = {"rows": [64, 4096], "forward_s": [5e-5, 7e-3], "backward_s": [1e-4, 1.4e-2], "input_grad_s": [5e-5, 6e-3]}
+    line = {"partitions": [1, 2], "forward_s": [1e-3, 1.2e-3], "backward_s": [1e-3, 1.3e-3], "prelude_s": [4e-4] * 2}
+    values = dict(device="test", dtype="bfloat16", ffn={"1024x4096-gelu": {**one, "by_experts": {"8": eight}}},
+                  rows={}, shell={}, host_copy={}, slowdown={}, ffn_kernels="grouped",
+                  host={"8": {"mpipemoe|none": line},
+                        "2": {"mpipemoe|none": {**line, "forward_s": [0.9e-3, 1.1e-3]}}})
+    values.update(changes)
+    return GpuParts(**values)
+
+
+def test_grouped_kernels_cost_what_the_expert_group_curves_say():
+    parts = _grouped_parts()
+    D, H = 1024, 4096
+
+    def cost(phase, rows):
+        return parts.grouped_ffn_s(phase, rows, D, H)
+    # Uniform routing over 8 experts: the grouped measurement itself, input and weight parts too.
+    assert cost("forward", [4096] * 8) == pytest.approx(7e-3)
+    assert cost("input_grad", [4096] * 8) == pytest.approx(6e-3)
+    assert cost("weight_grads", [4096] * 8) == pytest.approx(1.4e-2 - 6e-3)
+    assert cost("gemm1", [4096] * 8) == pytest.approx(8 * 4e-4 * 7e-3 / 8e-3)  # groups as the forward does
+    # 4 experts: the nearest measured group (8) gives the factor; skew keeps the one-expert shape.
+    assert cost("forward", [4096] * 4) == pytest.approx(7e-3 / 2)
+    skewed = [8192, 2048, 4096, 4096, 4096, 4096, 4096, 4096]
+    assert cost("forward", skewed) == pytest.approx(
+        sum(parts.ffn_s("forward", m, D, H) for m in skewed) * 7e-3 / 8e-3)
+    # One expert per rank: the one-expert curve.
+    assert cost("backward", [4096]) == pytest.approx(2e-3)
+    # Files from before the grouped kernels: the per-expert sum, the backward split by FLOPs.
+    older = _grouped_parts(ffn_kernels="per-expert")
+    assert older.grouped_ffn_s("forward", [4096] * 8, D, H) == pytest.approx(8e-3)
+    without_input = {k: v for k, v in older.ffn["1024x4096-gelu"].items() if k not in ("input_grad_s", "by_experts")}
+    older = _grouped_parts(ffn_kernels="per-expert", ffn={"1024x4096-gelu": without_input})
+    assert older.ffn_s("input_grad", 4096, D, H) == pytest.approx(2e-3 / 2)  # dgrad: 2 of the 4 backward GEMMs
+    # No SwiGLU curve: GELU's, times the FLOPs of a third projection; dgrad is 3 of its 6 GEMMs.
+    assert older.ffn_s("input_grad", 4096, D, H, "swiglu") == pytest.approx(1.5 * 2e-3 / 2)
+    assert GpuParts.from_json({k: v for k, v in older.to_json().items() if k != "ffn_kernels"}).ffn_kernels \
+        == "per-expert"
+
+
+def test_host_cost_of_grouped_kernels_does_not_grow_with_the_experts():
+    """Grouped kernels: beyond the measured L the host line stays at the nearer one; older
+    files (a GEMM launch per expert) extrapolate linearly."""
+    grouped, older = _grouped_parts(), _grouped_parts(ffn_kernels="per-expert")
+    assert grouped.host_cost("mpipemoe|none", 64) == grouped.host_cost("mpipemoe|none", 8)
+    assert grouped.host_cost("mpipemoe|none", 1) == grouped.host_cost("mpipemoe|none", 2)
+    assert older.host_cost("mpipemoe|none", 64).forward_s(1) > older.host_cost("mpipemoe|none", 8).forward_s(1)
+
+
+def test_measured_parts_hold_what_the_simulator_reads(monkeypatch):
+    """measure_parts' pieces run on CPU (device time replaced by 1 µs per operator call,
+    so it is deterministic), and a GpuParts made of them drives every engine."""
+    import moe_engine.parts as parts_module
+    from moe_engine.parts import FFN_PHASES, ffn_key
+    from tests.test_host_reads import OperatorCalls
+
+    def operator_microseconds(fn, device, repeats=5):
+        with OperatorCalls() as counted:
+            fn()
+        return counted.calls * 1e-6
+
+    monkeypatch.setattr(parts_module, "_device_seconds", operator_microseconds)
+    config, cpu, dtype = MoEConfig(16, 32, 8, top_k=2), torch.device("cpu"), torch.float32
+    ffn = parts_module.measure_ffn(config, cpu, dtype, rows_grid=(64, 128))
+    assert set(ffn["by_experts"]) == {"2", "4", "8"}
+    measured = GpuParts(
+        device="cpu", dtype="float32", ffn={ffn_key(16, 32, "gelu"): ffn},
+        rows={"16": parts_module.measure_rows(16, cpu, dtype, rows_grid=(64,))},
+        shell={"16": parts_module.measure_shell(config, cpu, dtype, token_grid=(256,))},
+        host_copy={"bytes": [2**20, 2**22], "d2h_s": [1e-4, 4e-4], "h2d_s": [1e-4, 4e-4]},
+        host={"8": parts_module.measure_host(config, cpu, dtype, partitions=(1, 2), rounds=1)},
+        slowdown={}, ffn_kernels="grouped")
+    parts = GpuParts.from_json(json.loads(json.dumps(measured.to_json())))
+    for phase in FFN_PHASES:
+        assert parts.grouped_ffn_s(phase, [100] * 8, 16, 32) > 0
+    shape = LayerShape(16, 32, 8, 512, dtype_bytes=4)
+    for engine, n, strategy in (("fastmoe", 1, "none"), ("fastermoe", 1, "none"), ("mpipemoe", 2, "S1")):
+        result = simulate_layer(engine, shape, single_gpu(), parts, n, strategy)
+        assert math.isfinite(result.total_s) and result.busy_s["host"] > 0 and result.busy_s["compute"] > 0
 
 
 def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tmp_path):
