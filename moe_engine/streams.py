@@ -62,6 +62,7 @@ class StreamSet:
             high_priority = torch.cuda.Stream.priority_range()[1]
             self.comm = torch.cuda.Stream(device, priority=high_priority)
             self.copy = torch.cuda.Stream(device)
+        self._used: set[str] = set()  # side streams given work since the last join
 
     @property
     def compute(self):
@@ -73,6 +74,7 @@ class StreamSet:
         if not self.is_cuda:
             return contextlib.nullcontext()
         stream = getattr(self, stream_name)
+        self._used.add(stream_name)
         # The side stream first waits for everything already queued on the stream
         # that is current now, so it sees the inputs that stream produced.
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -106,8 +108,11 @@ class StreamSet:
         return self._record(self.compute)
 
     def join(self) -> None:
-        """The caller's current stream waits for every side stream (end of a pipelined pass)."""
+        """The caller's current stream waits for every side stream given work since the
+        last join (end of a pipelined pass). Streams the pass never used are left alone:
+        under CUDA graph capture, waiting on a stream the capture never forked is an error."""
         if self.is_cuda:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.comm)
-            current.wait_stream(self.copy)
+            for name in sorted(self._used):
+                current.wait_stream(getattr(self, name))
+        self._used.clear()
