@@ -6,6 +6,7 @@ same inputs and parameters (DESIGN.md §7).
     mpipemoe bench --model gpt-s --world-size 2      # 2 processes (NCCL on 2 GPUs, gloo on CPU)
     mpipemoe bench --import results/bench-h200.json  # log records made elsewhere to MLflow
     mpipemoe bench --model gpt-s --activation swiglu --no-bias --peers torchtitan  # beside torchtitan's layer
+    mpipemoe bench --model gpt-xl --emulate 8x8 --network dgx-a100 --experts 64  # rank 0 of an emulated cluster
 
 For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeMoE
 with partitions="auto" and strategy="auto" (after its online search settles), an
@@ -37,6 +38,7 @@ from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_sum
 from app.records import record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
+from moe_engine.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_engine.experts import Experts, ExpertSegments
 from moe_engine.granularity import GranularitySearch
 from moe_engine.memory import HostBufferPool, predict_memory
@@ -50,6 +52,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
 # skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows).
 ROUTINGS = ("uniform", "skewed")
+FASTERMOE_GROUP_SIZE = 4  # FasterMoE's peers per exchange step (layers.FasterMoE's default, FasterMoE's own)
 
 
 @dataclass
@@ -70,6 +73,8 @@ class BenchSettings:
     routings: tuple = ("uniform",)
     bias: bool = True       # expert FFN biases b1, b2 (MoEConfig.bias); --no-bias drops them
     peers: tuple = ()       # other libraries' layers timed beside ours (app/peers.py)
+    emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_engine/emulation.py)
+    network: str = "dgx-a100"   # the emulated cluster's network (moe_engine/network.py presets, or a JSON file)
 
     def __post_init__(self):
         for m in self.models:
@@ -89,7 +94,27 @@ class BenchSettings:
             raise ValueError(f"--warmup {self.warmup} is invalid: give 0 or more")
         if self.num_experts % self.world_size:
             raise ValueError(f"--experts {self.num_experts} must be a multiple of --world-size {self.world_size}")
+        cluster = self.emulated_cluster()
+        if cluster is not None:
+            if self.world_size != 1:
+                raise ValueError(f"--emulate {self.emulate} runs one process as rank 0 of the emulated cluster: "
+                                 f"drop --world-size {self.world_size} (or drop --emulate to use real ranks)")
+            if self.peers:
+                raise ValueError(f"--emulate cannot time --peers {','.join(self.peers)}: other libraries' layers do "
+                                 f"not run on the emulated group; drop --peers or --emulate")
+            if self.num_experts % cluster.ranks:
+                raise ValueError(f"--experts {self.num_experts} must be a multiple of the {cluster.ranks} emulated "
+                                 f"ranks of --emulate {self.emulate}: give e.g. --experts "
+                                 f"{cluster.ranks * max(1, self.num_experts // cluster.ranks)}")
         check_peers(self.peers, activation=self.activation, bias=self.bias, world_size=self.world_size)
+
+    def emulated_cluster(self) -> EmulatedCluster | None:
+        if self.emulate is None:
+            return None
+        try:
+            return EmulatedCluster.parse(self.emulate, self.network)
+        except ValueError as error:
+            raise ValueError(f"--emulate {self.emulate!r} --network {self.network!r}: {error}") from None
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -121,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the median over rounds (default 5)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
+    parser.add_argument("--emulate", default=None, metavar="NODESxGPUS",
+                        help="run one process as rank 0 of an emulated cluster, e.g. 8x8: the real engine, the "
+                             "network's delays modelled (docs/emulation.md); records say measured_as=emulated")
+    parser.add_argument("--network", default="dgx-a100",
+                        help="the emulated cluster's network: dgx-a100, dgx-h200 or a JSON file (default dgx-a100)")
     parser.add_argument("--out", default=None, help="JSON file to write (default results/bench-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
@@ -278,6 +308,11 @@ def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Ten
             "hot_expert_share": float(all_rows_per_expert.max() / all_rows_per_expert.sum())}
 
 
+def measured_as(group: ExpertGroup) -> dict:
+    """What a record's times are: measured on real ranks, or rank 0 of an emulated cluster."""
+    return group.cluster.record_fields() if isinstance(group, EmulatedExpertGroup) else {"measured_as": "measured"}
+
+
 def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, group: ExpertGroup, device,
                 log) -> list:
     d_model, d_hidden = LAYER_SHAPES[model]
@@ -285,7 +320,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation,
                        bias=settings.bias)
     torch.manual_seed(0)
-    source = FastMoE(config, group.group, device=device, dtype=dtype)
+    source = FastMoE(config, group, device=device, dtype=dtype)
     x = layer_inputs(tokens, source.router.weight.detach(), routing)
     grad_y = torch.randn_like(x)
     profile = calibrate(config, tokens, group, device, dtype, repeats=3)
@@ -293,13 +328,16 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     # One pinned-host pool for all MPipeMoE variants: they stay alive together for the
     # interleaved timing, and each would otherwise keep its own offload buffers.
     host_pool = HostBufferPool()
-    variants = [("fastmoe", "baseline", lambda: FastMoE(config, group.group, device=device, dtype=dtype)),
-                ("fastermoe", "baseline", lambda: FasterMoE(config, group.group, device=device, dtype=dtype)),
-                ("mpipemoe", "auto", lambda: MPipeMoE(config, group.group, "auto", "auto", profile=profile,
+    # An emulated group answers FasterMoE's count exchange by its peer steps (emulation.py).
+    faster_group = group.for_peer_steps(FASTERMOE_GROUP_SIZE) if isinstance(group, EmulatedExpertGroup) else group
+    variants = [("fastmoe", "baseline", lambda: FastMoE(config, group, device=device, dtype=dtype)),
+                ("fastermoe", "baseline", lambda: FasterMoE(config, faster_group, group_size=FASTERMOE_GROUP_SIZE,
+                                                            device=device, dtype=dtype)),
+                ("mpipemoe", "auto", lambda: MPipeMoE(config, group, "auto", "auto", profile=profile,
                                                       search=GranularitySearch(candidates=settings.partitions),
                                                       host_pool=host_pool, device=device, dtype=dtype))]
     if settings.grid:
-        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group.group, n, s, host_pool=host_pool,
+        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group, n, s, host_pool=host_pool,
                                                                     device=device, dtype=dtype))
                      for n in settings.partitions for s in settings.strategies]
     layers, memories = [], []
@@ -335,7 +373,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                   "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
-                  "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias}
+                  "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
+                  **measured_as(group)}
         if engine == "mpipemoe":
             record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
                                                                          dtype).total_s
@@ -445,7 +484,11 @@ def markdown_table(result: dict) -> str:
              f"Command: `{meta['command']}`  ", f"torch {meta['torch']}, Python {meta['python']}, "
              f"git {meta.get('git_commit', '?')}", "",
              "Generated by `mpipemoe bench` from the JSON beside this file; do not edit.", ""]
-    if meta["world_size"] == 1:
+    if meta.get("measured_as") == "emulated":
+        lines += [f"**Emulated**: one {meta['device']} ran the real engine as rank 0 of a {meta['emulated_cluster']} "
+                  f"cluster on the {meta['network']} network, whose delays are modelled (docs/emulation.md). "
+                  "These are not measurements of a real cluster, and the layers' outputs are not meaningful.", ""]
+    elif meta["world_size"] == 1:
         lines += ["With one GPU the All-to-All is a local copy, so there is nothing to overlap: "
                   "speedups over the baselines need several GPUs and are not claimed here.", ""]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
@@ -499,7 +542,8 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
     if settings.world_size > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=settings.world_size, timeout=timedelta(minutes=5))
-    group = ExpertGroup(None)
+    cluster = settings.emulated_cluster()
+    group = cluster.build() if cluster is not None else ExpertGroup(None)
     log = (lambda r: queue.put(("record", r))) if rank == 0 else (lambda r: None)
     try:
         records = []
@@ -569,7 +613,8 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
     for kind, rows in (("bench", result["records"]), ("bench-summary", result["summaries"])):
         for row in rows:
             run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{row.get('engine', 'summary')}",
-                                  tags={"kind": kind, "device": meta["device"], "command": meta["command"][:250]})
+                                  tags={"kind": kind, "device": meta["device"], "command": meta["command"][:250],
+                                        "measured_as": meta.get("measured_as", "measured")})
             params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
             params.update(world_size=meta["world_size"], date=meta["date"], torch=meta["torch"])
             metrics = {k: float(v) for k, v in row.items()
@@ -599,17 +644,24 @@ def run(args) -> int:
         partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
         grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
         world_size=args.world_size,
-        routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)))
+        routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
+        emulate=args.emulate, network=args.network)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
+    cluster = settings.emulated_cluster()
+    where = (f"1 × {device} as rank 0 of an emulated {cluster.name} {cluster.network.name} cluster" if cluster
+             else f"{settings.world_size} × {device}")
     print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
-          f"{settings.world_size} × {device}: FastMoE, FasterMoE, MPipeMoE auto"
+          f"{where}: FastMoE, FasterMoE, MPipeMoE auto"
           f"{' and the n × strategy grid' if settings.grid else ''}"
           f"{''.join(', ' + peer for peer in settings.peers)}, the dense floor...", flush=True)
     started = time.time()
     records = run_bench(settings, printer=lambda line: print(line, flush=True))
+    # An emulated run's world size is the emulated cluster's (so nothing reads its records as
+    # one GPU's); it ran in one process.
+    emulated = {**cluster.record_fields(), "processes": 1} if cluster else {"measured_as": "measured"}
     result = {"meta": {**record_meta("bench", on_gpu), "device": device, "world_size": settings.world_size,
-                       "settings": asdict(settings), "wall_s": round(time.time() - started, 1)},
+                       **emulated, "settings": asdict(settings), "wall_s": round(time.time() - started, 1)},
               "records": records, "summaries": summarize(records)}
     result["targets"] = targets(result["summaries"])
     out = args.out or os.path.join("results", f"bench-{device.replace(' ', '-').lower()}-"

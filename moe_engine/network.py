@@ -248,6 +248,32 @@ def all_to_all_traffic(layout: ClusterLayout, load_E: list[float], peers: list[i
                    received=float(received_P.max()), leaving_node=float(send_inter_P.sum() / P))
 
 
+def rank_traffic(layout: ClusterLayout, rank: int, send_rows: list[int], recv_rows: list[int]) -> Traffic:
+    """Traffic of one rank's own All-to-All from its actual split sizes, **in rows** (price
+    it with the bytes of one row): it sends send_rows[r] rows to rank r and receives
+    recv_rows[r] from rank r. Its own rows move through device memory, not the network.
+    Each link carries the larger of the rank's send and receive on it, as in
+    `all_to_all_traffic`; for a balanced exchange (b/P rows to and from every rank) the
+    two agree: this one is `all_to_all_traffic(layout, uniform_load(P))` times b."""
+    P = layout.ranks
+    if len(send_rows) != P or len(recv_rows) != P:
+        raise ValueError(f"rank_traffic needs one split per rank of the {P}-rank layout; got "
+                         f"{len(send_rows)} send and {len(recv_rows)} receive splits")
+    sums = {"intra": [0, 0], "inter": [0, 0]}
+    messages = {"intra": [0, 0], "inter": [0, 0]}
+    for peer in range(P):
+        if peer == rank:
+            continue
+        link = "intra" if layout.node_of(peer) == layout.node_of(rank) else "inter"
+        for side, rows in enumerate((send_rows[peer], recv_rows[peer])):
+            sums[link][side] += rows
+            messages[link][side] += rows > 0
+    sent = sum(send_rows)
+    return Traffic(intra=float(max(sums["intra"])), inter=float(max(sums["inter"])),
+                   intra_messages=max(messages["intra"]), inter_messages=max(messages["inter"]),
+                   received=float(sum(recv_rows)), leaving_node=sums["inter"][0] / sent if sent else 0.0)
+
+
 def flat_all_to_all_s(network: NetworkProfile, traffic: Traffic, rank_bytes: float) -> float:
     """Seconds of one All-to-All in which each rank sends `rank_bytes` (spread by `traffic`)."""
     intra = traffic.intra_messages * network.intra_message_s + traffic.intra * rank_bytes / network.intra_bytes_per_s

@@ -30,7 +30,7 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
         grid = {(r["partitions"], r["strategy"]) for r in records if r["chosen_by"] == "grid"}
         assert grid == {(1, "none"), (1, "S3"), (2, "none"), (2, "S3")}
         for record in records:
-            assert record["fwd_bwd_ms"] > 0 and record["world_size"] == 2
+            assert record["fwd_bwd_ms"] > 0 and record["world_size"] == 2 and record["measured_as"] == "measured"
             assert record["all_to_all_ms"] > 0 and record["expert_ms"] > 0
             if record["chosen_by"] not in ("auto", "floor"):
                 assert record["host_probe_ms"] > 0 and record["host_probe_tokens"] == 64

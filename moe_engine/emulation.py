@@ -1,0 +1,341 @@
+"""An emulated cluster: the real engine on one device as rank 0 of a balanced W-rank world.
+
+Used by `mpipemoe bench --emulate` and by the simulator's validation against those
+records, never by training: what it computes is not the layer's output (docs/emulation.md).
+
+`EmulatedExpertGroup` stands in for `comm.ExpertGroup`. It assumes every rank holds the
+same tokens and routes them as rank 0 does, so each collective rank 0 takes part in has
+the shape it would have in that world, derived from rank 0's own tensors:
+
+* count exchange: every rank sends rank 0 what rank 0 sends itself (row 0 of the send
+  table: its counts for rank 0's experts, and the same pass statistics). FasterMoE's count
+  chunks are peer steps, which depend on the sender: rank w sends rank 0 its rows in step
+  ((−w) mod W) // g; a group built with `for_peer_steps(g)` answers so;
+* All-to-All: its output is filled from rank 0's own block (the rows it sends itself):
+  output row j is own row j mod |own| (the whole input when it sends itself nothing,
+  zeros when it sends nothing). In a dispatch every source block is then exactly what
+  that rank would send rank 0 (the same tokens); in a combine only rank 0's own block
+  is; the other numbers are stand-ins of the right shape;
+* agreements: the max over identical ranks is the value, the sum W times it.
+
+Timing. An All-to-All occupies the stream it is issued on (`streams.comm` for the
+asynchronous one, as comm.py issues NCCL) for the network's time for rank 0's actual
+bytes: `network.rank_traffic` of its split sizes, priced by `network.flat_all_to_all_s`
+(or `hierarchical_all_to_all_s`), the functions the simulator prices with. On CUDA that
+is the local copy of the rows, then `torch.cuda._sleep` for that time (`SleepClock`
+turns seconds into GPU clock cycles). The count exchange and the agreements cost
+`network.small_collective_s` on the caller's stream, as NCCL's blocking calls do. On CPU
+only the copies run. With ``keep_log=True`` every call is logged in `calls`
+(`EmulatedCall`: kind, shapes, splits, modelled seconds).
+
+Legend (the engine's, see docs/engine.md): W ranks, R rows this rank sends, N rows it
+receives, D row width, C count chunks, L local experts.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .comm import ExpertGroup
+from .dispatcher import STATS
+from .network import (ClusterLayout, NetworkProfile, flat_all_to_all_s, hierarchical_all_to_all_s, load_network,
+                      rank_traffic, small_collective_s)
+from .streams import Pending, StreamSet
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedCluster:
+    """The cluster rank 0 is emulated in.
+
+    layout:       nodes × GPUs per node; W = nodes · GPUs ranks, at least 2.
+    network:      a network profile (network.PRESETS, or measured figures by load_network).
+    hierarchical: price a full All-to-All as the two-level exchange; FasterMoE's peer
+                  steps stay flat, as in the simulator.
+    """
+
+    layout: ClusterLayout
+    network: NetworkProfile
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, ClusterLayout):
+            raise TypeError(f"EmulatedCluster.layout must be a ClusterLayout, got {type(self.layout).__name__}")
+        if not isinstance(self.network, NetworkProfile):
+            raise TypeError(f"EmulatedCluster.network must be a NetworkProfile, got {type(self.network).__name__} "
+                            f"(network.load_network('dgx-a100') gives one)")
+        if self.layout.ranks < 2:
+            raise ValueError(f"EmulatedCluster.layout={self.layout.nodes}x{self.layout.gpus_per_node} is invalid: "
+                             f"one GPU needs no emulation (run without it), give at least 2 ranks, e.g. 1x2")
+
+    @classmethod
+    def parse(cls, spec: str, network: str = "dgx-a100", *, hierarchical: bool = False) -> "EmulatedCluster":
+        """From ``NODESxGPUS`` (``8x8``: 8 nodes of 8 GPUs) and a network preset or JSON file."""
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(spec))
+        if not match:
+            raise ValueError(f"emulated cluster {spec!r} is invalid: give NODESxGPUS, e.g. 8x8 for 8 nodes of 8 GPUs")
+        layout = ClusterLayout(int(match.group(1)), int(match.group(2)))
+        return cls(layout=layout, network=load_network(network), hierarchical=hierarchical)
+
+    @property
+    def ranks(self) -> int:
+        return self.layout.ranks
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout.nodes}x{self.layout.gpus_per_node}"
+
+    def record_fields(self) -> dict:
+        """What every record measured in this cluster says about it."""
+        return {"measured_as": "emulated", "network": self.network.name, "emulated_cluster": self.name,
+                "nodes": self.layout.nodes, "gpus_per_node": self.layout.gpus_per_node,
+                "hierarchical": self.hierarchical, "world_size": self.ranks}
+
+    def all_to_all_s(self, output_splits: Sequence[int], input_splits: Sequence[int], row_bytes: int, *,
+                     flat: bool = False) -> float:
+        """Seconds of rank 0's All-to-All: it sends input_splits[r] rows of `row_bytes` to
+        rank r and receives output_splits[r] from it."""
+        traffic = rank_traffic(self.layout, 0, list(input_splits), list(output_splits))
+        if self.hierarchical and not flat:
+            return hierarchical_all_to_all_s(self.network, self.layout, traffic, row_bytes)
+        return flat_all_to_all_s(self.network, traffic, row_bytes)
+
+    def small_collective_s(self) -> float:
+        """Seconds of the count exchange or an agreement (a few bytes from every rank)."""
+        return small_collective_s(self.network, self.layout)
+
+    def build(self, *, keep_log: bool = False) -> "EmulatedExpertGroup":
+        return EmulatedExpertGroup(self, keep_log=keep_log)
+
+
+class SleepClock:
+    """Converts seconds into cycles of `torch.cuda._sleep`, which spins one thread for a
+    number of GPU clock cycles: the rate is measured once per device with CUDA events.
+
+    The sleep counts SM clock cycles: if the clock drops under load (power or thermal
+    limits), an emulated transfer lasts longer by the same ratio. `measure` again after a
+    run, or lock the clocks, to check."""
+
+    CALIBRATION_CYCLES = 50_000_000  # 25–35 ms at 1.4–2 GHz: long against the events' microsecond resolution
+
+    def __init__(self):
+        self.rates: dict[torch.device, float] = {}
+
+    def measure(self, device: torch.device) -> float:
+        """Cycles per second of `_sleep` on `device`, the median of three timed sleeps."""
+        device = torch.device(device)
+        rates = []
+        with torch.cuda.device(device):
+            torch.cuda._sleep(1_000_000)  # warm-up: the first launch, and the clock leaving idle
+            torch.cuda.synchronize(device)
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(self.CALIBRATION_CYCLES)
+                end.record()
+                end.synchronize()
+                rates.append(self.CALIBRATION_CYCLES / (start.elapsed_time(end) / 1e3))
+        self.rates[device] = statistics.median(rates)
+        return self.rates[device]
+
+    def cycles_per_s(self, device: torch.device) -> float:
+        device = torch.device(device)
+        return self.rates[device] if device in self.rates else self.measure(device)
+
+    def sleep(self, seconds: float, device: torch.device) -> None:
+        """Occupy the current stream of `device` for `seconds`."""
+        cycles = int(round(seconds * self.cycles_per_s(device)))
+        if cycles > 0:
+            torch.cuda._sleep(cycles)
+
+
+@dataclass(frozen=True)
+class EmulatedCall:
+    """One collective as rank 0 issued it, with its modelled network time."""
+
+    kind: str                # exchange_counts, all_to_all, all_to_all_async, all_reduce_max/sum, broadcast_object
+    output_shape: tuple
+    input_shape: tuple
+    output_splits: tuple
+    input_splits: tuple
+    seconds: float
+
+
+def fill_from_own_block(output_ND: torch.Tensor, input_RD: torch.Tensor, input_splits: Sequence[int]) -> None:
+    """Local. output row j = own row j mod |own|, own = the input rows rank 0 sends itself
+    (input_RD[:input_splits[0]]; the whole input when that is empty; zeros when the
+    input is empty). At most two copy kernels, whatever W."""
+    rows = output_ND.shape[0]
+    if rows == 0:
+        return
+    own = input_splits[0] if len(input_splits) else 0
+    source = input_RD[:own] if own else input_RD
+    size = source.shape[0]
+    if size == 0:
+        output_ND.zero_()
+        return
+    full, rest = divmod(rows, size)
+    if full:
+        tail = tuple(source.shape[1:])
+        output_ND[:full * size].view(full, size, *tail).copy_(source.unsqueeze(0).expand(full, size, *tail))
+    if rest:
+        output_ND[full * size:].copy_(source[:rest])
+
+
+class EmulatedExpertGroup(ExpertGroup):
+    """`ExpertGroup`'s interface as rank 0 of `cluster`, on this process's device alone
+    (see the module docstring). A layer built with it holds E / W experts.
+
+    keep_log: log every collective in `calls` (tests; off for benchmarks, where it would
+    grow with every pass).
+    """
+
+    # ExpertGroup.__init__ looks up a process group; there is none: set its attributes.
+    def __init__(self, cluster: EmulatedCluster, *, keep_log: bool = False):
+        if not isinstance(cluster, EmulatedCluster):
+            raise TypeError(f"cluster must be an EmulatedCluster, got {type(cluster).__name__}")
+        self.group = None
+        self.size = cluster.ranks
+        self.rank = 0
+        self.always_communicate = False
+        self.cluster = cluster
+        self.peer_group_size: int | None = None  # FasterMoE's g when its count chunks are peer steps
+        self.clock = SleepClock()
+        self.calls: list[EmulatedCall] | None = [] if keep_log else None
+        self._seconds: dict[tuple, float] = {}       # price per (splits, row bytes): passes repeat them
+        self._source_steps: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    def for_peer_steps(self, group_size: int) -> "EmulatedExpertGroup":
+        """The group for a FasterMoE layer of this `group_size`: its count chunks are peer
+        steps, which depend on the sending rank. Shares the clock, prices and log."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r} is invalid: give FasterMoE's peers per step (>= 1)")
+        sibling = copy.copy(self)
+        sibling.peer_group_size = min(group_size, self.size)
+        return sibling
+
+    # -- counts ---------------------------------------------------------------------------------
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """Collective (emulated). send_counts[dst, ...] -> recv_counts[src, ...]: row w is
+        what rank w sends rank 0 when it routes as rank 0 does (module docstring)."""
+        W = self.size
+        if send_counts.shape[0] != W:
+            raise ValueError(f"exchange_counts needs one row per rank of the emulated {W}-rank cluster; "
+                             f"got shape {tuple(send_counts.shape)}")
+        seconds = self.cluster.small_collective_s()
+        self._occupy_current_stream(seconds, send_counts.device)
+        if self.peer_group_size is None or self.peer_group_size >= W:
+            recv = send_counts[:1].repeat(W, *([1] * (send_counts.dim() - 1)))
+        else:
+            recv = self._received_in_peer_steps(send_counts)
+        self._log("exchange_counts", recv, send_counts, (), (), seconds)
+        return recv
+
+    def _received_in_peer_steps(self, send_WX: torch.Tensor) -> torch.Tensor:
+        """Local. FasterMoE's table [W, C·L + STATS]: rank 0's rows for its own experts, all
+        in the step rank w sends them ((−w) mod W) // g; the statistics as rank 0's."""
+        W, g = self.size, self.peer_group_size
+        C = -(-W // g)
+        width = send_WX.shape[1] - STATS if send_WX.dim() == 2 else -1
+        if width <= 0 or width % C:
+            raise ValueError(f"this group expects FasterMoE count tables of {C} peer steps (group_size={g}) × L "
+                             f"local experts + {STATS} statistics per row; got shape {tuple(send_WX.shape)}: build "
+                             f"the layer as FasterMoE(config, group.for_peer_steps(g), group_size=g), the same g")
+        totals_L = send_WX[0, :width].view(C, width // C).sum(0)
+        recv_WX = torch.empty_like(send_WX)
+        recv_WX[:, :width] = (self._steps_one_hot(send_WX.device, C)[:, :, None] * totals_L).reshape(W, width)
+        recv_WX[:, width:] = send_WX[0, width:]
+        return recv_WX
+
+    def _steps_one_hot(self, device: torch.device, chunks: int) -> torch.Tensor:
+        """[W, C] int64 on `device`: 1 at the step in which rank w sends to rank 0 (cached)."""
+        key = (device, self.peer_group_size, chunks)
+        if key not in self._source_steps:
+            step_W = torch.tensor([((-w) % self.size) // self.peer_group_size for w in range(self.size)])
+            self._source_steps[key] = torch.nn.functional.one_hot(step_W, chunks).to(device)
+        return self._source_steps[key]
+
+    # -- All-to-All -----------------------------------------------------------------------------
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
+        """Collective (emulated), blocking: the copy, then the network time on the current stream."""
+        seconds = self._price(output, input, output_splits, input_splits)
+        fill_from_own_block(output, input, input_splits)
+        self._occupy_current_stream(seconds, output.device)
+        self._log("all_to_all", output, input, output_splits, input_splits, seconds)
+
+    def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor,
+                         output_splits: Sequence[int], input_splits: Sequence[int],
+                         streams: StreamSet) -> Pending:
+        """Collective (emulated), asynchronous: the copy and the network time on
+        ``streams.comm`` (CUDA); on CPU the copy, done at once."""
+        seconds = self._price(output, input, output_splits, input_splits)
+        with streams.on_comm():
+            fill_from_own_block(output, input, input_splits)
+            if streams.is_cuda:
+                self.clock.sleep(seconds, streams.device)
+        self._log("all_to_all_async", output, input, output_splits, input_splits, seconds)
+        return streams.record_comm()
+
+    def _price(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+               input_splits: Sequence[int]) -> float:
+        """Local, host arithmetic. Checks the splits as all_to_all_single would; the
+        modelled seconds of rank 0's bytes (cached: every pass repeats its splits)."""
+        W = self.size
+        if len(output_splits) != W or len(input_splits) != W:
+            raise ValueError(f"All-to-All splits need one entry per rank of the emulated {W}-rank cluster; got "
+                             f"{len(output_splits)} output and {len(input_splits)} input splits")
+        if sum(output_splits) != output.shape[0] or sum(input_splits) != input.shape[0]:
+            raise ValueError(f"All-to-All splits do not match the tensors: output {tuple(output.shape)} vs "
+                             f"{list(output_splits)}, input {tuple(input.shape)} vs {list(input_splits)}")
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        peer_steps = self.peer_group_size is not None and self.peer_group_size < W
+        key = (tuple(output_splits), tuple(input_splits), row_bytes, peer_steps)
+        seconds = self._seconds.get(key)
+        if seconds is None:
+            if len(self._seconds) > 4096:  # many distinct passes (a sweep): start over
+                self._seconds.clear()
+            seconds = self._seconds[key] = self.cluster.all_to_all_s(output_splits, input_splits, row_bytes,
+                                                                     flat=peer_steps)
+        return seconds
+
+    # -- small agreements -------------------------------------------------------------------------
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective (emulated). Every rank holds the same values: their max is the values."""
+        return self._agreement("all_reduce_max", values, values.clone())
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective (emulated). Every rank holds the same values: their sum is W times them."""
+        return self._agreement("all_reduce_sum", values, values * self.size)
+
+    def _agreement(self, kind: str, values: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        seconds = self.cluster.small_collective_s()
+        self._occupy_current_stream(seconds, values.device)
+        self._log(kind, result, values, (), (), seconds)
+        return result
+
+    def broadcast_object(self, obj):
+        """Collective (emulated). Rank 0's object is everyone's."""
+        if self.calls is not None:
+            self.calls.append(EmulatedCall("broadcast_object", (), (), (), (), 0.0))
+        return obj
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _occupy_current_stream(self, seconds: float, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.clock.sleep(seconds, device)
+
+    def _log(self, kind: str, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+             input_splits: Sequence[int], seconds: float) -> None:
+        if self.calls is not None:
+            self.calls.append(EmulatedCall(kind, tuple(output.shape), tuple(input.shape), tuple(output_splits),
+                                           tuple(input_splits), seconds))

@@ -1,0 +1,264 @@
+"""Tiers 1-2: the emulated cluster (moe_engine/emulation.py) on CPU.
+
+Its collectives have the shapes of a real W-rank gloo run in which every rank holds the
+same tokens and parameters (so routes the same), compared call by call for W = 2 and 4
+and every engine; its modelled seconds are network.py's price of rank 0's bytes; and
+`mpipemoe bench --emulate` writes records marked emulated. Timing on a GPU is not
+tested here (no numbers are claimed for it)."""
+import json
+
+import pytest
+import torch
+
+from app.cli import main
+from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from moe_engine.comm import ExpertGroup
+from moe_engine.emulation import EmulatedCall, EmulatedCluster, fill_from_own_block
+from moe_engine.network import (PRESETS, ClusterLayout, all_to_all_traffic, flat_all_to_all_s,
+                                hierarchical_all_to_all_s, rank_traffic, small_collective_s, uniform_load)
+from tests.distributed import run_on_ranks
+
+CONFIG = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2)
+TOKENS = 96
+# (engine, argument): MPipeMoE (n, strategy), FasterMoE's peers per step, FastMoE.
+ENGINES = {2: [("mpipemoe", (2, "S3")), ("fastermoe", 1), ("fastermoe", 4), ("fastmoe", None)],
+           4: [("mpipemoe", (2, "S3")), ("fastermoe", 1), ("fastermoe", 2), ("fastmoe", None)]}
+
+
+class LoggedGroup(ExpertGroup):
+    """Delegates every collective to `inner` and logs, in order, (kind, output shape, input
+    shape, output splits, input splits), and the count table an exchange answered."""
+
+    def __init__(self, inner: ExpertGroup, calls: list):
+        self.inner, self.calls = inner, calls
+        self.group, self.size, self.rank = inner.group, inner.size, inner.rank
+        self.always_communicate = inner.always_communicate
+
+    @property
+    def distributed(self):
+        return self.inner.distributed
+
+    def exchange_counts(self, send):
+        recv = self.inner.exchange_counts(send)
+        self.calls.append(("exchange_counts", tuple(recv.shape), tuple(send.shape), recv.tolist()))
+        return recv
+
+    def all_to_all(self, output, input, output_splits, input_splits):
+        self.inner.all_to_all(output, input, output_splits, input_splits)
+        self.calls.append(("all_to_all", tuple(output.shape), tuple(input.shape), tuple(output_splits),
+                           tuple(input_splits)))
+
+    def all_to_all_async(self, output, input, output_splits, input_splits, streams):
+        pending = self.inner.all_to_all_async(output, input, output_splits, input_splits, streams)
+        self.calls.append(("all_to_all_async", tuple(output.shape), tuple(input.shape), tuple(output_splits),
+                           tuple(input_splits)))
+        return pending
+
+    def all_reduce_max(self, values):
+        self.calls.append(("all_reduce_max", tuple(values.shape)))
+        return self.inner.all_reduce_max(values)
+
+    def all_reduce_sum(self, values):
+        self.calls.append(("all_reduce_sum", tuple(values.shape)))
+        return self.inner.all_reduce_sum(values)
+
+    def broadcast_object(self, obj):
+        self.calls.append(("broadcast_object",))
+        return self.inner.broadcast_object(obj)
+
+
+def _layer(engine: str, argument, group: ExpertGroup):
+    torch.manual_seed(1)  # the same parameters on every rank (so the same routing)
+    if engine == "mpipemoe":
+        return MPipeMoE(CONFIG, group, *argument)
+    if engine == "fastermoe":
+        return FasterMoE(CONFIG, group, group_size=argument)
+    return FastMoE(CONFIG, group)
+
+
+def _forward_backward(layer) -> None:
+    torch.manual_seed(2)  # the same tokens on every rank
+    x = torch.randn(TOKENS, CONFIG.d_model, requires_grad=True)
+    dy = torch.randn(TOKENS, CONFIG.d_model)
+    y, aux = layer(x)
+    torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+def _real_calls(rank: int, world_size: int, engines: list) -> list:
+    """On each gloo rank: every engine's forward+backward; rank 0's collectives by engine."""
+    logs = []
+    for engine, argument in engines:
+        calls = []
+        _forward_backward(_layer(engine, argument, LoggedGroup(ExpertGroup(None), calls)))
+        logs.append(calls)
+    return logs
+
+
+def _emulated_calls(world_size: int, engines: list) -> tuple[list, list]:
+    """The same engines on one process with the stand-in: the logs as `_real_calls` makes
+    them, and the stand-in's own logs."""
+    logs, own = [], []
+    for engine, argument in engines:
+        stand_in = EmulatedCluster.parse(f"1x{world_size}").build(keep_log=True)
+        group = stand_in.for_peer_steps(argument) if engine == "fastermoe" else stand_in
+        calls = []
+        layer = _layer(engine, argument, LoggedGroup(group, calls))
+        assert layer.local_experts == CONFIG.num_experts // world_size
+        _forward_backward(layer)
+        logs.append(calls)
+        own.append(stand_in.calls)
+    return logs, own
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_have_the_shapes_of_a_real_run_with_the_same_routing_on_every_rank(world_size):
+    engines = ENGINES[world_size]
+    real = run_on_ranks(world_size, _real_calls, engines)[0]
+    emulated, own = _emulated_calls(world_size, engines)
+    for (engine, argument), real_calls, emulated_calls, own_calls in zip(engines, real, emulated, own):
+        assert any(c[0] == "all_to_all_async" for c in real_calls), engine
+        assert emulated_calls == real_calls, f"{engine} {argument}, W={world_size}"
+        # The stand-in's own log holds the same calls, each with its modelled seconds.
+        assert [c.kind for c in own_calls] == [c[0] for c in real_calls]
+        for logged, call in zip(emulated_calls, own_calls):
+            if call.kind.startswith("all_to_all"):
+                assert (call.kind, call.output_shape, call.input_shape, call.output_splits,
+                        call.input_splits) == logged
+            assert call.seconds > 0
+
+
+def test_a_count_table_that_does_not_fit_the_peer_steps_is_refused():
+    stand_in = EmulatedCluster.parse("1x4").build()
+    # The group answers for 4 peer steps; the layer exchanges its counts in one.
+    layer = FasterMoE(CONFIG, stand_in.for_peer_steps(1), group_size=4)
+    with pytest.raises(ValueError, match=r"FasterMoE\(config, group.for_peer_steps\(g\), group_size=g\)"):
+        layer(torch.randn(8, CONFIG.d_model))
+    with pytest.raises(ValueError, match="group_size"):
+        stand_in.for_peer_steps(0)
+
+
+def test_dispatch_output_is_rank_0s_own_block_from_every_source():
+    input_RD = torch.arange(10.0).view(10, 1)
+    output_ND = torch.empty(9, 1)
+    fill_from_own_block(output_ND, input_RD, [3, 4, 2, 1])  # rank 0 sends itself rows 0-2
+    assert output_ND.flatten().tolist() == [0, 1, 2] * 3
+    combine = torch.empty(10, 1)
+    fill_from_own_block(combine, output_ND, [3, 3, 3])      # own block first, then cycled
+    assert combine.flatten().tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    step = torch.empty(4, 1)
+    fill_from_own_block(step, input_RD[3:6], [0, 3, 0])     # sends itself nothing: the whole input
+    assert step.flatten().tolist() == [3, 4, 5, 3]
+    empty = torch.ones(2, 1)
+    fill_from_own_block(empty, input_RD[:0], [0, 0])
+    assert empty.flatten().tolist() == [0, 0]
+
+
+def test_modelled_seconds_are_network_py_s_price_of_rank_0s_bytes():
+    network = PRESETS["dgx-a100"]
+    cluster = EmulatedCluster.parse("2x4", "dgx-a100")
+    group = cluster.build(keep_log=True)
+    send, recv = [5, 9, 0, 7, 3, 11, 4, 6], [5] * 8
+    input_RD, output_ND = torch.randn(sum(send), 16), torch.empty(sum(recv), 16)
+    group.all_to_all(output_ND, input_RD, recv, send)
+    row_bytes = 16 * 4
+    call = group.calls[-1]
+    assert call == EmulatedCall("all_to_all", (40, 16), (45, 16), tuple(recv), tuple(send), call.seconds)
+    assert call.seconds == flat_all_to_all_s(network, rank_traffic(cluster.layout, 0, send, recv), row_bytes)
+    # By hand: rank 0's NVLink peers 1-3 (16 rows out, 15 in; 3 peers), its NIC peers 4-7 (24 out, 20 in; 4).
+    nvlink = 3 * network.intra_message_s + 16 * row_bytes / network.intra_bytes_per_s
+    nic = 4 * network.inter_message_s + 24 * row_bytes / network.inter_bytes_per_s
+    assert call.seconds == pytest.approx(network.collective_s + max(nvlink, nic))
+
+    # A balanced exchange costs what the simulator's traffic model says for uniform routing.
+    b = 8 * 64
+    balanced = torch.randn(b, 16)
+    group.all_to_all_async(torch.empty_like(balanced), balanced, [64] * 8, [64] * 8, streams_on_cpu())
+    uniform = all_to_all_traffic(cluster.layout, uniform_load(8))
+    assert group.calls[-1].kind == "all_to_all_async"
+    assert group.calls[-1].seconds == pytest.approx(flat_all_to_all_s(network, uniform, b * row_bytes))
+
+    hierarchical = EmulatedCluster(layout=cluster.layout, network=network, hierarchical=True).build(keep_log=True)
+    hierarchical.all_to_all(torch.empty_like(balanced), balanced, [64] * 8, [64] * 8)
+    assert hierarchical.calls[-1].seconds == pytest.approx(
+        hierarchical_all_to_all_s(network, cluster.layout, uniform, b * row_bytes))
+
+    counts = torch.zeros(8, 5, dtype=torch.int64)
+    group.exchange_counts(counts)
+    assert group.calls[-1].seconds == small_collective_s(network, cluster.layout)
+
+
+def test_rank_traffic_of_a_balanced_exchange_is_all_to_all_traffic():
+    layout = ClusterLayout(2, 4)
+    mine = rank_traffic(layout, 5, [10] * 8, [10] * 8)
+    uniform = all_to_all_traffic(layout, uniform_load(8))
+    assert mine.intra == pytest.approx(uniform.intra * 80) and mine.inter == pytest.approx(uniform.inter * 80)
+    assert (mine.intra_messages, mine.inter_messages) == (uniform.intra_messages, uniform.inter_messages)
+    assert mine.leaving_node == pytest.approx(uniform.leaving_node)
+    with pytest.raises(ValueError, match="one split per rank"):
+        rank_traffic(layout, 0, [1] * 4, [1] * 8)
+
+
+def test_agreements_over_identical_ranks():
+    group = EmulatedCluster.parse("2x2").build()
+    values = torch.tensor([3, 5])
+    assert group.all_reduce_max(values).tolist() == [3, 5]
+    assert group.all_reduce_sum(values).tolist() == [12, 20]
+    assert group.broadcast_object({"n": 2}) == {"n": 2}
+    assert isinstance(group, ExpertGroup) and group.distributed and (group.size, group.rank) == (4, 0)
+
+
+def test_cluster_settings_are_checked():
+    with pytest.raises(ValueError, match="NODESxGPUS"):
+        EmulatedCluster.parse("8by8")
+    with pytest.raises(ValueError, match="no emulation"):
+        EmulatedCluster.parse("1x1")
+    with pytest.raises(ValueError, match="neither a preset"):
+        EmulatedCluster.parse("2x2", "no-such-network")
+    with pytest.raises(ValueError, match="one entry per rank"):
+        EmulatedCluster.parse("1x2").build().all_to_all(torch.empty(2, 1), torch.empty(2, 1), [2], [2])
+
+
+def streams_on_cpu():
+    from moe_engine.streams import StreamSet
+
+    return StreamSet(torch.device("cpu"))
+
+
+def test_bench_emulate_marks_every_record_emulated(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--emulate", "2x2", "--tokens", "256", "--rounds", "1", "--repeats", "1", "--no-grid",
+                 "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    meta = result["meta"]
+    assert (meta["measured_as"], meta["network"], meta["emulated_cluster"], meta["world_size"],
+            meta["processes"]) == ("emulated", "dgx-a100", "2x2", 4, 1)
+    engines = sorted(r["engine"] for r in result["records"])
+    assert engines == ["dense-floor", "fastermoe", "fastmoe", "mpipemoe"]
+    for record in result["records"]:
+        assert (record["measured_as"], record["network"], record["world_size"], record["nodes"],
+                record["gpus_per_node"]) == ("emulated", "dgx-a100", 4, 2, 2)
+        assert record["all_to_all_ms"] > 0
+    assert "**Emulated**" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("extra, message", [(["--world-size", "2"], "drop --world-size 2"),
+                                             (["--peers", "torchtitan", "--activation", "swiglu", "--no-bias"],
+                                              "cannot time --peers"),
+                                             (["--experts", "6"], "multiple of the 4 emulated ranks"),
+                                             (["--network", "nowhere.json"], "neither a preset")])
+def test_bench_emulate_refuses_what_it_cannot_emulate(extra, message, tmp_path, capsys):
+    assert main(["bench", "--emulate", "2x2", "--tokens", "64", "--tracking-uri", "none",
+                 "--out", str(tmp_path / "b.json"), *extra]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_training_never_uses_the_emulated_group():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "model.py"]
+    assert len(training) > 3
+    for path in training:
+        assert "emulation" not in path.read_text(), f"{path.relative_to(root)} uses the emulated cluster"
