@@ -386,21 +386,20 @@ def test_settings_errors_name_the_option():
 
 
 def test_validation_covers_every_record_and_names_the_term_off(parts):
-    """Every record of a committed benchmark gets a row with a finite simulated time, and
-    the timeline to look at wherever the time is off by more than 15%. Memory counts only
-    where the record's memory prediction is today's model's (these records were measured
-    with the engine before 190f888: most predate the current model)."""
+    """Every record of the committed one-GPU benchmark (measured with the lean engine and
+    today's memory model, fa925f9) gets a row with a finite simulated time, and the
+    timeline to look at wherever the time is off by more than 15%; every record counts
+    for memory, and the simulated peak is within 15% of each measured one."""
     result = validate(["results/bench-h200.json"], parts, printer=lambda *_: None)
     rows = result["rows"]
-    assert len(rows) == 184
+    with open("results/bench-h200.json") as f:
+        engines = [r["engine"] for r in json.load(f)["records"]]
+    assert len(rows) == sum(e in ("fastmoe", "fastermoe", "mpipemoe") for e in engines)
     assert all(math.isfinite(r["simulated_ms"]) and r["simulated_ms"] > 0 for r in rows)
     assert all(bool(r["term_off"]) == (abs(r["error"]) > 0.15) for r in rows)
-    with open("results/bench-h200.json") as f:
-        predicted = [r["predicted_memory_bytes"] for r in json.load(f)["records"]]
-    assert [r["memory_model_current"] for r in rows] == [p == r["simulated_peak_bytes"] for p, r in zip(predicted, rows)]
+    assert all(r["memory_model_current"] for r in rows)
     summary = result["summary"]["bench-h200.json"]
-    assert summary["memory_records"] + summary["memory_model_changed"] == 184
-    assert summary["memory_records"] == sum(r["memory_model_current"] for r in rows) < 184
+    assert summary["memory_records"] == len(rows) and summary["memory_within_15pct"] == len(rows)
 
 
 def test_memory_is_checked_against_records_of_the_current_memory_model(parts, tmp_path):
@@ -558,7 +557,8 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
         matched = _host_matched(parts, dict(record, host_probe_ms=probe_ms, host_probe_tokens=64), shape_at)
         at_probe = simulate_layer("mpipemoe", shape_at(64), single_gpu(), matched, 4, "S3").total_s * 1e3
         assert at_probe == pytest.approx(probe_ms, rel=0.03)
-    assert _host_matched(parts, record, shape_at) is None  # the committed record has no probe
+    unprobed = {k: v for k, v in record.items() if not k.startswith("host_probe")}
+    assert _host_matched(parts, unprobed, shape_at) is None  # nothing to match without a probe
 
     path = tmp_path / "bench.json"
     bench["records"] = [dict(record, host_probe_ms=2.0 * plain, host_probe_tokens=64)]

@@ -7,7 +7,7 @@ set -eu
 sim=(.venv/bin/mpipemoe simulate --tracking-uri none)
 [ -x .venv/bin/mpipemoe ] || sim=(python3 -m app.cli simulate --tracking-uri none)
 tokens=1024,1408,2048,2880,4096,5760,8192,11584,16384,23168,32768,46336,65536,92672,131072
-"${sim[@]}" --validate results/bench-h200-probe.json --validate results/bench-h200-probe-rerun.json \
+"${sim[@]}" --validate results/bench-h200.json --validate results/bench-h200-lean.json \
     --out results/simulate-validation.json
 "${sim[@]}" --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 4096,8192,16384,32768 --step \
     --out results/simulate-8x8-gpt-xl.json
