@@ -3,8 +3,9 @@
 # benchmark measured on the same machine in the same session, so the host's speed that
 # day is the same in both. Run with the `device` tool, carrying `.devwheels`, e.g.:
 #   bash tools/h200-simulator-records.sh parts bench bench-rerun gpu-tests
-# then, here: mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-rerun.json \
-#                 --parts results/sim-parts-h200.json --out results/simulate-validation.json
+# then, here, with the records copied into results/: bash tools/simulate-answers.sh
+# (it validates the simulator against results/bench-h200.json and results/bench-h200-lean.json,
+# the latter from tools/h200-lean-engine.sh, and regenerates every prediction the docs quote).
 # Writes under $OUT (default ./out): sim-parts-h200.json, bench-h200*.json/.md, gpu.txt, logs.
 set -u
 [ $# -gt 0 ] || { echo "give stages: parts bench bench-rerun gpu-tests"; exit 2; }
