@@ -173,7 +173,7 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
         streams.join()
         if plan.single:
             y_RD = outputs[0] if n == 1 else torch.cat(outputs) if n else x_TD.new_empty(0, D)
-    del in_flight
+    in_flight.clear()  # drop what side streams read: every stream has been joined
     if run.timing is not None:
         run.timing.forward.stop()
     return y_RD, saved_inputs, saved_preacts, saved_acts
@@ -289,7 +289,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
             pending.wait()
         streams.join()
         dx_TD = plan.sum_rows_per_token(dx_RD) if n else dy_RD.new_zeros(tokens, D)
-    del in_flight
+    in_flight.clear()  # drop what side streams read: every stream has been joined
     if run.timing is not None:
         run.timing.backward.stop()
         run.timing.backward_done = True

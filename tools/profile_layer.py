@@ -65,7 +65,7 @@ def main() -> None:
         print(f"\n=== {spec}: {args.model} {args.tokens} tokens: wall {wall_s * 1e3:.2f} ms, host issue "
               f"{host_s * 1e3:.2f} ms")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
-        del layer
+
 
 
 if __name__ == "__main__":
