@@ -78,7 +78,7 @@ def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _segments(rows: int, counts: list[int]):
+def _segments(counts: list[int]):
     start = 0
     for count in counts:
         yield slice(start, start + count)
@@ -92,7 +92,7 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> 
     if x_NI.dtype == w_LIO.dtype and grouped_kernel_supports(x_NI, *w_LIO.shape[-2:]):
         return torch._grouped_mm(x_NI, w_LIO, offs=seg.ends_L)
     y_NO = x_NI.new_empty(seg.rows, w_LIO.shape[-1])
-    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+    for l, rows in enumerate(_segments(seg.host_counts())):
         torch.mm(x_NI[rows], w_LIO[l], out=y_NO[rows])
     return y_NO
 
@@ -105,7 +105,7 @@ def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegm
     if x_NI.dtype == dy_NO.dtype and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
         return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L)
     dw_LIO = dy_NO.new_empty(L, x_NI.shape[-1], dy_NO.shape[-1])
-    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+    for l, rows in enumerate(_segments(seg.host_counts())):
         torch.mm(x_NI[rows].t(), dy_NO[rows], out=dw_LIO[l])
     return dw_LIO
 
@@ -123,7 +123,7 @@ def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
         ones_8N = dy_NO.new_ones(seg.rows, 8).t()
         return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L)[:, 0]
     db_LO = dy_NO.new_empty(L, dy_NO.shape[-1])
-    for l, rows in enumerate(_segments(seg.rows, seg.host_counts())):
+    for l, rows in enumerate(_segments(seg.host_counts())):
         torch.sum(dy_NO[rows], 0, out=db_LO[l])
     return db_LO
 

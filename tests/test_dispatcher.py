@@ -34,7 +34,7 @@ def test_permute_unpermute_round_trip_restores_input_and_gradient():
     T, K, E, D = 11, 2, 4, 5
     config = MoEConfig(D, 8, E, top_k=K, capacity_factor=None)
     routing = Router(config).double()(torch.randn(T, D, dtype=torch.float64))
-    partition_P = dispatcher.partition_by_tokens(T, K, 3, "cpu")
+    partition_P = dispatcher.chunk_by_tokens(T, K, 3, "cpu")
     plan = dispatcher.plan_dispatch(routing, partition_P, 3, E, ExpertGroup(None))
     assert sum(p.rows_sent for p in plan.partitions) == T * K
     # rows are partition-major and expert-sorted within a partition; segments match
@@ -87,8 +87,8 @@ def test_expert_order_round_trip_with_several_ranks():
         assert torch.equal(dispatcher.from_expert_major(grouped, p.source_order_N), rows)
 
 
-def test_partition_by_tokens_more_partitions_than_tokens():
-    part = dispatcher.partition_by_tokens(3, 2, 7, "cpu")
+def test_chunk_by_tokens_more_chunks_than_tokens():
+    part = dispatcher.chunk_by_tokens(3, 2, 7, "cpu")
     assert part.tolist() == [0, 0, 2, 2, 4, 4]
     assert int(part.max()) < 7
 

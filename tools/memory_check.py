@@ -11,22 +11,9 @@ import argparse
 
 import torch
 
-from app.bench import LAYER_SHAPES, layer_inputs
+from app.bench import LAYER_SHAPES, _step, layer_inputs, peak_memory_bytes
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.memory import predict_memory
-
-
-def peak_bytes(layer, x, grad_y) -> int:
-    layer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    xi = x.detach().requires_grad_(True)
-    y, aux = layer(xi)
-    torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
-    del y, aux, xi
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def main() -> None:
@@ -53,13 +40,13 @@ def main() -> None:
                      "mpipemoe": lambda: MPipeMoE(config, partitions=n, strategy=strategy, device=cuda,
                                                   dtype=dtype)}[engine]()
             layer.load_state_dict(source.state_dict())
-            peak_bytes(layer, x, grad_y)  # warm-up: host pool, allocator
-            measured = peak_bytes(layer, x, grad_y)
+            peak_memory_bytes(lambda: _step(layer, x, grad_y), cuda)  # warm-up: host pool, allocator
+            measured = peak_memory_bytes(lambda: _step(layer, x, grad_y), cuda)
             predicted = predict_memory(config, args.tokens, 1, n, strategy, engine=engine, dtype=dtype).peak_bytes
             print(f"{args.model} {args.activation} bias={config.bias} {args.tokens} {routing:8s} {engine:9s} n={n} "
                   f"{strategy:4s} predicted {predicted / 2**20:8.1f} MiB  measured {measured / 2**20:8.1f} MiB  "
                   f"ratio {predicted / measured:.3f}", flush=True)
-            del layer
+            layer = None
             torch.cuda.empty_cache()
 
 
