@@ -279,3 +279,30 @@ def test_forward_captured_in_a_cuda_graph_replays_the_eager_output(spec):
         with torch.no_grad():
             eager_y, _ = layer(new_x)
         torch.testing.assert_close(static_y, eager_y)
+
+
+def test_emulated_all_to_all_holds_the_comm_stream_and_leaves_compute_free():
+    """On CUDA an emulated asynchronous All-to-All occupies the communication stream for
+    the network's time for its bytes, while the compute stream goes on (issue 16)."""
+    from moe_engine.emulation import EmulatedCluster
+    from moe_engine.streams import StreamSet
+
+    group = EmulatedCluster.parse("2x4", "dgx-a100").build()
+    streams = StreamSet(torch.device("cuda"))
+    splits = [16384] * group.size
+    send = torch.randn(sum(splits), 2048, device="cuda", dtype=torch.bfloat16)
+    recv = torch.empty_like(send)
+    modelled_s = group.cluster.all_to_all_s(splits, splits, 2048 * 2)
+    assert modelled_s > 5e-3  # long against launch costs, so the check below can tell
+    torch.cuda.synchronize()
+    start, comm_done, compute_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start.record()
+    pending = group.all_to_all_async(recv, send, splits, splits, streams)
+    torch.cuda.current_stream().record_event(compute_done)  # nothing queued behind the transfer here
+    pending.wait()
+    comm_done.record()
+    torch.cuda.synchronize()
+    assert start.elapsed_time(comm_done) / 1e3 >= 0.9 * modelled_s
+    assert start.elapsed_time(compute_done) / 1e3 < 0.5 * modelled_s
+    own = send[:splits[0]]
+    assert torch.equal(recv[:splits[0]], own) and torch.equal(recv[-splits[0]:], own)
