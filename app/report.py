@@ -16,6 +16,8 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 4. predicted against measured peak memory;
 5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate.py).
 6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity.py).
+7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
+   app/emulated_report.py). Emulated runs never enter sections 1–4.
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -85,6 +87,8 @@ def _float(value) -> float | None:
 
 def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: dict) -> Record | None:
     """A ``Record`` from one run's params/metrics/tags, or None for runs of no known kind."""
+    if tags.get("measured_as") == "emulated":  # rank 0 of a modelled cluster: section 7 only
+        return None
     kind = tags.get("kind") or tags.get("mpipemoe.kind") or \
         ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
     engine = params.get("engine")
@@ -527,10 +531,13 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 
 
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
-                 simulations: list[dict] | None = None, capacities: list[dict] | None = None) -> Path:
+                 simulations: list[dict] | None = None, capacities: list[dict] | None = None,
+                 emulated: tuple[list[dict], list[dict]] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any);
-    ``capacities``: rows of ``app.capacity.load_capacity_runs`` (section 6 when there are any)."""
+    ``capacities``: rows of ``app.capacity.load_capacity_runs`` (section 6 when there are any);
+    ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
+    when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -557,6 +564,10 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
         from app.capacity import section_capacity
 
         lines += section_capacity(capacities)
+    if emulated and emulated[0]:  # section 7 only where `mpipemoe bench --emulate` logged something
+        from app.emulated_report import section_emulated
+
+        lines += section_emulated(*emulated, out)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -581,11 +592,13 @@ def run(args: argparse.Namespace) -> int:
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
     from app.capacity import load_capacity_runs
+    from app.emulated_report import load_emulated
     from app.simulate import load_simulations
 
     path = write_report(records, args.out, source=tracking_uri,
                         simulations=load_simulations(tracking_uri, args.experiment),
-                        capacities=load_capacity_runs(tracking_uri, args.experiment))
+                        capacities=load_capacity_runs(tracking_uri, args.experiment),
+                        emulated=load_emulated(tracking_uri, args.experiment))
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
           f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
     return 0

@@ -387,57 +387,87 @@ def _bound(busy: dict, total: float) -> str:
     return f"{names[stream]} ({busy[stream] / total:.0%} busy)"
 
 
-def _host_matched(parts, record: dict, shape_at):
+def _host_matched(parts, record: dict, shape_at, cluster):
     """`parts` with the host term scaled so that the simulator reproduces the record's host
     probe (the same layer at a few tokens, timed in the same rounds as the record), or None
     for a record without one."""
-    from moe_engine.simulator import HostScaled, simulate_layer, single_gpu
+    from moe_engine.simulator import HostScaled, simulate_layer
 
     probe_ms = record.get("host_probe_ms")
     if not probe_ms:
         return None
-    at_probe = simulate_layer(record["engine"], shape_at(record["host_probe_tokens"]), single_gpu(), parts,
+    at_probe = simulate_layer(record["engine"], shape_at(record["host_probe_tokens"]), cluster, parts,
                               record["partitions"], record["strategy"])
     host_ms = at_probe.busy_s["host"] * 1e3
     device_ms = at_probe.total_s * 1e3 - host_ms
     return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
 
 
+def _record_cluster(meta: dict):
+    """The cluster a bench file's records ran in, as a function of the record (its routing),
+    or None for records of several real ranks (not simulated here): one GPU, or rank 0 of
+    an emulated cluster (docs/emulation.md) with the network, layout and routing it had."""
+    from moe_engine.network import ClusterLayout, hot_expert_load, load_network
+    from moe_engine.simulator import Cluster, single_gpu
+
+    if meta.get("measured_as") == "emulated":
+        layout = ClusterLayout(meta["nodes"], meta["gpus_per_node"])
+        network = load_network(meta["network"])
+
+        def emulated(record: dict):
+            # The routing rank 0 measured (every rank routes alike; rank 0 is the busiest,
+            # as the bench arranges); records before `expert_load`: uniform, or one hot expert.
+            load = record.get("expert_load")
+            if load is None and record.get("routing", "uniform") != "uniform":
+                load = hot_expert_load(record["num_experts"], record["hot_expert_share"])
+            return Cluster(layout, network, None if load is None else tuple(load), meta.get("hierarchical", False))
+        return emulated
+    if meta["world_size"] == 1:
+        return lambda record: single_gpu()
+    return None
+
+
 def validate(bench_paths: list[str], parts, printer=print) -> dict:
     """The simulator against every record of the bench JSON files (our engines' records;
     peers and the dense floor are not simulated): with the parts' host cost, and (records
-    with a host probe) with the host term matched to the probe.
+    with a host probe) with the host term matched to the probe. One-GPU records are
+    simulated on one GPU; emulated ones (`mpipemoe bench --emulate`) in the emulated
+    cluster, with the record's network and routing: the first test of the simulator's
+    several-rank schedule against the engine's.
 
     Memory is compared only for records of the engine the memory model describes: those
     whose prediction at measurement time (``predicted_memory_bytes``, written by the
     bench) is today's. A record of an earlier engine keeps its memory error in its row
     but is left out of the memory summary (``memory_model_current`` False)."""
-    from moe_engine.simulator import ENGINES, LayerShape, simulate_layer, single_gpu
+    from moe_engine.simulator import ENGINES, LayerShape, simulate_layer
 
     rows = []
     for path in bench_paths:
         with open(path) as f:
             bench = json.load(f)
-        if bench["meta"]["world_size"] != 1:
-            printer(f"  {path}: world size {bench['meta']['world_size']}: only one-GPU records are simulated here")
+        cluster_of = _record_cluster(bench["meta"])
+        if cluster_of is None:
+            printer(f"  {path}: {bench['meta']['world_size']} real ranks: only one-GPU and emulated records are "
+                    f"simulated here")
             continue
         for r in bench["records"]:
             if r["engine"] not in ENGINES:
                 continue
+            cluster = cluster_of(r)
 
             def shape_at(tokens, r=r):
                 return LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], tokens, r["top_k"], r["activation"],
                                   2 if r["dtype"] == "bfloat16" else 4, r.get("bias", True))
-            sim = simulate_layer(r["engine"], shape_at(r["tokens"]), single_gpu(), parts, r["partitions"],
-                                 r["strategy"])
+            sim = simulate_layer(r["engine"], shape_at(r["tokens"]), cluster, parts, r["partitions"], r["strategy"])
             error = sim.total_s * 1e3 / r["fwd_bwd_ms"] - 1
-            matched_parts = _host_matched(parts, r, shape_at)
+            matched_parts = _host_matched(parts, r, shape_at, cluster)
             matched = None if matched_parts is None else simulate_layer(
-                r["engine"], shape_at(r["tokens"]), single_gpu(), matched_parts, r["partitions"], r["strategy"])
+                r["engine"], shape_at(r["tokens"]), cluster, matched_parts, r["partitions"], r["strategy"])
             measured_peak = r.get("peak_memory_bytes")
             memory_error = sim.peak_bytes / measured_peak - 1 if measured_peak else None
             memory_model_current = r.get("predicted_memory_bytes") == sim.peak_bytes
-            rows.append({"source": os.path.basename(path), "model": r["model"], "tokens": r["tokens"],
+            rows.append({"source": os.path.basename(path), "measured_as": r.get("measured_as", "measured"),
+                         "routing": r.get("routing", "uniform"), "model": r["model"], "tokens": r["tokens"],
                          "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
                          "strategy": r["strategy"], "measured_ms": r["fwd_bwd_ms"],
                          "measured_ms_std": r.get("fwd_bwd_ms_std"), "simulated_ms": sim.total_s * 1e3,

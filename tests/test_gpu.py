@@ -294,6 +294,7 @@ def test_emulated_all_to_all_holds_the_comm_stream_and_leaves_compute_free():
     recv = torch.empty_like(send)
     modelled_s = group.cluster.all_to_all_s(splits, splits, 2048 * 2)
     assert modelled_s > 5e-3  # long against launch costs, so the check below can tell
+    group.all_to_all_async(recv, send, splits, splits, streams).wait()  # warm-up: clock, streams, first launches
     torch.cuda.synchronize()
     start, comm_done, compute_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()

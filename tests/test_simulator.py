@@ -554,11 +554,12 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
 
     plain = simulate_layer("mpipemoe", shape_at(64), single_gpu(), parts, 4, "S3").total_s * 1e3
     for probe_ms in (0.5 * plain, 2.0 * plain):
-        matched = _host_matched(parts, dict(record, host_probe_ms=probe_ms, host_probe_tokens=64), shape_at)
+        matched = _host_matched(parts, dict(record, host_probe_ms=probe_ms, host_probe_tokens=64), shape_at,
+                                single_gpu())
         at_probe = simulate_layer("mpipemoe", shape_at(64), single_gpu(), matched, 4, "S3").total_s * 1e3
         assert at_probe == pytest.approx(probe_ms, rel=0.03)
     unprobed = {k: v for k, v in record.items() if not k.startswith("host_probe")}
-    assert _host_matched(parts, unprobed, shape_at) is None  # nothing to match without a probe
+    assert _host_matched(parts, unprobed, shape_at, single_gpu()) is None  # nothing to match without a probe
 
     path = tmp_path / "bench.json"
     bench["records"] = [dict(record, host_probe_ms=2.0 * plain, host_probe_tokens=64)]
