@@ -427,6 +427,55 @@ def _record_cluster(meta: dict):
     return None
 
 
+def emulated_all_to_all_ms(meta: dict, record: dict) -> float | None:
+    """The network model's time for the stage the bench timed alone (`all_to_all_ms`: four
+    All-to-Alls of rank 0's rows, split by the record's expert load), or None where that
+    cannot be priced. Its ratio to the measured stage is the emulator's dilation: how much
+    longer the emulated transfers ran than the model says (docs/emulation.md)."""
+    from moe_engine.emulation import EmulatedCluster
+    from moe_engine.network import ClusterLayout, load_network
+
+    load = record.get("expert_load")
+    if meta.get("measured_as") != "emulated" or not load:
+        return None
+    ranks = meta["world_size"]
+    local = len(load) // ranks
+    rows = record["top_k"] * record["tokens"]
+    send = [round(rows * sum(load[r * local:(r + 1) * local])) for r in range(ranks)]
+    cluster = EmulatedCluster(layout=ClusterLayout(meta["nodes"], meta["gpus_per_node"]),
+                              network=load_network(meta["network"]), hierarchical=meta.get("hierarchical", False))
+    row_bytes = record["d_model"] * (2 if record["dtype"] in ("bfloat16", "float16") else 4)
+    return 4 * cluster.all_to_all_s([send[0]] * ranks, send, row_bytes) * 1e3
+
+
+def _predicted_memory_now(record: dict) -> int:
+    """What the memory model predicts today for the record's layer, as the bench asked it
+    (`predicted_memory_bytes`): equal when the record was measured with today's model."""
+    import torch
+
+    from moe_engine import MoEConfig
+    from moe_engine.memory import predict_memory
+
+    config = MoEConfig(record["d_model"], record["d_hidden"], record["num_experts"], top_k=record["top_k"],
+                       activation=record["activation"], bias=record.get("bias", True))
+    engine = record["engine"]
+    return predict_memory(config, record["tokens"], record["world_size"],
+                          record["partitions"] if engine != "fastmoe" else 1, record["strategy"], engine=engine,
+                          dtype=getattr(torch, record["dtype"])).peak_bytes
+
+
+def _dilated(cluster, factor: float):
+    """`cluster` with its network `factor` times slower (bandwidths divided, costs multiplied)."""
+    from dataclasses import replace
+
+    network = cluster.network
+    slower = replace(network, intra_bytes_per_s=network.intra_bytes_per_s / factor,
+                     inter_bytes_per_s=network.inter_bytes_per_s / factor,
+                     intra_message_s=network.intra_message_s * factor, inter_message_s=network.inter_message_s * factor,
+                     collective_s=network.collective_s * factor)
+    return replace(cluster, network=slower)
+
+
 def validate(bench_paths: list[str], parts, printer=print) -> dict:
     """The simulator against every record of the bench JSON files (our engines' records;
     peers and the dense floor are not simulated): with the parts' host cost, and (records
@@ -463,9 +512,14 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
             matched_parts = _host_matched(parts, r, shape_at, cluster)
             matched = None if matched_parts is None else simulate_layer(
                 r["engine"], shape_at(r["tokens"]), cluster, matched_parts, r["partitions"], r["strategy"])
+            modelled_a2a_ms = emulated_all_to_all_ms(bench["meta"], r)
+            dilation = r["all_to_all_ms"] / modelled_a2a_ms if modelled_a2a_ms else None
+            dilated = None if dilation is None else simulate_layer(
+                r["engine"], shape_at(r["tokens"]), _dilated(cluster, dilation), parts, r["partitions"],
+                r["strategy"])
             measured_peak = r.get("peak_memory_bytes")
             memory_error = sim.peak_bytes / measured_peak - 1 if measured_peak else None
-            memory_model_current = r.get("predicted_memory_bytes") == sim.peak_bytes
+            memory_model_current = r.get("predicted_memory_bytes") == _predicted_memory_now(r)
             rows.append({"source": os.path.basename(path), "measured_as": r.get("measured_as", "measured"),
                          "routing": r.get("routing", "uniform"), "model": r["model"], "tokens": r["tokens"],
                          "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
@@ -477,7 +531,10 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
                          "term_off": _bound(sim.busy_s, sim.total_s) if abs(error) > TOLERANCE else "",
                          "host_probe_ms": r.get("host_probe_ms"),
                          "host_matched_ms": None if matched is None else matched.total_s * 1e3,
-                         "host_matched_error": None if matched is None else matched.total_s * 1e3 / r["fwd_bwd_ms"] - 1})
+                         "host_matched_error": None if matched is None else matched.total_s * 1e3 / r["fwd_bwd_ms"] - 1,
+                         "network_dilation": dilation,
+                         "dilated_ms": None if dilated is None else dilated.total_s * 1e3,
+                         "dilated_error": None if dilated is None else dilated.total_s * 1e3 / r["fwd_bwd_ms"] - 1})
     return {"rows": rows, "summary": _summary(rows)}
 
 
@@ -505,6 +562,12 @@ def _summary(rows: list[dict]) -> dict:
             "host_matched_within_15pct": sum(e <= TOLERANCE for e in matched),
             "host_matched_max_abs_error": matched[-1] if matched else None,
         }
+        dilated = [r for r in mine if r.get("dilated_error") is not None]
+        if dilated:  # emulated records: the network priced as slow as the emulator ran it
+            summary[source].update(
+                dilated_records=len(dilated),
+                dilated_within_15pct=sum(abs(r["dilated_error"]) <= TOLERANCE for r in dilated),
+                median_network_dilation=sorted(r["network_dilation"] for r in dilated)[len(dilated) // 2])
     return summary
 
 
@@ -532,6 +595,17 @@ def validation_markdown(result: dict) -> str:
                      + ("-" if s["memory_max_abs_error"] is None else f"{s['memory_max_abs_error']:.1%}") + " | "
                      + (f"{s['host_matched_within_15pct']} of {s['host_matched_records']} | "
                         f"{s['host_matched_max_abs_error']:.1%} |" if s.get("host_matched_records") else "- | - |"))
+    emulated = {source: s for source, s in result["summary"].items() if s.get("dilated_records")}
+    if emulated:
+        lines += ["", "## Emulated records: the network as slow as the emulator ran it", "",
+                  "An emulated record's All-to-All stage, timed alone, ran longer than the network model says "
+                  "(`torch.cuda._sleep` counts GPU clock cycles; docs/emulation.md). Dilation = that stage "
+                  "measured / modelled; the simulation below prices the network that much slower.", "",
+                  "| measurements | records | median dilation | time within 15%, plain | within 15%, dilated |",
+                  "|---|---|---|---|---|"]
+        for source, s in emulated.items():
+            lines.append(f"| {source} | {s['dilated_records']} | {s['median_network_dilation']:.3f} | "
+                         f"{s['within_15pct']} | {s['dilated_within_15pct']} |")
     spot = meta.get("spot_check")
     if spot:
         lines += ["", "## The same layers measured again", "",

@@ -150,3 +150,44 @@ def test_peers_need_one_rank_naming_the_option():
                       world_size=2)
     with pytest.raises(ValueError, match=r"--peers 'deepspeed' is unknown"):
         BenchSettings(models=["tiny"], tokens=[64], peers=("deepspeed",))
+
+
+def test_a_stopped_bench_writes_the_points_it_finished(tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's or `timeout`'s stop) or Ctrl-C mid-run: the finished points are
+    written, marked incomplete, and the command fails."""
+    import app.bench as bench
+
+    real_point = bench.bench_point
+    calls = []
+
+    def stop_at_the_second_point(*args, **kwargs):
+        calls.append(args[:3])
+        if len(calls) == 2:
+            raise KeyboardInterrupt("signal 15")
+        return real_point(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_point", stop_at_the_second_point)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--tokens", "64,128", "--no-grid", "--rounds", "1", "--repeats", "1",
+                 "--tracking-uri", "none", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["meta"]["complete"] is False
+    assert {r["tokens"] for r in result["records"]} == {64}
+    assert all(r["all_to_all_ms"] is not None for r in result["records"])  # logged whole
+    assert "**Incomplete**" in out.with_suffix(".md").read_text()
+
+
+def test_the_memory_saving_setting_is_the_fastest_under_the_cap():
+    from app.bench import memory_saving_setting
+
+    fastmoe = {"fwd_bwd_ms": 10.0, "peak_memory_bytes": 1000}
+    settings = [{"partitions": 1, "strategy": "none", "fwd_bwd_ms": 8.0, "peak_memory_bytes": 990},
+                {"partitions": 4, "strategy": "S3", "fwd_bwd_ms": 8.3, "peak_memory_bytes": 500},
+                {"partitions": 8, "strategy": "S4", "fwd_bwd_ms": 9.0, "peak_memory_bytes": 300},
+                {"partitions": 4, "strategy": "S1", "fwd_bwd_ms": 8.2, "peak_memory_bytes": 560}]
+    lean = memory_saving_setting(fastmoe, settings)
+    assert lean["lean_setting"] == "4/S3" and lean["fastest_setting"] == "1/none"
+    assert lean["lean_vs_fastest"] == pytest.approx(8.3 / 8.0 - 1)
+    assert lean["lean_memory_ratio_vs_fastmoe"] == pytest.approx(0.5)
+    assert memory_saving_setting(fastmoe, settings[:1]) == {}  # nothing under 0.55x
+    assert memory_saving_setting({"fwd_bwd_ms": 10.0}, settings) == {}  # no memory figures (CPU)

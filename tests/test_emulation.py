@@ -262,3 +262,55 @@ def test_training_never_uses_the_emulated_group():
     assert len(training) > 3
     for path in training:
         assert "emulation" not in path.read_text(), f"{path.relative_to(root)} uses the emulated cluster"
+
+
+def test_busiest_rank_becomes_rank_0_by_swapping_router_rows():
+    from app.bench import busiest_rank_first
+    from moe_engine.router import count_ids
+
+    torch.manual_seed(0)
+    ranks, local, top_k = 4, 2, 2
+    weight = torch.randn(ranks * local, 16)
+    x = torch.randn(512, 16)
+    x[:256] += 4 * weight[5] / weight[5].norm()  # rank 2 (experts 4, 5) is the busiest
+
+    def rows_per_rank(w):
+        ids = torch.topk(x @ w.t(), top_k, dim=-1).indices.flatten()
+        return count_ids(ids, ranks * local).view(ranks, local).sum(1)
+
+    before = rows_per_rank(weight)
+    assert int(before.argmax()) == 2
+    original = weight.clone()
+    busiest_rank_first(weight, x, ranks, top_k)
+    after = rows_per_rank(weight)
+    assert int(after.argmax()) == 0 and after[0] == before.max()
+    assert torch.equal(weight[:local], original[2 * local:3 * local])
+    assert torch.equal(weight[2 * local:3 * local], original[:local])
+    assert torch.equal(weight[local:2 * local], original[local:2 * local])  # other ranks untouched
+
+
+def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
+    """`simulate --validate` prices an emulated record in the emulated cluster (its layout,
+    network and measured expert load), and the All-to-All stage against the network model."""
+    from app.simulate import emulated_all_to_all_ms, validate
+    from moe_engine.parts import GpuParts
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--emulate", "2x2", "--tokens", "256", "--rounds", "1", "--repeats", "1", "--no-grid",
+                 "--routing", "skewed", "--tracking-uri", "none", "--out", str(out)]) == 0
+    bench = json.loads(out.read_text())
+    record = next(r for r in bench["records"] if r["engine"] == "fastmoe")
+    assert len(record["expert_load"]) == 8 and abs(sum(record["expert_load"]) - 1) < 1e-3
+    assert record["expert_load"][0] == max(record["expert_load"])  # skewed: expert 0, on rank 0, is hot
+    modelled = emulated_all_to_all_ms(bench["meta"], record)
+    cluster = EmulatedCluster.parse("2x2", "dgx-a100")
+    rows = 2 * 256
+    send = [round(rows * sum(record["expert_load"][r * 2:(r + 1) * 2])) for r in range(4)]
+    assert modelled == pytest.approx(4e3 * cluster.all_to_all_s([send[0]] * 4, send, record["d_model"] * 4))
+    result = validate([str(out)], GpuParts.load("results/sim-parts-h200.json"), printer=lambda *_: None)
+    rows = result["rows"]
+    assert {r["engine"] for r in rows} == {"fastmoe", "fastermoe", "mpipemoe"}
+    for row in rows:
+        assert row["measured_as"] == "emulated" and row["routing"] == "skewed"
+        assert row["busy_ms"]["comm"] > 0  # priced in a 4-rank cluster, not on one GPU
+        assert row["network_dilation"] > 0 and row["dilated_ms"] > 0

@@ -129,3 +129,45 @@ def test_empty_store_says_no_data(tmp_path, monkeypatch):
     text = path.read_text()
     assert text.count("_No data:") == 4
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, monkeypatch):
+    """Emulated bench runs (tag measured_as=emulated) are not measurements: sections 1-4
+    ignore them; section 7 shows speedup, overlap efficiency, best n and memory vs time."""
+    from app.bench import log_to_mlflow
+    from app.emulated_report import load_emulated
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def record(engine, tokens, ms, mib, chosen_by="grid", n=1, strategy="none"):
+        return {"engine": engine, "model": "gpt-xl", "tokens": tokens, "routing": "uniform", "chosen_by": chosen_by,
+                "partitions": n, "strategy": strategy, "fwd_bwd_ms": ms, "peak_memory_bytes": mib * MIB,
+                "measured_as": "emulated", "network": "dgx-a100"}
+
+    records, summaries = [], []
+    for tokens, scale in ((4096, 1.0), (16384, 4.0)):
+        records += [record("fastmoe", tokens, 10 * scale, 1000 * scale, "baseline"),
+                    record("mpipemoe", tokens, 8 * scale, 400 * scale, "auto", 4, "S3"),
+                    record("mpipemoe", tokens, 8.5 * scale, 400 * scale, "grid", 4, "S3"),
+                    record("mpipemoe", tokens, 7.5 * scale, 700 * scale, "grid", 2, "none")]
+        summaries.append({"model": "gpt-xl", "routing": "uniform", "tokens": tokens, "auto_partitions": 4,
+                          "auto_strategy": "S3", "speedup_vs_fastmoe": 1.25, "speedup_vs_fastermoe": 1.1,
+                          "overlap_efficiency": 0.9, "grid_best_partitions": 2 if tokens == 4096 else 4,
+                          "grid_best_strategy": "S3", "auto_vs_grid_best": -0.05, "memory_ratio_vs_fastmoe": 0.4,
+                          "lean_setting": "4/S3", "lean_vs_fastest": 8.5 / 7.5 - 1})
+    meta = {"device": "NVIDIA H200", "command": "mpipemoe bench --emulate 8x8", "world_size": 64,
+            "date": "2026-12-03", "torch": "2.11", "measured_as": "emulated", "network": "dgx-a100",
+            "emulated_cluster": "8x8"}
+    assert log_to_mlflow({"meta": meta, "records": records, "summaries": summaries}, uri, "emu",
+                         printer=lambda *_: None) == 10
+    assert report.load_records(uri) == []  # sections 1-4: no measurement among them
+    loaded = load_emulated(uri)
+    assert len(loaded[0]) == 2 and len(loaded[1]) == 8
+    path = report.write_report([], tmp_path / "out", emulated=loaded)
+    text = path.read_text()
+    assert "## 7. Emulated clusters" in text
+    assert "| dgx-a100 8x8 | gpt-xl | uniform | 16384 | 4/S3 | 1.25 | 1.10 | 90% | 0.40 | 4/S3 | -5.0% | 4/S3: +13.3% |" \
+        in text
+    for figure in ("emulated_speedup.png", "emulated_best_n.png", "emulated_memory_time.png"):
+        assert (tmp_path / "out" / figure).read_bytes().startswith(PNG_MAGIC)
