@@ -7,6 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+# Empty: torch from the default index (a CPU build only where that index serves one).
+# make TORCH_INDEX=https://download.pytorch.org/whl/cpu train  asks for the CPU build.
+TORCH_INDEX ?=
 
 .PHONY: train test test-fast bench venv clean
 
@@ -15,10 +18,11 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q "$(TORCH_PIN)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[ray,test]"
 	$(PY) -m compileall -q -j 2 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
+	@echo "installed; put mpipemoe on PATH in your shell with: source $(VENV)/bin/activate"
 
 train: $(STAMP)
 	$(VENV)/bin/mpipemoe train

@@ -1,5 +1,5 @@
 """`mpipemoe bench`: MoE-layer benchmark, every engine side by side in one process on the
-same inputs and parameters (DESIGN.md §7).
+same inputs and parameters (docs/design.md §7).
 
     mpipemoe bench                                   # tiny layer on CPU, quick
     mpipemoe bench --model gpt-xl --tokens 4096,8192,16384,32768      # on a GPU (bf16)
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
-from app.records import record_meta
+from app.records import DEFAULT_OUT_DIR, record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.emulation import EmulatedCluster, EmulatedExpertGroup
@@ -47,7 +47,7 @@ from moe_engine.perf_model import PerformanceModel, calibrate, device_name
 from moe_engine.router import count_ids
 from moe_engine.timing import synchronize, time_fn, time_interleaved
 
-# Layer shapes of the paper's models (DESIGN.md §6) and a tiny one for CPUs.
+# Layer shapes of the paper's models (docs/design.md §6) and a tiny one for CPUs.
 LAYER_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192), "bert-l": (1024, 4096), "tiny": (64, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
@@ -152,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "network's delays modelled (docs/emulation.md); records say measured_as=emulated")
     parser.add_argument("--network", default="dgx-a100",
                         help="the emulated cluster's network: dgx-a100, dgx-h200 or a JSON file (default dgx-a100)")
-    parser.add_argument("--out", default=None, help="JSON file to write (default results/bench-<device>-<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
     parser.add_argument("--experiment", default="mpipemoe-bench")
@@ -421,7 +421,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     return records
 
 
-# -- summaries: the targets of DESIGN.md §7, from the records ------------------------------------
+# -- summaries: the targets of docs/design.md §7, from the records ---------------------------
 
 def overlap_bound_ms(all_to_all_ms: float, expert_ms: float, partitions: int) -> float:
     """The pipelined layer's floor: the longer stage, plus one partition of the shorter one
@@ -504,7 +504,7 @@ def memory_saving_setting(fastmoe: dict, settings: list) -> dict:
 
 
 def targets(summaries: list) -> dict:
-    """DESIGN.md §7's targets, checked on the summaries (None where the data cannot say)."""
+    """docs/design.md §7's targets, checked on the summaries (None where the data cannot say)."""
     def share(values, limit):
         values = [v for v in values if v is not None]
         return (sum(v <= limit for v in values) / len(values)) if values else None
@@ -753,7 +753,7 @@ def run(args) -> int:
                        "complete": complete},
               "records": records, "summaries": summarize(records)}
     result["targets"] = targets(result["summaries"])
-    out = args.out or os.path.join("results", f"bench-{device.replace(' ', '-').lower()}-"
+    out = args.out or os.path.join(DEFAULT_OUT_DIR, f"bench-{device.replace(' ', '-').lower()}-"
                                    f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

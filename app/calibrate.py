@@ -1,6 +1,6 @@
 """`mpipemoe calibrate`: measure the hardware profile the performance model uses and store it.
 
-    mpipemoe calibrate --model gpt-xl --tokens 16384 --profiles profiles.json
+    mpipemoe calibrate --model gpt-xl --tokens 16384 --profiles out/profiles.json
 
 Later runs load it with ProfileStore(path).get(key) and pass it to MPipeMoE(profile=...);
 run this again to refresh it (e.g. after a driver or topology change).
@@ -13,6 +13,7 @@ import json
 import torch
 
 from app.bench import DTYPES, LAYER_SHAPES
+from app.records import DEFAULT_OUT_DIR
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup
 from moe_engine.perf_model import ProfileStore, calibrate
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-    parser.add_argument("--profiles", default="profiles.json", help="JSON file holding profiles by key")
+    parser.add_argument("--profiles", default=f"{DEFAULT_OUT_DIR}/profiles.json",
+                        help=f"JSON file holding profiles by key (default {DEFAULT_OUT_DIR}/profiles.json)")
 
 
 def run(args) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.model import PRESETS
-from app.records import record_meta
+from app.records import DEFAULT_OUT_DIR, record_meta
 from app.train import ENGINES, TrainJob, build_trainer, ensure_data, init_ray
 
 
@@ -194,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db); 'none' = no MLflow")
     parser.add_argument("--experiment", default="mpipemoe-capacity", help="MLflow experiment (default %(default)s)")
     parser.add_argument("--out", default=None,
-                        help="JSON record to write (default results/capacity-<preset>-<date>.json)")
+                        help="JSON record to write (default out/capacity-<preset>-<date>.json)")
     parser.add_argument("--import", dest="import_json", default=None, metavar="JSON",
                         help="log the runs of an existing capacity record (e.g. made on a GPU machine "
                              "without MLflow) to MLflow and exit")
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                        "strategy": args.strategy, "search": dataclasses.asdict(search)},
               "results": results}
     print(comparison_table(results, seq_len))
-    out = Path(args.out or f"results/capacity-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out or f"{DEFAULT_OUT_DIR}/capacity-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"[capacity] wrote {out}")

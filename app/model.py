@@ -5,7 +5,7 @@
     logits_BSV, aux_loss = model(tokens_BS)
 
 Every block is pre-LN: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
-*every* block is a MoE layer from ``moe_engine`` (DESIGN.md §4.1), so a preset with L
+*every* block is a MoE layer from ``moe_engine`` (docs/design.md §4.1), so a preset with L
 layers has L MoE layers. Attention uses ``F.scaled_dot_product_attention`` (causal for
 GPT, bidirectional for BERT). The LM head is tied to the token embedding.
 
@@ -94,7 +94,7 @@ class ModelPreset:
                   f"or change --num-workers")
 
 
-# The paper's models (DESIGN.md §6) plus tiny ones that train on 2 CPU cores in a minute.
+# The paper's models (docs/design.md §6) plus tiny ones that train on 2 CPU cores in a minute.
 PRESETS: dict[str, ModelPreset] = {
     "gpt-s": ModelPreset("gpt", d_model=1024, d_hidden=4096, num_layers=24, num_heads=16, seq_len=1024),
     "gpt-xl": ModelPreset("gpt", d_model=2048, d_hidden=8192, num_layers=24, num_heads=16, seq_len=1024),

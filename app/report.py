@@ -1,7 +1,7 @@
 """``mpipemoe report``: a Markdown report with PNG plots, generated from MLflow runs.
 
     mpipemoe report                                  # every experiment in the default store
-    mpipemoe report --experiment smoke --out results/report-smoke
+    mpipemoe report --experiment smoke --out out/report-smoke
 
 Reads two kinds of runs (tag ``kind``): layer benchmarks (``kind=bench``, from
 ``mpipemoe bench``: fwd_bwd_ms, peak/predicted memory) and training runs
@@ -38,7 +38,7 @@ from pathlib import Path
 ENGINE = "mpipemoe"
 BASELINES = ("fastmoe", "fastermoe")
 STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
-DEFAULT_OUT = "results/report"
+DEFAULT_OUT = "out/report"  # an ignored folder, never the committed results/
 
 
 @dataclass(frozen=True)
@@ -462,7 +462,7 @@ def section_baselines(records: list[Record], out: Path) -> list[str]:
               "(below 1 saves memory). MPipeMoE at its automatic settings where measured, else its "
               "fastest setting."
               + (" CPU rows check the plumbing, not speed: on a few shared cores the pipeline's overlap "
-                 "cannot pay off (DESIGN.md §4.2); speed is measured on GPUs." if any(
+                 "cannot pay off (docs/design.md §4.2); speed is measured on GPUs." if any(
                   row.key[4] == "cpu" for row in rows) else ""), ""]
     table = [[row.key[0], row.key[1], str(row.key[2]), str(row.key[3]), f"{row.key[4]}/{row.key[5]}",
               row.baseline, f"{row.engine_ms:.3f}", f"{row.baseline_ms:.3f}", f"{row.speedup:.2f}x",

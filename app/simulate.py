@@ -3,7 +3,7 @@
     mpipemoe simulate --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 16384
     mpipemoe simulate --model gpt-xl --tokens 16384 --sweep-nodes 1,2,4,8,16,32,64
     mpipemoe simulate --model gpt-xl --tokens 4096,8192,16384,32768 --nodes 8 --step
-    mpipemoe simulate --validate results/bench-h200.json --out results/simulate-validation.json
+    mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-lean.json --out out/validation.json
     mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
 
 The schedule simulator (moe_engine/simulator.py) replays the engine's operations on
@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from app.records import command_line, utc_timestamp
+from app.records import DEFAULT_OUT_DIR, command_line, utc_timestamp
 
 DEFAULT_PARTS = "results/sim-parts-h200.json"
 DEFAULT_PARTITIONS = (1, 2, 4, 8, 16)
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-scale", type=float, default=1.0,
                         help="multiply the measured host issue costs (another CPU; 0: device-only bound)")
     parser.add_argument("--out", default=None, help="JSON file to write (default: none; --validate: "
-                        "results/simulate-validation.json)")
+                        "out/simulate-validation.json)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
     parser.add_argument("--experiment", default=EXPERIMENT)
@@ -704,7 +704,7 @@ def run(args) -> int:
         result = validate(args.validate, parts)
         meta["spot_check"] = _spot_check(parts, args.validate)
         result = {"meta": meta, **result}
-        out = args.out or "results/simulate-validation.json"
+        out = args.out or os.path.join(DEFAULT_OUT_DIR, "simulate-validation.json")
         _write_json(out, result)
         markdown = validation_markdown(result)
         with open(os.path.splitext(out)[0] + ".md", "w") as f:

@@ -276,7 +276,10 @@ def run(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     print(format_results(results))
-    print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: mpipemoe report --experiment {args.space}")
+    from app.records import invocation
+
+    print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: {invocation()} report --experiment "
+          f"{args.space}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
     failed, finished = count_trials(results)
     if failed + finished < len(results):
         print(f"Study interrupted ({finished}/{len(results)} trials finished): run the same command "

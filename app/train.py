@@ -5,7 +5,7 @@
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
 
-Three layers (DESIGN.md §4): ``workers.loop.train_fn_per_worker`` runs in every worker;
+Three layers (docs/design.md §3): ``workers.loop.train_fn_per_worker`` runs in every worker;
 ``build_trainer(job)`` makes the ``TorchTrainer``; ``run_job(job)`` starts/joins Ray,
 fits, and logs one MLflow run. The sweep helper calls ``run_job`` inside Ray Tune trials.
 
@@ -573,6 +573,24 @@ def save_job(job: TrainJob) -> None:
     (job.run_dir / JOB_FILE).write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
 
 
+def resume_command(job: TrainJob) -> str:
+    """The command that continues ``job`` (twice as many steps), as the user can type it:
+    with ``--storage-path`` where the checkpoints are not in ./ray_results."""
+    from app.records import invocation
+
+    storage = "" if Path(job.storage_path) == Path("ray_results").resolve() else f" --storage-path {job.storage_path}"
+    return f"{invocation()} train --resume {job.name} --steps {job.steps * 2}{storage}"
+
+
+def ui_command(tracking_uri: str) -> str:
+    """``mpipemoe ui`` as the user can type it, naming the store unless it is the default one."""
+    from app.records import invocation
+    from app.tracking import resolve_tracking_uri
+
+    store = "" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"
+    return f"{invocation()} ui{store}"
+
+
 def job_from_args(args: argparse.Namespace) -> TrainJob:
     """The job the options describe; ``--resume NAME`` starts from NAME's recorded settings."""
     given = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if getattr(args, f, None) is not None}
@@ -635,7 +653,7 @@ def run(args: argparse.Namespace) -> int:
             print("[mpipemoe] no checkpoint written (--checkpoint-every 0); this run cannot be resumed")
         else:
             print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
-            print(f"[mpipemoe] resume with: mpipemoe train --resume {job.name} --steps {job.steps * 2}")
-    print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s; "
-          f"browse runs with: mpipemoe ui")
+            print(f"[mpipemoe] resume with: {resume_command(job)}")
+    browse = "" if job.tracking_uri == "none" else f"; browse runs with: {ui_command(job.tracking_uri)}"
+    print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s{browse}")
     return 0

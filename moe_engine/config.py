@@ -17,7 +17,7 @@ def _fail(field: str, value, fix: str) -> None:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Shape and routing of one MoE feed-forward layer (DESIGN.md §4.1).
+    """Shape and routing of one MoE feed-forward layer (docs/design.md §4.1).
 
     d_model:         width of the token vectors (x has last dimension d_model).
     d_hidden:        hidden width of each expert's FFN.

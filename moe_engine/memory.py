@@ -1,4 +1,4 @@
-"""Buffer sharing and the S1–S4 restore strategies (DESIGN.md §2, §5).
+"""Buffer sharing and the S1–S4 restore strategies (docs/design.md §2, §5).
 
 A `RestorePolicy` says, for one strategy, how backward gets back the two
 per-partition tensors the shared forward buffers overwrote:
@@ -168,7 +168,7 @@ class HostBufferPool:
         return sum(b.numel() * b.element_size() for entries in self._free.values() for b, _ in entries)
 
 
-# -- memory model (DESIGN.md §5; derivation in docs/engine.md) ---------------------------
+# -- memory model (docs/design.md §5; derivation in docs/engine.md) ---------------------------
 
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 

@@ -1,4 +1,4 @@
-"""Network model of a GPU cluster for the schedule simulator (DESIGN.md §2, §7).
+"""Network model of a GPU cluster for the schedule simulator (docs/design.md §2, §7).
 
 A cluster is N nodes × G GPUs (P = N·G ranks, rank r on node r // G). Two
 kinds of link carry an All-to-All:

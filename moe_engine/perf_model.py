@@ -1,4 +1,4 @@
-"""Hardware profile, calibration and the performance model (DESIGN.md §2, §7).
+"""Hardware profile, calibration and the performance model (docs/design.md §2, §7).
 
 Calibration measures, on the actual device and process group:
   * the expert FFN's GEMM rate for the layer's shapes (FLOP/s),

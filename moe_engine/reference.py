@@ -1,5 +1,5 @@
 """Brute-force MoE reference (used by the tests and `mpipemoe check`): one token and one expert at a time, from the documented
-parameter layout (DESIGN.md §4.1). Deliberately naive; every engine is compared with it.
+parameter layout (docs/design.md §4.1). Deliberately naive; every engine is compared with it.
 
 `reference_moe` takes the *global* parameters (all E experts) and one rank's tokens.
 """

@@ -1,5 +1,5 @@
 """Schedule simulator: one MoE layer's forward+backward, and a training step, on
-P ranks in N nodes (DESIGN.md §2, §7), from calibrated parts.
+P ranks in N nodes (docs/design.md §2, §7), from calibrated parts.
 
 Legend: T tokens per rank, k top_k, D d_model, H d_hidden, A pre-activation
 width, L local experts, n partitions, b = k·T/n rows a rank sends per

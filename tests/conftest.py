@@ -1,7 +1,7 @@
 """Shared pytest fixtures.
 
 ``ray_local`` starts one embedded Ray instance for the whole session, sized for a
-2-core CI machine (see NOTES-platform.md: two ``ray.init`` calls with different
+2-core CI machine (two ``ray.init`` calls with different
 settings in one process conflict, and a stale ``ray_current_cluster`` file makes a
 later ``ray.init`` try to reach a dead cluster). Tests that need their own Ray
 cluster (e.g. ``ray.cluster_utils.Cluster``) run it in a subprocess.

@@ -1,5 +1,5 @@
 """Tier 1 (no Ray): bad input and bad settings are refused with a message that names the
-problem and the fix (DESIGN.md §8, issue 7 item 4); on the command line as one line on
+problem and the fix (docs/design.md §8, issue 7 item 4); on the command line as one line on
 stderr, exit status 1, no traceback unless ``--debug``.
 
 The Ray-side cases (NaN/Inf losses in a real run, a cluster too small for the workers,

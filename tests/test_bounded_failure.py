@@ -1,6 +1,6 @@
 """Tier 2 (gloo): a rank that stops participating ends the others' collectives in bounded
 time with a clear error, and ranks with different batch sizes never hang the All-to-All
-(DESIGN.md §8). Fixed n and strategies with uneven batches are in the reference matrix
+(docs/design.md §8). Fixed n and strategies with uneven batches are in the reference matrix
 (tests/engine_cases.py); here: the choices the layer makes itself (calibration, auto
 strategy under a memory budget), which must use values every rank agrees on.
 """

@@ -1,5 +1,5 @@
 """Tier 1: the bytes each engine saves for backward (seen through saved-tensor hooks)
-equal the memory model of DESIGN.md §5 exactly, per engine, strategy, activation and top-k."""
+equal the memory model of docs/design.md §5 exactly, per engine, strategy, activation and top-k."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Private by default (DESIGN.md §8, issue 7 item 6): the MLflow UI and the embedded Ray
+"""Private by default (docs/design.md §8, issue 7 item 6): the MLflow UI and the embedded Ray
 instance listen on 127.0.0.1 only unless the user asks otherwise (then with a warning);
 cluster.yaml's bindings are checked in tests/test_cluster_config.py; docs/security.md
 says how to run safely. No server is started here: the commands and calls are captured.

@@ -142,7 +142,7 @@ def test_nan_loss_is_skipped_under_the_skip_policy(ray_local, job):
 
 
 def test_killed_worker_is_restarted_from_the_last_checkpoint(ray_local, resumed, job):
-    """DESIGN.md §8: a worker dying mid-run (after the step-K checkpoint) is restarted by Ray
+    """docs/design.md §8: a worker dying mid-run (after the step-K checkpoint) is restarted by Ray
     Train (FailureConfig), resumes at step K+1 and finishes with the straight run's losses;
     the MLflow run records the restart."""
     lines = []

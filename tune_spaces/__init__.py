@@ -1,4 +1,4 @@
-"""Ray Tune studies, one module per study (DESIGN.md §6).
+"""Ray Tune studies, one module per study (docs/design.md §6).
 
     mpipemoe sweep smoke            # 3 tiny CPU trials, a few minutes on 2 cores
     mpipemoe sweep granularity      # partitions x tokens per GPU x model (GPU cluster)

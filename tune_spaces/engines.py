@@ -1,4 +1,4 @@
-"""Engines study: MPipeMoE against the FastMoE- and FasterMoE-style baselines (DESIGN.md §1, §7).
+"""Engines study: MPipeMoE against the FastMoE- and FasterMoE-style baselines (docs/design.md §1, §7).
 
     mpipemoe sweep engines --address auto --storage-path /mnt/shared/ray_results
 

@@ -1,4 +1,4 @@
-"""Granularity study: pipeline partitions n x tokens per GPU x model (DESIGN.md §2, §7).
+"""Granularity study: pipeline partitions n x tokens per GPU x model (docs/design.md §2, §7).
 
     mpipemoe sweep granularity --address auto --storage-path /mnt/shared/ray_results
 

@@ -1,4 +1,4 @@
-"""Strategy study: memory-reuse strategy x model x tokens per GPU (DESIGN.md §2, §5, §7).
+"""Strategy study: memory-reuse strategy x model x tokens per GPU (docs/design.md §2, §5, §7).
 
     mpipemoe sweep strategy --address auto --storage-path /mnt/shared/ray_results
 

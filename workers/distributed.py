@@ -1,6 +1,6 @@
 """Gradient and metric collectives of the training loop (each function is one or two collectives).
 
-Parallel layout (DESIGN.md §4): W ranks in the default process group, which is also the
+Parallel layout (docs/design.md §3): W ranks in the default process group, which is also the
 expert-parallel group. The dense part (embeddings, attention, norms, routers) is
 replicated and data parallel; each rank holds E/W experts of every MoE layer.
 

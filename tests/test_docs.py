@@ -1,0 +1,342 @@
+"""The docs run: README.md and docs/*.md are executed, so a newcomer can copy any command.
+
+Each fenced block that holds a command or a Python snippet carries a marker, an HTML
+comment on the line before it (invisible on GitHub):
+
+    <!-- doc-test: run [ray] [timeout=S] [cmd="..."] [sub="OLD" "NEW"]... -->
+        run the block (bash; a ```python block with Python) in a scratch copy of the
+        repository, the set-up of the README done (``.venv`` there, ``mpipemoe`` on PATH);
+        the blocks of one file run in order in one copy, so a later block can use what an
+        earlier one made. ``sub`` replaces OLD (which must occur) by NEW first: the small
+        arguments that keep the suite quick. ``cmd`` runs that instead (the block is then
+        only checked like ``flags``). ``ray``: the block starts Ray (pytest marker ``ray``).
+    <!-- doc-test: output -->
+        quoted output: every line must appear in the output of the file's last ``run``
+        block. Numbers, and words holding digits or starting with ``/`` (paths, run names,
+        run ids), match any word; a line ``...`` skips.
+    <!-- doc-test: flags REASON -->
+        not run (GPU, cluster, minutes): every ``mpipemoe`` command in it must parse with
+        that command's own options, and every repository file it names must exist.
+    <!-- doc-test: skip REASON -->
+        neither (e.g. an illustration, not a command).
+
+A block that holds a command and no marker fails the suite, so a new snippet cannot go
+untested. Every ``run`` and ``flags`` block is flag-checked too, as is every inline
+``mpipemoe ...`` in the prose, and every relative link must point at a file of the
+repository.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import filecmp
+import importlib
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"^<!--\s*doc-test:\s*(run|output|flags|skip)\b(.*?)-->\s*$")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+# A block "holds a command" when a line starts with one of these.
+COMMAND_START = re.compile(r"^\s*(\.venv/bin/)?(mpipemoe|make|python3?|ray|bash|mlflow|ssh|export|pip)\b")
+# Folders and files of the repository that commands name as inputs.
+REPO_PATH = re.compile(r"^(results|tools|docs|tune_spaces|app|moe_engine|workers|tests)/[\w./-]+$|^cluster\.yaml$")
+OUTPUT_FLAGS = {"--out", "--summary-json", "--profiles", "--measure-parts"}
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int              # 1-based line of the opening fence
+    lang: str
+    text: str
+    kind: str | None       # run / output / flags / skip, None when unmarked
+    options: str = ""
+    ray: bool = False
+    timeout: int = 120
+    cmd: str | None = None
+    subs: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+
+    def holds_command(self) -> bool:
+        return self.lang == "python" or (self.lang in ("", "bash", "sh", "shell")
+                                         and any(COMMAND_START.match(line) for line in self.text.splitlines()))
+
+    def runnable_text(self) -> str:
+        if self.cmd is not None:
+            return self.cmd
+        text = self.text
+        for old, new in self.subs:
+            assert old in text, f"{self.where}: doc-test sub {old!r} is not in the block any more"
+            text = text.replace(old, new)
+        return text
+
+
+def parse_options(block: Block) -> None:
+    """``ray``, ``timeout=S``, ``cmd="..."``, ``sub="OLD" "NEW"`` from the marker."""
+    words = shlex.split(block.options)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "ray":
+            block.ray = True
+        elif word.startswith("timeout="):
+            block.timeout = int(word.split("=", 1)[1])
+        elif word.startswith("cmd="):
+            block.cmd = word.split("=", 1)[1]
+        elif word.startswith("sub="):
+            block.subs.append((word.split("=", 1)[1], words[i + 1]))
+            i += 1
+        else:
+            raise AssertionError(f"{block.where}: unknown doc-test option {word!r}")
+        i += 1
+
+
+def read_blocks(doc: Path) -> list[Block]:
+    lines = doc.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        marker = MARKER.match(lines[i - 1].strip()) if i else None
+        block = Block(doc, i + 1, fence.group(2), "\n".join(lines[i + 1:end]),
+                      marker.group(1) if marker else None, marker.group(2).strip() if marker else "")
+        if block.kind == "run":
+            parse_options(block)
+        blocks.append(block)
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for doc in DOCS for block in read_blocks(doc)]
+
+
+def test_every_command_block_is_marked():
+    unmarked = [block.where for block in ALL_BLOCKS if block.kind is None and block.holds_command()]
+    assert not unmarked, (f"code blocks with a command but no <!-- doc-test: run|flags|skip --> marker "
+                          f"on the line before (see tests/test_docs.py): {unmarked}")
+
+
+def test_output_blocks_follow_a_run():
+    for doc in DOCS:
+        seen_run = False
+        for block in read_blocks(doc):
+            seen_run |= block.kind == "run"
+            assert block.kind != "output" or seen_run, f"{block.where}: an output block with no run block before it"
+
+
+# -- flags: every mpipemoe command parses with its own options --------------------------------
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The commands of a shell block as argument lists, continuation lines joined, comments
+    dropped, ``ray exec cluster.yaml '...'`` and ``a && b`` looked into."""
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if "..." in line or "…" in line:  # an elided illustration, not a command
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        current: list[str] = []
+        for word in words + [";"]:
+            if word in (";", "&&", "||", "|", "&"):
+                if current:
+                    commands.append(current)
+                current = []
+            elif " " in word and COMMAND_START.match(word):  # a quoted command: ray exec ... 'mpipemoe ...'
+                commands.extend(shell_commands(word))
+            else:
+                current.append(word)
+    return commands
+
+
+def check_mpipemoe_args(argv: list[str]) -> str | None:
+    """None when ``mpipemoe ARGV`` parses as app.cli parses it, else argparse's complaint."""
+    from app import cli
+
+    argv = [arg for arg in argv if arg != "--debug"]
+    if argv in (["--help"], ["-h"]):
+        return None
+    if not argv or argv[0] not in cli.SUBCOMMANDS:
+        return f"unknown command {argv[:1]}"
+    module = importlib.import_module(cli.SUBCOMMANDS[argv[0]][0])
+    parser = argparse.ArgumentParser(prog=f"mpipemoe {argv[0]}", exit_on_error=False)
+    module.add_arguments(parser)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parser.parse_args(argv[1:])
+    except (SystemExit, argparse.ArgumentError) as error:
+        return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else str(error)
+    return None
+
+
+def mpipemoe_argv(words: list[str]) -> list[str] | None:
+    if words and words[0] in ("mpipemoe", ".venv/bin/mpipemoe"):
+        return words[1:]
+    if words[:3] in ([".venv/bin/python", "-m", "app.cli"], ["python", "-m", "app.cli"],
+                     ["python3", "-m", "app.cli"]):
+        return words[3:]
+    return None
+
+
+def inline_commands(doc: Path) -> list[tuple[str, str]]:
+    """Inline ``mpipemoe ...`` code spans of the prose that are whole commands."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    found = []
+    for span in re.findall(r"`((?:\.venv/bin/)?mpipemoe [^`]+)`", text):
+        if any(mark in span for mark in ("...", "…", "<", "|", "[", "N ", "DIR", "NAME", "SPACE")):
+            continue
+        found.append((f"{doc.relative_to(ROOT)}: `{span}`", " ".join(span.split()), True))
+    return found
+
+
+FLAG_CASES = ([(block.where, block.text, False) for block in ALL_BLOCKS
+               if block.kind in ("run", "flags") and block.lang != "python"]
+              + [case for doc in DOCS for case in inline_commands(doc)])
+
+
+@pytest.mark.parametrize("where,text,inline", FLAG_CASES, ids=[case[0] for case in FLAG_CASES])
+def test_commands_use_options_that_exist(where, text, inline):
+    """Each documented mpipemoe command parses, and the repository files it reads exist.
+    Prose may name an option without its value (`mpipemoe simulate --validate`)."""
+    problems = []
+    for words in shell_commands(text):
+        argv = mpipemoe_argv(words)
+        if argv is not None:
+            complaint = check_mpipemoe_args(argv)
+            if complaint and not (inline and "expected one argument" in complaint):
+                problems.append(f"{shlex.join(words)}: {complaint}")
+        for before, word in zip([""] + words, words):
+            if REPO_PATH.match(word) and before not in OUTPUT_FLAGS and not (ROOT / word).exists():
+                problems.append(f"{shlex.join(words)}: {word} is not in the repository")
+    assert not problems, f"{where}: " + "; ".join(problems)
+
+
+def test_relative_links_point_at_files_of_the_repository():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = (doc.parent / target).resolve()
+            if not path.exists() or ROOT not in path.parents and path != ROOT:
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not broken, f"links to files that are not in the repository: {broken}"
+
+
+def test_no_citation_of_files_outside_the_repository():
+    """The product cites its own files: no DESIGN.md, no team folders, no docs/platform.md."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"DESIGN\.md|\.\./shared/|NOTES-platform|docs/platform\.md|STYLE\.md")
+    cited = [f"{name}:{number}" for name in tracked if not name.startswith("results/logs")
+             and (ROOT / name).is_file() and name != "tests/test_docs.py"
+             for number, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+             if pattern.search(line)]
+    assert not cited, f"citations of files the repository does not hold: {cited}"
+
+
+# -- run: the blocks themselves, in a scratch copy of the repository ---------------------------
+
+def expected_line_pattern(line: str) -> re.Pattern:
+    """A quoted output line as a regex: words with digits or starting with / match any word."""
+    parts = []
+    for word in line.split():
+        if re.search(r"\d", word) or word.startswith("/") or word.startswith("sqlite:"):
+            parts.append(r"\S+")
+        else:
+            parts.append(re.escape(word))
+    return re.compile(r"^\s*" + r"\s+".join(parts) + r"\s*$")
+
+
+def scratch_repository(tmp: Path) -> Path:
+    """The repository's tracked files copied into ``tmp`` (a newcomer's fresh clone), with
+    ``.venv`` pointing at the environment that runs the tests."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for name in tracked or [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()]:
+        source = ROOT / name
+        if source.is_file():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, tmp / name)
+    (tmp / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    return tmp
+
+
+def run_env(repo: Path) -> dict:
+    """The README's set-up: ``mpipemoe`` on PATH (the environment's bin), this checkout's code."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(repo)
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    env.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+    return env
+
+
+def run_block(block: Block, repo: Path) -> str:
+    text = block.runnable_text()
+    command = ([sys.executable, "-c", text] if block.lang == "python" and block.cmd is None
+               else ["bash", "-euo", "pipefail", "-c", text])
+    done = subprocess.run(command, cwd=repo, env=run_env(repo), capture_output=True, text=True,
+                          timeout=block.timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, (f"{block.where}: the documented command failed (exit {done.returncode}):\n"
+                                  f"{text}\n--- output (last 3000 characters) ---\n{output[-3000:]}")
+    return output
+
+
+def check_output(block: Block, output: str, ran: Block) -> None:
+    lines = output.splitlines()
+    missing = [line for line in block.text.splitlines()
+               if line.strip() and line.strip() not in ("...", "…")
+               and not any(expected_line_pattern(line).match(have) for have in lines)]
+    assert not missing, (f"{block.where}: quoted output lines that the run of {ran.where} no longer prints: "
+                         f"{missing}\n--- its output (last 3000 characters) ---\n{output[-3000:]}")
+
+
+def changed_files(repo: Path) -> list[str]:
+    return [name for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                                            text=True).stdout.split()
+            if (ROOT / name).is_file() and not filecmp.cmp(ROOT / name, repo / name, shallow=False)]
+
+
+RUN_DOCS = [doc for doc in DOCS if any(block.kind == "run" for block in read_blocks(doc))]
+
+
+def _doc_param(doc: Path):
+    marks = [pytest.mark.ray] if any(block.ray for block in read_blocks(doc)) else []
+    return pytest.param(doc, marks=marks, id=str(doc.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize("doc", [_doc_param(doc) for doc in RUN_DOCS])
+def test_doc_runs_as_written(doc, tmp_path):
+    """The file's run blocks, in order, in a fresh copy of the repository; the output blocks
+    after them quote lines the run prints; no committed file changes unless a run names it."""
+    repo = scratch_repository(tmp_path)
+    output, ran = None, None
+    for block in read_blocks(doc):
+        if block.kind == "run":
+            output, ran = run_block(block, repo), block
+        elif block.kind == "output":
+            check_output(block, output, ran)
+    named = " ".join(block.runnable_text() for block in read_blocks(doc) if block.kind == "run")
+    overwritten = [name for name in changed_files(repo) if name not in named]
+    assert not overwritten, f"{doc.relative_to(ROOT)}: its commands overwrote committed files: {overwritten}"
