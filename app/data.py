@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.records import invocation
+
 BYTE_VOCAB = 256
 EOS_ID = 256
 MASK_ID = 257
@@ -131,14 +133,14 @@ class Manifest:
         if not path.exists():
             raise FileNotFoundError(
                 f"no prepared data at {data_dir} ({MANIFEST} missing): run "
-                f"`mpipemoe data prepare --out {data_dir}` (on every node, or use shared storage)")
+                f"`{invocation()} data prepare --out {data_dir}` (on every node, or use shared storage)")
         try:
             fields = json.loads(path.read_text())
             return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"cannot read the prepared data's {path} ({type(error).__name__}: {error}): "
                              f"check its permissions, or prepare it again with "
-                             f"`mpipemoe data prepare --out {data_dir}`") from error
+                             f"`{invocation()} data prepare --out {data_dir}`") from error
 
     def check_fits(self, data_dir: str | Path, world_size: int, batch_size: int, window: int) -> None:
         """Raise ValueError naming the fix unless every shard is readable and each of
@@ -151,10 +153,10 @@ class Manifest:
                 rows = pq.read_metadata(path).num_rows
             except (OSError, ValueError) as error:  # missing, unreadable, not Parquet
                 raise ValueError(f"cannot read data shard {path} ({type(error).__name__}: {error}): "
-                                 f"prepare the data again with `mpipemoe data prepare --out {data_dir}`") from error
+                                 f"prepare the data again with `{invocation()} data prepare --out {data_dir}`") from error
             if rows != shard["rows"]:
                 raise ValueError(f"data shard {path} holds {rows} rows, its manifest says {shard['rows']}: "
-                                 f"prepare the data again with `mpipemoe data prepare --out {data_dir}`")
+                                 f"prepare the data again with `{invocation()} data prepare --out {data_dir}`")
         windows = self.num_rows // world_size * self.row_len // window
         if windows < batch_size:
             raise ValueError(
@@ -253,7 +255,7 @@ def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.nda
     if tokens.size and tokens.max() >= manifest.vocab_size:
         raise ValueError(f"{data_dir}: rank {rank}'s rows hold token id {tokens.max()}, outside the "
                          f"vocabulary of {manifest.vocab_size} its manifest declares: prepare the data again "
-                         f"with `mpipemoe data prepare --out {data_dir}`")
+                         f"with `{invocation()} data prepare --out {data_dir}`")
     return tokens
 
 
@@ -312,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "info":
         path = Path(args.data_dir or default_data_dir()) / MANIFEST
         if not path.exists():
-            print(f"no prepared data at {path.parent}: run `mpipemoe data prepare`")
+            print(f"no prepared data at {path.parent}: run `{invocation()} data prepare`")
             return 1
         print(path.read_text(), end="")
         return 0

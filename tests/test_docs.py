@@ -3,17 +3,19 @@
 Each fenced block that holds a command or a Python snippet carries a marker, an HTML
 comment on the line before it (invisible on GitHub):
 
-    <!-- doc-test: run [ray] [timeout=S] [cmd="..."] [sub="OLD" "NEW"]... -->
+    <!-- doc-test: run [ray] [timeout=S] [name=N] [cmd="..."] [sub="OLD" "NEW"]... -->
         run the block (bash; a ```python block with Python) in a scratch copy of the
-        repository, the set-up of the README done (``.venv`` there, ``mpipemoe`` on PATH);
-        the blocks of one file run in order in one copy, so a later block can use what an
-        earlier one made. ``sub`` replaces OLD (which must occur) by NEW first: the small
-        arguments that keep the suite quick. ``cmd`` runs that instead (the block is then
-        only checked like ``flags``). ``ray``: the block starts Ray (pytest marker ``ray``).
-    <!-- doc-test: output -->
-        quoted output: every line must appear in the output of the file's last ``run``
-        block. Numbers, and words holding digits or starting with ``/`` (paths, run names,
-        run ids), match any word; a line ``...`` skips.
+        repository, the README's set-up done (``.venv`` there, ``mpipemoe`` on PATH). The
+        blocks of one file run in order in one copy, so a later block can use what an
+        earlier one made; README.md and docs/training.md, read in that order, share one.
+        ``sub`` first replaces OLD (which must occur) by NEW: the small arguments that keep
+        the suite quick. ``cmd`` runs that instead (the block is then only checked like
+        ``flags``). ``ray``: the block starts Ray (the test gets the pytest marker ``ray``).
+        ``name``: an output block further on may name it with ``of=N``.
+    <!-- doc-test: output [of=N] -->
+        quoted output: every line must appear in the output of the last ``run`` block
+        before it (or of the one named N). Words holding digits or starting with ``/``
+        (numbers, paths, run names and ids) match any word; a line ``...`` is skipped.
     <!-- doc-test: flags REASON -->
         not run (GPU, cluster, minutes): every ``mpipemoe`` command in it must parse with
         that command's own options, and every repository file it names must exist.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import filecmp
+import hashlib
 import importlib
 import io
 import os
@@ -63,8 +65,9 @@ class Block:
     kind: str | None       # run / output / flags / skip, None when unmarked
     options: str = ""
     ray: bool = False
-    timeout: int = 120
+    timeout: int = 300
     cmd: str | None = None
+    name: str | None = None
     subs: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -95,6 +98,8 @@ def parse_options(block: Block) -> None:
             block.ray = True
         elif word.startswith("timeout="):
             block.timeout = int(word.split("=", 1)[1])
+        elif word.startswith(("name=", "of=")):
+            block.name = word.split("=", 1)[1]
         elif word.startswith("cmd="):
             block.cmd = word.split("=", 1)[1]
         elif word.startswith("sub="):
@@ -117,7 +122,7 @@ def read_blocks(doc: Path) -> list[Block]:
         marker = MARKER.match(lines[i - 1].strip()) if i else None
         block = Block(doc, i + 1, fence.group(2), "\n".join(lines[i + 1:end]),
                       marker.group(1) if marker else None, marker.group(2).strip() if marker else "")
-        if block.kind == "run":
+        if block.kind in ("run", "output"):
             parse_options(block)
         blocks.append(block)
         i = end + 1
@@ -127,6 +132,12 @@ def read_blocks(doc: Path) -> list[Block]:
 ALL_BLOCKS = [block for doc in DOCS for block in read_blocks(doc)]
 
 
+# Files read in sequence by a newcomer share one scratch copy: README.md's `make train` makes
+# the run that docs/training.md goes on to resume. Every other file with run blocks stands alone.
+STORIES = [[ROOT / "README.md", ROOT / "docs" / "training.md"]]
+STORIES += [[doc] for doc in DOCS if doc not in STORIES[0] and any(b.kind == "run" for b in read_blocks(doc))]
+
+
 def test_every_command_block_is_marked():
     unmarked = [block.where for block in ALL_BLOCKS if block.kind is None and block.holds_command()]
     assert not unmarked, (f"code blocks with a command but no <!-- doc-test: run|flags|skip --> marker "
@@ -134,9 +145,9 @@ def test_every_command_block_is_marked():
 
 
 def test_output_blocks_follow_a_run():
-    for doc in DOCS:
+    for docs in STORIES + [[doc] for doc in DOCS if not any(doc in story for story in STORIES)]:
         seen_run = False
-        for block in read_blocks(doc):
+        for block in (block for doc in docs for block in read_blocks(doc)):
             seen_run |= block.kind == "run"
             assert block.kind != "output" or seen_run, f"{block.where}: an output block with no run block before it"
 
@@ -312,31 +323,36 @@ def check_output(block: Block, output: str, ran: Block) -> None:
                          f"{missing}\n--- its output (last 3000 characters) ---\n{output[-3000:]}")
 
 
-def changed_files(repo: Path) -> list[str]:
-    return [name for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
-                                            text=True).stdout.split()
-            if (ROOT / name).is_file() and not filecmp.cmp(ROOT / name, repo / name, shallow=False)]
+def digests(repo: Path) -> dict[str, str]:
+    """Every copied file's content hash (the repository as the scratch copy started)."""
+    return {str(path.relative_to(repo)): hashlib.sha1(path.read_bytes()).hexdigest()
+            for path in repo.rglob("*") if path.is_file() and ".venv" not in path.relative_to(repo).parts}
 
 
-RUN_DOCS = [doc for doc in DOCS if any(block.kind == "run" for block in read_blocks(doc))]
+def _story_param(docs: list[Path]):
+    marks = [pytest.mark.ray] if any(block.ray for doc in docs for block in read_blocks(doc)) else []
+    return pytest.param(docs, marks=marks, id="+".join(str(doc.relative_to(ROOT)) for doc in docs))
 
 
-def _doc_param(doc: Path):
-    marks = [pytest.mark.ray] if any(block.ray for block in read_blocks(doc)) else []
-    return pytest.param(doc, marks=marks, id=str(doc.relative_to(ROOT)))
-
-
-@pytest.mark.parametrize("doc", [_doc_param(doc) for doc in RUN_DOCS])
-def test_doc_runs_as_written(doc, tmp_path):
-    """The file's run blocks, in order, in a fresh copy of the repository; the output blocks
-    after them quote lines the run prints; no committed file changes unless a run names it."""
+@pytest.mark.parametrize("docs", [_story_param(docs) for docs in STORIES])
+def test_doc_runs_as_written(docs, tmp_path):
+    """The run blocks, in order, in a fresh copy of the repository; the output blocks quote
+    lines the run before them prints; no committed file changes unless a command names it
+    (`--out results/x.json` may rewrite results/x.json and its .md)."""
     repo = scratch_repository(tmp_path)
-    output, ran = None, None
-    for block in read_blocks(doc):
+    before = digests(repo)
+    last, runs, named = None, {}, ""
+    for block in (block for doc in docs for block in read_blocks(doc)):
         if block.kind == "run":
-            output, ran = run_block(block, repo), block
+            last = runs[block.name] = (run_block(block, repo), block)
+            named += " " + block.runnable_text()
         elif block.kind == "output":
+            output, ran = runs[block.name] if block.name else last
             check_output(block, output, ran)
-    named = " ".join(block.runnable_text() for block in read_blocks(doc) if block.kind == "run")
-    overwritten = [name for name in changed_files(repo) if name not in named]
-    assert not overwritten, f"{doc.relative_to(ROOT)}: its commands overwrote committed files: {overwritten}"
+    after = digests(repo)
+    overwritten = [name for name, digest in before.items() if after.get(name) != digest
+                   and os.path.splitext(name)[0] not in named]
+    assert not overwritten, f"the documented commands overwrote committed files: {overwritten}"
+    added = [name for name in after.keys() - before.keys()
+             if name.startswith("results/") and os.path.splitext(name)[0] not in named]
+    assert not added, f"the documented commands wrote into results/ unasked (the default is out/): {added}"

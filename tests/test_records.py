@@ -20,3 +20,54 @@ def test_record_meta_names_command_date_hardware_and_code(monkeypatch):
     assert meta["hardware"].startswith("cpu (")
     assert re.fullmatch(r"[0-9a-f]{4,40}|\?", meta["git_commit"])
     assert meta["torch"] and meta["python"].count(".") == 2
+
+
+def _script(folder, name="mpipemoe"):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_hints_print_the_command_as_the_user_can_type_it(tmp_path, monkeypatch):
+    """`resume with:` and the like: `mpipemoe` only when PATH finds this very program."""
+    from app.records import invocation
+
+    script = _script(tmp_path / ".venv" / "bin")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the README's set-up not done: not on PATH
+    monkeypatch.setattr(sys, "argv", [".venv/bin/mpipemoe", "train"])
+    assert invocation() == ".venv/bin/mpipemoe"
+    monkeypatch.setattr(sys, "argv", [str(script), "train"])  # started by its absolute path
+    assert invocation() == ".venv/bin/mpipemoe"
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")  # source .venv/bin/activate
+    assert invocation() == "mpipemoe"
+    other = _script(tmp_path / "elsewhere")  # another mpipemoe first on PATH: not this one
+    monkeypatch.setenv("PATH", f"{other.parent}:{script.parent}")
+    assert invocation() == ".venv/bin/mpipemoe"
+    monkeypatch.chdir(tmp_path / "elsewhere")  # outside the folder: the absolute path
+    assert invocation() == str(script)
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "app" / "cli.py"), "train"])  # python -m app.cli
+    assert invocation().endswith(" -m app.cli")
+
+
+def test_generated_records_default_to_the_ignored_out_folder():
+    """bench, capacity, calibrate, simulate --validate and report never default to results/."""
+    import argparse
+    from pathlib import Path
+
+    from app import bench, calibrate, capacity, report, simulate
+    from app.records import DEFAULT_OUT_DIR
+
+    defaults = {}
+    for module in (bench, calibrate, capacity, report, simulate):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args([])
+        defaults[module.__name__] = getattr(args, "out", None) or getattr(args, "profiles", None)
+    assert defaults["app.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
+    assert defaults["app.report"].startswith(f"{DEFAULT_OUT_DIR}/")
+    assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
+    ignored = (Path(__file__).parent.parent / ".gitignore").read_text().split()
+    assert f"/{DEFAULT_OUT_DIR}/" in ignored
