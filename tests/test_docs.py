@@ -241,6 +241,32 @@ def test_commands_use_options_that_exist(where, text, inline):
     assert not problems, f"{where}: " + "; ".join(problems)
 
 
+def tool_commands() -> dict[tuple[str, str], set[str]]:
+    """(tool, subcommand) -> the options the docs give it, for `ray` and `mlflow` commands."""
+    used: dict[tuple[str, str], set[str]] = {}
+    for block in ALL_BLOCKS:
+        if block.kind not in ("run", "flags") or block.lang == "python":
+            continue
+        text = re.sub(r"\$\((ray [^)]*)\)", r" ; \1 ; ", block.text)  # $(ray get-head-ip ...)
+        for words in shell_commands(text):
+            if len(words) > 1 and words[0] in ("ray", "mlflow") and not words[1].startswith("-"):
+                used.setdefault((words[0], words[1]), set()).update(
+                    word.split("=")[0] for word in words[2:] if word.startswith("--"))
+    return used
+
+
+@pytest.mark.parametrize("tool,subcommand", sorted(tool_commands()))
+def test_ray_and_mlflow_commands_use_options_that_exist(tool, subcommand):
+    """`ray up`, `ray exec`, `mlflow server` ...: each option the docs pass is in its --help."""
+    if shutil.which(tool, path=str(Path(sys.executable).parent)) is None:
+        pytest.skip(f"{tool} is not installed beside this Python")
+    done = subprocess.run([str(Path(sys.executable).parent / tool), subcommand, "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"`{tool} {subcommand}` is not a command: {done.stderr[-500:]}"
+    missing = [option for option in tool_commands()[(tool, subcommand)] if option not in done.stdout]
+    assert not missing, f"`{tool} {subcommand}` has no option {missing} (see `{tool} {subcommand} --help`)"
+
+
 def test_relative_links_point_at_files_of_the_repository():
     broken = []
     for doc in DOCS:
