@@ -292,6 +292,21 @@ def test_no_citation_of_files_outside_the_repository():
     assert not cited, f"citations of files the repository does not hold: {cited}"
 
 
+def test_cited_sections_of_the_design_exist():
+    """`docs/design.md §4.1` (or `[design.md](design.md) §7`) in code and docs names a heading there."""
+    headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", (ROOT / "docs" / "design.md").read_text(), flags=re.M))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    cited = {}
+    for name in tracked:
+        if (ROOT / name).is_file() and not name.startswith("results/logs"):
+            text = (ROOT / name).read_text(errors="replace")
+            for citation in re.findall(r"design\.md\)? (§[\d.]+(?:, §[\d.]+)*)", text):
+                for number in re.findall(r"§(\d+(?:\.\d+)?)", citation):
+                    cited.setdefault(number, name)
+    unknown = {number: name for number, name in cited.items() if number not in headings}
+    assert cited and not unknown, f"sections docs/design.md does not have: {unknown} (it has {sorted(headings)})"
+
+
 # -- run: the blocks themselves, in a scratch copy of the repository ---------------------------
 
 def expected_line_pattern(line: str) -> re.Pattern:
@@ -318,21 +333,24 @@ def scratch_repository(tmp: Path) -> Path:
     return tmp
 
 
-def run_env(repo: Path) -> dict:
-    """The README's set-up: ``mpipemoe`` on PATH (the environment's bin), this checkout's code."""
+def run_env(repo: Path, activated: bool) -> dict:
+    """This checkout's code; ``mpipemoe`` on PATH once the README's ``source .venv/bin/activate``
+    ran (``activated``), and before that on PATH nowhere, as in a newcomer's fresh shell."""
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    plain = [folder for folder in env.get("PATH", "").split(os.pathsep)
+             if folder and not (Path(folder) / "mpipemoe").exists()]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent)] * activated + plain)
     env["PYTHONPATH"] = str(repo)
     env["MLFLOW_DISABLE_TELEMETRY"] = "true"
     env.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
     return env
 
 
-def run_block(block: Block, repo: Path) -> str:
+def run_block(block: Block, repo: Path, activated: bool) -> str:
     text = block.runnable_text()
     command = ([sys.executable, "-c", text] if block.lang == "python" and block.cmd is None
                else ["bash", "-euo", "pipefail", "-c", text])
-    done = subprocess.run(command, cwd=repo, env=run_env(repo), capture_output=True, text=True,
+    done = subprocess.run(command, cwd=repo, env=run_env(repo, activated), capture_output=True, text=True,
                           timeout=block.timeout)
     output = done.stdout + done.stderr
     assert done.returncode == 0, (f"{block.where}: the documented command failed (exit {done.returncode}):\n"
@@ -368,9 +386,11 @@ def test_doc_runs_as_written(docs, tmp_path):
     repo = scratch_repository(tmp_path)
     before = digests(repo)
     last, runs, named = None, {}, ""
+    activated = docs[0] != ROOT / "README.md"  # the docs/ files assume the README's set-up done
     for block in (block for doc in docs for block in read_blocks(doc)):
         if block.kind == "run":
-            last = runs[block.name] = (run_block(block, repo), block)
+            last = runs[block.name] = (run_block(block, repo, activated), block)
+            activated |= "source .venv/bin/activate" in block.runnable_text()
             named += " " + block.runnable_text()
         elif block.kind == "output":
             output, ran = runs[block.name] if block.name else last
