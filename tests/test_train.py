@@ -19,7 +19,7 @@ from app.data import MASK_ID, prepare_dataset
 from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from app.train import (TrainJob, add_arguments, comparison_table, job_from_args, save_job,
                        summarize, worker_config)
-from workers.distributed import average_gradients, clip_grad_norm, split_params
+from workers.distributed import DenseParallel, clip_grad_norm, split_params
 from workers.loop import learning_rate
 
 
@@ -116,31 +116,33 @@ def _batch():
     return torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(11))
 
 
-def _grads_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
+def _grads_on_rank(rank: int, world_size: int, port: int, out: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     try:
         model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe")
         init_parameters(model, seed=0, rank=rank)
+        parallel = DenseParallel(model, mode=mode, world_size=world_size)
         per_rank = 4 // world_size
         inputs_BS, targets_BS = lm_batch("gpt", _batch()[rank * per_rank:(rank + 1) * per_rank], MASK_ID, 259)
-        logits_BSV, _ = model(inputs_BS)
+        logits_BSV, _ = parallel.module(inputs_BS)
         lm_loss(logits_BSV, targets_BS).backward()
-        replicated, expert = split_params(model)
-        average_gradients(replicated, expert, world_size)
-        norm = clip_grad_norm(replicated, expert, 0.0, world_size)
-        torch.save({"norm": norm, "grads": {n: p.grad for n, p in model.named_parameters()}},
-                   Path(out) / f"rank{rank}.pt")
+        parallel.finish_gradients()
+        norm = parallel.clip_grad_norm(0.0)
+        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for n, p in model.named_parameters()}
+        torch.save({"norm": norm, "grads": grads}, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path, mode):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_grads_on_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_grads_on_rank, args=(2, port, str(tmp_path), mode), nprocs=2, join=True)
 
     model = MoETransformer(get_preset("tiny-gpt"), engine="fastmoe")
     init_parameters(model, seed=0)

@@ -21,7 +21,7 @@ import torch
 
 from app.data import MASK_ID, BatchSampler, load_rank_tokens
 from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
-from workers.distributed import average_gradients, reduce_max, split_params
+from workers.distributed import DenseParallel, reduce_max
 from workers.loop import build_optimizer, peak_memory_bytes
 
 
@@ -73,8 +73,10 @@ class BatchTrials:
         self.world_size, self.rank, self.config, self.on_trial = world_size, rank, config, on_trial
         self.preset = model.preset
         self.window = self.preset.seq_len + 1 if self.preset.kind == "gpt" else self.preset.seq_len
-        self.replicated, self.expert = split_params(model)
-        self.optimizer = build_optimizer(model, config["lr"], config["weight_decay"])
+        self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
+                                      world_size=world_size, device=device,
+                                      compute_dtype=getattr(torch, config["dtype"]))
+        self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
         self.generator = torch.Generator().manual_seed(config["seed"])
         self.trials: list[dict] = []
 
@@ -82,11 +84,12 @@ class BatchTrials:
         window_BW = torch.from_numpy(sampler.batch(index)).to(self.device)
         inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BW, MASK_ID, self.preset.vocab_size,
                                          self.generator)
-        logits_BSV, aux_loss = self.model(inputs_BS)
-        loss = lm_loss(logits_BSV, targets_BS) + self.config["aux_loss_weight"] * aux_loss
+        with self.parallel.autocast():
+            logits_BSV, aux_loss = self.parallel.module(inputs_BS)
+            loss = lm_loss(logits_BSV.float(), targets_BS) + self.config["aux_loss_weight"] * aux_loss.float()
         del logits_BSV
         loss.backward()
-        average_gradients(self.replicated, self.expert, self.world_size)
+        self.parallel.finish_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -142,7 +145,7 @@ def capacity_fn_per_worker(config: dict) -> None:
 
     model = MoETransformer(ModelPreset(**config["preset"]), engine=config["engine"], group=None,
                            partitions=config["partitions"], strategy=config["strategy"])
-    model.to(device=device, dtype=getattr(torch, config["dtype"]))
+    model.to(device=device)  # float32 master parameters; config["dtype"] is the autocast dtype
     init_parameters(model, config["seed"], rank)
     model.train()
     queue = config.get("metrics_queue") if rank == 0 else None

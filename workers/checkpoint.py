@@ -1,47 +1,125 @@
-"""Per-rank checkpoints of the training loop (local file I/O only, no collectives).
+"""Sharded checkpoints of the training loop (``torch.distributed.checkpoint``).
 
-A checkpoint directory holds, merged by Ray Train from every worker:
+A checkpoint directory ``checkpoint_NNNNNN/`` holds, merged by Ray Train from every worker:
 
-- ``rank_00000.pt`` ... one per rank: model state (replicated params and *this rank's*
-  expert shard), optimizer state, RNG states;
-- ``meta.json`` (rank 0): step, data position, world size, engine, preset, seed.
+- ``__R_0.distcp`` ... one per rank R, written by that rank: its shard of the model and
+  AdamW state (dense parameters once, or sharded under FSDP2; *this rank's* experts, saved
+  as slices of the global ``[E, ...]`` expert tensors) and its RNG state;
+- ``.metadata`` (rank 0): DCP's index of the tensors in the shards;
+- ``meta.json`` (rank 0), the completeness marker, written last (write, then rename):
+  step, data position, world size, engine, preset, seed, and every file of the checkpoint
+  with its size in bytes, gathered from all ranks after they wrote.
 
-A checkpoint loads only with the world size that wrote it (the expert shards are split
-by rank); it loads into any engine, since all engines share one parameter layout.
+``validate`` checks a directory against its ``meta.json`` (plain file I/O, no collectives):
+a checkpoint whose marker is missing, empty or unreadable, or one of whose files is missing
+or shorter/longer than recorded, is incomplete; ``choose`` picks the newest complete one.
+A checkpoint loads only with the world size that wrote it (the data shards are split by
+rank); it loads into any engine and either dense mode, since DCP reshards.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
 META = "meta.json"
+DAMAGED = "damaged"            # incomplete checkpoints are moved here (never deleted)
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+_NAME = re.compile(r"^checkpoint_(\d{6})$")
+_EXPERT_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint_{step:06d}"
 
 
-def save(directory: str | Path, rank: int, model, optimizer, meta: dict) -> None:
-    """Write this rank's state (and, on rank 0, ``meta``) into ``directory``."""
-    directory = Path(directory)
+# ---- collective: save and load --------------------------------------------------------------
+
+def _state(parallel, optimizer, rank: int, world_size: int) -> dict:
+    """Collective when W > 1 (DeviceMesh). The DCP state dict: model and optimizer by fully
+    qualified name, expert tensors as ``Shard(0)`` DTensors of the global expert tensor (DCP
+    would otherwise keep one rank's copy of a name), and this rank's RNG state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from workers.distributed import expert_param_names
+
+    model_sd, optim_sd = get_state_dict(parallel.model, optimizer)
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh(parallel.device.type, (world_size,))
+        for name in expert_param_names(parallel.model):
+            model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False)
+            moments = optim_sd["state"].get(name, {})
+            for key in _EXPERT_MOMENTS:
+                if key in moments:
+                    moments[key] = DTensor.from_local(moments[key], mesh, [Shard(0)], run_check=False)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng,
-                "rank": rank}, directory / rank_file(rank))
+    return {"model": model_sd, "optim": optim_sd, f"rng_rank{rank:05d}": rng}
+
+
+def _unshard_experts(state: dict, parallel) -> tuple[dict, dict]:
+    """Local. The model and optimizer state dicts of ``_state`` with the expert DTensors
+    made local again (FSDP2's own DTensors stay as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    from workers.distributed import expert_param_names
+
+    model_sd, optim_sd = dict(state["model"]), state["optim"]
+    for name in expert_param_names(parallel.model):
+        if isinstance(model_sd[name], DTensor):
+            model_sd[name] = model_sd[name].to_local()
+        moments = optim_sd["state"].get(name, {})
+        for key in _EXPERT_MOMENTS:
+            if isinstance(moments.get(key), DTensor):
+                moments[key] = moments[key].to_local()
+    return model_sd, optim_sd
+
+
+def save(directory: str | Path, rank: int, world_size: int, parallel, optimizer, meta: dict) -> None:
+    """Collective: every rank writes its shard into its ``directory`` (a local folder that
+    Ray Train merges into the run's checkpoint); rank 0 then writes ``meta.json`` listing
+    all ranks' files with their sizes."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    dcp.save(_state(parallel, optimizer, rank, world_size), storage_writer=dcp.FileSystemWriter(directory))
+    mine = {name: (directory / name).stat().st_size for name in sorted(os.listdir(directory))}
+    every = [mine]
+    if world_size > 1:
+        every = [None] * world_size
+        dist.all_gather_object(every, mine)
     if rank == 0:
-        (directory / META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+        files = {}
+        for listing in every:
+            files.update(listing)
+        temporary = directory / (META + ".tmp")
+        temporary.write_text(json.dumps({**meta, "files": files}, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, directory / META)
 
 
-def load(directory: str | Path, rank: int, world_size: int, model, optimizer, device,
+def load(directory: str | Path, rank: int, world_size: int, parallel, optimizer,
          preset: dict | None = None) -> dict:
-    """Restore this rank's state from ``directory``; returns the checkpoint's meta dict.
+    """Collective: restore this rank's state from ``directory``; returns its meta dict.
 
     ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
-    """
+    Raises ValueError naming the file and the fix for an incomplete checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     directory = Path(directory)
+    problem = validate(directory)
+    if problem:
+        raise ValueError(f"checkpoint {directory} is incomplete: {problem}; resume picks the newest "
+                         f"complete checkpoint (mpipemoe train --resume NAME)")
     meta = json.loads((directory / META).read_text())
     if preset is not None and meta.get("preset") != preset:
         changed = sorted(k for k in preset if meta.get("preset", {}).get(k) != preset[k])
@@ -49,14 +127,101 @@ def load(directory: str | Path, rank: int, world_size: int, model, optimizer, de
                          f"differ): resume with the model settings of that run")
     if meta["world_size"] != world_size:
         raise ValueError(f"checkpoint in {directory} was written by {meta['world_size']} workers "
-                         f"(expert shards are split by rank): resume with --num-workers {meta['world_size']}")
-    state = torch.load(directory / rank_file(rank), map_location=device, weights_only=True)
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    param_names = {name for name, _ in model.named_parameters()}
-    if param_names & set(missing):
-        raise ValueError(f"checkpoint in {directory} lacks parameters {sorted(param_names & set(missing))[:5]}")
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"].cpu())
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
+                         f"(the data shards are split by rank): resume with --num-workers {meta['world_size']}")
+    state = _state(parallel, optimizer, rank, world_size)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    model_sd, optim_sd = _unshard_experts(state, parallel)
+    set_state_dict(parallel.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    rng = state[f"rng_rank{rank:05d}"]
+    torch.set_rng_state(rng["torch"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
     return meta
+
+
+# ---- local: validation, choice, pruning ------------------------------------------------------
+
+def validate(directory: str | Path) -> str | None:
+    """Local. None if ``directory`` is a complete checkpoint, else what is wrong (one phrase)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return "its folder is missing"
+    try:
+        text = (directory / META).read_text()
+    except FileNotFoundError:
+        return f"{META} (the completeness marker, written last) is missing: the save did not finish"
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        return f"{META} is {'empty' if not text.strip() else 'not valid JSON'}"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{META} lists no files (written before sharded checkpoints, or damaged)"
+    for name, size in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} is {'truncated' if actual < size else 'damaged'} ({actual:,} of {size:,} bytes)"
+    return None
+
+
+def listed(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Local. (step, path) of the checkpoint folders in ``run_dir``, newest first."""
+    run_dir = Path(run_dir)
+    found = [(int(m.group(1)), path) for path in run_dir.iterdir() if (m := _NAME.match(path.name))] \
+        if run_dir.is_dir() else []
+    return sorted(found, reverse=True)
+
+
+def referenced_by_ray(run_dir: str | Path) -> set[str]:
+    """Local. Checkpoint folder names that Ray Train's run snapshot refers to."""
+    try:
+        return set(re.findall(r"checkpoint_\d{6}", (Path(run_dir) / RAY_SNAPSHOT).read_text()))
+    except (FileNotFoundError, UnicodeDecodeError):
+        return set()
+
+
+def choose(run_dir: str | Path) -> tuple[Path | None, list[tuple[str, str]]]:
+    """Local. The newest complete checkpoint of ``run_dir`` (None if there is none) and the
+    newer ones skipped, as (folder name, what is wrong): incomplete folders, and folders Ray
+    Train's snapshot names that are gone."""
+    present = listed(run_dir)
+    names = {path.name for _, path in present}
+    skipped = [(name, "its folder is missing") for name in sorted(referenced_by_ray(run_dir) - names, reverse=True)]
+    for step, path in present:
+        problem = validate(path)
+        if problem is None:
+            newest = step
+            skipped = [(n, why) for n, why in skipped if _NAME.match(n) and int(n[11:]) > newest]
+            return path, skipped
+        skipped.append((path.name, problem))
+    return None, skipped
+
+
+def set_aside(run_dir: str | Path, name: str) -> Path | None:
+    """Local. Move an incomplete checkpoint folder to ``run_dir/damaged/`` (a resumed run
+    writes a folder of the same name again); returns where it went, None if it is gone."""
+    source = Path(run_dir) / name
+    if not source.exists():
+        return None
+    target = Path(run_dir) / DAMAGED / name
+    suffix = 1
+    while target.exists():
+        target = Path(run_dir) / DAMAGED / f"{name}.{suffix}"
+        suffix += 1
+    target.parent.mkdir(exist_ok=True)
+    os.replace(source, target)
+    return target
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Local. Delete all but the ``keep`` newest complete checkpoints (``keep`` 0: keep all);
+    incomplete folders are left alone. Returns the deleted folders."""
+    if keep <= 0:
+        return []
+    complete = [path for _, path in listed(run_dir) if validate(path) is None]
+    for path in complete[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+    return complete[keep:]

@@ -1,23 +1,38 @@
-"""Gradient and metric collectives of the training loop (each function is one or two collectives).
+"""Data parallelism of the dense part, the global gradient clip and metric collectives.
 
 Parallel layout (docs/design.md §3): W ranks in the default process group, which is also the
 expert-parallel group. The dense part (embeddings, attention, norms, routers) is
-replicated and data parallel; each rank holds E/W experts of every MoE layer.
+replicated (or, with ``shard_dense``, sharded) and data parallel; each rank holds E/W
+experts of every MoE layer.
 
 Gradient rule, so the update equals that of the mean loss over all W ranks' tokens:
-- replicated parameters: all-reduce (sum) in one flat bucket, then divide by W;
-- expert parameters (name contains ``experts.``): the MoE layer already summed the
-  gradient over every rank's tokens; only divide by W. Never all-reduce them.
+- dense parameters: PyTorch's data parallelism averages them over ranks:
+  ``DistributedDataParallel`` (bucketed all-reduce overlapped with backward), or FSDP2's
+  ``fully_shard`` (reduce-scatter; parameters, gradients and AdamW state sharded);
+- expert parameters (marked where they are created, see ``app.model.is_expert_param``):
+  the MoE layer already summed the gradient over every rank's tokens; they are excluded
+  from DDP/FSDP2 and only divided by W (``DenseParallel.finish_gradients``).
 
-We do not use DistributedDataParallel: it would all-reduce the expert shards too.
+Mixed precision: parameters and AdamW state stay float32 (the master weights); the
+forward runs under ``torch.autocast`` at the compute dtype, so gradients arrive in float32
+and are reduced in float32 (FSDP2: ``MixedPrecisionPolicy(param_dtype=compute,
+reduce_dtype=float32)``).
+
+The dense collectives run on their own process group (same ranks): the MoE layers'
+All-to-Alls and DDP's bucket all-reduces are issued from different places during backward,
+and on one gloo group two ranks issuing them in a different order would pair the wrong
+collectives.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from app.model import is_expert_param
+
+DENSE_MODES = ("ddp", "fsdp2")
 
 
 def world() -> tuple[int, int]:
@@ -28,52 +43,111 @@ def world() -> tuple[int, int]:
 
 
 def split_params(model: torch.nn.Module) -> tuple[list, list]:
-    """(replicated, expert) parameter lists, in a fixed order (same on every rank)."""
-    replicated, expert = [], []
+    """(dense, expert) parameter lists, in a fixed order (same on every rank)."""
+    dense, expert = [], []
     for name, param in model.named_parameters():
-        (expert if is_expert_param(name) else replicated).append(param)
-    return replicated, expert
+        (expert if is_expert_param(name) else dense).append(param)
+    return dense, expert
 
 
-def average_gradients(replicated: list, expert: list, world_size: int) -> None:
-    """Collective: one all-reduce of the replicated grads (flat bucket); scales all by 1/W."""
-    if world_size == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
-    if grads:
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        for param, synced in zip(replicated, _unflatten_dense_tensors(flat, grads)):
-            if param.grad is None:
-                param.grad = synced
-            else:
-                param.grad.copy_(synced)
-    for param in expert:
-        if param.grad is not None:
-            param.grad.div_(world_size)
+def expert_param_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters() if is_expert_param(name)]
 
 
-def clip_grad_norm(replicated: list, expert: list, max_norm: float, world_size: int) -> float:
-    """Collective: global gradient norm (expert shards summed over ranks); clips to ``max_norm``.
+class DenseParallel:
+    """The model wrapped for data parallelism of its dense part (collective at construction).
+
+    ``module`` is what to call (DDP wrapper, or the model itself: FSDP2 and W=1 change it in
+    place); ``model`` the plain model. ``mode``: "ddp" or "fsdp2"; with W=1 nothing is
+    wrapped. ``compute_dtype``: the autocast dtype of ``autocast()`` (float32: none).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, mode: str = "ddp", world_size: int = 1,
+                 device: torch.device = torch.device("cpu"), compute_dtype: torch.dtype = torch.float32):
+        if mode not in DENSE_MODES:
+            raise ValueError(f"dense parallelism {mode!r} is unknown: choose one of {', '.join(DENSE_MODES)}")
+        self.model, self.mode, self.world_size, self.device = model, mode, world_size, device
+        self.compute_dtype = compute_dtype
+        self.dense, self.expert = split_params(model)
+        self.module = model
+        if world_size == 1:
+            return
+        # Collective: a group of its own for the dense collectives (see the module docstring).
+        group = dist.new_group(ranks=list(range(world_size)))
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+            self.module = DDP(model, process_group=group, broadcast_buffers=False,
+                              device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = DeviceMesh.from_group(group, device.type)
+            policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                          reduce_dtype=torch.float32)
+            for block in model.blocks:  # one all-gather / reduce-scatter unit per block
+                fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=set(split_params(block)[1]))
+            fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=set(self.expert))
+            self.dense, self.expert = split_params(model)  # the sharded (DTensor) parameters
+
+    def autocast(self):
+        """Local. The forward's mixed-precision context (a no-op for float32)."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def sync(self, last_micro_batch: bool):
+        """Local. Around a micro-batch's forward and backward: the dense gradients are reduced
+        only in the last micro-batch of a step (earlier ones accumulate locally)."""
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        if self.mode == "ddp":
+            return contextlib.nullcontext() if last_micro_batch else self.module.no_sync()
+        self.model.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
+
+    def finish_gradients(self) -> None:
+        """Local. Expert grads / W (the MoE layer summed them over every rank's tokens; the
+        dense ones were averaged by DDP/FSDP2)."""
+        if self.world_size == 1:
+            return
+        for param in self.expert:
+            if param.grad is not None:
+                param.grad.div_(self.world_size)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Collective: exact global gradient norm over the dense part and every rank's expert
+        shard; clips to ``max_norm``. Returns the norm before clipping (the same on every
+        rank). ``max_norm <= 0`` only measures."""
+        return clip_grad_norm(self.dense, self.expert, max_norm, self.world_size)
+
+
+def _square_sum(grads: list, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+
+
+def clip_grad_norm(dense: list, expert: list, max_norm: float, world_size: int) -> float:
+    """Collective: global gradient norm (expert shards and FSDP2-sharded dense grads summed
+    over ranks, replicated dense grads counted once); clips to ``max_norm``.
 
     Returns the norm before clipping (the same on every rank). ``max_norm <= 0`` only measures.
     """
-    def sq(params):
-        grads = [p.grad.float() for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
-        return torch.stack([g.pow(2).sum() for g in grads]).sum()
+    from torch.distributed.tensor import DTensor
 
-    device = (replicated or expert)[0].device
-    expert_sq = sq(expert).to(device)
+    device = (dense or expert)[0].device
+    sharded = [p.grad.to_local() for p in dense if isinstance(p.grad, DTensor)]
+    replicated = [p.grad for p in dense if p.grad is not None and not isinstance(p.grad, DTensor)]
+    summed = _square_sum(sharded + [p.grad for p in expert if p.grad is not None], device)
     if world_size > 1:
-        dist.all_reduce(expert_sq)
-    total = (sq(replicated).to(device) + expert_sq).sqrt()
-    norm = float(total)
+        dist.all_reduce(summed)
+    norm = float((_square_sum(replicated, device) + summed).sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for param in replicated + expert:
+        for param in dense + expert:
             if param.grad is not None:
                 param.grad.mul_(scale)
     return norm
@@ -93,3 +167,16 @@ def reduce_max(values: list[float], device, world_size: int) -> list[float]:
     if world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def training_state_bytes(dense_numel: int, expert_numel: int, world_size: int, shard_dense: bool,
+                         compute_bytes: int) -> dict[str, int]:
+    """Local. Bytes per rank of the training state (not activations): float32 master
+    parameters, float32 gradients, AdamW's two float32 moments, and the compute-dtype copy
+    of the dense parameters that autocast / FSDP2 materialise per step (0 for float32).
+    ``dense_numel`` / ``expert_numel``: unsharded dense and this rank's expert elements."""
+    dense_here = -(-dense_numel // world_size) if shard_dense else dense_numel
+    params = 4 * (dense_here + expert_numel)
+    return {"master_params_bytes": params, "grads_bytes": params, "optimizer_state_bytes": 2 * params,
+            "compute_copy_bytes": 0 if compute_bytes == 4 else compute_bytes * (dense_numel + expert_numel),
+            "training_state_bytes": 4 * params}

@@ -48,8 +48,7 @@ from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
-from workers.distributed import (average_gradients, clip_grad_norm, reduce_max, reduce_sum,
-                                 split_params)
+from workers.distributed import DenseParallel, reduce_max, reduce_sum
 
 
 class StepError(RuntimeError):
@@ -99,13 +98,113 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (incl. expert weights), not on biases/norms."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the float32 master parameters; weight decay on matrices (incl. expert
+    weights), not on biases/norms. Dense and expert parameters sit in separate groups (under
+    FSDP2 the dense ones are DTensors, which foreach kernels do not mix with plain tensors)."""
+    groups = []
+    for params in (parallel.dense, parallel.expert):
+        for decay, wanted in ((weight_decay, True), (0.0, False)):
+            chosen = [p for p in params if (p.dim() >= 2) == wanted]
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": decay})
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class Trainer:
+    """One rank's model, optimizer and data (no Ray: tests drive it on gloo ranks).
+
+    ``step(step)`` is one optimizer step over ``grad_accum`` micro-batches of
+    ``batch_size`` sequences each; micro-batch j of step s is batch (s-1)*K + j of this
+    rank's sampler, so K micro-batches of b sequences are exactly the batch of K*b
+    sequences of the same step. Each micro-batch's forward and backward run before the
+    next forward, so one micro-batch is in flight at a time and the MoE layers' host
+    buffers (taken per forward, given back by its backward) are reused across them.
+    """
+
+    def __init__(self, config: dict, rank: int, world_size: int, device: torch.device, host_pool=None):
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.preset = ModelPreset(**config["preset"])
+        self.preset.check_world_size(world_size)
+        model = MoETransformer(self.preset, engine=config["engine"], group=None, partitions=config["partitions"],
+                               strategy=config["strategy"], host_pool=host_pool)
+        model.to(device=device)  # float32 master parameters; compute dtype via autocast
+        init_parameters(model, config["seed"], rank)
+        self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
+                                      world_size=world_size, device=device,
+                                      compute_dtype=getattr(torch, config["dtype"]))
+        self.model = model
+        self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
+        window = config["seq_len"] + 1 if self.preset.kind == "gpt" else config["seq_len"]
+        self.grad_accum = config.get("grad_accum", 1)
+        self.sampler = BatchSampler(load_rank_tokens(config["data_dir"], rank, world_size),
+                                    config["batch_size"], window, config["seed"], rank)
+        self.nonfinite_in_a_row = 0
+
+    def epoch_of(self, step: int) -> int:
+        return self.sampler.epoch_of((step - 1) * self.grad_accum)
+
+    def _micro_batch(self, step: int, micro: int):
+        window_BW = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
+        seed = self.config["seed"] * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
+        return lm_batch(self.preset.kind, window_BW, MASK_ID, self.preset.vocab_size,
+                        torch.Generator().manual_seed(seed))
+
+    def step(self, step: int, nan_loss: bool = False) -> dict:
+        """Collective: one optimizer step. Returns mean lm/aux loss over ranks and
+        micro-batches, grad_norm (NaN when skipped), lr, skipped."""
+        config, rank, K = self.config, self.rank, self.grad_accum
+        lm_total = aux_total = 0.0
+        skip = False
+        for micro in range(K):
+            inputs_BS, targets_BS = self._micro_batch(step, micro)
+            with self.parallel.sync(last_micro_batch=micro == K - 1):
+                # 2. forward under autocast (engine errors are re-raised naming the step;
+                #    NaN/Inf in a MoE layer's input, raised on every rank together, counts as a
+                #    non-finite loss)
+                try:
+                    with self.parallel.autocast():
+                        logits_BSV, aux_loss = self.parallel.module(inputs_BS)
+                        loss_lm = lm_loss(logits_BSV.float(), targets_BS)
+                    if nan_loss:
+                        loss_lm = loss_lm * float("nan")
+                    loss = loss_lm + config["aux_loss_weight"] * aux_loss.float()
+                    local_losses = [loss_lm.item(), aux_loss.item()]
+                except NonFiniteInputError:
+                    loss, local_losses = None, [math.nan, math.nan]
+                except Exception as error:
+                    raise StepError(f"step {step} failed on rank {rank} (engine {config['engine']}): "
+                                    f"{type(error).__name__}: {error}") from error
+                # 3. global losses; on NaN/Inf every rank halts, or skips this update, together
+                lm_sum, aux_sum = reduce_sum(local_losses, self.device, self.world_size)
+                lm_total += lm_sum / self.world_size / K
+                aux_total += aux_sum / self.world_size / K
+                if not (math.isfinite(lm_sum) and math.isfinite(aux_sum)):
+                    skip = True
+                    break
+                # 4. backward of this micro-batch's share of the step's loss (the dense
+                #    gradients are reduced in the last micro-batch, overlapped with backward)
+                try:
+                    (loss / K).backward()
+                except Exception as error:
+                    raise StepError(f"step {step} backward failed on rank {rank} (engine {config['engine']}): "
+                                    f"{type(error).__name__}: {error}") from error
+                del loss, logits_BSV
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
+        if skip:
+            check_nonfinite_loss(step, lm_total, aux_total, config.get("on_nonfinite_loss", "halt"),
+                                 self.nonfinite_in_a_row, config)
+        grad_norm, lr = math.nan, learning_rate(step, config["lr"], config["warmup_steps"])
+        if not skip:
+            # 5. expert grads / W (dense ones were averaged by DDP/FSDP2)
+            self.parallel.finish_gradients()
+            # 6. global clip, update
+            grad_norm = self.parallel.clip_grad_norm(config["grad_clip"])
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip)}
 
 
 def train_fn_per_worker(config: dict) -> None:
@@ -118,45 +217,36 @@ def train_fn_per_worker(config: dict) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(config["torch_threads"])
-    dtype = getattr(torch, config["dtype"])
     seed = config["seed"]
     torch.manual_seed(seed + rank)
 
     # Model, optimizer, data ------------------------------------------------------------
-    preset = ModelPreset(**config["preset"])
-    preset.check_world_size(world_size)
     # Offload buffers may take a fair share of the node's free host memory (else S4).
     host_pool = HostBufferPool(usable_fraction=0.8 / max(1, context.get_local_world_size()))
-    model = MoETransformer(preset, engine=config["engine"], group=None,
-                           partitions=config["partitions"], strategy=config["strategy"], host_pool=host_pool)
-    model.to(device=device, dtype=dtype)
-    init_parameters(model, seed, rank)
-    replicated, expert = split_params(model)
-    optimizer = build_optimizer(model, config["lr"], config["weight_decay"])
+    trainer = Trainer(config, rank, world_size, device, host_pool)
 
     start_step = 0
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = ray.train.get_checkpoint()  # a restart within this run: the last one reported
+    resume_from = config.get("resume_from")  # a resumed run: the newest complete one (driver's choice)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            meta = ckpt.load(directory, rank, world_size, model, optimizer, device, config["preset"])
+            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config["preset"])
+        start_step = meta["step"]
+    elif resume_from:
+        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config["preset"])
         start_step = meta["step"]
 
-    seq_len = config["seq_len"]
-    window = seq_len + 1 if preset.kind == "gpt" else seq_len
-    sampler = BatchSampler(load_rank_tokens(config["data_dir"], rank, world_size),
-                           config["batch_size"], window, seed, rank)
-    tokens_per_step = world_size * config["batch_size"] * seq_len
+    tokens_per_step = world_size * config["batch_size"] * trainer.grad_accum * config["seq_len"]
     queue = config.get("metrics_queue") if rank == 0 else None
     attempt = uuid.uuid4().hex[:8]  # tells the driver when Ray Train restarted the workers
-    policy = config.get("on_nonfinite_loss", "halt")
-    nonfinite_in_a_row = 0
+    fresh = checkpoint is None and not resume_from
 
     # Loop -------------------------------------------------------------------------------
-    model.train()
+    trainer.model.train()
     for step in range(start_step + 1, config["steps"] + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if start_step == 0 and fault_here(config, "exit", step, rank, world_size):
+        if fresh and fault_here(config, "exit", step, rank, world_size):
             time.sleep(3)  # let the controller (2 s poll) register the last checkpoint first
             os._exit(1)    # a worker dies mid-run
         if fault_here(config, "stall", step, rank, world_size):
@@ -164,49 +254,8 @@ def train_fn_per_worker(config: dict) -> None:
         started = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)  # peak_memory_bytes is this step's peak
-        # 1. this rank's batch at data position step-1
-        window_BW = torch.from_numpy(sampler.batch(step - 1)).to(device)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + step)
-        inputs_BS, targets_BS = lm_batch(preset.kind, window_BW, MASK_ID, preset.vocab_size, generator)
-        # 2. forward (engine errors are re-raised naming the step; NaN/Inf in a MoE layer's
-        #    input, raised on every rank together, counts as a non-finite loss)
-        try:
-            logits_BSV, aux_loss = model(inputs_BS)
-            loss_lm = lm_loss(logits_BSV, targets_BS)
-            if fault_here(config, "nan_loss", step, rank, world_size):
-                loss_lm = loss_lm * float("nan")
-            loss = loss_lm + config["aux_loss_weight"] * aux_loss
-            local_losses = [loss_lm.item(), aux_loss.item()]
-        except NonFiniteInputError:
-            loss, local_losses = None, [math.nan, math.nan]
-        except Exception as error:
-            raise StepError(f"step {step} failed on rank {rank} (engine {config['engine']}): "
-                            f"{type(error).__name__}: {error}") from error
-        # 3. global losses; on NaN/Inf every rank halts, or skips this update, together
-        lm_sum, aux_sum = reduce_sum(local_losses, device, world_size)
-        mean_lm, mean_aux = lm_sum / world_size, aux_sum / world_size
-        skip = not (math.isfinite(mean_lm) and math.isfinite(mean_aux))
-        nonfinite_in_a_row = nonfinite_in_a_row + 1 if skip else 0
-        if skip:
-            check_nonfinite_loss(step, mean_lm, mean_aux, policy, nonfinite_in_a_row, config)
-        grad_norm, lr = math.nan, learning_rate(step, config["lr"], config["warmup_steps"])
-        if skip:
-            loss = None  # drop the graph: no backward, no update
-        else:
-            # 4. backward
-            try:
-                loss.backward()
-            except Exception as error:
-                raise StepError(f"step {step} backward failed on rank {rank} (engine {config['engine']}): "
-                                f"{type(error).__name__}: {error}") from error
-            # 5. data-parallel averaging of replicated grads; expert grads / W
-            average_gradients(replicated, expert, world_size)
-            # 6. clip, update
-            grad_norm = clip_grad_norm(replicated, expert, config["grad_clip"], world_size)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # 1-6. micro-batches at data position step-1: forward, losses, backward; clip, update
+        result = trainer.step(step, nan_loss=fault_here(config, "nan_loss", step, rank, world_size))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # 7. slowest rank's time, largest peak memory
@@ -215,27 +264,24 @@ def train_fn_per_worker(config: dict) -> None:
         # 8. report
         metrics = {
             "step": step,
-            "loss": mean_lm + config["aux_loss_weight"] * mean_aux,
-            "lm_loss": mean_lm,
-            "aux_loss": mean_aux,
+            "loss": result["lm_loss"] + config["aux_loss_weight"] * result["aux_loss"],
+            **result,
             "tokens_per_s": tokens_per_step / step_time,
             "step_time_s": step_time,
             "peak_memory_bytes": int(peak),
-            "grad_norm": grad_norm,
-            "lr": lr,
             "tokens_seen": step * tokens_per_step,
-            "epoch": sampler.epoch_of(step - 1),
-            "skipped": int(skip),
+            "epoch": trainer.epoch_of(step),
             "attempt": attempt,
-            **model.engine_choices(),
+            **trainer.model.engine_choices(),
         }
         if queue is not None:
             queue.put(metrics)
         every = config["checkpoint_every"]  # 0 = no checkpoints
         if every and (step % every == 0 or step == config["steps"]):
-            meta = {"step": step, "data_position": step, "world_size": world_size,
-                    "engine": config["engine"], "seed": seed, "preset": config["preset"]}
+            meta = {"step": step, "data_position": step, "world_size": world_size, "engine": config["engine"],
+                    "seed": seed, "preset": config["preset"], "grad_accum": trainer.grad_accum,
+                    "shard_dense": bool(config.get("shard_dense"))}
             with tempfile.TemporaryDirectory() as directory:
-                ckpt.save(directory, rank, model, optimizer, meta)
+                ckpt.save(directory, rank, world_size, trainer.parallel, trainer.optimizer, meta)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                                 checkpoint_dir_name=f"checkpoint_{step:06d}")
+                                 checkpoint_dir_name=ckpt.checkpoint_name(step))

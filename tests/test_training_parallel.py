@@ -1,0 +1,133 @@
+"""Tier 2 (2 gloo ranks, no Ray): the worker's ``Trainer`` under DDP and FSDP2, bf16
+autocast over float32 master weights, gradient accumulation, sharded checkpoints.
+
+One spawn of 2 ranks (``runs`` fixture) trains the same tiny-gpt job several ways; the tests
+compare the per-step losses:
+- DDP and FSDP2 (``shard_dense``) give the same losses (float32);
+- bf16 compute stays within tolerance of float32 (and differs from it: autocast is on);
+- K=2 micro-batches of b sequences equal one batch of 2b (``aux_loss_weight=0``: the
+  load-balance loss of a batch is not the mean of its halves');
+- k steps, a sharded checkpoint (each rank writes its own folder, merged as Ray Train
+  does), a fresh Trainer loading it, and N-k more steps equal N steps straight, for DDP and
+  FSDP2; the expert shards in the checkpoint are slices of the global expert tensors.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.data import MASK_ID, prepare_dataset
+from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
+from tests.distributed import run_on_ranks
+
+N, K = 4, 2
+
+
+def _config(data_dir: str, **change) -> dict:
+    preset = get_preset("tiny-gpt").replace(vocab_size=259)
+    import dataclasses
+
+    config = {"preset": dataclasses.asdict(preset), "engine": "mpipemoe", "partitions": 2, "strategy": "S1",
+              "seed": 3, "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 1.0,
+              "aux_loss_weight": 0.01, "steps": N, "batch_size": 4, "seq_len": preset.seq_len,
+              "data_dir": data_dir, "dtype": "float32", "shard_dense": False, "grad_accum": 1}
+    config.update(change)
+    return config
+
+
+def _losses(trainer, steps) -> list[float]:
+    return [trainer.step(step)["lm_loss"] for step in steps]
+
+
+def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
+    import torch.distributed as dist
+
+    from workers import checkpoint as ckpt
+    from workers.loop import Trainer
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    results = {}
+    for name, change in (("ddp", {}), ("fsdp2", {"shard_dense": True}), ("bf16", {"dtype": "bfloat16"}),
+                         ("accum", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0}),
+                         ("whole", {"batch_size": 4, "aux_loss_weight": 0.0})):
+        torch.manual_seed(rank)
+        results[name] = _losses(Trainer(_config(data_dir, **change), rank, world_size, device), range(1, N + 1))
+    for name, change in (("ddp", {}), ("fsdp2", {"shard_dense": True})):
+        torch.manual_seed(rank)
+        first = Trainer(_config(data_dir, **change), rank, world_size, device)
+        losses = _losses(first, range(1, K + 1))
+        own = Path(out) / name / f"rank{rank}"  # what each worker reports to Ray Train ...
+        own.mkdir(parents=True)
+        ckpt.save(own, rank, world_size, first.parallel, first.optimizer,
+                  {"step": K, "world_size": world_size, "preset": first.config["preset"]})
+        dist.barrier()
+        merged = Path(out) / name / "merged"  # ... and what Ray Train makes of it
+        if rank == 0:
+            for r in range(world_size):
+                shutil.copytree(Path(out) / name / f"rank{r}", merged, dirs_exist_ok=True)
+        dist.barrier()
+        torch.manual_seed(100 + rank)  # the checkpoint's RNG state must win
+        second = Trainer(_config(data_dir, **change), rank, world_size, device)
+        meta = ckpt.load(merged, rank, world_size, second.parallel, second.optimizer, second.config["preset"])
+        results[f"{name}_resumed"] = losses + _losses(second, range(meta["step"] + 1, N + 1))
+        embed = second.model.tok_embed.weight
+        local = embed.to_local() if hasattr(embed, "to_local") else embed
+        results[f"{name}_dense_shard"] = (type(embed).__name__, local.shape[0])
+        results[f"{name}_experts"] = {n: p.detach().clone() for n, p in second.model.named_parameters()
+                                      if "experts." in n}
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    prepare_dataset(root / "data", max_bytes=2**18, row_len=1024)
+    results = run_on_ranks(2, _train_ways, str(root / "data"), str(root / "out"))
+    return results, root / "out"
+
+
+def test_ddp_and_fsdp2_give_the_same_losses(runs):
+    results, _ = runs
+    assert results[0]["ddp"] == results[1]["ddp"]  # every rank reports the global mean
+    assert results[0]["fsdp2"] == pytest.approx(results[0]["ddp"], rel=1e-5, abs=1e-6)
+    assert results[0]["ddp"][-1] < results[0]["ddp"][0]
+
+
+def test_bf16_compute_stays_near_float32(runs):
+    results, _ = runs
+    fp32, bf16 = results[0]["ddp"], results[0]["bf16"]
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16 != fp32  # autocast really ran in bf16
+
+
+def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(runs):
+    results, _ = runs
+    assert results[0]["accum"] == pytest.approx(results[0]["whole"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_sharded_checkpoint_resumes_exactly(runs, mode):
+    results, out = runs
+    for rank in range(2):
+        assert results[rank][f"{mode}_resumed"] == results[rank][mode]  # exactly
+    files = json.loads((out / mode / "merged" / "meta.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    # the checkpoint holds the global expert tensors [E, ...], each rank's slice from its shard
+    from torch.distributed.checkpoint import FileSystemReader
+
+    w1 = "blocks.0.moe.experts.w1"
+    metadata = FileSystemReader(str(out / mode / "merged")).read_metadata().state_dict_metadata
+    assert tuple(metadata[f"model.{w1}"].size) == (4, 128, 256)
+    assert tuple(metadata[f"optim.state.{w1}.exp_avg"].size) == (4, 128, 256)
+    assert not torch.equal(results[0][f"{mode}_experts"][w1], results[1][f"{mode}_experts"][w1])
+
+
+def test_fsdp2_shards_the_dense_part(runs):
+    results, _ = runs
+    assert results[0]["fsdp2_dense_shard"] == ("DTensor", 259 // 2 + 1)  # tok_embed rows on rank 0
+    assert results[0]["ddp_dense_shard"] == ("Parameter", 259)
