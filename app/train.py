@@ -31,11 +31,13 @@ from pathlib import Path
 
 from app import data as data_lib
 from app.model import ENGINES, PRESETS, STRATEGIES, get_preset
+from workers import checkpoint as ckpt
 from workers.loop import NONFINITE_POLICIES
 
 PRESET_NAMES = tuple(PRESETS)
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _fail(field: str, value, fix: str) -> None:
@@ -71,7 +73,11 @@ class TrainJob:
     cpus_per_worker: float | None = None  # None: 0.9 on CPU (2 workers fit 2 cores), 1 on GPU
     num_experts: int | None = None     # override the preset's experts per MoE layer
     num_layers: int | None = None      # override the preset's layer count
-    dtype: str = "auto"                # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"                # compute dtype (autocast): auto (bfloat16 on GPU, float32 on CPU) |
+                                       # float32 | bfloat16; parameters and AdamW state are always float32
+    shard_dense: bool = False          # FSDP2 for the dense part (params, grads, AdamW state sharded); else DDP
+    grad_accum: int = 1                # micro-batches of batch_size per optimizer step
+    keep_checkpoints: int = 2          # complete checkpoints kept (older ones are deleted); 0 = all
     weight_decay: float = 0.1
     warmup_steps: int = 5
     grad_clip: float = 1.0             # global grad-norm clip; 0 = off
@@ -85,7 +91,7 @@ class TrainJob:
         get_preset(self.preset)
         if self.engine not in ENGINES:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
-        for field in ("steps", "num_workers", "batch_size", "log_every", "collective_timeout_s"):
+        for field in ("steps", "num_workers", "batch_size", "log_every", "collective_timeout_s", "grad_accum"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(field, value, "give an integer >= 1")
@@ -93,7 +99,7 @@ class TrainJob:
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
-        for field in ("warmup_steps", "max_failures", "seed", "checkpoint_every"):
+        for field in ("warmup_steps", "max_failures", "seed", "checkpoint_every", "keep_checkpoints"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(field, value, "give an integer >= 0")
@@ -104,8 +110,14 @@ class TrainJob:
             _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
         if self.strategy not in STRATEGIES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            _fail("dtype", self.dtype, "choose auto, float32, bfloat16 or float16")
+        if self.dtype == "float16":
+            _fail("dtype", self.dtype, "float16 compute needs loss scaling, which this trainer does not do; "
+                  "use --dtype bfloat16 (same memory and speed, no scaling needed) or float32")
+        if self.dtype not in COMPUTE_DTYPES:
+            _fail("dtype", self.dtype, f"choose {', '.join(COMPUTE_DTYPES)} (the compute dtype; parameters and "
+                  f"optimizer state are float32)")
+        if not isinstance(self.shard_dense, bool):
+            _fail("shard_dense", self.shard_dense, "give True (FSDP2) or False (DDP)")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
         for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
@@ -162,6 +174,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
         "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype,
         "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
         "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
+        "shard_dense": job.shard_dense, "grad_accum": job.grad_accum,
     }
 
 
@@ -219,7 +232,7 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
         run_config=ray.train.RunConfig(
             name=job.name, storage_path=job.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.keep_checkpoints or None)),
     )
 
 
@@ -256,10 +269,13 @@ class _MetricsPump:
 
     A restart of the workers by Ray Train shows as a new ``attempt`` id (or a step that
     goes back): it is printed and recorded in MLflow (tag and metric ``restarts``).
+    Steps up to ``logged_through`` (a resumed run's last step already in MLflow, replayed
+    from an earlier checkpoint with the same values: exact resume) are not logged again.
     """
 
-    def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step):
+    def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step, logged_through: int = 0):
         self.queue, self.run, self.job, self.echo, self.on_step = metrics_queue, run, job, echo, on_step
+        self.logged_through = logged_through
         self.history: list[dict] = []
         self.restarts = 0
         self._attempt = None
@@ -302,7 +318,8 @@ class _MetricsPump:
             self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
                       f"aux_loss={metrics['aux_loss']}); no update")
         self.history.append(metrics)
-        self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if step > self.logged_through:
+            self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
             self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
             self.run.flush()
@@ -336,18 +353,30 @@ def summarize(history: list[dict]) -> dict:
     return summary
 
 
+def model_memory(job: TrainJob, config: dict) -> dict:
+    """Parameter counts of the whole model and the training state per worker in bytes
+    (float32 master weights, float32 gradients, AdamW's two float32 moments, the compute
+    copy under bf16; the dense part divided by W under ``shard_dense``). Activations are
+    the MoE engine's memory model (docs/engine.md)."""
+    import torch
+
+    from app.model import ModelPreset, MoETransformer, param_counts
+    from workers.distributed import training_state_bytes
+
+    with torch.device("meta"):
+        model = MoETransformer(ModelPreset(**config["preset"]), engine=job.engine)
+    counts = param_counts(model)  # one process: every expert
+    compute_bytes = torch.empty((), dtype=getattr(torch, config["dtype"])).element_size()
+    return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // job.num_workers,
+                                             job.num_workers, job.shard_dense, compute_bytes)}
+
+
 def _run_params(job: TrainJob, config: dict) -> dict:
     params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
     params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue")}
     params["model"] = dict(config["preset"])
     try:
-        import torch
-
-        from app.model import MoETransformer, param_counts, ModelPreset
-
-        with torch.device("meta"):
-            model = MoETransformer(ModelPreset(**config["preset"]), engine=job.engine)
-        params["model"].update(param_counts(model))
+        params["model"].update(model_memory(job, config))
     except Exception as error:  # the count is informative only
         params["model"]["params_error"] = repr(error)[:200]
     return params
@@ -369,7 +398,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     import ray
     from ray.util.queue import Queue
 
-    from app.tracking import NO_TRACKING, NullRun, RunLogger, find_run
+    from app.tracking import NO_TRACKING, NullRun, RunLogger, client, find_run, metric_history
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address, verbose)
@@ -380,10 +409,15 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         check_resources(trainer.scaling_config, [n["Resources"] for n in ray.nodes() if n["Alive"]])
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
+        if resuming:  # before MLflow is touched: a run that cannot resume keeps its status
+            config["resume_from"] = choose_checkpoint(job, echo)
         save_job(job)
+        logged_through, previous_status = 0, None
         if job.tracking_uri == NO_TRACKING:
             run = NullRun()
         elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
+            previous_status = client(job.tracking_uri).get_run(previous).info.status
+            logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
             run = RunLogger.resume(job.tracking_uri, previous)
             echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
         else:
@@ -394,13 +428,22 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
                                         "run_dir": str(job.run_dir)})
             run.log_params(_run_params(job, config))
         device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
+        accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
-             f"{device}, {config['dtype']}, batch {job.batch_size}x{config['seq_len']} per worker, "
-             f"{job.steps} steps")
+             f"{device}, {config['dtype']} compute over float32 weights, dense part "
+             f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config['seq_len']}{accum} "
+             f"per worker, {job.steps} steps")
+        memory = model_memory(job, config)
+        mib = {k: v / 2**20 for k, v in memory.items() if k.endswith("_bytes")}
+        echo(f"[mpipemoe] training state per worker {mib['training_state_bytes']:,.1f} MiB: float32 weights "
+             f"{mib['master_params_bytes']:,.1f} + gradients {mib['grads_bytes']:,.1f} + AdamW moments "
+             f"{mib['optimizer_state_bytes']:,.1f}"
+             + (f" + {config['dtype']} compute copy {mib['compute_copy_bytes']:,.1f}" if memory["compute_copy_bytes"]
+                else "") + (" (dense part sharded)" if job.shard_dense else ""))
         if run.run_id:
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
-        with _MetricsPump(metrics_queue, run, job, echo, on_step) as pump:
+        with _MetricsPump(metrics_queue, run, job, echo, on_step, logged_through) as pump:
             try:
                 result = trainer.fit()
                 error = getattr(result, "error", None)
@@ -408,19 +451,23 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
                 error = caught
         if error is not None:
             run.set_tags({"error": _root_cause(error)})
-            run.finish("FAILED")
+            # A resume that failed before its first step leaves the run as it was (e.g. FINISHED).
+            run.finish(previous_status if previous_status and not pump.history else "FAILED")
             raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
         summary = summarize(pump.history)
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
-                       wall_time_s=time.perf_counter() - started)
+                       wall_time_s=time.perf_counter() - started,
+                       training_state_bytes=memory["training_state_bytes"])
         run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                          if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes")},
                         step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})
         run.finish("FINISHED")
+        for pruned in ckpt.prune(job.run_dir, job.keep_checkpoints):  # those of earlier fits too
+            echo(f"[mpipemoe] deleted {pruned.name} (--keep-checkpoints {job.keep_checkpoints})")
         summary["history"] = pump.history
         return summary
     except BaseException:
@@ -431,6 +478,31 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         metrics_queue.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
+    """The checkpoint a resumed ``job`` continues from: the newest complete one in its run
+    directory (None when it has none: a fresh start). Newer incomplete ones are named in one
+    line each and moved to ``<run>/damaged/`` (the resumed run writes those steps again);
+    Ray Train's own run snapshot, which may name them, is set aside, so Ray Train starts
+    its bookkeeping afresh and the workers load the chosen checkpoint. Raises ValueError
+    when checkpoints exist and none is complete (before MLflow or Ray Train is touched)."""
+    present = ckpt.listed(job.run_dir)
+    if not present and not ckpt.referenced_by_ray(job.run_dir):
+        return None
+    chosen, skipped = ckpt.choose(job.run_dir)
+    if chosen is None:
+        found = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise ValueError(f"--resume {job.name}: no complete checkpoint in {job.run_dir} ({found}), so the run "
+                         f"cannot continue; start a new run (another --name); nothing was deleted")
+    for name, why in skipped:
+        moved = ckpt.set_aside(job.run_dir, name)
+        where = f"; moved to {moved.relative_to(job.run_dir)}/" if moved else ""
+        echo(f"[mpipemoe] skipped {name}: {why}{where}; resuming from {chosen.name}")
+    snapshot = job.run_dir / ckpt.RAY_SNAPSHOT
+    if snapshot.exists():
+        os.replace(snapshot, snapshot.with_name(snapshot.name + ".previous"))
+    return str(chosen)
 
 
 def _root_cause(error: BaseException) -> str:
@@ -551,8 +623,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cpus-per-worker", "Ray CPUs per worker (default 0.9 on CPU, 1 on GPU)", type=float)
     add("--num-experts", "experts per MoE layer (default: the preset's)", type=int)
     add("--num-layers", "transformer blocks (default: the preset's)", type=int)
-    add("--dtype", "parameter dtype (auto: bfloat16 on GPU, float32 on CPU)",
-        choices=("auto", "float32", "bfloat16", "float16"))
+    add("--dtype", "compute dtype under autocast (auto: bfloat16 on GPU, float32 on CPU); parameters, "
+        "gradients and AdamW state are float32", choices=COMPUTE_DTYPES + ("float16",))
+    parser.add_argument("--shard-dense", dest="shard_dense", action="store_true", default=None,
+                        help="FSDP2 for the dense part: shards its parameters, gradients and AdamW state "
+                             "(default: DDP, replicated); expert parameters are sharded by the MoE layer either way")
+    add("--grad-accum", "micro-batches of --batch-size per optimizer step", type=int)
+    add("--keep-checkpoints", "complete checkpoints to keep (older ones are deleted); 0 keeps all", type=int)
     add("--max-failures", "let Ray Train restart failed workers N times", type=int)
     add("--collective-timeout-s", "a dead or stalled worker ends the job after this many seconds", type=int)
     add("--on-nonfinite-loss", "NaN/Inf loss: halt the job, or skip that step's update",

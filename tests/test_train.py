@@ -26,7 +26,9 @@ from workers.loop import learning_rate
 @pytest.mark.parametrize("change, field", [
     ({"engine": "tutel"}, "engine"), ({"steps": 0}, "steps"), ({"partitions": 0}, "partitions"),
     ({"strategy": "S5"}, "strategy"), ({"lr": 0.0}, "lr"), ({"batch_size": 1.5}, "batch_size"),
-    ({"cpus_per_worker": 0}, "cpus_per_worker"), ({"dtype": "int8"}, "dtype"),
+    ({"cpus_per_worker": 0}, "cpus_per_worker"), ({"dtype": "int8"}, "dtype"), ({"dtype": "float16"}, "dtype"),
+    ({"grad_accum": 0}, "grad_accum"), ({"keep_checkpoints": -1}, "keep_checkpoints"),
+    ({"shard_dense": "yes"}, "shard_dense"),
 ])
 def test_bad_job_names_the_field(change, field):
     with pytest.raises(ValueError, match=rf"TrainJob\.{field}="):

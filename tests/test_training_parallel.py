@@ -71,6 +71,7 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
             for r in range(world_size):
                 shutil.copytree(Path(out) / name / f"rank{r}", merged, dirs_exist_ok=True)
         dist.barrier()
+        results[f"{name}_continued"] = losses + _losses(first, range(K + 1, N + 1))  # saving changed nothing
         torch.manual_seed(100 + rank)  # the checkpoint's RNG state must win
         second = Trainer(_config(data_dir, **change), rank, world_size, device)
         meta = ckpt.load(merged, rank, world_size, second.parallel, second.optimizer, second.config["preset"])
@@ -115,6 +116,7 @@ def test_sharded_checkpoint_resumes_exactly(runs, mode):
     results, out = runs
     for rank in range(2):
         assert results[rank][f"{mode}_resumed"] == results[rank][mode]  # exactly
+        assert results[rank][f"{mode}_continued"] == results[rank][mode]
     files = json.loads((out / mode / "merged" / "meta.json").read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
     # the checkpoint holds the global expert tensors [E, ...], each rank's slice from its shard

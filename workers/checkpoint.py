@@ -55,10 +55,10 @@ def _state(parallel, optimizer, rank: int, world_size: int) -> dict:
         mesh = init_device_mesh(parallel.device.type, (world_size,))
         for name in expert_param_names(parallel.model):
             model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False)
-            moments = optim_sd["state"].get(name, {})
-            for key in _EXPERT_MOMENTS:
-                if key in moments:
-                    moments[key] = DTensor.from_local(moments[key], mesh, [Shard(0)], run_check=False)
+            if name in optim_sd["state"]:  # a new dict: the optimizer's own must stay plain tensors
+                optim_sd["state"][name] = {key: DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+                                           if key in _EXPERT_MOMENTS else value
+                                           for key, value in optim_sd["state"][name].items()}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()

@@ -177,6 +177,6 @@ def training_state_bytes(dense_numel: int, expert_numel: int, world_size: int, s
     ``dense_numel`` / ``expert_numel``: unsharded dense and this rank's expert elements."""
     dense_here = -(-dense_numel // world_size) if shard_dense else dense_numel
     params = 4 * (dense_here + expert_numel)
+    compute_copy = 0 if compute_bytes == 4 else compute_bytes * (dense_numel + expert_numel)
     return {"master_params_bytes": params, "grads_bytes": params, "optimizer_state_bytes": 2 * params,
-            "compute_copy_bytes": 0 if compute_bytes == 4 else compute_bytes * (dense_numel + expert_numel),
-            "training_state_bytes": 4 * params}
+            "compute_copy_bytes": compute_copy, "training_state_bytes": 4 * params + compute_copy}
