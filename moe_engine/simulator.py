@@ -824,10 +824,10 @@ class StepResult:
     step_s: float
     moe_s: float               # all MoE layers, forward and backward
     dense_s: float             # attention blocks, embeddings and head
-    all_reduce_s: float        # replicated gradients, one flat all-reduce after backward
+    all_reduce_s: float        # dense gradients in float32 (DDP all-reduce or FSDP2 reduce-scatter)
     optimizer_s: float
     peak_bytes: int
-    state_bytes: int           # parameters, gradients and AdamW moments
+    state_bytes: int           # float32 master parameters, gradients, AdamW moments + compute copy
     activation_bytes: int      # saved for backward over all layers
 
 
@@ -845,16 +845,20 @@ def memory_bytes_per_s(parts, d_model: int) -> float:
 
 
 def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster, parts, partitions: int = 1,
-                  strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2) -> StepResult:
-    """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank.
+                  strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2,
+                  shard_dense: bool = False) -> StepResult:
+    """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank,
+    trained as ``workers/loop.py`` does: float32 master weights, compute in ``dtype_bytes``.
 
     The MoE layer is simulated (simulate_layer) and repeated per block; the dense parts are
     their FLOPs at the GPU's GEMM rate (attention kernels assumed at that rate too) plus
-    four passes over the activations for norms and residuals; AdamW is memory-bound
-    (14 bytes moved per parameter). Memory: parameters, gradients and AdamW moments in
-    the model dtype (8 bytes per bf16 parameter), each block's saved activations
-    (attention: 7·T·D values and the softmax statistics; MoE: memory.predict_memory), the
-    largest MoE working set and the logits.
+    four passes over the activations for norms and residuals; the dense gradients are
+    reduced in float32 (the same bytes for DDP's all-reduce and FSDP2's reduce-scatter +
+    all-gather); AdamW is memory-bound on float32 state (28 bytes moved per parameter).
+    Memory: float32 parameters, gradients and both AdamW moments (16 bytes per parameter;
+    the dense part divided by the ranks under ``shard_dense``) plus a compute-dtype copy of
+    the parameters, each block's saved activations (attention: 7·T·D values and the softmax
+    statistics; MoE: memory.predict_memory), the largest MoE working set and the logits.
     """
     layer_shape = model.layer(tokens)
     moe = simulate_layer(engine, layer_shape, cluster, parts, partitions, strategy, group_size)
@@ -867,13 +871,15 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     dense = model.num_layers * (3 * attention / rate + 3 * elementwise) + 3 * head / rate
     P = cluster.layout.ranks
     params = model.replicated_params + model.expert_params(P)
-    reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * dtype_bytes) if P > 1 else 0.0
-    optimizer = 14 * params / bandwidth * dtype_bytes / 2
+    reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * 4) if P > 1 else 0.0
+    dense_here = -(-model.replicated_params // P) if shard_dense else model.replicated_params
+    master = dense_here + model.expert_params(P)
+    optimizer = 28 * master / bandwidth
     memory = _memory(moe.engine, layer_shape, cluster, _build(engine, layer_shape, cluster, parts, partitions, strategy,
                                                              group_size)[1], moe.partitions, moe.strategy)
     attention_saved = 7 * T * D * dtype_bytes + T * model.num_heads * 4
     activations = model.num_layers * (attention_saved + memory.saved_bytes)
-    state = 4 * params * dtype_bytes
+    state = 16 * master + (params * dtype_bytes if dtype_bytes != 4 else 0)
     working = max(memory.forward_working_bytes, memory.backward_working_bytes)
     peak = state + activations + working + T * model.vocab_size * 4
     step = model.num_layers * moe.total_s + dense + reduce + optimizer

@@ -4,19 +4,22 @@ Ray Train's ``TorchTrainer`` has already created the default process group (gloo
 NCCL on GPU, with a timeout) before this function starts; that group is the
 expert-parallel group of every MoE layer and the data-parallel group of the dense part.
 
-One step (numbers match the code):
-  1. batch ``step-1`` of this rank's data shard (data position = steps done)
-  2. forward -> lm_loss + aux_loss_weight * aux_loss
+The model's parameters and AdamW state are float32 (master weights); ``Trainer`` wraps
+the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) and runs
+the forward under autocast at ``config["dtype"]``. One step (numbers match the code):
+  1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
+  2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss
   3. collective: loss sums over ranks; non-finite (or NaN/Inf caught inside a MoE layer,
      which every rank raises together) -> by ``on_nonfinite_loss``: "halt" raises on every
      rank, "skip" drops this step's update on every rank and goes on (no hang either way)
-  4. backward (the MoE layers run their own All-to-Alls)
-  5. collective: average replicated grads (one flat all-reduce), scale expert grads by 1/W
-  6. collective: global grad norm, clip; AdamW step at the step's learning rate
+  4. backward of loss / K (the MoE layers run their own All-to-Alls; DDP/FSDP2 reduce the
+     dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
+  5. expert grads / W
+  6. collective: exact global grad norm (dense + every expert shard), clip; AdamW step
   7. collective: max step time and peak memory over ranks
   8. rank 0 puts the step's metrics on the driver's queue (live progress, MLflow); every
-     ``checkpoint_every`` steps and at the end, all ranks ``ray.train.report`` the metrics
-     with a per-rank checkpoint.
+     ``checkpoint_every`` steps and at the end, every rank writes its shard of a sharded
+     checkpoint (``workers.checkpoint``) and ``ray.train.report``s it.
 
 Why not ``ray.train.report`` every step: in Ray Train V2 each report waits until the
 controller has consumed the previous one, and the controller polls every
