@@ -78,6 +78,7 @@ class TrainJob:
     shard_dense: bool = False          # FSDP2 for the dense part (params, grads, AdamW state sharded); else DDP
     grad_accum: int = 1                # micro-batches of batch_size per optimizer step
     keep_checkpoints: int = 2          # complete checkpoints kept (older ones are deleted); 0 = all
+    async_checkpoint: bool = False     # write checkpoint shards in the background while the next step trains
     weight_decay: float = 0.1
     warmup_steps: int = 5
     grad_clip: float = 1.0             # global grad-norm clip; 0 = off
@@ -116,8 +117,9 @@ class TrainJob:
         if self.dtype not in COMPUTE_DTYPES:
             _fail("dtype", self.dtype, f"choose {', '.join(COMPUTE_DTYPES)} (the compute dtype; parameters and "
                   f"optimizer state are float32)")
-        if not isinstance(self.shard_dense, bool):
-            _fail("shard_dense", self.shard_dense, "give True (FSDP2) or False (DDP)")
+        for field in ("shard_dense", "async_checkpoint"):
+            if not isinstance(getattr(self, field), bool):
+                _fail(field, getattr(self, field), "give True or False")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
         for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
@@ -174,7 +176,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
         "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype,
         "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
         "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
-        "shard_dense": job.shard_dense, "grad_accum": job.grad_accum,
+        "shard_dense": job.shard_dense, "grad_accum": job.grad_accum, "async_checkpoint": job.async_checkpoint,
+        "collective_timeout_s": job.collective_timeout_s,
     }
 
 
@@ -630,6 +633,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: DDP, replicated); expert parameters are sharded by the MoE layer either way")
     add("--grad-accum", "micro-batches of --batch-size per optimizer step", type=int)
     add("--keep-checkpoints", "complete checkpoints to keep (older ones are deleted); 0 keeps all", type=int)
+    parser.add_argument("--async-checkpoint", dest="async_checkpoint", action="store_true", default=None,
+                        help="copy each checkpoint to host memory and write its shards while the next step trains")
     add("--max-failures", "let Ray Train restart failed workers N times", type=int)
     add("--collective-timeout-s", "a dead or stalled worker ends the job after this many seconds", type=int)
     add("--on-nonfinite-loss", "NaN/Inf loss: halt the job, or skip that step's update",

@@ -8,8 +8,10 @@ compare the per-step losses:
 - K=2 micro-batches of b sequences equal one batch of 2b (``aux_loss_weight=0``: the
   load-balance loss of a batch is not the mean of its halves');
 - k steps, a sharded checkpoint (each rank writes its own folder, merged as Ray Train
-  does), a fresh Trainer loading it, and N-k more steps equal N steps straight, for DDP and
-  FSDP2; the expert shards in the checkpoint are slices of the global expert tensors.
+  does), a fresh Trainer loading it, and N-k more steps equal N steps straight, for DDP
+  (saved asynchronously while step k+1 trains: the checkpoint is step k's state) and
+  FSDP2 (saved synchronously); the expert shards in the checkpoint are slices of the
+  global expert tensors.
 """
 from __future__ import annotations
 
@@ -63,19 +65,26 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
         losses = _losses(first, range(1, K + 1))
         own = Path(out) / name / f"rank{rank}"  # what each worker reports to Ray Train ...
         own.mkdir(parents=True)
-        ckpt.save(own, rank, world_size, first.parallel, first.optimizer,
-                  {"step": K, "world_size": world_size, "preset": first.config["preset"]})
+        meta = {"step": K, "world_size": world_size, "preset": first.config["preset"]}
+        if name == "ddp":  # async: the next step trains while the shards are written
+            future = ckpt.save_async(own, rank, world_size, first.parallel, first.optimizer,
+                                     dist.new_group(backend="gloo"))
+            losses += _losses(first, [K + 1])
+            future.result()
+            ckpt.write_meta(own, rank, world_size, meta)
+        else:
+            ckpt.save(own, rank, world_size, first.parallel, first.optimizer, meta)
         dist.barrier()
         merged = Path(out) / name / "merged"  # ... and what Ray Train makes of it
         if rank == 0:
             for r in range(world_size):
                 shutil.copytree(Path(out) / name / f"rank{r}", merged, dirs_exist_ok=True)
         dist.barrier()
-        results[f"{name}_continued"] = losses + _losses(first, range(K + 1, N + 1))  # saving changed nothing
+        results[f"{name}_continued"] = losses + _losses(first, range(len(losses) + 1, N + 1))  # saving changed nothing
         torch.manual_seed(100 + rank)  # the checkpoint's RNG state must win
         second = Trainer(_config(data_dir, **change), rank, world_size, device)
         meta = ckpt.load(merged, rank, world_size, second.parallel, second.optimizer, second.config["preset"])
-        results[f"{name}_resumed"] = losses + _losses(second, range(meta["step"] + 1, N + 1))
+        results[f"{name}_resumed"] = losses[:K] + _losses(second, range(meta["step"] + 1, N + 1))
         embed = second.model.tok_embed.weight
         local = embed.to_local() if hasattr(embed, "to_local") else embed
         results[f"{name}_dense_shard"] = (type(embed).__name__, local.shape[0])

@@ -87,11 +87,29 @@ def save(directory: str | Path, rank: int, world_size: int, parallel, optimizer,
     """Collective: every rank writes its shard into its ``directory`` (a local folder that
     Ray Train merges into the run's checkpoint); rank 0 then writes ``meta.json`` listing
     all ranks' files with their sizes."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    directory = Path(directory)
     dcp.save(_state(parallel, optimizer, rank, world_size), storage_writer=dcp.FileSystemWriter(directory))
+    write_meta(directory, rank, world_size, meta)
+
+
+def save_async(directory: str | Path, rank: int, world_size: int, parallel, optimizer, group=None):
+    """Collective: copies this rank's state to host memory now (training may go on at once)
+    and writes the shards in a background thread, whose collectives run on ``group`` (a
+    gloo group of its own: the training collectives must not interleave with them).
+    Returns the future; after ``future.result()`` call ``write_meta`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(_state(parallel, optimizer, rank, world_size),
+                          storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+
+
+def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict) -> None:
+    """Collective: gathers every rank's file sizes; rank 0 writes ``meta.json`` (the
+    completeness marker) under a temporary name, then renames it."""
+    import torch.distributed as dist
+
+    directory = Path(directory)
     mine = {name: (directory / name).stat().st_size for name in sorted(os.listdir(directory))}
     every = [mine]
     if world_size > 1:

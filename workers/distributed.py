@@ -54,16 +54,28 @@ def expert_param_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters() if is_expert_param(name)]
 
 
+def new_group(timeout_s: float | None = None, backend: str | None = None):
+    """Collective: a process group of all ranks, with ``timeout_s`` (None: torch's default)."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    return dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout, backend=backend)
+
+
 class DenseParallel:
     """The model wrapped for data parallelism of its dense part (collective at construction).
 
     ``module`` is what to call (DDP wrapper, or the model itself: FSDP2 and W=1 change it in
     place); ``model`` the plain model. ``mode``: "ddp" or "fsdp2"; with W=1 nothing is
     wrapped. ``compute_dtype``: the autocast dtype of ``autocast()`` (float32: none).
+    ``timeout_s``: the dense group's collective timeout; give the default group's (a new
+    group does not inherit it: DDP's bucket rebuild in the second forward would otherwise
+    wait 30 minutes for a dead rank).
     """
 
     def __init__(self, model: torch.nn.Module, *, mode: str = "ddp", world_size: int = 1,
-                 device: torch.device = torch.device("cpu"), compute_dtype: torch.dtype = torch.float32):
+                 device: torch.device = torch.device("cpu"), compute_dtype: torch.dtype = torch.float32,
+                 timeout_s: float | None = None):
         if mode not in DENSE_MODES:
             raise ValueError(f"dense parallelism {mode!r} is unknown: choose one of {', '.join(DENSE_MODES)}")
         self.model, self.mode, self.world_size, self.device = model, mode, world_size, device
@@ -73,12 +85,12 @@ class DenseParallel:
         if world_size == 1:
             return
         # Collective: a group of its own for the dense collectives (see the module docstring).
-        group = dist.new_group(ranks=list(range(world_size)))
+        group = new_group(timeout_s)
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-            self.module = DDP(model, process_group=group, broadcast_buffers=False,
+            self.module = DDP(model, process_group=group,
                               device_ids=[device.index] if device.type == "cuda" else None)
         else:
             from torch.distributed.device_mesh import DeviceMesh

@@ -51,7 +51,7 @@ from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
-from workers.distributed import DenseParallel, reduce_max, reduce_sum
+from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
 
 
 class StepError(RuntimeError):
@@ -135,7 +135,8 @@ class Trainer:
         init_parameters(model, config["seed"], rank)
         self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
                                       world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config["dtype"]))
+                                      compute_dtype=getattr(torch, config["dtype"]),
+                                      timeout_s=config.get("collective_timeout_s"))
         self.model = model
         self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
         window = config["seq_len"] + 1 if self.preset.kind == "gpt" else config["seq_len"]
@@ -240,6 +241,9 @@ def train_fn_per_worker(config: dict) -> None:
         start_step = meta["step"]
 
     tokens_per_step = world_size * config["batch_size"] * trainer.grad_accum * config["seq_len"]
+    # --async-checkpoint: a checkpoint's shards are written while the next step trains,
+    # then (after that step, on every rank) completed and reported to Ray Train.
+    saver = CheckpointSaver(config, rank, world_size, trainer)
     queue = config.get("metrics_queue") if rank == 0 else None
     attempt = uuid.uuid4().hex[:8]  # tells the driver when Ray Train restarted the workers
     fresh = checkpoint is None and not resume_from
@@ -279,12 +283,57 @@ def train_fn_per_worker(config: dict) -> None:
         }
         if queue is not None:
             queue.put(metrics)
+        saver.finish()  # the previous step's async checkpoint, if any
         every = config["checkpoint_every"]  # 0 = no checkpoints
         if every and (step % every == 0 or step == config["steps"]):
-            meta = {"step": step, "data_position": step, "world_size": world_size, "engine": config["engine"],
-                    "seed": seed, "preset": config["preset"], "grad_accum": trainer.grad_accum,
-                    "shard_dense": bool(config.get("shard_dense"))}
-            with tempfile.TemporaryDirectory() as directory:
-                ckpt.save(directory, rank, world_size, trainer.parallel, trainer.optimizer, meta)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                                 checkpoint_dir_name=ckpt.checkpoint_name(step))
+            saver.start(step, metrics)
+    saver.finish()
+
+
+class CheckpointSaver:
+    """Writes a checkpoint and reports it to Ray Train (collective: every rank calls the
+    same methods at the same steps). Synchronous by default; with
+    ``config["async_checkpoint"]`` the shards are copied to host memory in ``start`` and
+    written in the background, and ``finish`` (called after the next step) waits for them,
+    writes ``meta.json`` and reports the checkpoint with the metrics of its step."""
+
+    def __init__(self, config: dict, rank: int, world_size: int, trainer: Trainer):
+        self.config, self.rank, self.world_size, self.trainer = config, rank, world_size, trainer
+        self.asynchronous = bool(config.get("async_checkpoint"))
+        self.group = new_group(config.get("collective_timeout_s"), backend="gloo") \
+            if self.asynchronous and world_size > 1 else None
+        self.pending = None  # (future, temporary directory, step, meta, metrics)
+
+    def _meta(self, step: int) -> dict:
+        config = self.config
+        return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config["engine"],
+                "seed": config["seed"], "preset": config["preset"], "grad_accum": self.trainer.grad_accum,
+                "shard_dense": bool(config.get("shard_dense"))}
+
+    def start(self, step: int, metrics: dict) -> None:
+        directory = tempfile.TemporaryDirectory()
+        parallel, optimizer = self.trainer.parallel, self.trainer.optimizer
+        if self.asynchronous:
+            future = ckpt.save_async(directory.name, self.rank, self.world_size, parallel, optimizer, self.group)
+            self.pending = (future, directory, step, metrics)
+            return
+        with directory:
+            ckpt.save(directory.name, self.rank, self.world_size, parallel, optimizer, self._meta(step))
+            self._report(directory.name, step, metrics)
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        future, directory, step, metrics = self.pending
+        self.pending = None
+        with directory:
+            future.result()
+            ckpt.write_meta(directory.name, self.rank, self.world_size, self._meta(step))
+            self._report(directory.name, step, metrics)
+
+    @staticmethod
+    def _report(directory: str, step: int, metrics: dict) -> None:
+        import ray.train
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=ckpt.checkpoint_name(step))
