@@ -142,3 +142,38 @@ def test_fsdp2_shards_the_dense_part(runs):
     results, _ = runs
     assert results[0]["fsdp2_dense_shard"] == ("DTensor", 259 // 2 + 1)  # tok_embed rows on rank 0
     assert results[0]["ddp_dense_shard"] == ("Parameter", 259)
+
+
+# ---- tier 1: choosing and pruning checkpoints (plain files) --------------------------------
+
+def _fake_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    from workers import checkpoint as ckpt
+
+    folder = run_dir / ckpt.checkpoint_name(step)
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"x" * 10)
+    if complete:
+        (folder / "meta.json").write_text(json.dumps({"step": step, "files": {"__0_0.distcp": 10}}))
+    return folder
+
+
+def test_choose_skips_newer_incomplete_checkpoints_and_prune_keeps_the_newest_complete(tmp_path):
+    from workers import checkpoint as ckpt
+
+    for step in (1, 2, 3):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 4, complete=False)
+    (tmp_path / ckpt.RAY_SNAPSHOT).write_text('{"x": "checkpoint_000005", "y": "checkpoint_000001"}')
+    chosen, skipped = ckpt.choose(tmp_path)
+    assert chosen == tmp_path / "checkpoint_000003"
+    assert skipped == [("checkpoint_000005", "its folder is missing"),
+                       ("checkpoint_000004", "meta.json (the completeness marker, written last) is missing: "
+                                             "the save did not finish")]
+    assert ckpt.prune(tmp_path, 2) == [tmp_path / "checkpoint_000001"]
+    assert [p.name for _, p in ckpt.listed(tmp_path)] == ["checkpoint_000004", "checkpoint_000003",
+                                                          "checkpoint_000002"]  # incomplete ones stay
+    assert ckpt.prune(tmp_path, 0) == []
+    (tmp_path / "checkpoint_000003" / "__0_0.distcp").write_bytes(b"x" * 11)
+    assert ckpt.validate(tmp_path / "checkpoint_000003") == "__0_0.distcp is damaged (11 of 10 bytes)"
+    assert ckpt.set_aside(tmp_path, "checkpoint_000003") == tmp_path / "damaged" / "checkpoint_000003"
+    assert ckpt.choose(tmp_path)[0] == tmp_path / "checkpoint_000002"

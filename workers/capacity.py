@@ -75,7 +75,7 @@ class BatchTrials:
         self.window = self.preset.seq_len + 1 if self.preset.kind == "gpt" else self.preset.seq_len
         self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
                                       world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config["dtype"]),
+                                      compute_dtype=getattr(torch, config.get("dtype", "float32")),
                                       timeout_s=config.get("collective_timeout_s"))
         self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
         self.generator = torch.Generator().manual_seed(config["seed"])
