@@ -464,7 +464,8 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
                        wall_time_s=time.perf_counter() - started,
                        training_state_bytes=memory["training_state_bytes"])
         run.log_metrics({f"summary_{k}": v for k, v in summary.items()
-                         if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes")},
+                         if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
+                                  "training_state_bytes")},
                         step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})
