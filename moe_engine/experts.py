@@ -24,6 +24,8 @@ gradient can be sent back while the weight-gradient GEMMs run.
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +193,19 @@ class Experts(nn.Module):
             self.w2.normal_(std=H ** -0.5)
             if self.w3 is not None:
                 self.w3.normal_(std=D ** -0.5)
+
+    def cast(self, dtype: torch.dtype) -> "Experts":
+        """Local. A view of these experts whose weights are ``dtype`` copies (differentiable
+        casts of the parameters), for compute in a lower precision than the parameters
+        (mixed precision); ``self`` when they already are ``dtype``."""
+        if self.w1.dtype == dtype:
+            return self
+        view = copy.copy(self)
+        view._parameters = {}  # plain tensors below, not parameters of the view
+        for name in ("w1", "w2", "w3", "b1", "b2"):
+            weight = getattr(self, name)
+            object.__setattr__(view, name, None if weight is None else weight.to(dtype))
+        return view
 
     @property
     def pre_activation_width(self) -> int:

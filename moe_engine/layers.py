@@ -139,12 +139,21 @@ class MoELayerBase(nn.Module):
         changes which collectives run depends on agreed values only (plan.stats), never
         on this rank's token count, or ranks with different batches would hang."""
         self.last_strategy = self._strategy_for(x_TD, plan)
-        run = PipelineRun(self.experts, self.group, plan, self.streams_for(x_TD.device),
+        experts, out_dtype = self.experts, x_TD.dtype
+        device_type = x_TD.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Mixed precision (float32 master weights under autocast): the experts compute,
+            # and the All-to-Alls move rows, in the autocast dtype. The weights are cast once
+            # per pass; autograd takes their gradients back to float32 through the cast.
+            compute = torch.get_autocast_dtype(device_type)
+            experts = experts.cast(compute)
+            x_TD = x_TD.to(compute)
+        run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(self.last_strategy), self.host_pool,
                           timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None,
                           keep_activation=self.keep_activation)
-        e = self.experts
-        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3)
+        e = experts
+        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)

@@ -24,3 +24,31 @@ def test_low_precision_close_to_reference(dtype, engine):
                       (layer.experts.w1.grad, problem.ref_expert_grads["experts.w1"])]:
         relative = float((got.double() - want).abs().max() / want.abs().max())
         assert relative < TOLERANCE[dtype], f"relative error {relative:.3g}"
+
+
+@pytest.mark.parametrize("engine", ["fastmoe", "mpipemoe:3:S1", "fastermoe:4"])
+def test_autocast_runs_the_experts_in_bf16_over_float32_parameters(engine, monkeypatch):
+    """Mixed precision (the trainer's): float32 parameters under autocast. The expert GEMMs
+    run in bf16 (forward and backward), the parameters' gradients arrive in float32, and
+    the result stays near the reference."""
+    import moe_engine.experts as experts_module
+
+    seen = []
+    original = experts_module.grouped_mm
+    monkeypatch.setattr(experts_module, "grouped_mm",
+                        lambda x, w, seg: seen.append((x.dtype, w.dtype)) or original(x, w, seg))
+    scenario = SCENARIOS[0]
+    problem = make_problem(scenario, 1)
+    solve_reference(problem, scenario.config)
+    layer = build_engine(engine, scenario.config, dtype=torch.float32)
+    load_params(layer, problem, 0)
+    x = problem.x[0].float().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    loss = (y.double() * problem.grad_y[0]).sum() + problem.aux_coef * aux.double()
+    loss.backward()
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert layer.experts.w1.grad.dtype == torch.float32 and y.dtype == torch.float32
+    for got, want in [(y, problem.ref_y[0]), (layer.experts.w1.grad, problem.ref_expert_grads["experts.w1"])]:
+        relative = float((got.double() - want).abs().max() / want.abs().max())
+        assert relative < TOLERANCE[torch.bfloat16], f"relative error {relative:.3g}"
