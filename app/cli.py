@@ -75,11 +75,19 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         hint = "" if debug else " (--debug shows the traceback)"
-        print(f"mpipemoe {known.command}: error: {error}{hint}", file=sys.stderr)
+        print(f"mpipemoe {known.command}: error: {_one_line(error)}{hint}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"mpipemoe {known.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        detail = _one_line(interrupt)
+        print(f"mpipemoe {known.command}: interrupted{': ' + detail if detail else ''}", file=sys.stderr)
         return 130
+
+
+def _one_line(error: BaseException) -> str:
+    """The message's first line: a store's or a library's error can carry pages (SQL, stacks);
+    the rest is what --debug is for."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] + (" [...]" if len(lines) > 1 else "") if lines else type(error).__name__
 
 
 if __name__ == "__main__":

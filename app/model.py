@@ -316,3 +316,24 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (fp32) over positions whose target is not IGNORE_INDEX."""
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
                            ignore_index=IGNORE_INDEX)
+
+
+def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int, dtype_bytes: int,
+                          base_bytes: int) -> dict[str, int]:
+    """Rough peak memory of one training worker (a lower bound that errs low, for refusing
+    settings that cannot fit, not for packing): ``base_bytes`` for the process itself,
+    parameters with their gradients and AdamW's two float32 states (replicated part plus
+    this rank's experts), and activations kept for backward over ``batch_size`` sequences
+    of ``preset.seq_len`` tokens (attention through SDPA is linear in the sequence; the
+    LM head's logits in float32). Returns the parts and ``total``."""
+    d, h, layers, experts, k = (preset.d_model, preset.d_hidden, preset.num_layers, preset.num_experts,
+                                preset.top_k)
+    ffn = 3 if preset.activation == "swiglu" else 2
+    dense = preset.vocab_size * d + preset.seq_len * d + layers * (4 * d * d + experts * d + 9 * d) + 2 * d
+    expert = layers * (experts // max(1, world_size)) * (ffn * d * h + h + d)
+    params = (dense + expert) * (2 * dtype_bytes + 8)
+    tokens = batch_size * preset.seq_len
+    activations = tokens * layers * (10 * d + k * (2 * d + 2 * h)) * dtype_bytes \
+        + tokens * preset.vocab_size * (dtype_bytes + 8)
+    return {"base": base_bytes, "params": params, "activations": activations,
+            "total": base_bytes + params + activations}

@@ -42,6 +42,70 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri
 
 
+STORE_CHECK_TIMEOUT_S = 5  # an MLflow server answers /health in milliseconds; MLflow's own
+                           # client retries a dead address for about 4 minutes (7 retries, backoff 2)
+
+
+def check_store(tracking_uri: str, *, write: bool = True) -> None:
+    """Raise ValueError naming the flag and the fix unless the MLflow store at
+    ``tracking_uri`` (as resolved by ``resolve_tracking_uri``) is usable; within seconds.
+
+    - ``sqlite:///PATH``: PATH's folder must exist (it is never created: a typo would
+      otherwise give an empty store nobody finds); for ``write``, PATH (or, for a new
+      store, its folder) must take a write; for reading, PATH must exist. The probe
+      opens a write transaction and rolls it back, so nothing changes.
+    - ``http(s)://``: the server must answer ``GET /health``.
+    - ``"none"`` and other schemes are not checked.
+    """
+    if tracking_uri == NO_TRACKING:
+        return
+    flag = f"--tracking-uri {tracking_uri}"
+    if tracking_uri.startswith("sqlite:///"):
+        import sqlite3
+
+        path = Path(tracking_uri[len("sqlite:///"):])
+        if not path.parent.is_dir():
+            raise ValueError(f"{flag}: folder {path.parent} does not exist: create it (mkdir -p {path.parent}) "
+                             f"or fix the path")
+        if not path.exists() and not write:
+            raise ValueError(f"{flag}: no MLflow store at {path}: check the path (runs are recorded where "
+                             f"`mpipemoe train --tracking-uri` wrote them)")
+        if not path.exists() and not os.access(path.parent, os.W_OK):
+            raise ValueError(f"{flag}: folder {path.parent} is not writable: choose a writable location")
+        if path.exists():
+            try:
+                connection = sqlite3.connect(f"file:{path}?mode={'rw' if write else 'ro'}", uri=True, timeout=5)
+                try:
+                    connection.execute("BEGIN IMMEDIATE" if write else "SELECT count(*) FROM sqlite_master")
+                    if write:
+                        connection.execute("CREATE TABLE mpipemoe_write_probe (x)")  # rolled back
+                        connection.rollback()
+                finally:
+                    connection.close()
+            except sqlite3.Error as error:
+                why = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise ValueError(f"{flag}: the store at {path} cannot be {'written' if write else 'read'} "
+                                 f"({why}): fix its permissions or free space, or use another --tracking-uri "
+                                 f"(or 'none' to train without MLflow)") from None
+    elif tracking_uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        url = tracking_uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=STORE_CHECK_TIMEOUT_S):
+                pass
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                raise ValueError(f"{flag}: the server refused us (HTTP {error.code}): set MLFLOW_TRACKING_USERNAME "
+                                 f"and MLFLOW_TRACKING_PASSWORD (docs/security.md)") from None
+            # any other answer: a server is there (older MLflow versions lack /health)
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise ValueError(f"{flag}: no MLflow server answers at {tracking_uri} ({reason}): start it "
+                             f"(`mpipemoe ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None
+
+
 def client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 

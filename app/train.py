@@ -126,7 +126,8 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (field == "lr" and value == 0):
-                _fail(field, value, "give a finite number >= 0 (lr > 0)")
+                _fail(field, value, "give a finite number > 0, e.g. 1e-3" if field == "lr"
+                      else "give a finite number >= 0")
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
         self.model_preset().check_world_size(self.num_workers)
@@ -192,6 +193,103 @@ def ensure_data(job: TrainJob, echo=print) -> None:
     manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
 
 
+# Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
+# core none makes a step in minutes (measured: 64 workers on 2 cores made no step in 150 s
+# and held 64 processes), so more are refused rather than started.
+WORKERS_PER_CORE = 2
+# One CPU worker's process before the model: torch, Ray and gloo loaded (make train's
+# tiny-gpt workers peak at 636 MiB in all, README).
+WORKER_BASE_BYTES = 500 * 2**20
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (the memory check is then skipped)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None:
+    """Before Ray starts: refuse sizes this machine cannot run (``local``: embedded Ray, so
+    all workers share this machine). Workers beyond ``WORKERS_PER_CORE`` per core, and a
+    memory estimate (``app.model.estimate_worker_bytes``) above the free host memory of
+    all workers (CPU) or one GPU's memory (GPU, when this machine has the GPUs)."""
+    preset = job.model_preset()
+    cores = os.cpu_count() or 1
+    if local and not use_gpu and job.num_workers > WORKERS_PER_CORE * cores:
+        _fail("num_workers", job.num_workers,
+              f"this machine has {cores} CPU core(s) and embedded Ray runs at most {WORKERS_PER_CORE * cores} "
+              f"workers on them ({WORKERS_PER_CORE} per core; each is a whole PyTorch process): use "
+              f"--num-workers {WORKERS_PER_CORE * cores} or fewer (and --num-experts to match), or a cluster "
+              f"(--address, docs/cluster.md)")
+    from app.model import estimate_worker_bytes
+
+    dtype_bytes = 4 if job.dtype in ("float32",) or (job.dtype == "auto" and not use_gpu) else 2
+    estimate = estimate_worker_bytes(preset, job.batch_size, job.num_workers, dtype_bytes,
+                                     0 if use_gpu else WORKER_BASE_BYTES)
+    if use_gpu:
+        import torch
+
+        if not (local and torch.cuda.is_available()):
+            return
+        have, workers, where = torch.cuda.get_device_properties(0).total_memory, 1, "one GPU's"
+    else:
+        have, workers, where = available_host_bytes(), job.num_workers if local else 1, "this machine's free"
+        if have is None or not local:
+            return
+    need = estimate["total"] * workers
+    if need <= have:
+        return
+    gib = 2**30
+    base = get_preset(job.preset)
+    field, value = ("seq_len", preset.seq_len) if preset.seq_len > base.seq_len else ("batch_size", job.batch_size)
+    positions = (f"; --seq-len {preset.seq_len} also grows {job.preset}'s {base.seq_len} learned positions"
+                 if preset.seq_len > base.seq_len else "")
+    _fail(field, value,
+          f"{workers} worker(s) of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
+          f"{need / gib:.1f} GiB (per worker {estimate['activations'] / gib:.1f} GiB activations, "
+          f"{estimate['params'] / gib:.1f} GiB parameters and optimizer state), more than {where} "
+          f"{have / gib:.1f} GiB{positions}: lower --seq-len (the preset's is {base.seq_len}) or --batch-size, "
+          f"or use fewer workers")
+
+
+# Settings a run's checkpoints are tied to: the model's shape (its parameters, positions
+# and expert shards) and the number of workers that split the experts.
+RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers", "num_workers")
+
+
+def check_continues(job: TrainJob) -> None:
+    """When ``job.name`` is an existing run (``--resume``, or ``--name`` of a recorded run),
+    refuse, before anything is written, settings its checkpoints cannot continue with."""
+    path = job.run_dir / JOB_FILE
+    if not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        old = get_preset(recorded["preset"]).replace(seq_len=recorded.get("seq_len"),
+                                                     num_experts=recorded.get("num_experts"),
+                                                     num_layers=recorded.get("num_layers"))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
+                         f"choose another --name, or remove {job.run_dir} to start it afresh") from None
+    new = job.model_preset()
+    was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
+           "num_layers": old.num_layers, "num_workers": recorded.get("num_workers")}
+    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
+             "num_layers": new.num_layers, "num_workers": job.num_workers}
+    if dataclasses.asdict(old) == dataclasses.asdict(new) and was["num_workers"] == asked["num_workers"]:
+        return
+    changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]] or ["preset"]
+    flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (the run has {was[k]})" for k in changed)
+    raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
+                     f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
+                     f"another --name. Nothing was changed")
+
+
 def check_resources(scaling_config, nodes: list[dict]) -> None:
     """Raise ValueError naming the fix unless ``nodes`` (each node's total resources, as in
     ``ray.nodes()``) can hold all workers of ``scaling_config`` at once. Without this check
@@ -210,7 +308,8 @@ def check_resources(scaling_config, nodes: list[dict]) -> None:
                          f"{hint}, or add nodes")
 
 
-def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config: dict | None = None):
+def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config: dict | None = None,
+                  stop_flag=None):
     """The ``TorchTrainer`` of ``job`` (does not call ``ray.init``; data must be prepared).
 
     ``train_fn`` (default ``workers.loop.train_fn_per_worker``) runs in each worker with
@@ -222,7 +321,7 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
     from workers.loop import train_fn_per_worker
 
     use_gpu = _resolve_gpu(job)
-    config = {**worker_config(job, use_gpu, metrics_queue), **(extra_config or {})}
+    config = {**worker_config(job, use_gpu, metrics_queue), "stop_flag": stop_flag, **(extra_config or {})}
     resources = {"CPU": config["cpus_per_worker"]}
     if use_gpu:
         resources["GPU"] = 1
@@ -376,13 +475,73 @@ def model_memory(job: TrainJob, config: dict) -> dict:
 
 def _run_params(job: TrainJob, config: dict) -> dict:
     params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
-    params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue")}
+    params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue", "stop_flag")}
     params["model"] = dict(config["preset"])
     try:
         params["model"].update(model_memory(job, config))
     except Exception as error:  # the count is informative only
         params["model"]["params_error"] = repr(error)[:200]
     return params
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a job; the message says where it stopped and how to continue."""
+
+
+# After Ctrl-C the workers finish their step and write a checkpoint; a step plus a checkpoint
+# of the largest presets takes well under this. A second Ctrl-C abandons the wait.
+STOP_GRACE_S = 60
+
+
+def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
+    """``trainer.fit()`` in a thread, so that Ctrl-C reaches us (not Ray Train's own SIGINT
+    handler, which aborts the workers mid-step and mid-checkpoint). Returns (result, error,
+    interrupted, abandoned): on Ctrl-C the workers are asked to stop after their current step
+    with a checkpoint; a second Ctrl-C or STOP_GRACE_S without an answer abandons them
+    (the caller then disconnects from Ray, which ends the job's actors)."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as caught:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = caught
+
+    thread = threading.Thread(target=target, name="mpipemoe-fit", daemon=True)
+    thread.start()
+    interrupted = abandoned = False
+    deadline = None
+    while thread.is_alive():
+        try:
+            thread.join(0.2)
+            if deadline is not None and time.monotonic() > deadline:
+                echo(f"[mpipemoe] the workers did not stop within {STOP_GRACE_S} s: abandoning them")
+                abandoned = True
+                break
+        except KeyboardInterrupt:
+            if interrupted:
+                echo("[mpipemoe] second Ctrl-C: abandoning the workers now")
+                abandoned = True
+                break
+            interrupted = True
+            deadline = time.monotonic() + STOP_GRACE_S
+            echo("[mpipemoe] Ctrl-C: stopping the workers after their current step, with a checkpoint "
+                 "(Ctrl-C again to abandon them at once)")
+            stop_flag.request.remote()
+    result = outcome.get("result")
+    return result, outcome.get("error") or getattr(result, "error", None), interrupted, abandoned
+
+
+def _recorded_last_step(run) -> list[dict]:
+    """The MLflow run's last logged step as one metrics dict (a run that had already reached
+    its steps trains nothing; its summary comes from what it recorded), or []."""
+    if not run.run_id:
+        return []
+    metrics = run.client.get_run(run.run_id).data.metrics
+    if "loss" not in metrics:
+        return []
+    last = max(m.step for m in run.client.get_metric_history(run.run_id, "loss"))
+    return [{"step": last, **metrics}]
 
 
 def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
@@ -395,20 +554,45 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     when the engine exposes them, restarts, skipped_steps, mlflow_run_id, checkpoint_path,
     run_dir, history (the per-step metrics). ``on_step(metrics)`` is called from a driver
     thread per step; ``extra_config`` goes to the workers (see ``build_trainer``).
-    Raises ``ValueError`` for settings the data or the cluster cannot serve (before any
-    worker starts) and ``RuntimeError`` naming the cause when training fails.
+
+    Before Ray starts (within seconds, writing nothing): the data, the sizes against this
+    machine, the MLflow store, the run name's lock (one live job per name) and, for an
+    existing run, the settings its checkpoints are tied to. Raises ``ValueError`` for
+    those and for a cluster that cannot hold the workers, ``RuntimeError`` naming the
+    cause when training fails, and ``TrainingInterrupted`` after Ctrl-C (the workers stopped
+    with a checkpoint, the MLflow run KILLED, the message has the resume command).
     """
+    import ray
+
+    from app.runlock import RunLock
+    from app.tracking import check_store
+
+    ensure_data(job, echo)
+    local = address is None and not ray.is_initialized()
+    if local:
+        import torch
+
+        check_sizes(job, local=True, use_gpu=job.use_gpu if job.use_gpu is not None else torch.cuda.is_available())
+    check_store(job.tracking_uri)
+    with RunLock(job.storage_path, job.name, echo=echo) as lock:
+        check_continues(job)
+        return _run_locked(job, lock, address, echo, on_step, verbose, extra_config)
+
+
+def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dict:
     import ray
     from ray.util.queue import Queue
 
     from app.tracking import NO_TRACKING, NullRun, RunLogger, client, find_run, metric_history
+    from workers.control import new_stop_flag
 
-    ensure_data(job, echo)
     started_ray = init_ray(job, address, verbose)
     metrics_queue = Queue(actor_options={"num_cpus": 0})
+    stop_flag = new_stop_flag()
     run = None
+    abandoned = False
     try:
-        trainer = build_trainer(job, metrics_queue, extra_config=extra_config)
+        trainer = build_trainer(job, metrics_queue, extra_config=extra_config, stop_flag=stop_flag)
         check_resources(trainer.scaling_config, [n["Resources"] for n in ray.nodes() if n["Alive"]])
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
@@ -416,20 +600,26 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
             config["resume_from"] = choose_checkpoint(job, echo)
         save_job(job)
         logged_through, previous_status = 0, None
-        if job.tracking_uri == NO_TRACKING:
-            run = NullRun()
-        elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
-            previous_status = client(job.tracking_uri).get_run(previous).info.status
-            logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
-            run = RunLogger.resume(job.tracking_uri, previous)
-            echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
-        else:
-            run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
-                                  parent_run_id=job.parent_run_id,
-                                  tags={"ray_train_name": job.name, "engine": job.engine,
-                                        "preset": job.preset, "mpipemoe.kind": "train",
-                                        "run_dir": str(job.run_dir)})
-            run.log_params(_run_params(job, config))
+        try:
+            if job.tracking_uri == NO_TRACKING:
+                run = NullRun()
+            elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
+                previous_status = client(job.tracking_uri).get_run(previous).info.status
+                logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
+                run = RunLogger.resume(job.tracking_uri, previous)
+                echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
+            else:
+                run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
+                                      parent_run_id=job.parent_run_id,
+                                      tags={"ray_train_name": job.name, "engine": job.engine,
+                                            "preset": job.preset, "mpipemoe.kind": "train",
+                                            "run_dir": str(job.run_dir)})
+                run.log_params(_run_params(job, config))
+        except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)
+            lines = str(error).strip().splitlines()
+            raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
+                               f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
+        lock.update(mlflow_run_id=run.run_id)
         device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
@@ -447,26 +637,37 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
         with _MetricsPump(metrics_queue, run, job, echo, on_step, logged_through) as pump:
-            try:
-                result = trainer.fit()
-                error = getattr(result, "error", None)
-            except Exception as caught:
-                error = caught
+            result, error, interrupted, abandoned = _fit_interruptibly(trainer, stop_flag, echo)
+        done = pump.history[-1]["step"] if pump.history else None
+        if interrupted and (abandoned or error is not None or done != job.steps):
+            checkpoint = result.checkpoint.path if (result is not None and not abandoned and result.checkpoint) \
+                else None
+            run.set_tags({"interrupted_at_step": done})
+            run.finish("KILLED")
+            where = f"after step {done} of {job.steps}" if done else "before its first step"
+            saved = (f"checkpoint {checkpoint}" if checkpoint else
+                     "no checkpoint written (--checkpoint-every 0)" if not job.checkpoint_every else
+                     "the newest complete checkpoint is kept")
+            killed = f"MLflow run {run.run_id} marked KILLED; " if run.run_id else ""
+            raise TrainingInterrupted(f"{job.name} stopped {where}; {saved}; {killed}resume with: "
+                                      f"{resume_command(job)}")
         if error is not None:
             run.set_tags({"error": _root_cause(error)})
             # A resume that failed before its first step leaves the run as it was (e.g. FINISHED).
             run.finish(previous_status if previous_status and not pump.history else "FAILED")
             raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
-        summary = summarize(pump.history)
+        trained = bool(pump.history)
+        summary = summarize(pump.history or ([result.metrics] if result.metrics else _recorded_last_step(run)))
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
-                       mlflow_run_id=run.run_id, run_dir=str(job.run_dir),
+                       mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
                        wall_time_s=time.perf_counter() - started,
                        training_state_bytes=memory["training_state_bytes"])
-        run.log_metrics({f"summary_{k}": v for k, v in summary.items()
-                         if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
-                                  "training_state_bytes")},
-                        step=summary.get("steps", 0))
+        if trained:  # a run that had already reached job.steps keeps its recorded summary
+            run.log_metrics({f"summary_{k}": v for k, v in summary.items()
+                             if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
+                                      "training_state_bytes")},
+                            step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})
         run.finish("FINISHED")
@@ -475,13 +676,19 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
         summary["history"] = pump.history
         return summary
     except BaseException:
-        if run is not None and run.run_id and run.client.get_run(run.run_id).info.status == "RUNNING":
-            run.finish("KILLED")
+        try:
+            if run is not None and run.run_id and run.client.get_run(run.run_id).info.status == "RUNNING":
+                run.finish("KILLED")
+        except Exception:  # the store itself failed: the error being raised says so
+            pass
         raise
     finally:
-        metrics_queue.shutdown()
-        if started_ray:
-            ray.shutdown()
+        if abandoned:
+            ray.shutdown()  # ends this job's actors (controller, workers) at once
+        else:
+            metrics_queue.shutdown()
+            if started_ray:
+                ray.shutdown()
 
 
 def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
@@ -551,8 +758,8 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
             summaries[engine] = run_job(dataclasses.replace(job, engine=engine, name=f"{base}-{engine}",
                                                             parent_run_id=parent.run_id),
                                         address=address, echo=echo, verbose=verbose)
-    except BaseException:
-        parent.finish("FAILED")
+    except BaseException as caught:
+        parent.finish("KILLED" if isinstance(caught, KeyboardInterrupt) else "FAILED")
         raise
     reference = engines[0]
     ratios = {}
@@ -653,16 +860,22 @@ JOB_FILE = "mpipemoe_job.json"
 def save_job(job: TrainJob) -> None:
     """Record the job's settings in its run directory (read back by ``--resume``)."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / JOB_FILE).write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
+    partial = job.run_dir / f".{JOB_FILE}.partial"
+    try:  # written whole or not at all (a full disk leaves the previous settings)
+        partial.write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
+        partial.replace(job.run_dir / JOB_FILE)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
-def resume_command(job: TrainJob) -> str:
-    """The command that continues ``job`` (twice as many steps), as the user can type it:
-    with ``--storage-path`` where the checkpoints are not in ./ray_results."""
+def resume_command(job: TrainJob, steps: int | None = None) -> str:
+    """The command that continues ``job`` (to ``steps``; None: its recorded steps), as the
+    user can type it: with ``--storage-path`` where the checkpoints are not in ./ray_results."""
     from app.records import invocation
 
     storage = "" if Path(job.storage_path) == Path("ray_results").resolve() else f" --storage-path {job.storage_path}"
-    return f"{invocation()} train --resume {job.name} --steps {job.steps * 2}{storage}"
+    more = f" --steps {steps}" if steps else ""
+    return f"{invocation()} train --resume {job.name}{more}{storage}"
 
 
 def ui_command(tracking_uri: str) -> str:
@@ -729,6 +942,10 @@ def run(args: argparse.Namespace) -> int:
         summary = run_job(job, args.address, verbose=args.verbose)
         if args.summary_json:
             write_summary_json(args.summary_json, summary, job)
+        if not summary.get("steps_run"):
+            print(f"[mpipemoe] {job.name} had already reached step {summary.get('steps', job.steps)} of "
+                  f"--steps {job.steps}: nothing to train; to continue it: {resume_command(job, job.steps * 2)}")
+            return 0
         print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
               f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
               f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
@@ -736,7 +953,7 @@ def run(args: argparse.Namespace) -> int:
             print("[mpipemoe] no checkpoint written (--checkpoint-every 0); this run cannot be resumed")
         else:
             print(f"[mpipemoe] checkpoint: {summary['checkpoint_path']}")
-            print(f"[mpipemoe] resume with: {resume_command(job)}")
+            print(f"[mpipemoe] resume with: {resume_command(job, job.steps * 2)}")
     browse = "" if job.tracking_uri == "none" else f"; browse runs with: {ui_command(job.tracking_uri)}"
     print(f"[mpipemoe] total wall time {time.perf_counter() - started:.0f} s{browse}")
     return 0

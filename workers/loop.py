@@ -16,10 +16,12 @@ the forward under autocast at ``config["dtype"]``. One step (numbers match the c
      dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
   5. expert grads / W
   6. collective: exact global grad norm (dense + every expert shard), clip; AdamW step
-  7. collective: max step time and peak memory over ranks
+  7. collective: max step time and peak memory over ranks, and whether the driver asked to
+     stop (Ctrl-C; rank 0 polls the stop flag, the max carries its answer to every rank)
   8. rank 0 puts the step's metrics on the driver's queue (live progress, MLflow); every
-     ``checkpoint_every`` steps and at the end, every rank writes its shard of a sharded
-     checkpoint (``workers.checkpoint``) and ``ray.train.report``s it.
+     ``checkpoint_every`` steps, at the end and when stopping, every rank writes its shard
+     of a sharded checkpoint (``workers.checkpoint``) and ``ray.train.report``s it; after a
+     stop, all ranks return.
 
 Why not ``ray.train.report`` every step: in Ray Train V2 each report waits until the
 controller has consumed the previous one, and the controller polls every
@@ -51,6 +53,7 @@ from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
+from workers.control import StopPoller
 from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
 
 
@@ -245,6 +248,7 @@ def train_fn_per_worker(config: dict) -> None:
     # then (after that step, on every rank) completed and reported to Ray Train.
     saver = CheckpointSaver(config, rank, world_size, trainer)
     queue = config.get("metrics_queue") if rank == 0 else None
+    stop = StopPoller(config.get("stop_flag") if rank == 0 else None)
     attempt = uuid.uuid4().hex[:8]  # tells the driver when Ray Train restarted the workers
     fresh = checkpoint is None and not resume_from
 
@@ -265,9 +269,9 @@ def train_fn_per_worker(config: dict) -> None:
         result = trainer.step(step, nan_loss=fault_here(config, "nan_loss", step, rank, world_size))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        # 7. slowest rank's time, largest peak memory
-        step_time, peak = reduce_max([time.perf_counter() - started, peak_memory_bytes(device)],
-                                     device, world_size)
+        # 7. slowest rank's time, largest peak memory; stop (Ctrl-C) if rank 0 was asked to
+        step_time, peak, stopping = reduce_max([time.perf_counter() - started, peak_memory_bytes(device),
+                                                float(stop.requested())], device, world_size)
         # 8. report
         metrics = {
             "step": step,
@@ -285,8 +289,10 @@ def train_fn_per_worker(config: dict) -> None:
             queue.put(metrics)
         saver.finish()  # the previous step's async checkpoint, if any
         every = config["checkpoint_every"]  # 0 = no checkpoints
-        if every and (step % every == 0 or step == config["steps"]):
+        if every and (step % every == 0 or step == config["steps"] or stopping):
             saver.start(step, metrics)
+        if stopping:
+            break
     saver.finish()
 
 

@@ -1,0 +1,50 @@
+"""The driver's stop request to the workers (Ctrl-C): a tiny async Ray actor.
+
+    flag = new_stop_flag()           # driver; goes to the workers in their config
+    flag.request.remote()            # driver, on Ctrl-C
+    poller = StopPoller(flag)        # rank 0
+    poller.requested()               # rank 0, once per step: a local, non-blocking check
+
+Only rank 0 polls; the loop carries its answer in the step's max-reduction that every rank
+already makes, so all ranks stop after the same step (no extra collective, no hang).
+"""
+from __future__ import annotations
+
+import asyncio
+
+
+class StopFlag:
+    """Set once by the driver; ``wait`` returns when it is set."""
+
+    def __init__(self):
+        self._event = asyncio.Event()
+
+    async def request(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> bool:
+        await self._event.wait()
+        return True
+
+
+def new_stop_flag():
+    """A StopFlag actor that needs no CPU (it only waits)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(StopFlag).remote()
+
+
+class StopPoller:
+    """Rank 0's view of a StopFlag: one pending ``wait`` call, checked without blocking."""
+
+    def __init__(self, flag):
+        self._pending = flag.wait.remote() if flag is not None else None
+
+    def requested(self) -> bool:
+        """Local (no collective): whether the driver has asked to stop."""
+        if self._pending is None:
+            return False
+        import ray
+
+        ready, _ = ray.wait([self._pending], timeout=0)
+        return bool(ready)
