@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.errors import os_error
 from app.records import invocation
 
 BYTE_VOCAB = 256
@@ -90,8 +91,17 @@ def _text_files(source: Path) -> list[Path]:
     return sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def _documents(sources: list[Path]):
-    """Yield token arrays, one per document: a text file, or a Parquet row."""
+BINARY_PROBE_BYTES = 8000  # like git and grep: a NUL byte in the first 8000 bytes means binary
+
+
+def is_binary(data: bytes) -> bool:
+    """Whether a file's bytes are binary (images, archives, compiled code), not text."""
+    return b"\0" in data[:BINARY_PROBE_BYTES]
+
+
+def _documents(sources: list[Path], skipped: list[Path] | None = None):
+    """Yield token arrays, one per document: a text file, or a Parquet row. Binary files
+    are not text: they are left out and appended to ``skipped``."""
     import pyarrow.parquet as pq
 
     for path in sources:
@@ -111,7 +121,12 @@ def _documents(sources: list[Path]):
                 raise ValueError(f"{path}: a Parquet source needs a 'text' or a 'tokens' column; "
                                  f"it has {table.column_names}")
         else:
-            yield encode(path.read_bytes())
+            data = path.read_bytes()
+            if is_binary(data):
+                if skipped is not None:
+                    skipped.append(path)
+                continue
+            yield encode(data)
 
 
 @dataclass(frozen=True)
@@ -157,12 +172,27 @@ class Manifest:
             if rows != shard["rows"]:
                 raise ValueError(f"data shard {path} holds {rows} rows, its manifest says {shard['rows']}: "
                                  f"prepare the data again with `{invocation()} data prepare --out {data_dir}`")
+            read_shard(path, data_dir)  # every page: a damaged one fails here, not in a worker
         windows = self.num_rows // world_size * self.row_len // window
         if windows < batch_size:
             raise ValueError(
                 f"{data_dir} holds {self.num_rows} rows of {self.row_len} tokens: {windows} windows of "
                 f"{window} tokens per worker ({world_size} workers), fewer than batch_size={batch_size}: "
                 f"prepare more data (--max-bytes), or lower --batch-size, --seq-len or --num-workers")
+
+
+def read_shard(path: Path, data_dir: str | Path):
+    """The ``tokens`` column of shard ``path``, every page decoded; a damaged shard raises
+    ValueError naming it and the fix (pyarrow's own error names neither)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, columns=["tokens"])
+    except (OSError, ValueError, pa.ArrowException) as error:
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"data shard {path} is damaged ({why}): prepare the data again with "
+                         f"`{invocation()} data prepare --out {data_dir}`") from None
 
 
 def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None,
@@ -186,13 +216,16 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     if not paths:
         raise ValueError(f"no input files found in {source_desc}")
 
-    pieces, total = [], 0
-    for ids in _documents(paths):
+    pieces, total, skipped = [], 0, []
+    for ids in _documents(paths, skipped):
         pieces.append(ids)
         pieces.append(np.array([EOS_ID], dtype=np.uint16))
         total += ids.size + 1
         if max_bytes is not None and total >= max_bytes:
             break
+    if not pieces:
+        raise ValueError(f"no text in {source_desc}: all {len(skipped)} file(s) are binary "
+                         f"(e.g. {skipped[0].name}); give text files, or Parquet with a 'text' column")
     stream = np.concatenate(pieces)[:max_bytes] if max_bytes else np.concatenate(pieces)
     num_rows = stream.size // row_len
     if num_rows == 0:
@@ -202,21 +235,36 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    shards = []
-    for index, start in enumerate(range(0, num_rows, rows_per_shard)):
-        chunk = rows[start:start + rows_per_shard]
-        name = f"shard-{index:05d}.parquet"
-        offsets = pa.array(np.arange(0, chunk.size + 1, row_len, dtype=np.int32))
-        column = pa.ListArray.from_arrays(offsets, pa.array(chunk.reshape(-1), type=pa.uint16()))
-        pq.write_table(pa.table({"tokens": column}), out_dir / name)
-        shards.append({"file": name, "rows": int(chunk.shape[0])})
-    manifest = Manifest(tokenizer=TOKENIZER, vocab_size=VOCAB_SIZE, row_len=row_len,
-                        num_rows=num_rows, num_tokens=num_rows * row_len, shards=shards,
-                        source=source_desc)
-    payload = dict(manifest.__dict__, eos_id=EOS_ID, mask_id=MASK_ID, pad_id=PAD_ID,
-                   num_files=len(paths))
-    (out_dir / MANIFEST).write_text(json.dumps(payload, indent=1) + "\n")
+    shards, path = [], out_dir / MANIFEST
+    try:
+        for index, start in enumerate(range(0, num_rows, rows_per_shard)):
+            chunk = rows[start:start + rows_per_shard]
+            name = f"shard-{index:05d}.parquet"
+            path = out_dir / name
+            offsets = pa.array(np.arange(0, chunk.size + 1, row_len, dtype=np.int32))
+            column = pa.ListArray.from_arrays(offsets, pa.array(chunk.reshape(-1), type=pa.uint16()))
+            pq.write_table(pa.table({"tokens": column}), path)
+            shards.append({"file": name, "rows": int(chunk.shape[0])})
+        manifest = Manifest(tokenizer=TOKENIZER, vocab_size=VOCAB_SIZE, row_len=row_len,
+                            num_rows=num_rows, num_tokens=num_rows * row_len, shards=shards,
+                            source=source_desc)
+        payload = dict(manifest.__dict__, eos_id=EOS_ID, mask_id=MASK_ID, pad_id=PAD_ID,
+                       num_files=len(paths) - len(skipped), skipped_binary_files=len(skipped),
+                       skipped_examples=[str(p) for p in skipped[:5]])
+        path = out_dir / MANIFEST
+        path.write_text(json.dumps(payload, indent=1) + "\n")
+    except OSError as error:  # a full disk, a quota: keep nothing half-written
+        for name in [f"shard-{i:05d}.parquet" for i in range(len(shards) + 1)] + [MANIFEST]:
+            (out_dir / name).unlink(missing_ok=True)
+        raise os_error(error, f"cannot write {path}", "free space there or choose another --out; "
+                                                      "no partial data was kept") from error
     return manifest
+
+
+def skipped_binary_files(data_dir: str | Path) -> tuple[int, list[str]]:
+    """(count, a few paths) of the binary files ``prepare_dataset`` left out of ``data_dir``."""
+    payload = json.loads((Path(data_dir) / MANIFEST).read_text())
+    return payload.get("skipped_binary_files", 0), payload.get("skipped_examples", [])
 
 
 def ensure_default_data(data_dir: str | Path | None = None, echo=print) -> Path:
@@ -248,7 +296,7 @@ def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.nda
         first_row += shard["rows"]
         if not local:
             continue
-        column = pq.read_table(Path(data_dir) / shard["file"], columns=["tokens"]).column("tokens")
+        column = read_shard(Path(data_dir) / shard["file"], data_dir).column("tokens")
         values = column.combine_chunks().flatten().to_numpy()
         parts.append(values.reshape(-1, manifest.row_len)[local])
     tokens = np.concatenate(parts).reshape(-1)
@@ -324,4 +372,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"prepared {manifest.num_tokens:,} tokens ({manifest.num_rows} rows x {manifest.row_len}) "
           f"in {len(manifest.shards)} shard(s) at {out} in {time.perf_counter() - start:.1f} s")
     print(f"source: {manifest.source}")
+    skipped, examples = skipped_binary_files(out)
+    if skipped:
+        print(f"skipped {skipped} binary file(s), not text (e.g. {', '.join(Path(e).name for e in examples[:3])})")
     return 0

@@ -337,3 +337,13 @@ def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int,
         + tokens * preset.vocab_size * (dtype_bytes + 8)
     return {"base": base_bytes, "params": params, "activations": activations,
             "total": base_bytes + params + activations}
+
+
+def estimate_step_flops(preset: ModelPreset, batch_size: int) -> float:
+    """Forward+backward FLOPs of one worker's step over ``batch_size`` sequences of
+    ``preset.seq_len`` tokens: 6 x (active parameters per token) per token, plus attention's
+    12 x seq_len^2 x d_model per sequence and layer (it grows with the square of seq_len)."""
+    d, h, layers, k, s = preset.d_model, preset.d_hidden, preset.num_layers, preset.top_k, preset.seq_len
+    ffn = 3 if preset.activation == "swiglu" else 2
+    active = layers * (4 * d * d + k * ffn * d * h) + preset.vocab_size * d
+    return 6.0 * active * batch_size * s + 12.0 * layers * batch_size * s * s * d

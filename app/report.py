@@ -582,9 +582,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.tracking import client, resolve_tracking_uri
+    from app.tracking import check_store, client, resolve_tracking_uri, unfinished_runs
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    check_store(tracking_uri, write=False)  # a typo'd path is an error, never a new empty store
     known = {e.name for e in client(tracking_uri).search_experiments()}
     missing = [name for name in args.experiment or [] if name not in known]
     if missing:
@@ -599,6 +600,11 @@ def run(args: argparse.Namespace) -> int:
                         simulations=load_simulations(tracking_uri, args.experiment),
                         capacities=load_capacity_runs(tracking_uri, args.experiment),
                         emulated=load_emulated(tracking_uri, args.experiment))
+    left_out = unfinished_runs(tracking_uri, args.experiment)
+    if left_out:
+        counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))
+        print(f"note: {sum(left_out.values())} run(s) did not finish and are left out ({counts}); "
+              f"`mpipemoe ui` shows them with their error tags", file=sys.stderr)
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
           f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
     return 0

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.errors import os_error
+
 LOCK_DIR = ".mpipemoe-locks"
 
 
@@ -43,7 +45,16 @@ class RunLock:
             return {}
 
     def acquire(self) -> "RunLock":
-        """Take the lock or raise RunInUseError naming the live job and the fix."""
+        """Take the lock or raise RunInUseError naming the live job and the fix (OSError
+        naming the file and the fix when the storage cannot take it: full, read-only)."""
+        try:
+            return self._acquire()
+        except OSError as error:
+            self.release()
+            raise os_error(error, f"cannot write the run lock {self.path}",
+                           "free space there or choose another --storage-path") from error
+
+    def _acquire(self) -> "RunLock":
         while True:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -71,7 +82,7 @@ class RunLock:
         if stale.get("pid"):
             self.echo(f"[mpipemoe] run {self.name}: taking over the lock left by pid {stale['pid']} on "
                       f"{stale.get('host', '?')} (started {stale.get('started', '?')}), which is no longer running")
-        self._fd = fd
+        self._fd = fd  # from here on, release() removes the file on any failure
         self._info = {"pid": os.getpid(), "host": socket.gethostname(),
                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500]}
         self._write()
@@ -89,17 +100,16 @@ class RunLock:
             self._write()
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)  # still locked: nobody can take a removed file
+        if self._fd is not None:
             try:
-                self.path.parent.rmdir()
-            except OSError:  # other locks in it, or already gone
-                pass
-        finally:
-            os.close(self._fd)
-            self._fd = None
+                self.path.unlink(missing_ok=True)  # still locked: nobody can take a removed file
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        try:
+            self.path.parent.rmdir()
+        except OSError:  # other locks in it, or already gone
+            pass
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

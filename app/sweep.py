@@ -130,10 +130,18 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
     run_id = summary.get("mlflow_run_id") or summary.get("run_id")
     if run_id:
         RunLogger(settings.tracking_uri, run_id).set_tags({"study": settings.study, "trial_id": trial_id})
-    metrics = {k: v for k, v in summary.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    metrics.setdefault(tune_spaces.METRIC, float("nan"))
-    tune.report(metrics)
+    tune.report(trial_metrics(summary))
+
+
+def trial_metrics(summary: dict) -> dict:
+    """What a trial reports to Tune: the summary's numbers. A trial re-run on resume whose
+    Train run had already finished reports that run's recorded numbers (run_job's summary),
+    never NaN; a summary without the study's metric raises, naming the trial's run."""
+    metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if not math.isfinite(metrics.get(tune_spaces.METRIC, math.nan)):
+        raise RuntimeError(f"training run {summary.get('name')} reported no {tune_spaces.METRIC}: "
+                           f"see its MLflow run {summary.get('mlflow_run_id')}")
+    return metrics
 
 
 def study_parent_run(tracking_uri: str, study: str, experiment_path: str, description: str) -> str:
@@ -258,7 +266,10 @@ def run(args: argparse.Namespace) -> int:
 
     from app.tracking import resolve_tracking_uri
 
+    from app.tracking import check_store
+
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
     if started and args.address:
         ray.init(address=args.address, logging_level="WARNING", log_to_driver=args.verbose)

@@ -251,3 +251,22 @@ def finished_runs(tracking_uri: str, experiments: list[str] | None = None, where
         token = page.token
         if not token:
             return
+
+
+def unfinished_runs(tracking_uri: str, experiments: list[str] | None = None) -> dict[str, int]:
+    """``{status: count}`` of the runs in ``experiments`` (default: all) that are not
+    FINISHED (FAILED, KILLED, or RUNNING: still going, or its driver was killed)."""
+    mlflow_client = client(tracking_uri)
+    ids = [e.experiment_id for e in mlflow_client.search_experiments()
+           if experiments is None or e.name in experiments]
+    counts: dict[str, int] = {}
+    token = None
+    while ids:
+        page = mlflow_client.search_runs(ids, filter_string="attributes.status != 'FINISHED'",
+                                         max_results=1000, page_token=token)
+        for run in page:
+            counts[run.info.status] = counts.get(run.info.status, 0) + 1
+        token = page.token
+        if not token:
+            break
+    return counts

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app import data as data_lib
+from app.errors import os_error
 from app.model import ENGINES, PRESETS, STRATEGIES, get_preset
 from workers import checkpoint as ckpt
 from workers.loop import NONFINITE_POLICIES
@@ -200,6 +201,11 @@ WORKERS_PER_CORE = 2
 # One CPU worker's process before the model: torch, Ray and gloo loaded (make train's
 # tiny-gpt workers peak at 636 MiB in all, README).
 WORKER_BASE_BYTES = 500 * 2**20
+# CPU speed assumed when refusing steps that would take too long: 5x the 1.9e10 FLOP/s per
+# core that make train's tiny-gpt reaches (14,564 tokens/s on 2 cores x 6 x 426k active
+# parameters per token), so only settings that are surely too slow are refused.
+CPU_FLOPS_PER_CORE = 1e11
+MAX_LOCAL_STEP_S = 300  # on this machine's CPUs; a step slower than this looks like a hang
 
 
 def available_host_bytes() -> int | None:
@@ -226,8 +232,23 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
               f"workers on them ({WORKERS_PER_CORE} per core; each is a whole PyTorch process): use "
               f"--num-workers {WORKERS_PER_CORE * cores} or fewer (and --num-experts to match), or a cluster "
               f"(--address, docs/cluster.md)")
-    from app.model import estimate_worker_bytes
+    from app.model import estimate_step_flops, estimate_worker_bytes
 
+    base = get_preset(job.preset)
+    longer = preset.seq_len > base.seq_len
+    field, value = ("seq_len", preset.seq_len) if longer else ("batch_size", job.batch_size)
+    positions = f"; --seq-len {preset.seq_len} also grows {job.preset}'s {base.seq_len} learned positions" \
+        if longer else ""
+    fix = f"lower --seq-len (the preset's is {base.seq_len}) or --batch-size"
+    if local and not use_gpu:
+        flops = estimate_step_flops(preset, job.batch_size)
+        step_s = flops * job.num_workers / (min(job.num_workers, cores) * CPU_FLOPS_PER_CORE)
+        if step_s > MAX_LOCAL_STEP_S:
+            _fail(field, value,
+                  f"one step of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
+                  f"{flops:.1e} FLOPs per worker (attention grows with seq_len squared), over "
+                  f"{step_s / 60:,.0f} min per step on this machine's {cores} core(s){positions}: {fix}, "
+                  f"or train on GPUs")
     dtype_bytes = 4 if job.dtype in ("float32",) or (job.dtype == "auto" and not use_gpu) else 2
     estimate = estimate_worker_bytes(preset, job.batch_size, job.num_workers, dtype_bytes,
                                      0 if use_gpu else WORKER_BASE_BYTES)
@@ -245,16 +266,14 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
     if need <= have:
         return
     gib = 2**30
-    base = get_preset(job.preset)
-    field, value = ("seq_len", preset.seq_len) if preset.seq_len > base.seq_len else ("batch_size", job.batch_size)
-    positions = (f"; --seq-len {preset.seq_len} also grows {job.preset}'s {base.seq_len} learned positions"
-                 if preset.seq_len > base.seq_len else "")
+    if estimate["params"] > estimate["activations"]:  # the model itself is too large
+        field, value = ("num_experts", preset.num_experts) if job.num_experts else ("preset", job.preset)
+        fix = "use fewer --num-experts or --num-layers, or a smaller --preset"
     _fail(field, value,
           f"{workers} worker(s) of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
           f"{need / gib:.1f} GiB (per worker {estimate['activations'] / gib:.1f} GiB activations, "
           f"{estimate['params'] / gib:.1f} GiB parameters and optimizer state), more than {where} "
-          f"{have / gib:.1f} GiB{positions}: lower --seq-len (the preset's is {base.seq_len}) or --batch-size, "
-          f"or use fewer workers")
+          f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")
 
 
 # Settings a run's checkpoints are tied to: the model's shape (its parameters, positions
@@ -544,6 +563,15 @@ def _recorded_last_step(run) -> list[dict]:
     return [{"step": last, **metrics}]
 
 
+def _only_this_machine() -> bool:
+    """Whether the Ray this process is connected to is one node on this machine (an
+    embedded instance started earlier in this process: a notebook's, a test session's)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    return len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address()
+
+
 def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
             verbose: bool = False, extra_config: dict | None = None) -> dict:
     """Run ``job`` on Ray (embedded local Ray unless ``address`` or Ray is already up).
@@ -568,8 +596,7 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     from app.tracking import check_store
 
     ensure_data(job, echo)
-    local = address is None and not ray.is_initialized()
-    if local:
+    if address is None and (not ray.is_initialized() or _only_this_machine()):
         import torch
 
         check_sizes(job, local=True, use_gpu=job.use_gpu if job.use_gpu is not None else torch.cuda.is_available())
@@ -864,6 +891,9 @@ def save_job(job: TrainJob) -> None:
     try:  # written whole or not at all (a full disk leaves the previous settings)
         partial.write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
         partial.replace(job.run_dir / JOB_FILE)
+    except OSError as error:
+        raise os_error(error, f"cannot write {job.run_dir / JOB_FILE}",
+                       "free space there or choose another --storage-path") from error
     finally:
         partial.unlink(missing_ok=True)
 
