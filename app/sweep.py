@@ -272,10 +272,10 @@ def run(args: argparse.Namespace) -> int:
     check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
     if started and args.address:
-        ray.init(address=args.address, logging_level="WARNING", log_to_driver=args.verbose)
+        ray.init(address=args.address, logging_level="WARNING" if args.verbose else "ERROR", log_to_driver=args.verbose)
     elif started:  # a new embedded instance, never someone else's cluster found on this machine
         ray.init(address="local", include_dashboard=False, object_store_memory=300 * 2**20,
-                 logging_level="WARNING", log_to_driver=args.verbose)
+                 logging_level="WARNING" if args.verbose else "ERROR", log_to_driver=args.verbose)
     try:
         results = run_study(args.space, storage_path=args.storage_path, tracking_uri=tracking_uri,
                             num_samples=args.num_samples, max_concurrent=args.max_concurrent,

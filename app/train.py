@@ -367,13 +367,16 @@ def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -
 
     if ray.is_initialized():
         return False
+    # Ray's start-up warnings (e.g. that token authentication is on) are not the user's
+    # business on a quiet run: the only stderr line is ours; --verbose shows them.
+    level = "WARNING" if verbose else "ERROR"
     if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=verbose)
+        ray.init(address=address, logging_level=level, log_to_driver=verbose)
     else:
         cpus = job.cpus_per_worker or 0.9
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(job.num_workers * cpus)),
                  include_dashboard=False, dashboard_host="127.0.0.1",
-                 object_store_memory=300 * 2**20, logging_level="WARNING", log_to_driver=verbose)
+                 object_store_memory=300 * 2**20, logging_level=level, log_to_driver=verbose)
     return True
 
 
@@ -518,22 +521,25 @@ def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
     interrupted, abandoned): on Ctrl-C the workers are asked to stop after their current step
     with a checkpoint; a second Ctrl-C or STOP_GRACE_S without an answer abandons them
     (the caller then disconnects from Ray, which ends the job's actors)."""
-    outcome = {}
+    outcome, finished = {}, threading.Event()
 
     def target():
         try:
             outcome["result"] = trainer.fit()
         except BaseException as caught:  # noqa: BLE001 - handed to the caller
             outcome["error"] = caught
+        finally:
+            finished.set()
 
-    thread = threading.Thread(target=target, name="mpipemoe-fit", daemon=True)
-    thread.start()
+    # An Event, not Thread.join(timeout): a KeyboardInterrupt inside join() can leave the
+    # thread marked as ended while it still runs (CPython bpo-45274).
+    threading.Thread(target=target, name="mpipemoe-fit", daemon=True).start()
     interrupted = abandoned = False
     deadline = None
-    while thread.is_alive():
+    while not finished.is_set():
         try:
-            thread.join(0.2)
-            if deadline is not None and time.monotonic() > deadline:
+            finished.wait(0.2)
+            if deadline is not None and time.monotonic() > deadline and not finished.is_set():
                 echo(f"[mpipemoe] the workers did not stop within {STOP_GRACE_S} s: abandoning them")
                 abandoned = True
                 break
