@@ -468,15 +468,17 @@ def killed_then_resumed(env, interrupted):
     c.wait(30)
     lock = json.loads((env["storage"] / ".mpipemoe-locks" / "faulty.lock").read_text())
     last = max(c.steps())
-    c.group_gone()
+    gone = c.group_gone()  # Ray's processes share the driver's fate; its workers end with them
     e = _Driver(resume + ["--steps", str(last + 3)], env["root"], "e")
-    return {"stopped": stopped, "c": c, "reached": reached, "last": last, "lock": lock, "e": e,
+    return {"stopped": stopped, "c": c, "reached": reached, "last": last, "lock": lock, "e": e, "gone": gone,
             "status": e.wait(180), "target": last + 3}
 
 
 def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_then_resumed):
     r = killed_then_resumed
     assert r["c"].proc.returncode == -signal.SIGKILL and r["lock"]["pid"] == r["c"].proc.pid
+    assert r["gone"]  # nothing of the killed run kept training
+    assert min(r["c"].steps()) == r["stopped"] + 1  # the resume began at the Ctrl-C checkpoint
     out = r["e"].out.read_text()
     assert r["status"] == 0, r["e"].err.read_text()[-3000:]
     assert f"taking over the lock left by pid {r['c'].proc.pid}" in out
