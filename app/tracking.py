@@ -85,8 +85,8 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
             except sqlite3.Error as error:
                 why = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise ValueError(f"{flag}: the store at {path} cannot be {'written' if write else 'read'} "
-                                 f"({why}): fix its permissions or free space, or use another --tracking-uri "
-                                 f"(or 'none' to train without MLflow)") from None
+                                 f"({why}): fix its permissions or free space (or, if it is not an MLflow store, "
+                                 f"the path), or use another --tracking-uri ('none': no MLflow)") from None
     elif tracking_uri.startswith(("http://", "https://")):
         import urllib.error
         import urllib.request

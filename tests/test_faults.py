@@ -164,7 +164,7 @@ def test_read_only_store(env, tmp_path, capsys):
         status, line, _, seconds = _cli(_train(env, "--name", "ro", storage=tmp_path / "rr", uri=uri), capsys)
         assert status == 1 and seconds < 20
         assert re.match(rf"mpipemoe train: error: --tracking-uri {re.escape(uri)}: the store at .* cannot be "
-                        r"written \(attempt to write a readonly database\): fix its permissions", line), line
+                        r"written \(attempt to write a readonly database\): fix its permissions or free space", line), line
         assert (folder / "mlflow.db").read_bytes() == before and _listing(tmp_path / "rr") == []
 
 
