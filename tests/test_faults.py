@@ -391,6 +391,26 @@ class _Driver:
             os.killpg(self.proc.pid, signal.SIGKILL)
             pytest.fail(f"the driver did not end within {timeout} s: {self.out.read_text()[-2000:]}")
 
+    def live_in_group(self) -> list[str]:
+        """Commands of the live (not zombie) processes of the driver's session."""
+        listed = subprocess.run(["ps", "-o", "stat=,cmd=", "-g", str(self.proc.pid)], capture_output=True,
+                                text=True).stdout
+        return [line.split(None, 1)[1] for line in listed.splitlines() if line.split() and line.split()[0][0] != "Z"]
+
+    def training_gone(self, timeout: float = 30) -> bool:
+        """After the driver was SIGKILLed: whether its Ray (raylet, GCS) and everything that trains
+        (Train controller, workers) has ended. Ray's dashboard and runtime-env agents can outlive
+        their raylet by a minute; they train nothing and are ended here (they are ours)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = self.live_in_group()
+            if all(cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent")) for cmd in left):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                return True
+            time.sleep(0.5)
+        return False
+
     def group_gone(self, timeout: float = 20) -> bool:
         """Whether every process of the driver's session (Ray's and the workers) has ended."""
         deadline = time.monotonic() + timeout
@@ -472,7 +492,7 @@ def killed_then_resumed(env, interrupted):
     c.wait(30)
     lock = json.loads((env["storage"] / ".mpipemoe-locks" / "faulty.lock").read_text())
     last = max(c.steps())
-    gone = c.group_gone()  # Ray's processes share the driver's fate; its workers end with them
+    gone = c.training_gone()  # Ray's processes share the driver's fate; its workers end with them
     e = _Driver(resume + ["--steps", str(last + 3)], env["root"], "e")
     return {"stopped": stopped, "c": c, "reached": reached, "last": last, "lock": lock, "e": e, "gone": gone,
             "status": e.wait(180), "target": last + 3}
