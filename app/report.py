@@ -582,10 +582,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.records import invocation
     from app.tracking import check_store, client, resolve_tracking_uri, unfinished_runs
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
-    check_store(tracking_uri, write=False)  # a typo'd path is an error, never a new empty store
+    check_store(tracking_uri, write=False)  # a typo'd folder is an error, never a new empty store
+    store = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
+    if store is not None and not store.exists():  # nothing recorded yet: an empty report, no new store
+        print(f"note: no MLflow store at {store} yet: train or sweep first, or check --tracking-uri",
+              file=sys.stderr)
+        path = write_report([], args.out, source=tracking_uri)
+        print(f"Wrote {path.resolve()} (0 run(s), figures: none)")
+        return 0
     known = {e.name for e in client(tracking_uri).search_experiments()}
     missing = [name for name in args.experiment or [] if name not in known]
     if missing:
@@ -604,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))
         print(f"note: {sum(left_out.values())} run(s) did not finish and are left out ({counts}); "
-              f"`mpipemoe ui` shows them with their error tags", file=sys.stderr)
+              f"`{invocation()} ui` shows them with their error tags", file=sys.stderr)
     print(f"Wrote {path.resolve()} ({len(records)} run(s), figures: "
           f"{', '.join(sorted(p.name for p in path.parent.glob('*.png'))) or 'none'})")
     return 0

@@ -52,7 +52,7 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
 
     - ``sqlite:///PATH``: PATH's folder must exist (it is never created: a typo would
       otherwise give an empty store nobody finds); for ``write``, PATH (or, for a new
-      store, its folder) must take a write; for reading, PATH must exist. The probe
+      store, its folder) must take a write; for reading, an existing PATH must open. The probe
       opens a write transaction and rolls it back, so nothing changes.
     - ``http(s)://``: the server must answer ``GET /health``.
     - ``"none"`` and other schemes are not checked.
@@ -67,9 +67,6 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
         if not path.parent.is_dir():
             raise ValueError(f"{flag}: folder {path.parent} does not exist: create it (mkdir -p {path.parent}) "
                              f"or fix the path")
-        if not path.exists() and not write:
-            raise ValueError(f"{flag}: no MLflow store at {path}: check the path (runs are recorded where "
-                             f"`mpipemoe train --tracking-uri` wrote them)")
         if not path.exists() and not os.access(path.parent, os.W_OK):
             raise ValueError(f"{flag}: folder {path.parent} is not writable: choose a writable location")
         if path.exists():
@@ -102,8 +99,10 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
             # any other answer: a server is there (older MLflow versions lack /health)
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
+            from app.records import invocation
+
             raise ValueError(f"{flag}: no MLflow server answers at {tracking_uri} ({reason}): start it "
-                             f"(`mpipemoe ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None
+                             f"(`{invocation()} ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None
 
 
 def client(tracking_uri: str):
