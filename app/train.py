@@ -690,12 +690,16 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.finish(previous_status if previous_status and not pump.history else "FAILED")
             raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
         trained = bool(pump.history)
+        if not trained and config.get("resume_from"):  # nothing left: the chosen checkpoint's step
+            reached = json.loads((Path(config["resume_from"]) / "meta.json").read_text()).get("step")
         summary = summarize(pump.history or ([result.metrics] if result.metrics else _recorded_last_step(run)))
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
                        wall_time_s=time.perf_counter() - started,
                        training_state_bytes=memory["training_state_bytes"])
+        if not trained and config.get("resume_from") and reached:
+            summary["steps"] = reached
         if trained:  # a run that had already reached job.steps keeps its recorded summary
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
