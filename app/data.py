@@ -9,21 +9,43 @@ The default text is the standard library of the Python running this command
 site-packages left out, first ``--max-bytes`` bytes): real text nobody on this project
 wrote, present on every machine, prepared in about a second.
 
-Tokenizer: bytes (ids 0-255) plus EOS (256, between documents), MASK (257, masked LM)
-and PAD (258); vocabulary 259. Nothing to train or download.
+Sources (``--source``, any mix): text files and directories of them, Parquet files or
+JSONL files with a ``text`` column (Parquet may instead hold pre-tokenized ``tokens``), and
+local Hugging Face ``datasets`` directories (``save_to_disk``; needs ``datasets``).
 
-Layout of a prepared directory: ``manifest.json`` and ``shard-00000.parquet`` ... with
-one column ``tokens`` (list<uint16>), each row ``row_len`` tokens of the concatenated
-token stream. Rank r of W reads rows r, r+W, r+2W, ... (only the first
-``W * (rows // W)`` rows, so every rank has the same amount): disjoint and deterministic.
-``BatchSampler`` cuts that rank stream into windows and picks batch ``i`` as a pure
-function of (seed, rank, i), so the data position in a checkpoint is just ``i``.
+Tokenizer (``--tokenizer``, see app/tokenizer.py): ``bytes`` (default: ids 0-255 plus EOS
+256 between documents, MASK 257, PAD 258; vocabulary 259, nothing to train), ``bpe[:VOCAB]``
+(a byte-level BPE trained on the corpus) or a ``tokenizer.json``. Its vocabulary size goes
+into the manifest and sets the model's.
+
+Preparation streams: sources are read in chunks (text files 1 MiB at a time, Parquet by
+record batch, JSONL by line) and written out a shard at a time, so memory stays bounded
+by a shard (``rows_per_shard * row_len`` tokens), whatever the corpus size. A BPE is
+trained in a first pass over the same stream (the trainer keeps word counts, not text).
+
+Layout of a prepared directory: ``manifest.json``; ``tokens.bin``, the whole token stream
+as one flat little-endian array (uint16, uint32 above 65,536 tokens) that workers
+memory-map; ``shard-00000.parquet`` ... holding the same tokens as Parquet rows (one column
+``tokens``, each row ``row_len`` tokens: the portable copy, readable by any Parquet tool
+and usable again as a ``--source``); ``tokenizer.json`` for a BPE. Rank r of W reads rows
+r, r+W, r+2W, ... (only the first ``W * (rows // W)`` rows, so every rank has the same
+amount): disjoint and deterministic. ``open_rank_stream`` maps those rows without reading
+them; ``BatchSampler`` cuts the rank stream into windows and picks batch ``i`` as a pure
+function of (seed, rank, i), reading only that batch's windows, so a worker's memory does
+not grow with the corpus and the data position in a checkpoint is just ``i``.
+
+Why memory-mapped arrays rather than Ray Data streaming: batches are addressed by
+position (exact resume is "read batch i", with a fresh permutation per epoch), which a
+random-access array gives for free; the OS page cache shares and evicts the pages; and the
+workers need no extra Ray processes or object-store traffic on the training path.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -33,6 +55,7 @@ import numpy as np
 
 from app.errors import os_error
 from app.records import invocation
+from app.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, TokenizerSpec, token_dtype
 
 BYTE_VOCAB = 256
 EOS_ID = 256
@@ -41,6 +64,8 @@ PAD_ID = 258
 VOCAB_SIZE = 259
 TOKENIZER = "bytes-v1"
 MANIFEST = "manifest.json"
+TOKEN_FILE = "tokens.bin"
+READ_CHUNK = 2**20              # bytes of a text file read (and tokenized) at a time
 DEFAULT_MAX_BYTES = 8 * 2**20   # 8 MiB of stdlib sources: ~8M tokens, prepared in ~1 s
 DEFAULT_ROW_LEN = 8192          # tokens per Parquet row
 DEFAULT_ROWS_PER_SHARD = 256    # rows per Parquet file (~2M tokens)
@@ -54,23 +79,12 @@ def default_data_dir() -> Path:
 
 def encode(text: str | bytes) -> np.ndarray:
     """Byte-level token ids (uint16) of ``text``."""
-    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    return ByteTokenizer().encode(text)
 
 
 def decode(ids) -> str:
     """Text of byte ids; specials become ``<eos>``, ``<mask>``, ``<pad>``."""
-    names = {EOS_ID: "<eos>", MASK_ID: "<mask>", PAD_ID: "<pad>"}
-    out, run = [], bytearray()
-    for i in np.asarray(ids).tolist():
-        if i < BYTE_VOCAB:
-            run.append(i)
-        else:
-            out.append(run.decode("utf-8", "replace"))
-            run = bytearray()
-            out.append(names.get(i, f"<{i}>"))
-    out.append(run.decode("utf-8", "replace"))
-    return "".join(out)
+    return ByteTokenizer().decode(ids)
 
 
 def stdlib_source_files() -> list[Path]:
@@ -99,34 +113,106 @@ def is_binary(data: bytes) -> bool:
     return b"\0" in data[:BINARY_PROBE_BYTES]
 
 
-def _documents(sources: list[Path], skipped: list[Path] | None = None):
-    """Yield token arrays, one per document: a text file, or a Parquet row. Binary files
-    are not text: they are left out and appended to ``skipped``."""
+def _is_hf_dataset(path: Path) -> bool:
+    """A directory written by Hugging Face ``datasets`` (``Dataset(Dict).save_to_disk``)."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file()
+                              or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
+
+
+def _expand_source(source: Path) -> list[Path]:
+    """The input files of one ``--source``: a Hugging Face dataset directory stays whole."""
+    return [source] if _is_hf_dataset(source) else _text_files(source)
+
+
+def _hf_texts(path: Path, batch_size: int = 256):
+    """The ``text`` column of a local Hugging Face dataset (every split, sorted), batch by batch."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise ValueError(f"--source {path} is a Hugging Face datasets directory, and reading it needs "
+                         f"`datasets`: pip install datasets, or export it to Parquet/JSONL first "
+                         f"(dataset.to_parquet('data.parquet'))") from error
+    loaded = datasets.load_from_disk(str(path))
+    parts = [loaded[name] for name in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
+    for part in parts:
+        if "text" not in part.column_names:
+            raise ValueError(f"--source {path}: a Hugging Face dataset needs a 'text' column; it has "
+                             f"{part.column_names}")
+        for batch in part.iter(batch_size=batch_size):
+            yield from batch["text"]
+
+
+def _jsonl_texts(path: Path):
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                yield record["text"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: each JSONL line needs a JSON object with a 'text' "
+                                 f"field ({type(error).__name__}: {error}); fix or remove that line") from error
+
+
+def _text_chunks(path: Path):
+    """A text file READ_CHUNK bytes at a time, cut after a newline where there is one (so a
+    BPE sees whole words and whole UTF-8 characters)."""
+    carry = b""
+    with path.open("rb") as handle:
+        while True:
+            block = handle.read(READ_CHUNK)
+            if not block:
+                break
+            block = carry + block
+            cut = block.rfind(b"\n") + 1 or len(block)
+            carry = block[cut:]
+            yield block[:cut]
+    if carry:
+        yield carry
+
+
+def _pieces(sources: list[Path], vocab_size: int, skipped: list[Path] | None = None):
+    """Yield ``(piece, end_of_document)`` in corpus order. A piece is text (str or bytes) or,
+    from a Parquet ``tokens`` column, an array of token ids. Memory: one piece at a time.
+    Binary files are not text: they are left out and appended to ``skipped``."""
     import pyarrow.parquet as pq
 
     for path in sources:
-        if path.suffix == ".parquet":
-            table = pq.read_table(path)
-            if "tokens" in table.column_names:
-                for row in table.column("tokens").to_pylist():
-                    ids = np.asarray(row, dtype=np.int64)
-                    if ids.size and (ids.min() < 0 or ids.max() >= VOCAB_SIZE):
-                        raise ValueError(f"{path}: token ids must lie in [0, {VOCAB_SIZE}); "
-                                         f"found {ids.min()}..{ids.max()}")
-                    yield ids.astype(np.uint16)
-            elif "text" in table.column_names:
-                for text in table.column("text").to_pylist():
-                    yield encode(text or "")
-            else:
+        if path.is_dir():  # a Hugging Face dataset (see _expand_source)
+            for text in _hf_texts(path):
+                yield text or "", True
+        elif path.suffix == ".parquet":
+            parquet = pq.ParquetFile(path)
+            names = parquet.schema_arrow.names
+            column = "tokens" if "tokens" in names else "text" if "text" in names else None
+            if column is None:
                 raise ValueError(f"{path}: a Parquet source needs a 'text' or a 'tokens' column; "
-                                 f"it has {table.column_names}")
+                                 f"it has {names}")
+            for batch in parquet.iter_batches(batch_size=256, columns=[column]):
+                for row in batch.column(0).to_pylist():
+                    if column == "text":
+                        yield row or "", True
+                        continue
+                    ids = np.asarray(row, dtype=np.int64)
+                    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size}); "
+                                         f"found {ids.min()}..{ids.max()}")
+                    yield ids, True
+        elif path.suffix == ".jsonl":
+            for text in _jsonl_texts(path):
+                yield text or "", True
         else:
-            data = path.read_bytes()
-            if is_binary(data):
+            chunks = _text_chunks(path)
+            previous = next(chunks, b"")
+            if is_binary(previous):
                 if skipped is not None:
                     skipped.append(path)
                 continue
-            yield encode(data)
+            for chunk in chunks:
+                yield previous, False
+                previous = chunk
+            yield previous, True
 
 
 @dataclass(frozen=True)
@@ -140,6 +226,12 @@ class Manifest:
     num_tokens: int
     shards: list
     source: str
+    token_file: str | None = None      # tokens.bin (None: prepared before it existed; Parquet is read)
+    token_dtype: str = "uint16"
+    tokenizer_file: str | None = None  # tokenizer.json of a BPE/loaded tokenizer; None: bytes
+    eos_id: int = EOS_ID
+    mask_id: int = MASK_ID
+    pad_id: int = PAD_ID
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "Manifest":
@@ -151,7 +243,8 @@ class Manifest:
                 f"`{invocation()} data prepare --out {data_dir}` (on every node, or use shared storage)")
         try:
             fields = json.loads(path.read_text())
-            return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+            return cls(**{k: fields[k] for k in cls.__dataclass_fields__
+                          if k in fields or cls.__dataclass_fields__[k].default is dataclasses.MISSING})
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"cannot read the prepared data's {path} ({type(error).__name__}: {error}): "
                              f"check its permissions, or prepare it again with "
@@ -173,6 +266,14 @@ class Manifest:
                 raise ValueError(f"data shard {path} holds {rows} rows, its manifest says {shard['rows']}: "
                                  f"prepare the data again with `{invocation()} data prepare --out {data_dir}`")
             read_shard(path, data_dir)  # every page: a damaged one fails here, not in a worker
+        if self.token_file:
+            path = Path(data_dir) / self.token_file
+            expected = self.num_tokens * np.dtype(self.token_dtype).itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                raise ValueError(f"data file {path} is {'missing' if size is None else f'{size} bytes'}, its "
+                                 f"manifest says {expected} bytes: prepare the data again with "
+                                 f"`{invocation()} data prepare --out {data_dir}`")
         windows = self.num_rows // world_size * self.row_len // window
         if windows < batch_size:
             raise ValueError(
@@ -195,69 +296,186 @@ def read_shard(path: Path, data_dir: str | Path):
                          f"`{invocation()} data prepare --out {data_dir}`") from None
 
 
+class _Progress:
+    """Progress lines for ``prepare_dataset``, at most one per ``every_s`` seconds."""
+
+    def __init__(self, echo, total_bytes: int, every_s: float = 2.0):
+        self.echo, self.total_bytes, self.every_s = echo, total_bytes, every_s
+        self.started = self.last = time.perf_counter()
+        self.read_bytes = 0
+
+    def update(self, what: str, read: int, tokens: int | None = None, force: bool = False) -> None:
+        self.read_bytes += read
+        now = time.perf_counter()
+        if self.echo is None or not (force or now - self.last >= self.every_s):
+            return
+        self.last = now
+        of = f" of {self.total_bytes / 2**20:,.1f}" if self.total_bytes else ""
+        done = f", {tokens:,} tokens" if tokens is not None else ""
+        self.echo(f"[data] {what}: {self.read_bytes / 2**20:,.1f}{of} MiB read{done}, "
+                  f"{now - self.started:.0f} s")
+
+
+def _source_bytes(paths: list[Path]) -> int:
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
+def _training_texts(paths: list[Path], vocab_size: int, max_bytes: int | None, meter: _Progress):
+    """The corpus's text (no pre-tokenized rows), up to ``max_bytes`` bytes, for BPE training."""
+    seen = 0
+    for piece, _ in _pieces(paths, vocab_size):
+        if isinstance(piece, np.ndarray):
+            continue
+        meter.update("training the BPE", len(piece))
+        seen += len(piece)
+        yield piece.decode("utf-8", "replace") if isinstance(piece, bytes) else piece
+        if max_bytes is not None and seen >= max_bytes:
+            return
+
+
+def _encoded(pieces, tokenizer, meter: _Progress, batch_bytes: int = READ_CHUNK):
+    """``(ids, end_of_document)`` for each piece, text encoded in batches (the BPE encodes a
+    batch on all cores)."""
+    batch, size = [], 0
+
+    def encode_batch():
+        texts = [piece for piece, _ in batch]
+        for ids, (_, end) in zip(tokenizer.encode_batch(texts), batch):
+            yield ids, end
+
+    for piece, end in pieces:
+        if isinstance(piece, np.ndarray):
+            yield from encode_batch()
+            batch, size = [], 0
+            yield piece, end
+            continue
+        batch.append((piece, end))
+        size += len(piece)
+        meter.read_bytes += len(piece)
+        if size >= batch_bytes or len(batch) >= 1024:
+            yield from encode_batch()
+            batch, size = [], 0
+    yield from encode_batch()
+
+
+def make_tokenizer(spec: TokenizerSpec, paths: list[Path], max_bytes: int | None, meter: _Progress):
+    """The tokenizer ``spec`` asks for: fixed bytes, a loaded file, or a BPE trained on ``paths``."""
+    if spec.kind == "bytes":
+        return ByteTokenizer()
+    if spec.kind == "file":
+        return HFTokenizer.load(spec.path)
+    # ids of pre-tokenized rows are not checked here: training skips them
+    tokenizer = HFTokenizer.train_bpe(_training_texts(paths, 2**32, max_bytes, meter), spec.vocab_size)
+    meter.read_bytes = 0
+    return tokenizer
+
+
 def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None,
                     max_bytes: int | None = DEFAULT_MAX_BYTES, row_len: int = DEFAULT_ROW_LEN,
-                    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD) -> Manifest:
-    """Tokenize ``sources`` (default: stdlib sources) into Parquet shards under ``out_dir``.
+                    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, tokenizer: str = "bytes",
+                    progress=None) -> Manifest:
+    """Tokenize ``sources`` (default: stdlib sources) into ``tokens.bin`` and Parquet shards.
 
+    ``tokenizer``: "bytes", "bpe[:VOCAB]" or a tokenizer.json path (see app/tokenizer.py).
     Documents are joined with EOS; the stream stops after ``max_bytes`` tokens (None: all).
-    Writes the shards first and the manifest last, so a directory with a manifest is complete.
+    Streams: holds at most one shard of tokens (plus one read chunk) in memory.
+    ``progress``: called with a line of text every few seconds (None: silent).
+    Writes the data first and the manifest last, so a directory with a manifest is complete.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out_dir = Path(out_dir).resolve()
+    spec = TokenizerSpec.parse(tokenizer)
     if sources:
-        paths = [p for s in sources for p in _text_files(Path(s).expanduser().resolve())]
+        paths = [p for s in sources for p in _expand_source(Path(s).expanduser().resolve())]
         source_desc = ", ".join(str(s) for s in sources)
     else:
         paths = stdlib_source_files()
         source_desc = f"python stdlib sources at {sysconfig.get_paths()['stdlib']}"
     if not paths:
         raise ValueError(f"no input files found in {source_desc}")
+    meter = _Progress(progress, _source_bytes(paths))
 
-    pieces, total, skipped = [], 0, []
-    for ids in _documents(paths, skipped):
-        pieces.append(ids)
-        pieces.append(np.array([EOS_ID], dtype=np.uint16))
-        total += ids.size + 1
-        if max_bytes is not None and total >= max_bytes:
-            break
-    if not pieces:
-        raise ValueError(f"no text in {source_desc}: all {len(skipped)} file(s) are binary "
-                         f"(e.g. {skipped[0].name}); give text files, or Parquet with a 'text' column")
-    stream = np.concatenate(pieces)[:max_bytes] if max_bytes else np.concatenate(pieces)
-    num_rows = stream.size // row_len
-    if num_rows == 0:
-        raise ValueError(f"{source_desc} gives {stream.size} tokens, fewer than one row of "
-                         f"{row_len}; add text or lower --row-len")
-    rows = stream[: num_rows * row_len].reshape(num_rows, row_len)
+    # 1. the tokenizer (a BPE reads the corpus once to train)
+    tok = make_tokenizer(spec, paths, max_bytes, meter)
+    dtype = token_dtype(tok.vocab_size)
+    arrow_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
 
+    # 2. a clean output directory (only files this function writes are removed)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    shards, path = [], out_dir / MANIFEST
+    for stale in out_dir.glob("shard-*.parquet"):
+        stale.unlink()
+
+    # 3. tokenize and write a shard at a time: Parquet rows + the flat memory-mappable array
+    shard_tokens = rows_per_shard * row_len
+    limit = max_bytes if max_bytes else None
+    eos = np.array([tok.eos_id], dtype=dtype)
+    pending, buffered, written, documents, shards, skipped = [], 0, 0, 0, [], []
+    path = out_dir / TOKEN_FILE  # the file being written, for the error message
+
+    def write(count: int) -> None:
+        nonlocal pending, buffered, written, path
+        flat = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        chunk, rest = flat[:count], flat[count:]
+        pending, buffered = ([rest] if rest.size else []), rest.size
+        name = f"shard-{len(shards):05d}.parquet"
+        offsets = pa.array(np.arange(0, count + 1, row_len, dtype=np.int32))
+        column = pa.ListArray.from_arrays(offsets, pa.array(chunk, type=arrow_type))
+        path = out_dir / name
+        pq.write_table(pa.table({"tokens": column}), path)
+        path = out_dir / TOKEN_FILE
+        token_out.write(chunk.astype(dtype).tobytes())
+        token_out.flush()
+        shards.append({"file": name, "rows": count // row_len})
+        written += count
+
     try:
-        for index, start in enumerate(range(0, num_rows, rows_per_shard)):
-            chunk = rows[start:start + rows_per_shard]
-            name = f"shard-{index:05d}.parquet"
-            path = out_dir / name
-            offsets = pa.array(np.arange(0, chunk.size + 1, row_len, dtype=np.int32))
-            column = pa.ListArray.from_arrays(offsets, pa.array(chunk.reshape(-1), type=pa.uint16()))
-            pq.write_table(pa.table({"tokens": column}), path)
-            shards.append({"file": name, "rows": int(chunk.shape[0])})
-        manifest = Manifest(tokenizer=TOKENIZER, vocab_size=VOCAB_SIZE, row_len=row_len,
-                            num_rows=num_rows, num_tokens=num_rows * row_len, shards=shards,
-                            source=source_desc)
-        payload = dict(manifest.__dict__, eos_id=EOS_ID, mask_id=MASK_ID, pad_id=PAD_ID,
-                       num_files=len(paths) - len(skipped), skipped_binary_files=len(skipped),
-                       skipped_examples=[str(p) for p in skipped[:5]])
+        with (out_dir / TOKEN_FILE).open("wb") as token_out:
+            for ids, end in _encoded(_pieces(paths, tok.vocab_size, skipped), tok, meter):
+                pending.append(ids.astype(dtype, copy=False))
+                buffered += ids.size
+                if end:
+                    documents += 1
+                    pending.append(eos)
+                    buffered += 1
+                while buffered >= shard_tokens and (limit is None or written + shard_tokens <= limit):
+                    write(shard_tokens)
+                meter.update("tokenizing", 0, written + buffered)
+                if limit is not None and written + buffered >= limit:
+                    break
+            if documents == 0 and skipped:
+                raise ValueError(f"no text in {source_desc}: all {len(skipped)} file(s) are binary "
+                                 f"(e.g. {skipped[0].name}); give text files, or Parquet with a 'text' column")
+            total = written + buffered
+            left = buffered if limit is None else min(buffered, limit - written)
+            if left >= row_len:
+                write(left // row_len * row_len)
+        num_rows = written // row_len
+        if num_rows == 0:
+            raise ValueError(f"{source_desc} gives {total} tokens, fewer than one row of "
+                             f"{row_len}; add text or lower --row-len")
+        path = out_dir / TOKENIZER_FILE
+        tokenizer_file = tok.save(out_dir)
+        meter.update("done", 0, written, force=True)
+        manifest = Manifest(tokenizer=tok.name, vocab_size=tok.vocab_size, row_len=row_len,
+                            num_rows=num_rows, num_tokens=written, shards=shards, source=source_desc,
+                            token_file=TOKEN_FILE, token_dtype=np.dtype(dtype).name,
+                            tokenizer_file=tokenizer_file, eos_id=tok.eos_id, mask_id=tok.mask_id,
+                            pad_id=tok.pad_id)
+        payload = dict(dataclasses.asdict(manifest), num_files=len(paths) - len(skipped),
+                       skipped_binary_files=len(skipped), skipped_examples=[str(p) for p in skipped[:5]])
         path = out_dir / MANIFEST
         path.write_text(json.dumps(payload, indent=1) + "\n")
-    except OSError as error:  # a full disk, a quota: keep nothing half-written
-        for name in [f"shard-{i:05d}.parquet" for i in range(len(shards) + 1)] + [MANIFEST]:
+    except BaseException as error:  # a full disk, a quota, no text: keep nothing half-written
+        for name in [s["file"] for s in shards] + [f"shard-{len(shards):05d}.parquet", TOKEN_FILE,
+                                                    TOKENIZER_FILE, MANIFEST]:
             (out_dir / name).unlink(missing_ok=True)
-        raise os_error(error, f"cannot write {path}", "free space there or choose another --out; "
-                                                      "no partial data was kept") from error
+        if isinstance(error, OSError):
+            raise os_error(error, f"cannot write {path}", "free space there or choose another --out; "
+                                                          "no partial data was kept") from error
+        raise
     return manifest
 
 
@@ -268,9 +486,11 @@ def skipped_binary_files(data_dir: str | Path) -> tuple[int, list[str]]:
 
 
 def ensure_default_data(data_dir: str | Path | None = None, echo=print) -> Path:
-    """Prepare the default dataset at ``data_dir`` (default ``./data/stdlib-bytes``) if missing."""
+    """Prepare the default dataset at ``data_dir`` (default ``./data/stdlib-bytes``) if missing
+    (or prepared before ``tokens.bin`` existed)."""
     data_dir = Path(data_dir).resolve() if data_dir else default_data_dir()
-    if not (data_dir / MANIFEST).exists():
+    manifest_path = data_dir / MANIFEST
+    if not manifest_path.exists() or TOKEN_FILE not in manifest_path.read_text():
         echo(f"[mpipemoe] no training data at {data_dir}: preparing it from this Python's "
              f"standard library sources (runs once)...")
         start = time.perf_counter()
@@ -280,26 +500,72 @@ def ensure_default_data(data_dir: str | Path | None = None, echo=print) -> Path:
     return data_dir
 
 
-def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.ndarray:
-    """This rank's token stream: rows rank, rank+W, ... of the first W*(rows//W) rows."""
-    import pyarrow.parquet as pq
+class RankStream:
+    """One rank's token stream, memory-mapped: nothing is read until a slice is asked for.
 
-    manifest = Manifest.load(data_dir)
+    Rows rank, rank+W, ... of ``tokens.bin`` (a strided view of the mapped file), seen as one
+    stream of ``len(self)`` tokens; ``stream[a:b]`` copies just those tokens. Pages come from
+    the OS page cache (file-backed, evictable), so a worker's own memory does not grow with
+    the data.
+    """
+
+    def __init__(self, rows_RL: np.ndarray):
+        self.rows_RL = rows_RL
+        self.row_len = rows_RL.shape[1]
+
+    def __len__(self) -> int:
+        return self.rows_RL.shape[0] * self.row_len
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        start, stop, _ = span.indices(len(self))
+        parts = []
+        while start < stop:
+            row, col = divmod(start, self.row_len)
+            take = min(self.row_len - col, stop - start)
+            parts.append(self.rows_RL[row, col:col + take])
+            start += take
+        return np.concatenate(parts) if parts else self.rows_RL[0, :0].copy()
+
+
+def _rows_per_rank(data_dir, manifest: Manifest, world_size: int) -> int:
     rows_per_rank = manifest.num_rows // world_size
     if rows_per_rank == 0:
         raise ValueError(f"{data_dir} holds {manifest.num_rows} rows of {manifest.row_len} tokens, "
                          f"fewer than the {world_size} workers: prepare more data or use fewer workers")
-    wanted = set(range(rank, rows_per_rank * world_size, world_size))
-    parts, first_row = [], 0
-    for shard in manifest.shards:
-        local = [r - first_row for r in range(first_row, first_row + shard["rows"]) if r in wanted]
-        first_row += shard["rows"]
-        if not local:
-            continue
-        column = read_shard(Path(data_dir) / shard["file"], data_dir).column("tokens")
-        values = column.combine_chunks().flatten().to_numpy()
-        parts.append(values.reshape(-1, manifest.row_len)[local])
-    tokens = np.concatenate(parts).reshape(-1)
+    return rows_per_rank
+
+
+def open_rank_stream(data_dir: str | Path, rank: int, world_size: int):
+    """This rank's token stream (rows rank, rank+W, ... of the first W*(rows//W) rows),
+    memory-mapped from ``tokens.bin``; data prepared before that file existed is loaded whole."""
+    manifest = Manifest.load(data_dir)
+    if not manifest.token_file:
+        return load_rank_tokens(data_dir, rank, world_size)
+    rows_per_rank = _rows_per_rank(data_dir, manifest, world_size)
+    mapped = np.memmap(Path(data_dir) / manifest.token_file, dtype=manifest.token_dtype, mode="r",
+                       shape=(manifest.num_rows, manifest.row_len))
+    return RankStream(mapped[rank: rows_per_rank * world_size: world_size])
+
+
+def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.ndarray:
+    """This rank's whole token stream in memory (small data, tests; workers use
+    ``open_rank_stream``), its ids checked against the manifest's vocabulary."""
+    manifest = Manifest.load(data_dir)
+    rows_per_rank = _rows_per_rank(data_dir, manifest, world_size)
+    if manifest.token_file:
+        tokens = np.ascontiguousarray(open_rank_stream(data_dir, rank, world_size).rows_RL).reshape(-1)
+    else:
+        wanted = set(range(rank, rows_per_rank * world_size, world_size))
+        parts, first_row = [], 0
+        for shard in manifest.shards:
+            local = [r - first_row for r in range(first_row, first_row + shard["rows"]) if r in wanted]
+            first_row += shard["rows"]
+            if not local:
+                continue
+            column = read_shard(Path(data_dir) / shard["file"], data_dir).column("tokens")
+            values = column.combine_chunks().flatten().to_numpy()
+            parts.append(values.reshape(-1, manifest.row_len)[local])
+        tokens = np.concatenate(parts).reshape(-1)
     if tokens.size and tokens.max() >= manifest.vocab_size:
         raise ValueError(f"{data_dir}: rank {rank}'s rows hold token id {tokens.max()}, outside the "
                          f"vocabulary of {manifest.vocab_size} its manifest declares: prepare the data again "
@@ -310,18 +576,20 @@ def load_rank_tokens(data_dir: str | Path, rank: int, world_size: int) -> np.nda
 class BatchSampler:
     """Batches of token windows from one rank's stream, addressable by batch index.
 
-    Windows are the non-overlapping ``window``-token slices of the stream; each epoch
-    visits them in a permutation seeded by (seed, rank, epoch). ``batch(i)`` depends
-    only on i, so resuming at data position i reproduces the exact sequence.
+    Windows are the non-overlapping ``window``-token slices of the stream (an array or a
+    memory-mapped ``RankStream``); each epoch visits them in a permutation seeded by
+    (seed, rank, epoch). ``batch(i)`` depends only on i, so resuming at data position i
+    reproduces the exact sequence; it reads only that batch's windows.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, window: int, seed: int, rank: int = 0):
+    def __init__(self, tokens, batch_size: int, window: int, seed: int, rank: int = 0):
         self.windows = len(tokens) // window
         if self.windows < batch_size:
             raise ValueError(
                 f"rank {rank}'s data shard has {self.windows} windows of {window} tokens, fewer than "
                 f"batch_size={batch_size}: prepare more data (--max-bytes) or lower --batch-size/--seq-len")
-        self.tokens_NW = tokens[: self.windows * window].reshape(self.windows, window)
+        self.tokens = tokens
+        self.window = window
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -338,8 +606,9 @@ class BatchSampler:
             if epoch != self._epoch:
                 rng = np.random.default_rng([self.seed, self.rank, epoch])
                 self._epoch, self._order = epoch, rng.permutation(self.windows)
-            rows.append(self._order[offset])
-        return self.tokens_NW[rows].astype(np.int64)
+            rows.append(int(self._order[offset]))
+        w = self.window
+        return np.stack([self.tokens[r * w:(r + 1) * w] for r in rows]).astype(np.int64)
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -348,11 +617,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     prep = sub.add_parser("prepare", help="tokenize text into Parquet shards")
     prep.add_argument("--source", nargs="+", default=None,
-                      help="text files, directories or Parquet files ('text' or 'tokens' column); "
+                      help="text files, directories, Parquet or JSONL files with a 'text' column (Parquet: "
+                           "or pre-tokenized 'tokens'), local Hugging Face datasets directories; "
                            "default: this Python's stdlib sources")
+    prep.add_argument("--tokenizer", default="bytes",
+                      help="bytes (default, vocabulary 259), bpe[:VOCAB] (train a byte-level BPE on the "
+                           "corpus, default 8192 tokens) or PATH/tokenizer.json")
     prep.add_argument("--out", default=None, help="output directory (default ./data/stdlib-bytes)")
     prep.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                      help=f"stop after this many tokens, 0 = all (default {DEFAULT_MAX_BYTES})")
+                      help=f"stop after this many tokens, 0 = all (default {DEFAULT_MAX_BYTES}); a BPE "
+                           f"trains on this many bytes of text")
     prep.add_argument("--row-len", type=int, default=DEFAULT_ROW_LEN, help="tokens per Parquet row")
     info = sub.add_parser("info", help="print the manifest of a prepared directory")
     info.add_argument("--data-dir", default=None, help="prepared directory (default ./data/stdlib-bytes)")
@@ -366,13 +640,20 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(path.read_text(), end="")
         return 0
+    if args.out is None and TokenizerSpec.parse(args.tokenizer).kind != "bytes":
+        raise ValueError(f"--tokenizer {args.tokenizer} needs --out DIR: the default directory "
+                         f"{default_data_dir()} holds the byte-level data `{invocation()} train` uses by default")
     out = Path(args.out).resolve() if args.out else default_data_dir()
     start = time.perf_counter()
-    manifest = prepare_dataset(out, args.source, max_bytes=args.max_bytes or None, row_len=args.row_len)
+    manifest = prepare_dataset(out, args.source, max_bytes=args.max_bytes or None, row_len=args.row_len,
+                               tokenizer=args.tokenizer, progress=lambda line: print(line, file=sys.stderr))
     print(f"prepared {manifest.num_tokens:,} tokens ({manifest.num_rows} rows x {manifest.row_len}) "
           f"in {len(manifest.shards)} shard(s) at {out} in {time.perf_counter() - start:.1f} s")
+    print(f"tokenizer: {manifest.tokenizer}, vocabulary {manifest.vocab_size:,}"
+          + (f" ({out / manifest.tokenizer_file})" if manifest.tokenizer_file else ""))
     print(f"source: {manifest.source}")
     skipped, examples = skipped_binary_files(out)
     if skipped:
         print(f"skipped {skipped} binary file(s), not text (e.g. {', '.join(Path(e).name for e in examples[:3])})")
+    print(f"train on it with: {invocation()} train --data-dir {out}")
     return 0

@@ -180,6 +180,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
         "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
         "shard_dense": job.shard_dense, "grad_accum": job.grad_accum, "async_checkpoint": job.async_checkpoint,
         "collective_timeout_s": job.collective_timeout_s,
+        "mask_id": manifest.mask_id,  # the data's tokenizer decides its special ids
     }
 
 

@@ -48,7 +48,7 @@ import uuid
 
 import torch
 
-from app.data import MASK_ID, BatchSampler, load_rank_tokens
+from app.data import MASK_ID, BatchSampler, open_rank_stream
 from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
@@ -144,7 +144,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
         window = config["seq_len"] + 1 if self.preset.kind == "gpt" else config["seq_len"]
         self.grad_accum = config.get("grad_accum", 1)
-        self.sampler = BatchSampler(load_rank_tokens(config["data_dir"], rank, world_size),
+        # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
+        self.sampler = BatchSampler(open_rank_stream(config["data_dir"], rank, world_size),
                                     config["batch_size"], window, config["seed"], rank)
         self.nonfinite_in_a_row = 0
 
@@ -154,7 +155,7 @@ class Trainer:
     def _micro_batch(self, step: int, micro: int):
         window_BW = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
         seed = self.config["seed"] * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
-        return lm_batch(self.preset.kind, window_BW, MASK_ID, self.preset.vocab_size,
+        return lm_batch(self.preset.kind, window_BW, self.config.get("mask_id", MASK_ID), self.preset.vocab_size,
                         torch.Generator().manual_seed(seed))
 
     def step(self, step: int, nan_loss: bool = False) -> dict:
