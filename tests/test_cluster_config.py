@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,46 @@ def test_on_premise_variant_in_docs_validates():
     config = load(local[0])
     assert config["provider"]["type"] == "local"
     assert all("--dashboard-host=127.0.0.1" in c for c in config["head_start_ray_commands"] if "--head" in c)
+    assert all("RAY_AUTH_MODE=token" in c for c in _ray_start_lines(config))
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
+
+
+def _ray_start_lines(config):
+    return [c for c in _start_commands(config) if "ray start" in c]
+
+
+def test_ray_token_authentication_is_on(config):
+    """Every node starts Ray with token auth, from the one token that file_mounts ships from the
+    launching machine's home; the token is never part of the repository."""
+    starts = _ray_start_lines(config)
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token" in c.split("ray start")[0] for c in starts)
+    mounts = config["file_mounts"]
+    assert mounts.get("~/.ray/auth_token") == "~/.ray/auth_token"  # remote: local, outside the repo
+    for local in mounts.values():
+        assert local.startswith("~/") or not Path(local).resolve().is_relative_to(ROOT)
+    setup = config["setup_commands"]
+    assert setup[0].startswith("test -s ~/.ray/auth_token ||") and "exit 1" in setup[0]  # refuse, don't run open
+    assert "chmod 600 ~/.ray/auth_token" in setup
+    assert any("export RAY_AUTH_MODE=token" in c for c in setup)  # shells (ray job submit) agree
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "auth_token" not in tracked
+    assert "auth_token" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_mlflow_tracking_server_on_the_head(config):
+    """The head runs MLflow: private IP only, SQLite on the head's own disk (one writer, no
+    SQLite on NFS), artifacts on the shared file system; drivers there log over HTTP."""
+    servers = [c for c in config["head_start_ray_commands"] if "mlflow server" in c]
+    assert len(servers) == 1
+    server = servers[0]
+    assert re.search(r"--host \$\(hostname -I \| awk '\{print \$1\}'\)", server)  # the private IP
+    assert re.search(r"--backend-store-uri sqlite:///\$HOME/", server)
+    assert "--artifacts-destination /mnt/shared/" in server
+    assert "< /dev/null" in server and "server.pid" in server  # detached; restarted by its pid
+    assert not any("mlflow server" in c for c in config["worker_start_ray_commands"])
+    uri = [c for c in config["head_setup_commands"] if "MLFLOW_TRACKING_URI" in c]
+    assert len(uri) == 1 and "http://$(hostname -I" in uri[0] and ":5000" in uri[0]
+    everything = yaml.safe_dump(config)
+    assert "sqlite:////mnt/shared" not in everything  # no SQLite store on NFS/EFS
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    assert "sqlite:////mnt/shared" not in docs and "ray get-auth-token --generate" in docs
