@@ -141,7 +141,9 @@ class HFTokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
         tokenizer.train_from_iterator(texts, trainer)
-        return cls(tokenizer, f"bpe-byte-level-{vocab_size}")
+        trained = cls(tokenizer, "bpe-byte-level")
+        trained.name = f"bpe-byte-level-{trained.vocab_size}"  # fewer than asked when the text has few pairs
+        return trained
 
     def encode(self, text: str | bytes) -> np.ndarray:
         return self.encode_batch([text])[0]
