@@ -9,6 +9,7 @@
     mpipemoe check            # the engine on 2 gloo processes against the reference
     mpipemoe capacity         # the largest batch each engine trains with under a memory cap
     mpipemoe simulate         # predict a cluster's MoE layer and training step from measured parts
+    mpipemoe tracking import  # send metrics kept while the MLflow tracking server was unreachable
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their subcommand runs, so ``mpipemoe --help`` is fast.
@@ -33,6 +34,7 @@ SUBCOMMANDS = {
     "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
     "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
     "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
+    "tracking": ("app.offline", "send metrics a run kept while its MLflow tracking server was unreachable"),
 }
 
 

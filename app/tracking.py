@@ -145,6 +145,21 @@ class RunLogger:
         self.run_id = run_id
         self.client = client(tracking_uri)
         self._pending = []
+        self.spool = None  # app.offline.MetricSpool once keep_offline() is called
+
+    def keep_offline(self, path: str | Path, echo=None, retry_every_s: float = 30.0) -> None:
+        """If the (HTTP) tracking server stops answering, keep metrics, tags and the final
+        status in ``path`` and send them once it is back, instead of failing (app/offline.py)."""
+        from app.offline import MetricSpool
+
+        self.spool = MetricSpool(path, self.run_id, self.tracking_uri, echo, retry_every_s)
+
+    def _down(self) -> bool:
+        """True if records may be kept: a spool is set and the server does not answer (checked
+        before sending, so a down server costs a 3 s health check, not MLflow's retries)."""
+        from app.offline import reachable
+
+        return self.spool is not None and not reachable(self.tracking_uri)
 
     @classmethod
     def start(cls, tracking_uri: str, experiment: str, run_name: str | None = None,
@@ -177,8 +192,17 @@ class RunLogger:
         from mlflow.entities import RunTag
 
         items = [RunTag(k, str(v)[:5000]) for k, v in flatten(tags).items()]
-        if items:
+        if not items:
+            return
+        if self.spool is not None and (self.spool.waiting or self._down()):
+            self.spool.keep(tags={t.key: t.value for t in items})
+            return
+        try:
             self.client.log_batch(self.run_id, tags=items)
+        except Exception as error:
+            if not self._down():
+                raise
+            self.spool.keep(tags={t.key: t.value for t in items}, reason=type(error).__name__)
 
     def log_metrics(self, metrics: dict, step: int | None = None, flush: bool = False) -> None:
         """Buffer the numeric, finite entries of ``metrics``; others are skipped."""
@@ -192,15 +216,47 @@ class RunLogger:
         if flush or len(self._pending) >= _BATCH:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
+        """Send the buffered metrics. With ``keep_offline``: while the server is down they go
+        to the pending file (tried again every ``retry_every_s``, and when ``final``)."""
+        spool = self.spool
+        if spool is not None and spool.waiting:
+            from app.offline import reachable
+
+            if not ((final or spool.due()) and reachable(self.tracking_uri)):
+                if self._pending:
+                    spool.keep(self._pending)
+                self._pending = []
+                return
+            spool.replay(self.client)
+        if self._pending and spool is not None and self._down():
+            spool.keep(self._pending, reason="no answer to its health check")
+            self._pending = []
+            return
         while self._pending:
-            batch, self._pending = self._pending[:_BATCH], self._pending[_BATCH:]
-            self.client.log_batch(self.run_id, metrics=batch)
+            batch = self._pending[:_BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as error:
+                if not self._down():
+                    raise
+                spool.keep(self._pending, reason=type(error).__name__)
+                self._pending = []
+                return
+            self._pending = self._pending[_BATCH:]
 
     def finish(self, status: str = "FINISHED") -> None:
         """Flush and close the run with ``status`` (FINISHED, FAILED or KILLED)."""
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        self.flush(final=True)
+        if self.spool is not None and self.spool.waiting:
+            self.spool.keep(status=status)
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as error:
+            if not self._down():
+                raise
+            self.spool.keep(status=status, reason=type(error).__name__)
 
 
 class NullRun:

@@ -617,6 +617,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
     import ray
     from ray.util.queue import Queue
 
+    from app.offline import PENDING_FILE, is_remote
     from app.tracking import NO_TRACKING, NullRun, RunLogger, client, find_run, metric_history
     from workers.control import new_stop_flag
 
@@ -654,6 +655,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
                                f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
         lock.update(mlflow_run_id=run.run_id)
+        if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
+            run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
         device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
@@ -711,11 +714,14 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         run.finish("FINISHED")
         for pruned in ckpt.prune(job.run_dir, job.keep_checkpoints):  # those of earlier fits too
             echo(f"[mpipemoe] deleted {pruned.name} (--keep-checkpoints {job.keep_checkpoints})")
+        if getattr(run, "spool", None) is not None and run.spool.waiting:
+            summary["mlflow_pending"] = str(run.spool.path)
         summary["history"] = pump.history
         return summary
     except BaseException:
         try:
-            if run is not None and run.run_id and run.client.get_run(run.run_id).info.status == "RUNNING":
+            if run is not None and run.run_id and (run.spool is not None and run.spool.waiting
+                                                   or run.client.get_run(run.run_id).info.status == "RUNNING"):
                 run.finish("KILLED")
         except Exception:  # the store itself failed: the error being raised says so
             pass
