@@ -1,6 +1,6 @@
 """``ray job submit`` end to end (tier 3, marked ``ray``): a local Ray head with its dashboard
-and token authentication on, an MLflow tracking server over HTTP, a short training job
-submitted through Ray's job SDK, and the MLflow run it made read back.
+and token authentication on, an MLflow tracking server over HTTP, a short training job on
+BPE-tokenized data submitted through Ray's job SDK, and the MLflow run it made read back.
 
 Everything runs as processes this test starts and stops by pid: the head (``ray start
 --head --block``, every port its own, a private temp dir and HOME, so nothing touches
@@ -106,7 +106,7 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
     from app.tracking import find_run, metric_history
 
     data_dir = tmp_path / "data"
-    prepare_dataset(data_dir, max_bytes=60_000, row_len=1000)
+    manifest = prepare_dataset(data_dir, max_bytes=60_000, row_len=1000, tokenizer="bpe:512")
     home = tmp_path / "home"
     home.mkdir()
     token = secrets.token_hex(32)
@@ -159,7 +159,9 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
         run_id = find_run(tracking_uri, "jobs", "ray_train_name", "submitted-job")
         assert run_id is not None
         from app.tracking import client
-        assert client(tracking_uri).get_run(run_id).info.status == "FINISHED"
+        run = client(tracking_uri).get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.params["model.vocab_size"] == str(manifest.vocab_size) == "512"  # the BPE's
         assert [step for step, _ in metric_history(tracking_uri, run_id, "loss")] == [1, 2, 3]
     finally:
         _stop(server)
