@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.processes import free_ports, start_mlflow_server, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.ray
@@ -37,46 +34,11 @@ def _dashboard_missing() -> str | None:
     return None
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _client_port(port: int) -> list[str]:
     """``--ray-client-server-port``: our own port where Ray Client is installed (else the head
     would take the shared default 10001); nothing where it is not (Ray refuses the flag then)."""
     from ray._private.utils import get_ray_client_dependency_error
     return [f"--ray-client-server-port={port}"] if get_ray_client_dependency_error() is None else []
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"{process.args[:3]} exited: {log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:  # it answers (401: token authentication is on)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} did not answer in {timeout_s} s: {log.read_text()[-2000:]}")
 
 
 CLIENT = """
@@ -110,7 +72,7 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     token = secrets.token_hex(32)
-    gcs, dashboard, client_port, agent_http, agent_grpc, metrics, runtime_env, mlflow_port = _free_ports(8)
+    gcs, dashboard, client_port, agent_http, agent_grpc, metrics, runtime_env, mlflow_port = free_ports(8)
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     base_env = {**os.environ, "HOME": str(home), "PYTHONPATH": python_path, "MLFLOW_DISABLE_TELEMETRY": "true",
                 "RAY_USAGE_STATS_ENABLED": "0"}
@@ -128,14 +90,10 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
          "--object-store-memory=200000000", "--disable-usage-stats"],
         env=head_env, stdout=head_log.open("w"), stderr=subprocess.STDOUT)
     tracking_uri = f"http://127.0.0.1:{mlflow_port}"
-    server = subprocess.Popen(
-        [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts")],
-        env=base_env, stdout=mlflow_log.open("w"), stderr=subprocess.STDOUT)
+    server = start_mlflow_server(mlflow_port, tmp_path / "server.db", mlflow_log, base_env)
     try:
-        _wait_http(f"{tracking_uri}/health", server, mlflow_log)
-        _wait_http(f"http://127.0.0.1:{dashboard}/api/version", head, head_log)
+        wait_http(f"{tracking_uri}/health", server, mlflow_log)
+        wait_http(f"http://127.0.0.1:{dashboard}/api/version", head, head_log)
         address = f"http://127.0.0.1:{dashboard}"
         entrypoint = (f"{sys.executable} -m app.cli train --address auto --steps 3 --num-workers 2 "
                       f"--cpus-per-worker 0.45 --batch-size 2 --seq-len 32 --checkpoint-every 0 --log-every 1 "
@@ -164,5 +122,5 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
         assert run.data.params["model.vocab_size"] == str(manifest.vocab_size) == "512"  # the BPE's
         assert [step for step, _ in metric_history(tracking_uri, run_id, "loss")] == [1, 2, 3]
     finally:
-        _stop(server)
-        _stop(head)
+        stop(server)
+        stop(head)

@@ -6,12 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,43 +15,17 @@ pytest.importorskip("mlflow")
 from app import cli  # noqa: E402
 from app.offline import reachable  # noqa: E402
 from app.tracking import RunLogger, client, metric_history  # noqa: E402
+from tests.processes import free_ports, start_mlflow_server, stop, wait_http  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(port: int, db: Path, log: Path) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{db}",
-         "--artifacts-destination", str(db.parent / "artifacts")],
-        env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log.read_text()[-2000:]
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return server
-        except OSError:
-            time.sleep(0.3)
-    server.kill()
-    raise AssertionError(f"mlflow server did not start: {log.read_text()[-2000:]}")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+def _start_server(port: int, db: Path, log: Path):
+    server = start_mlflow_server(port, db, log, dict(os.environ))
+    wait_http(f"http://127.0.0.1:{port}/health", server, log)
+    return server
 
 
 def test_metrics_survive_a_tracking_server_outage(tmp_path):
-    db, port = tmp_path / "mlflow.db", _free_port()
+    db, (port,) = tmp_path / "mlflow.db", free_ports(1)
     uri = f"http://127.0.0.1:{port}"
     local = client(f"sqlite:///{db}")  # the server's own store, read without the server
     run_id = local.create_run(local.create_experiment("outage")).info.run_id
@@ -85,7 +53,7 @@ def test_metrics_survive_a_tracking_server_outage(tmp_path):
         assert local.get_run(run_id).data.tags["partitions"] == "2"
         assert not pending.exists() and pending.with_name("mlflow_pending.jsonl.sent").exists()
     finally:
-        _stop(server)
+        stop(server)
 
     # 3. down again at the end of the run: the last steps and the status wait for the import
     run.log_metrics({"loss": 0.25}, step=4)
