@@ -147,3 +147,20 @@ def test_preparation_streams_a_text_file_larger_than_it_may_allocate(tmp_path):
     assert result["num_tokens"] == (size + 1) // 4096 * 4096  # every byte, plus the EOS
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert (tmp_path / "out" / "tokens.bin").stat().st_size == manifest["num_tokens"] * 2
+
+
+def test_data_prepared_before_tokens_bin_is_still_read_and_the_default_is_redone(tmp_path):
+    from app.data import MANIFEST, ensure_default_data, load_rank_tokens, open_rank_stream, prepare_dataset
+
+    prepare_dataset(tmp_path / "old", max_bytes=20_000, row_len=1000)
+    expected = load_rank_tokens(tmp_path / "old", 1, 2)
+    manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
+    for key in ("token_file", "token_dtype", "tokenizer_file", "eos_id", "mask_id", "pad_id"):
+        manifest.pop(key)  # the manifest of an earlier mpipemoe
+    (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "old" / "tokens.bin").unlink()
+    old = open_rank_stream(tmp_path / "old", 1, 2)  # read whole from the Parquet shards
+    assert isinstance(old, np.ndarray) and np.array_equal(old, expected)
+    lines = []
+    ensure_default_data(tmp_path / "old", echo=lines.append)  # as the default directory: prepared again
+    assert (tmp_path / "old" / "tokens.bin").is_file() and "preparing it" in lines[0]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from app.data import MASK_ID, BatchSampler, load_rank_tokens
+from app.data import MASK_ID, BatchSampler, open_rank_stream
 from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, reduce_max
 from workers.loop import build_optimizer, peak_memory_bytes
@@ -83,8 +83,8 @@ class BatchTrials:
 
     def _train_step(self, sampler: BatchSampler, index: int) -> None:
         window_BW = torch.from_numpy(sampler.batch(index)).to(self.device)
-        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BW, MASK_ID, self.preset.vocab_size,
-                                         self.generator)
+        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BW, self.config.get("mask_id", MASK_ID),
+                                         self.preset.vocab_size, self.generator)
         with self.parallel.autocast():
             logits_BSV, aux_loss = self.parallel.module(inputs_BS)
             loss = lm_loss(logits_BSV.float(), targets_BS) + self.config["aux_loss_weight"] * aux_loss.float()
@@ -150,7 +150,7 @@ def capacity_fn_per_worker(config: dict) -> None:
     init_parameters(model, config["seed"], rank)
     model.train()
     queue = config.get("metrics_queue") if rank == 0 else None
-    trials = BatchTrials(model, load_rank_tokens(config["data_dir"], rank, world_size), device, world_size,
+    trials = BatchTrials(model, open_rank_stream(config["data_dir"], rank, world_size), device, world_size,
                          rank, config, on_trial=queue.put if queue is not None else None)
     largest = largest_fitting(trials.fits, config["start_batch"], config["max_batch"])
     if queue is not None:
