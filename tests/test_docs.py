@@ -250,8 +250,11 @@ def tool_commands() -> dict[tuple[str, str], set[str]]:
         text = re.sub(r"\$\((ray [^)]*)\)", r" ; \1 ; ", block.text)  # $(ray get-head-ip ...)
         for words in shell_commands(text):
             if len(words) > 1 and words[0] in ("ray", "mlflow") and not words[1].startswith("-"):
-                used.setdefault((words[0], words[1]), set()).update(
-                    word.split("=")[0] for word in words[2:] if word.startswith("--"))
+                nested = words[1] == "job" and len(words) > 2  # ray job submit|logs|stop ...
+                args = words[3 if nested else 2:]
+                args = args[:args.index("--")] if "--" in args else args  # after --: the job's command
+                used.setdefault((words[0], " ".join(words[1:3]) if nested else words[1]), set()).update(
+                    word.split("=")[0] for word in args if word.startswith("--"))
     return used
 
 
@@ -260,7 +263,7 @@ def test_ray_and_mlflow_commands_use_options_that_exist(tool, subcommand):
     """`ray up`, `ray exec`, `mlflow server` ...: each option the docs pass is in its --help."""
     if shutil.which(tool, path=str(Path(sys.executable).parent)) is None:
         pytest.skip(f"{tool} is not installed beside this Python")
-    done = subprocess.run([str(Path(sys.executable).parent / tool), subcommand, "--help"],
+    done = subprocess.run([str(Path(sys.executable).parent / tool), *subcommand.split(), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"`{tool} {subcommand}` is not a command: {done.stderr[-500:]}"
     missing = [option for option in tool_commands()[(tool, subcommand)] if option not in done.stdout]
