@@ -17,7 +17,6 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
