@@ -85,7 +85,9 @@ def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: st
             choices = " ".join(f"{k}={item[k]}" for k in ("partitions", "strategy") if k in item)
             echo(f"[capacity] {job.engine:<9} batch {item['batch_size']:>4}: "
                  + (f"fits, peak {item['peak_memory_bytes'] / 2**30:6.2f} GiB, "
-                    f"{item['tokens_per_s']:>9,.0f} tok/s {choices}" if item["fits"] else "out of memory"))
+                    f"{item['tokens_per_s']:>9,.0f} tok/s "
+                    + (f"MFU {item['mfu']:.1%} " if "mfu" in item else "") + choices
+                    if item["fits"] else "out of memory"))
         if largest is None:
             raise RuntimeError(f"capacity search for {job.engine} ended without a result")
     finally:
@@ -126,7 +128,8 @@ def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
         best = result["at_largest"] or {}
         run.log_metrics({"largest_batch_size": result["largest_batch_size"],
                          "tokens_per_s": best.get("tokens_per_s", 0.0),
-                         "peak_memory_bytes": best.get("peak_memory_bytes", 0)})
+                         "peak_memory_bytes": best.get("peak_memory_bytes", 0),
+                         **{k: best[k] for k in ("model_tflops_per_s", "mfu") if k in best}})
         run.finish()
 
 

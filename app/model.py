@@ -131,6 +131,22 @@ def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy
     raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
 
 
+def model_flops_per_token(preset: ModelPreset) -> float:
+    """Model FLOPs per trained token (forward + backward, no recomputation), the numerator
+    of MFU as PaLM and torchtitan count it: 6 FLOPs per active weight (2 forward, 4
+    backward) plus 12 L d S for the attention scores and their use on the values.
+
+    Active weights per token: per layer the attention projections (4 d^2), the router
+    (d E) and top_k experts (2 d h each; 3 d h with SwiGLU); plus the output head (d V).
+    Embeddings are lookups and cost nothing. Full (non-causal) attention is counted for
+    GPT as well, as PaLM does. Derivation: docs/training.md, "Throughput and MFU"."""
+    d, h = preset.d_model, preset.d_hidden
+    expert = (3 if preset.activation == "swiglu" else 2) * d * h
+    per_layer = 4 * d * d + d * preset.num_experts + preset.top_k * expert
+    weights = preset.num_layers * per_layer + d * preset.vocab_size
+    return 6.0 * weights + 12.0 * preset.num_layers * d * preset.seq_len
+
+
 def is_expert_param(name: str) -> bool:
     """True for expert-parallel parameters (sharded over ranks, never all-reduced)."""
     return "experts." in name

@@ -39,6 +39,7 @@ PRESET_NAMES = tuple(PRESETS)
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 def _fail(field: str, value, fix: str) -> None:
@@ -76,6 +77,8 @@ class TrainJob:
     num_layers: int | None = None      # override the preset's layer count
     dtype: str = "auto"                # compute dtype (autocast): auto (bfloat16 on GPU, float32 on CPU) |
                                        # float32 | bfloat16; parameters and AdamW state are always float32
+    param_dtype: str = "float32"       # parameters, gradients and AdamW state: float32 (master weights) |
+                                       # bfloat16 (half the memory; small updates round away; for comparison)
     shard_dense: bool = False          # FSDP2 for the dense part (params, grads, AdamW state sharded); else DDP
     grad_accum: int = 1                # micro-batches of batch_size per optimizer step
     keep_checkpoints: int = 2          # complete checkpoints kept (older ones are deleted); 0 = all
@@ -118,6 +121,11 @@ class TrainJob:
         if self.dtype not in COMPUTE_DTYPES:
             _fail("dtype", self.dtype, f"choose {', '.join(COMPUTE_DTYPES)} (the compute dtype; parameters and "
                   f"optimizer state are float32)")
+        if self.param_dtype not in PARAM_DTYPES:
+            _fail("param_dtype", self.param_dtype, f"choose {' or '.join(PARAM_DTYPES)} (float32 keeps master "
+                  f"weights; bfloat16 trains the parameters themselves in bf16)")
+        if self.param_dtype == "bfloat16" and self.dtype == "float32":
+            _fail("dtype", self.dtype, "bfloat16 parameters compute in bfloat16: use --dtype bfloat16 or auto")
         for field in ("shard_dense", "async_checkpoint"):
             if not isinstance(getattr(self, field), bool):
                 _fail(field, getattr(self, field), "give True or False")
@@ -175,7 +183,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
         "warmup_steps": job.warmup_steps, "grad_clip": job.grad_clip,
         "aux_loss_weight": job.aux_loss_weight, "steps": job.steps, "batch_size": job.batch_size,
         "seq_len": preset.seq_len, "checkpoint_every": job.checkpoint_every,
-        "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype,
+        "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype, "param_dtype": job.param_dtype,
         "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
         "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
         "shard_dense": job.shard_dense, "grad_accum": job.grad_accum, "async_checkpoint": job.async_checkpoint,
@@ -384,7 +392,8 @@ def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -
 def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
     line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
             f"aux {m['aux_loss']:.3f}  tok/s {m['tokens_per_s']:>9,.0f}  "
-            f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB")
+            f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
+            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
     return line + (f"  [{' '.join(choices)}]" if choices else "")
 
@@ -453,7 +462,7 @@ class _MetricsPump:
 
 
 def summarize(history: list[dict]) -> dict:
-    """Final loss, median tokens/s and step time (step 1 excluded when possible), max peak
+    """Final loss, median tokens/s, model TFLOP/s, MFU and step time (step 1 excluded when possible), max peak
     memory over the run and over its second half (``settled_peak_memory_bytes``: what the
     settings chosen online need, without the search's and calibration's peaks; on CUDA);
     losses from the steps that were not skipped (non-finite), listed in ``skipped_steps``."""
@@ -472,6 +481,9 @@ def summarize(history: list[dict]) -> dict:
         # after the online choice of n and strategy has settled: the second half of the run
         "settled_peak_memory_bytes": max(m["peak_memory_bytes"] for m in history[len(history) // 2:]),
     }
+    for key in ("model_tflops_per_s", "mfu"):  # model FLOPs (docs/training.md); MFU on known GPUs
+        if all(key in m for m in steady):
+            summary[key] = statistics.median(m[key] for m in steady)
     for key in ("partitions", "strategy"):
         if key in history[-1]:
             summary[key] = history[-1][key]
@@ -480,8 +492,8 @@ def summarize(history: list[dict]) -> dict:
 
 def model_memory(job: TrainJob, config: dict) -> dict:
     """Parameter counts of the whole model and the training state per worker in bytes
-    (float32 master weights, float32 gradients, AdamW's two float32 moments, the compute
-    copy under bf16; the dense part divided by W under ``shard_dense``). Activations are
+    (master weights, gradients and AdamW's two moments in ``param_dtype``, the compute copy
+    under bf16 autocast; the dense part divided by W under ``shard_dense``). Activations are
     the MoE engine's memory model (docs/engine.md)."""
     import torch
 
@@ -491,9 +503,10 @@ def model_memory(job: TrainJob, config: dict) -> dict:
     with torch.device("meta"):
         model = MoETransformer(ModelPreset(**config["preset"]), engine=job.engine)
     counts = param_counts(model)  # one process: every expert
-    compute_bytes = torch.empty((), dtype=getattr(torch, config["dtype"])).element_size()
+    compute_bytes, param_bytes = (torch.empty((), dtype=getattr(torch, config[key])).element_size()
+                                  for key in ("dtype", "param_dtype"))
     return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // job.num_workers,
-                                             job.num_workers, job.shard_dense, compute_bytes)}
+                                             job.num_workers, job.shard_dense, compute_bytes, param_bytes)}
 
 
 def _run_params(job: TrainJob, config: dict) -> dict:
@@ -660,12 +673,12 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
-             f"{device}, {config['dtype']} compute over float32 weights, dense part "
+             f"{device}, {config['dtype']} compute over {job.param_dtype} weights, dense part "
              f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config['seq_len']}{accum} "
              f"per worker, {job.steps} steps")
         memory = model_memory(job, config)
         mib = {k: v / 2**20 for k, v in memory.items() if k.endswith("_bytes")}
-        echo(f"[mpipemoe] training state per worker {mib['training_state_bytes']:,.1f} MiB: float32 weights "
+        echo(f"[mpipemoe] training state per worker {mib['training_state_bytes']:,.1f} MiB: {job.param_dtype} weights "
              f"{mib['master_params_bytes']:,.1f} + gradients {mib['grads_bytes']:,.1f} + AdamW moments "
              f"{mib['optimizer_state_bytes']:,.1f}"
              + (f" + {config['dtype']} compute copy {mib['compute_copy_bytes']:,.1f}" if memory["compute_copy_bytes"]
@@ -707,7 +720,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if trained:  # a run that had already reached job.steps keeps its recorded summary
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
-                                      "training_state_bytes")},
+                                      "training_state_bytes", "model_tflops_per_s", "mfu")},
                             step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})
@@ -815,7 +828,8 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
     parent.log_metrics(ratios)
     for engine, summary in summaries.items():
         parent.log_metrics({f"{engine}.{k}": summary[k]
-                            for k in ("tokens_per_s", "peak_memory_bytes", "settled_peak_memory_bytes", "final_loss")})
+                            for k in ("tokens_per_s", "peak_memory_bytes", "settled_peak_memory_bytes", "final_loss",
+                                      "mfu") if k in summary})
     parent.finish()
     echo(comparison_table(summaries, reference))
     return {"parent_run_id": parent.run_id, "summaries": summaries, "ratios": ratios}
@@ -880,6 +894,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--num-layers", "transformer blocks (default: the preset's)", type=int)
     add("--dtype", "compute dtype under autocast (auto: bfloat16 on GPU, float32 on CPU); parameters, "
         "gradients and AdamW state are float32", choices=COMPUTE_DTYPES + ("float16",))
+    add("--param-dtype", "parameters, gradients and AdamW state: float32 master weights, or bfloat16 "
+        "(half the training state, but updates smaller than bf16's resolution round away; for comparison)",
+        choices=PARAM_DTYPES)
     parser.add_argument("--shard-dense", dest="shard_dense", action="store_true", default=None,
                         help="FSDP2 for the dense part: shards its parameters, gradients and AdamW state "
                              "(default: DDP, replicated); expert parameters are sharded by the MoE layer either way")
@@ -995,7 +1012,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
               f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
-              f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
+              f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB"
+              + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))
         if summary["checkpoint_path"] is None:
             print("[mpipemoe] no checkpoint written (--checkpoint-every 0); this run cannot be resumed")
         else:

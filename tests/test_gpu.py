@@ -307,3 +307,41 @@ def test_emulated_all_to_all_holds_the_comm_stream_and_leaves_compute_free():
     assert start.elapsed_time(compute_done) / 1e3 < 0.5 * modelled_s
     own = send[:splits[0]]
     assert torch.equal(recv[:splits[0]], own) and torch.equal(recv[-splits[0]:], own)
+
+
+def test_trainer_on_cuda_keeps_float32_master_weights_under_bf16_compute(tmp_path):
+    """The worker's Trainer on one GPU with an NCCL group: bf16 autocast compute (the experts'
+    grouped GEMMs included) over float32 parameters and AdamW state stays near float32
+    compute; pure bf16 parameters train too. MFU is reported on known GPUs."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from app.data import prepare_dataset
+    from app.model import get_preset
+    from workers.loop import Trainer, model_flops_metrics
+
+    prepare_dataset(tmp_path / "data", max_bytes=2**18, row_len=1024)
+    preset = get_preset("tiny-gpt").replace(vocab_size=259)
+    base = {"preset": dataclasses.asdict(preset), "engine": "mpipemoe", "partitions": 2, "strategy": "S1",
+            "seed": 3, "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 1.0,
+            "aux_loss_weight": 0.01, "steps": 4, "batch_size": 4, "seq_len": preset.seq_len,
+            "data_dir": str(tmp_path / "data"), "shard_dense": False, "grad_accum": 1}
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/init", rank=0, world_size=1, device_id=device)
+    try:
+        losses, dtypes = {}, {}
+        for name, change in (("fp32", {"dtype": "float32"}), ("mixed", {"dtype": "bfloat16"}),
+                             ("pure", {"dtype": "bfloat16", "param_dtype": "bfloat16"})):
+            torch.manual_seed(0)
+            trainer = Trainer({**base, **change}, 0, 1, device)
+            losses[name] = [trainer.step(step)["lm_loss"] for step in range(1, 5)]
+            state = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim()]
+            dtypes[name] = {t.dtype for t in [*trainer.model.parameters(), *state]}
+    finally:
+        dist.destroy_process_group()
+    assert dtypes == {"fp32": {torch.float32}, "mixed": {torch.float32}, "pure": {torch.bfloat16}}
+    assert losses["mixed"] == pytest.approx(losses["fp32"], rel=3e-2) and losses["mixed"] != losses["fp32"]
+    assert losses["pure"] == pytest.approx(losses["fp32"], rel=5e-2)
+    metrics = model_flops_metrics(1e5, preset, device, "bfloat16")
+    if any(part in torch.cuda.get_device_name(device) for part in ("H100", "H200", "A100")):
+        assert 0 < metrics["mfu"] < 1

@@ -6,7 +6,7 @@ import torch
 
 from app.data import MASK_ID
 from app.model import (ENGINES, IGNORE_INDEX, PRESETS, ModelPreset, MoETransformer, get_preset,
-                       init_parameters, is_expert_param, lm_batch, lm_loss, param_counts)
+                       init_parameters, is_expert_param, lm_batch, lm_loss, model_flops_per_token, param_counts)
 
 
 def _model(preset="tiny-gpt", engine="mpipemoe", seed=0, **changes):
@@ -122,3 +122,26 @@ def test_masked_lm_batch():
     assert (inputs_BS[chosen] == MASK_ID).float().mean() > 0.6
     inputs_BS, targets_BS = lm_batch("gpt", window_BW, MASK_ID, 259)
     assert torch.equal(inputs_BS, window_BW[:, :-1]) and torch.equal(targets_BS, window_BW[:, 1:])
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_model_flops_per_token_counts_the_weights_a_token_passes_through(activation):
+    """6 FLOPs per weight a token multiplies (top_k of the experts, the tied head; not the
+    embedding lookups, nor biases and norms), from the real model's parameters, plus attention."""
+    preset = get_preset("tiny-gpt").replace(activation=activation, top_k=2)
+    with torch.device("meta"):
+        model = MoETransformer(preset, engine="fastmoe")
+    weights = 0.0
+    for name, param in model.named_parameters():
+        expert = is_expert_param(name)  # [E, ...]: one matrix (or bias vector) per expert
+        if param.dim() - expert < 2 or "embed" in name:
+            continue
+        weights += param.numel() * (preset.top_k / preset.num_experts if expert else 1)
+    weights += preset.d_model * preset.vocab_size  # the head, tied to the token embedding
+    attention = 12 * preset.num_layers * preset.d_model * preset.seq_len
+    assert model_flops_per_token(preset) == pytest.approx(6 * weights + attention)
+
+
+def test_gpt_s_flops_per_token_as_documented():
+    # docs/training.md, "Throughput and MFU": 3.32 GFLOP per token for gpt-s (top-2 of 8)
+    assert model_flops_per_token(get_preset("gpt-s")) == pytest.approx(3.32e9, rel=5e-3)

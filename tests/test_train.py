@@ -28,7 +28,8 @@ from workers.loop import learning_rate
     ({"strategy": "S5"}, "strategy"), ({"lr": 0.0}, "lr"), ({"batch_size": 1.5}, "batch_size"),
     ({"cpus_per_worker": 0}, "cpus_per_worker"), ({"dtype": "int8"}, "dtype"), ({"dtype": "float16"}, "dtype"),
     ({"grad_accum": 0}, "grad_accum"), ({"keep_checkpoints": -1}, "keep_checkpoints"),
-    ({"shard_dense": "yes"}, "shard_dense"),
+    ({"shard_dense": "yes"}, "shard_dense"), ({"param_dtype": "float16"}, "param_dtype"),
+    ({"param_dtype": "bfloat16", "dtype": "float32"}, "dtype"),
 ])
 def test_bad_job_names_the_field(change, field):
     with pytest.raises(ValueError, match=rf"TrainJob\.{field}="):

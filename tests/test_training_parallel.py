@@ -5,6 +5,7 @@ One spawn of 2 ranks (``runs`` fixture) trains the same tiny-gpt job several way
 compare the per-step losses:
 - DDP and FSDP2 (``shard_dense``) give the same losses (float32);
 - bf16 compute stays within tolerance of float32 (and differs from it: autocast is on);
+- pure bf16 (``param_dtype``: parameters and AdamW state in bf16) trains, near both;
 - K=2 micro-batches of b sequences equal one batch of 2b (``aux_loss_weight=0``: the
   load-balance loss of a batch is not the mean of its halves');
 - k steps, a sharded checkpoint (each rank writes its own folder, merged as Ray Train
@@ -59,6 +60,11 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
                          ("whole", {"batch_size": 4, "aux_loss_weight": 0.0})):
         torch.manual_seed(rank)
         results[name] = _losses(Trainer(_config(data_dir, **change), rank, world_size, device), range(1, N + 1))
+    torch.manual_seed(rank)
+    pure = Trainer(_config(data_dir, dtype="bfloat16", param_dtype="bfloat16"), rank, world_size, device)
+    results["pure_bf16"] = _losses(pure, range(1, N + 1))
+    state = [t for s in pure.optimizer.state.values() for t in s.values() if t.dim()]  # moments, not the step count
+    results["pure_bf16_dtypes"] = sorted({str(t.dtype) for t in [*pure.model.parameters(), *state]})
     for name, change in (("ddp", {}), ("fsdp2", {"shard_dense": True})):
         torch.manual_seed(rank)
         first = Trainer(_config(data_dir, **change), rank, world_size, device)
@@ -113,6 +119,13 @@ def test_bf16_compute_stays_near_float32(runs):
     fp32, bf16 = results[0]["ddp"], results[0]["bf16"]
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16 != fp32  # autocast really ran in bf16
+
+
+def test_pure_bf16_parameters_train_in_bf16_near_mixed_precision(runs):
+    results, _ = runs
+    assert results[0]["pure_bf16_dtypes"] == ["torch.bfloat16"]  # parameters and AdamW moments
+    assert results[0]["pure_bf16"] == pytest.approx(results[0]["ddp"], rel=5e-2)
+    assert results[0]["pure_bf16"] != results[0]["bf16"]  # the master weights made a difference
 
 
 def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(runs):

@@ -22,7 +22,7 @@ import torch
 from app.data import MASK_ID, BatchSampler, open_rank_stream
 from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, reduce_max
-from workers.loop import build_optimizer, peak_memory_bytes
+from workers.loop import build_optimizer, model_flops_metrics, peak_memory_bytes
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int:
@@ -64,7 +64,8 @@ class BatchTrials:
 
     Every trial is appended to ``trials`` (and passed to ``on_trial``): batch_size, fits,
     peak_memory_bytes (max over ranks), step_time_s and tokens_per_s (the fastest step
-    after the first, slowest rank), and the engine's choices (partitions, strategy).
+    after the first, slowest rank), model_tflops_per_s and mfu (per worker, where the GPU's
+    peak is known), and the engine's choices (partitions, strategy).
     """
 
     def __init__(self, model: MoETransformer, tokens, device: torch.device, world_size: int, rank: int,
@@ -123,6 +124,9 @@ class BatchTrials:
         trial = {"batch_size": batch_size, "fits": not failed, "peak_memory_bytes": int(peak),
                  "step_time_s": step_time, "tokens_per_s": 0.0 if failed else tokens / step_time,
                  **self.model.engine_choices()}
+        if not failed:
+            trial.update(model_flops_metrics(tokens / step_time / self.world_size, self.preset, self.device,
+                                             self.config.get("dtype", "float32")))
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)

@@ -182,13 +182,14 @@ def reduce_max(values: list[float], device, world_size: int) -> list[float]:
 
 
 def training_state_bytes(dense_numel: int, expert_numel: int, world_size: int, shard_dense: bool,
-                         compute_bytes: int) -> dict[str, int]:
-    """Local. Bytes per rank of the training state (not activations): float32 master
-    parameters, float32 gradients, AdamW's two float32 moments, and the compute-dtype copy
-    of the dense parameters that autocast / FSDP2 materialise per step (0 for float32).
+                         compute_bytes: int, param_bytes: int = 4) -> dict[str, int]:
+    """Local. Bytes per rank of the training state (not activations): master parameters,
+    their gradients and AdamW's two moments (``param_bytes`` each: 4 for float32, 2 for
+    pure bf16 training), and the compute-dtype copy of the parameters that autocast /
+    FSDP2 materialise per step (0 when it is the parameters' own dtype).
     ``dense_numel`` / ``expert_numel``: unsharded dense and this rank's expert elements."""
     dense_here = -(-dense_numel // world_size) if shard_dense else dense_numel
-    params = 4 * (dense_here + expert_numel)
-    compute_copy = 0 if compute_bytes == 4 else compute_bytes * (dense_numel + expert_numel)
+    params = param_bytes * (dense_here + expert_numel)
+    compute_copy = 0 if compute_bytes == param_bytes else compute_bytes * (dense_numel + expert_numel)
     return {"master_params_bytes": params, "grads_bytes": params, "optimizer_state_bytes": 2 * params,
             "compute_copy_bytes": compute_copy, "training_state_bytes": 4 * params + compute_copy}

@@ -4,7 +4,8 @@ Ray Train's ``TorchTrainer`` has already created the default process group (gloo
 NCCL on GPU, with a timeout) before this function starts; that group is the
 expert-parallel group of every MoE layer and the data-parallel group of the dense part.
 
-The model's parameters and AdamW state are float32 (master weights); ``Trainer`` wraps
+The model's parameters and AdamW state are float32 (master weights; ``param_dtype``
+bfloat16 keeps them in bf16 instead, for comparison); ``Trainer`` wraps
 the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) and runs
 the forward under autocast at ``config["dtype"]``. One step (numbers match the code):
   1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
@@ -49,7 +50,7 @@ import uuid
 import torch
 
 from app.data import MASK_ID, BatchSampler, open_rank_stream
-from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
+from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
@@ -104,6 +105,31 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# Dense (no sparsity) peak FLOP/s of SXM parts from the vendors' datasheets: the denominator
+# of MFU. A GPU whose name holds none of these gets no MFU.
+PEAK_FLOPS = (  # (name part, {compute dtype: FLOP/s})
+    ("H200", {"bfloat16": 989e12, "float32": 67e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 67e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
+)
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """The device's dense peak FLOP/s at the compute dtype, None when unknown (CPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks.get(dtype) for part, peaks in PEAK_FLOPS if part in name), None)
+
+
+def model_flops_metrics(tokens_per_s: float, preset: ModelPreset, device: torch.device, dtype: str) -> dict:
+    """``model_tflops_per_s`` of one worker training ``tokens_per_s`` tokens per second, and
+    ``mfu`` (that over the device's dense peak at the compute dtype) where the peak is known."""
+    flops_per_s = tokens_per_s * model_flops_per_token(preset)
+    peak = peak_flops(device, dtype)
+    return {"model_tflops_per_s": flops_per_s / 1e12, **({"mfu": flops_per_s / peak} if peak else {})}
+
+
 def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW over the float32 master parameters; weight decay on matrices (incl. expert
     weights), not on biases/norms. Dense and expert parameters sit in separate groups (under
@@ -136,6 +162,8 @@ class Trainer:
                                strategy=config["strategy"], host_pool=host_pool)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast
         init_parameters(model, config["seed"], rank)
+        if config.get("param_dtype", "float32") != "float32":  # pure low-precision training, for comparison
+            model.to(dtype=getattr(torch, config["param_dtype"]))
         self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
                                       world_size=world_size, device=device,
                                       compute_dtype=getattr(torch, config["dtype"]),
@@ -279,6 +307,7 @@ def train_fn_per_worker(config: dict) -> None:
             "loss": result["lm_loss"] + config["aux_loss_weight"] * result["aux_loss"],
             **result,
             "tokens_per_s": tokens_per_step / step_time,
+            **model_flops_metrics(tokens_per_step / step_time / world_size, trainer.preset, device, config["dtype"]),
             "step_time_s": step_time,
             "peak_memory_bytes": int(peak),
             "tokens_seen": step * tokens_per_step,
