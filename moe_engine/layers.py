@@ -84,7 +84,8 @@ class MoELayerBase(nn.Module):
         if x.dim() not in (2, 3) or x.shape[-1] != self.config.d_model:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected (tokens, d_model) or "
                              f"(batch, seq, d_model) with d_model={self.config.d_model}")
-        if x.dtype != self.router.weight.dtype:
+        if x.dtype != self.router.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            # (under autocast the layer computes in the autocast dtype whatever x's is)
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are "
                             f"{self.router.weight.dtype}; call layer.to({x.dtype}) or cast x")
         return x.reshape(-1, x.shape[-1])

@@ -1,0 +1,86 @@
+"""Where one training step's time goes on a GPU (torch.profiler): the worker's Trainer
+(float32 master weights, bf16 autocast) on one rank, kernel time by kind, and the step's
+wall time, so that MFU's gap to the GEMM rate is measured, not guessed.
+
+    python3 tools/profile_step.py --preset gpt-xl --num-layers 4 --batch-size 32 --out step.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from app.data import prepare_dataset
+from app.model import get_preset, model_flops_per_token
+from workers.loop import Trainer, peak_flops
+
+# Kernel kinds by name fragment, first match wins (names of cuBLAS/cuDNN/Triton/ATen kernels).
+KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "wgmma")), ("attention", ("flash", "fmha", "attention")),
+         ("optimizer", ("adam", "multi_tensor")), ("copy/cast", ("copy", "cast", "convert")),
+         ("reduce/norm", ("reduce", "norm", "softmax")), ("elementwise", ("elementwise", "vectorized", "unrolled")))
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, parts in KINDS if any(p in lowered for p in parts)), "other")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="gpt-xl")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--engine", default="mpipemoe")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    work = tempfile.mkdtemp(prefix="profile-step")
+    prepare_dataset(f"{work}/data", max_bytes=2**24, row_len=1024)
+    preset = get_preset(args.preset).replace(num_layers=args.num_layers, vocab_size=259)
+    config = {"preset": dataclasses.asdict(preset), "engine": args.engine, "partitions": 1, "strategy": "none",
+              "seed": 0, "lr": 3e-4, "weight_decay": 0.1, "warmup_steps": 5, "grad_clip": 1.0,
+              "aux_loss_weight": 0.01, "steps": 100, "batch_size": args.batch_size, "seq_len": preset.seq_len,
+              "data_dir": f"{work}/data", "dtype": "bfloat16", "shard_dense": False, "grad_accum": 1}
+    dist.init_process_group("nccl", init_method=f"file://{work}/init", rank=0, world_size=1, device_id=device)
+    trainer = Trainer(config, 0, 1, device)
+    for step in range(1, 4):
+        trainer.step(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for step in range(4, 4 + args.steps):
+            trainer.step(step)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) / args.steps
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            kind = kind_of(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e6 / args.steps
+    top = sorted(((e.self_device_time_total / 1e6 / args.steps, e.key[:90]) for e in prof.key_averages()
+                  if e.device_type.name == "CUDA"), reverse=True)[:15]
+    tokens = args.batch_size * preset.seq_len
+    flops = tokens * model_flops_per_token(preset)
+    result = {"preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
+              "engine": args.engine, "device": torch.cuda.get_device_name(device), "step_s": wall,
+              "kernel_s": sum(kinds.values()), "kernel_s_by_kind": kinds, "mfu": flops / wall / peak_flops(device, "bfloat16"),
+              # the bound the GEMMs alone set: model FLOPs over the GEMM kernels' time
+              "mfu_if_only_gemms": flops / kinds["gemm"] / peak_flops(device, "bfloat16") if kinds.get("gemm") else None,
+              "top_kernels": [{"s": s, "name": n} for s, n in top]}
+    dist.destroy_process_group()
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
