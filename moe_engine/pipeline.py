@@ -1,31 +1,12 @@
-"""The partitioned forward/backward schedule of MPipeMoE (docs/engine.md, "The method").
+"""Executes the partitioned forward/backward schedule of MPipeMoE (schedule.py describes it:
+the operations, their streams, what each waits for and the slots they use).
 
-Legend (the engine's, see docs/engine.md): T tokens on this rank, D d_model, H d_hidden,
-R rows this rank sends, N rows it receives, n partitions.
-
-Forward, for each partition i (rows of one token range, one All-to-All each):
-
-    1. dispatch  gather x rows (compute stream), All-to-All (comm stream)
-    2. experts   group by expert → T_DI, GEMM1 → A, act, GEMM2 → T_DO  (compute stream)
-    3. offload   T_DI and/or A to host, as the strategy says            (copy stream)
-    4. combine   All-to-All of T_DO back into the output rows           (comm stream)
-
-Partition i+1's dispatch is issued before partition i's experts, and partition i's
-combine after them, so communication of one partition overlaps computation of the
-next. With one rank there is no All-to-All: dispatch gathers the rows straight into
-expert order and combine is a concatenation.
-
-Backward runs the partitions in reverse order, fetching partition i−1's inputs (the
-output gradient's All-to-All, restores by host copy or re-communication) while
-partition i computes. Within a partition the input gradient is computed first and
-sent back at once; the weight-gradient GEMMs then run while it travels.
-
-Memory reuse: the grouped kernels allocate their outputs, and a partition's T_DI, A
-and T_DO are dropped once partition i+2 starts (a strategy S1–S4) or kept for backward
-("none"); the caching allocator hands the freed blocks to the next partition, so the
-working set is a partition's, and backward restores what was dropped (memory.py).
-Every tensor a side stream reads stays referenced until the stream that frees it has
-waited for that read.
+`pipelined_forward` and `pipelined_backward` walk the schedule's list of operations and
+call one handler per op name; the handlers hold the tensors. Before a handler runs, the
+compute stream (CUDA) or the host (CPU) waits for the side-stream operations the op is
+`after`; every side-stream operation itself first waits for the compute stream
+(StreamSet.on_comm / on_copy). Every tensor a side stream reads stays referenced until
+the stream that frees it has waited for that read.
 """
 from __future__ import annotations
 
@@ -38,6 +19,7 @@ from .dispatcher import DispatchPlan, from_expert_major, to_expert_major
 from .experts import Experts
 from .granularity import PassTiming
 from .memory import HostBufferPool, RestorePolicy
+from .schedule import COMM, COMPUTE, COPY, Op, backward_schedule, forward_schedule
 from .streams import Pending, StreamSet
 
 
@@ -46,7 +28,9 @@ class PipelineRun:
     """Everything one pipelined call needs besides tensors (built per forward).
 
     keep_activation: also keep act(A) for backward, as autograd would (the FastMoE
-    baseline); otherwise backward recomputes it from A, elementwise."""
+    baseline); otherwise backward recomputes it from A, elementwise.
+    recorder: a list that gets (op name, partition, stream) for every operation as it is
+    issued (tests/test_schedule.py); None records nothing."""
 
     experts: Experts
     group: ExpertGroup
@@ -56,6 +40,12 @@ class PipelineRun:
     host_pool: HostBufferPool
     timing: PassTiming | None = None   # set while the granularity search measures this pass
     keep_activation: bool = False
+    recorder: list | None = None
+
+    def issued(self, op: Op, stream: str) -> None:
+        """Note that `op` was issued on `stream` (for the recorder)."""
+        if self.recorder is not None:
+            self.recorder.append((op.name, op.partition, stream))
 
 
 @dataclass
@@ -69,7 +59,7 @@ class Saved:
     copied: Pending = field(default_factory=Pending.done)
 
 
-def _offload(run: PipelineRun, tensors: list) -> Saved:
+def _offload(run: PipelineRun, op: Op, tensors: list) -> Saved:
     """Copy stream. Start copying `tensors` to host buffers of this micro-batch."""
     streams = run.streams
     hosts, bases = [], []
@@ -81,17 +71,31 @@ def _offload(run: PipelineRun, tensors: list) -> Saved:
             host.copy_(tensor, non_blocking=True)
             hosts.append(host)
             bases.append(base)
+    run.issued(op, COPY)
     return Saved(host=hosts, host_bases=bases, copied=streams.record_copy())
 
 
-def _fetch_from_host(run: PipelineRun, saved: Saved) -> tuple[list, Pending]:
+def _fetch_from_host(run: PipelineRun, op: Op, saved: Saved) -> tuple[list, Pending]:
     """Copy stream. Start copying host copies back into new device tensors."""
     device = run.streams.device
     outs = [torch.empty(h.shape, dtype=h.dtype, device=device) for h in saved.host]
     with run.streams.on_copy():
         for out, host in zip(outs, saved.host):
             out.copy_(host, non_blocking=True)
+    run.issued(op, COPY)
     return outs, run.streams.record_copy()
+
+
+def _execute(ops: list[Op], handlers: dict) -> list[Pending]:
+    """Issue `ops` in order: wait for the side-stream operations each is after, then run
+    its handler. Returns what each op issued (done for compute operations)."""
+    issued: list[Pending] = []
+    for op in ops:
+        for earlier in op.after:
+            if ops[earlier].stream != COMPUTE:
+                issued[earlier].wait()
+        issued.append(handlers[op.name](op) or Pending.done())
+    return issued
 
 
 def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
@@ -101,38 +105,37 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
     parts, n, D = plan.partitions, len(plan.partitions), x_TD.shape[1]
     offsets = plan.send_offsets
     keep_on_device = save and not policy.share_buffers
-    offload_input = save and policy.offload_input
-    offload_preact = save and policy.offload_preactivation
 
     y_RD = None if plan.single else x_TD.new_empty(offsets[-1], D)
     outputs: list = []                  # single rank: each partition's T_DO, concatenated at the end
     received: list = [None] * n         # the rows each dispatch brings (or, on one rank, gathers)
-    in_flight: list = [None] * n        # tensors a side stream still reads, per partition
-    dispatched = [Pending.done()] * n
-    combined = [Pending.done()] * n
+    sent: list = [None] * n             # the rows each dispatch sends, until experts waited for it
+    in_flight: list = [None, None]      # per slot: tensors the slot's side-stream operations read
     saved_inputs = [Saved() for _ in range(n)]
     saved_preacts = [Saved() for _ in range(n)]
     saved_acts: list = [None] * n
+    kept: dict = {}                     # T_DI and A of the partition being offloaded
 
-    def dispatch(i: int) -> None:                                                     # 1. dispatch
-        p = parts[i]
-        x_RD = x_TD.index_select(0, p.token_index_R)
+    def gather(op: Op) -> None:                                                        # 1. gather
+        x_RD = x_TD.index_select(0, parts[op.partition].token_index_R)
+        run.issued(op, COMPUTE)
         if plan.single:
-            received[i] = x_RD
-            return
-        received[i] = x_TD.new_empty(p.rows_received, D)
-        in_flight[i] = [x_RD]
-        dispatched[i] = group.all_to_all_async(received[i], x_RD, p.recv_splits, p.send_splits, streams)
+            received[op.partition] = x_RD
+        else:
+            sent[op.partition] = x_RD
 
-    def compute(i: int) -> None:
-        p = parts[i]
-        dispatched[i].wait()
-        if i >= 2:  # partition i-2's copies and combine are done: drop what they read
-            saved_inputs[i - 2].copied.wait()
-            saved_preacts[i - 2].copied.wait()
-            combined[i - 2].wait()
-            in_flight[i - 2] = None
-        x_ND = to_expert_major(received[i], p.expert_order_N)                           # 2. experts
+    def dispatch(op: Op) -> Pending:                                                   #    dispatch
+        i, p = op.partition, parts[op.partition]
+        received[i] = x_TD.new_empty(p.rows_received, D)
+        pending = group.all_to_all_async(received[i], sent[i], p.recv_splits, p.send_splits, streams)
+        run.issued(op, COMM)
+        return pending
+
+    def compute(op: Op) -> None:                                                       # 2. experts
+        i, p = op.partition, parts[op.partition]
+        in_flight[op.slot] = None  # partition i-2's copies and combine are done: drop what they read
+        sent[i] = None
+        x_ND = to_expert_major(received[i], p.expert_order_N)
         received[i] = None
         A = experts.project_in(x_ND, p.segments)
         h_NH = experts.activate(A)
@@ -141,35 +144,42 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
             saved_acts[i] = h_NH
         del h_NH
         y_received_ND = from_expert_major(y_ND, p.source_order_N)
+        run.issued(op, COMPUTE)
         if keep_on_device:
             saved_inputs[i], saved_preacts[i] = Saved(device=[x_ND]), Saved(device=A)
-        keep = [y_received_ND]
-        if offload_input:                                                              # 3. offload
-            saved_inputs[i] = _offload(run, [x_ND])
-            keep.append(x_ND)
-        if offload_preact:
-            saved_preacts[i] = _offload(run, A)
-            keep.extend(A)
-        if plan.single:                                                                # 4. combine
+        kept.update(input=[x_ND], preactivation=A, output=y_received_ND)
+        in_flight[op.slot] = [y_received_ND]
+        if plan.single:
             outputs.append(y_received_ND)
-        else:
-            out_RD = y_RD[offsets[i]:offsets[i + 1]]
-            combined[i] = group.all_to_all_async(out_RD, y_received_ND, p.send_splits, p.recv_splits, streams)
-        in_flight[i] = keep
 
+    def offload_input(op: Op) -> Pending:                                              # 3. offload
+        saved_inputs[op.partition] = _offload(run, op, kept["input"])
+        in_flight[op.slot].extend(kept["input"])
+        return saved_inputs[op.partition].copied
+
+    def offload_preactivation(op: Op) -> Pending:
+        saved_preacts[op.partition] = _offload(run, op, kept["preactivation"])
+        in_flight[op.slot].extend(kept["preactivation"])
+        return saved_preacts[op.partition].copied
+
+    def combine(op: Op) -> Pending:                                                    # 4. combine
+        i, p = op.partition, parts[op.partition]
+        pending = group.all_to_all_async(y_RD[offsets[i]:offsets[i + 1]], kept["output"],
+                                         p.send_splits, p.recv_splits, streams)
+        run.issued(op, COMM)
+        return pending
+
+    handlers = {"gather": gather, "dispatch": dispatch, "experts": compute, "offload_input": offload_input,
+                "offload_preactivation": offload_preactivation, "combine": combine}
+    ops = forward_schedule(n, policy, several=not plan.single, save=save)
     if run.timing is not None:
         run.timing.forward.start()
     with torch.no_grad():
-        if n:
-            dispatch(0)
-        for i in range(n):
-            if i + 1 < n:
-                dispatch(i + 1)
-            compute(i)
-        for pending in combined:
-            pending.wait()
-        for saved in saved_inputs + saved_preacts:
-            saved.copied.wait()
+        issued = _execute(ops, handlers)
+        kept.clear()
+        for op, pending in zip(ops, issued):  # the combines and copies
+            if op.name != "dispatch":
+                pending.wait()
         streams.join()
         if plan.single:
             y_RD = outputs[0] if n == 1 else torch.cat(outputs) if n else x_TD.new_empty(0, D)
@@ -181,7 +191,7 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
 
 def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: PipelineRun,
                        saved_inputs: list[Saved], saved_preacts: list[Saved], saved_acts: list, tokens: int):
-    """Backward of `pipelined_forward`, partitions in reverse order.
+    """Backward of `pipelined_forward`, partitions in reverse order (schedule.backward_schedule).
 
     For each partition: dy rows go to the experts' ranks (All-to-All), T_DI and A
     are restored per the strategy (fetched one partition ahead), the input gradient
@@ -191,7 +201,6 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     plan, experts, group, streams, policy = run.plan, run.experts, run.group, run.streams, run.policy
     parts, n, D = plan.partitions, len(plan.partitions), dy_RD.shape[1]
     offsets = plan.send_offsets
-    order = list(reversed(range(n)))
     dy_RD = dy_RD.contiguous()
     grads = experts.grads()
     # dx of every row, in send order (several ranks: plus one zero row for dropped pairs);
@@ -200,93 +209,116 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     if not plan.single:
         dx_RD[-1].zero_()
 
+    # Per partition, from its fetch to its compute:
     dy_received: list = [None] * n
+    sent: list = [None] * n             # the x rows a re-dispatch sends
     inputs_fetched: list = [None] * n
     preacts_fetched: list = [None] * n
-    in_flight: list = [None] * n
-    fetched_dy = [Pending.done()] * n
-    fetched_input = [Pending.done()] * n
-    fetched_preact = [Pending.done()] * n
-    returned = [Pending.done()] * n
+    in_flight: list = [None, None]      # per slot: the dx rows the slot's All-to-All reads
     host_reads_done: list = []
+    # The partition being computed: T_DI, A, dy by expert and its input gradient.
+    current: dict = {}
 
-    def fetch(step: int) -> None:
-        """Comm + copy streams: everything partition order[step] needs, ahead of its compute."""
-        i = order[step]
-        p = parts[i]
-        dy_slice = dy_RD[offsets[i]:offsets[i + 1]]
-        if plan.single:
-            dy_received[step] = dy_slice
-        else:
-            dy_received[step] = dy_RD.new_empty(p.rows_received, D)
-            fetched_dy[step] = group.all_to_all_async(dy_received[step], dy_slice,
-                                                      p.recv_splits, p.send_splits, streams)
-        if policy.recommunicate_input and not plan.single:
-            x_RD = x_TD.index_select(0, p.token_index_R)
-            inputs_fetched[step] = x_TD.new_empty(p.rows_received, D)
-            in_flight[step] = [x_RD]
-            fetched_input[step] = group.all_to_all_async(inputs_fetched[step], x_RD,
-                                                         p.recv_splits, p.send_splits, streams)
-        elif saved_inputs[i].host is not None:
-            (inputs_fetched[step],), fetched_input[step] = _fetch_from_host(run, saved_inputs[i])
-            host_reads_done.append((saved_inputs[i], fetched_input[step]))
-        if saved_preacts[i].host is not None:
-            preacts_fetched[step], fetched_preact[step] = _fetch_from_host(run, saved_preacts[i])
-            host_reads_done.append((saved_preacts[i], fetched_preact[step]))
+    def fetch_dy(op: Op) -> Pending:
+        i, p = op.partition, parts[op.partition]
+        dy_received[i] = dy_RD.new_empty(p.rows_received, D)
+        pending = group.all_to_all_async(dy_received[i], dy_RD[offsets[i]:offsets[i + 1]],
+                                         p.recv_splits, p.send_splits, streams)
+        run.issued(op, COMM)
+        return pending
 
-    def compute(step: int) -> None:
-        i = order[step]
-        p = parts[i]
-        fetched_input[step].wait()                                   # T_DI of this partition
+    def regather(op: Op) -> None:
+        sent[op.partition] = x_TD.index_select(0, parts[op.partition].token_index_R)
+        run.issued(op, COMPUTE)
+
+    def redispatch(op: Op) -> Pending:
+        i, p = op.partition, parts[op.partition]
+        inputs_fetched[i] = x_TD.new_empty(p.rows_received, D)
+        pending = group.all_to_all_async(inputs_fetched[i], sent[i], p.recv_splits, p.send_splits, streams)
+        run.issued(op, COMM)
+        return pending
+
+    def restore_input(op: Op) -> Pending:
+        (inputs_fetched[op.partition],), fetched = _fetch_from_host(run, op, saved_inputs[op.partition])
+        host_reads_done.append((saved_inputs[op.partition], fetched))
+        return fetched
+
+    def restore_preactivation(op: Op) -> Pending:
+        preacts_fetched[op.partition], fetched = _fetch_from_host(run, op, saved_preacts[op.partition])
+        host_reads_done.append((saved_preacts[op.partition], fetched))
+        return fetched
+
+    def recover_input(op: Op) -> None:                               # T_DI of this partition
+        i, p = op.partition, parts[op.partition]
+        sent[i] = None
         if saved_inputs[i].device is not None:
             (x_ND,) = saved_inputs[i].device
         elif policy.recommunicate_input and plan.single:
             x_ND = x_TD.index_select(0, p.token_index_R)
         elif policy.recommunicate_input:
-            x_ND = to_expert_major(inputs_fetched[step], p.expert_order_N)
+            x_ND = to_expert_major(inputs_fetched[i], p.expert_order_N)
         else:
-            x_ND = inputs_fetched[step]
-        inputs_fetched[step] = None
-        if saved_preacts[i].device is not None:                      # A of this partition
-            A = saved_preacts[i].device
-        elif policy.recompute_preactivation:
-            A = experts.project_in(x_ND, p.segments)
-        else:
-            fetched_preact[step].wait()
-            A = preacts_fetched[step]
-        preacts_fetched[step] = None
-        fetched_dy[step].wait()                                      # dy, grouped by expert
-        dy_ND = to_expert_major(dy_received[step], p.expert_order_N)
-        dy_received[step] = None
-        done = experts.input_grad(A, dy_ND, p.segments)
-        dx_received_ND = from_expert_major(done.dx_ND, p.source_order_N)
+            x_ND = inputs_fetched[i]
+        inputs_fetched[i] = None
+        run.issued(op, COMPUTE)
+        current.clear()
+        current["x_ND"] = x_ND
+        if saved_preacts[i].device is not None:                      # A of this partition, when kept
+            current["A"] = saved_preacts[i].device
+
+    def recompute(op: Op) -> None:
+        current["A"] = experts.project_in(current["x_ND"], parts[op.partition].segments)
+        run.issued(op, COMPUTE)
+
+    def dgrad(op: Op) -> None:
+        i, p = op.partition, parts[op.partition]
+        if "A" not in current:                                       # A restored from host
+            current["A"] = preacts_fetched[i]
+        preacts_fetched[i] = None
+        dy_ND = to_expert_major(dy_RD[offsets[i]:offsets[i + 1]] if plan.single else dy_received[i],
+                                p.expert_order_N)                    # dy, grouped by expert
+        dy_received[i] = None
+        done = experts.input_grad(current["A"], dy_ND, p.segments)
+        run.issued(op, COMPUTE)
+        current.update(dy_ND=dy_ND, done=done, dx_received_ND=from_expert_major(done.dx_ND, p.source_order_N))
+
+    def return_dx(op: Op) -> Pending | None:
         nonlocal dx_RD
+        i, p = op.partition, parts[op.partition]
+        dx_received_ND = current["dx_received_ND"]
         if plan.single and n == 1:
             dx_RD = dx_received_ND
         elif plan.single:
             dx_RD[offsets[i]:offsets[i + 1]].copy_(dx_received_ND)
-        else:
-            if step >= 2:
-                returned[step - 2].wait()
-                in_flight[step - 2] = None
-            returned[step] = group.all_to_all_async(dx_RD[offsets[i]:offsets[i + 1]], dx_received_ND,
-                                                    p.send_splits, p.recv_splits, streams)
-            in_flight[step] = [dx_received_ND]
-        experts.weight_grads(x_ND, A, dy_ND, p.segments, done, grads, h_NH=saved_acts[i])
+        if plan.single:
+            run.issued(op, COMPUTE)
+            return None
+        in_flight[op.slot] = None  # the dx of two steps earlier has arrived
+        pending = group.all_to_all_async(dx_RD[offsets[i]:offsets[i + 1]], dx_received_ND,
+                                         p.send_splits, p.recv_splits, streams)
+        run.issued(op, COMM)
+        in_flight[op.slot] = [dx_received_ND]
+        return pending
+
+    def wgrad(op: Op) -> None:
+        i, p = op.partition, parts[op.partition]
+        experts.weight_grads(current["x_ND"], current["A"], current["dy_ND"], p.segments, current["done"], grads,
+                             h_NH=saved_acts[i])
         saved_acts[i] = None
+        current.clear()
+        run.issued(op, COMPUTE)
 
-
+    handlers = {"fetch_dy": fetch_dy, "regather": regather, "redispatch": redispatch, "restore_input": restore_input,
+                "restore_preactivation": restore_preactivation, "recover_input": recover_input,
+                "recompute": recompute, "dgrad": dgrad, "return_dx": return_dx, "wgrad": wgrad}
+    ops = backward_schedule(n, policy, several=not plan.single)
     if run.timing is not None:
         run.timing.backward.start()
     with torch.no_grad():
-        if n:
-            fetch(0)
-        for step in range(n):
-            if step + 1 < n:
-                fetch(step + 1)
-            compute(step)
-        for pending in returned:
-            pending.wait()
+        issued = _execute(ops, handlers)
+        for op, pending in zip(ops, issued):
+            if op.name == "return_dx":
+                pending.wait()
         streams.join()
         dx_TD = plan.sum_rows_per_token(dx_RD) if n else dy_RD.new_zeros(tokens, D)
     in_flight.clear()  # drop what side streams read: every stream has been joined
