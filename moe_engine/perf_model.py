@@ -16,12 +16,18 @@ All-to-Alls, the compute stream the GEMMs (plus recomputation), the copy stream
 the offloads/restores. With n partitions a pass takes one partition's full
 latency (fill) plus (n−1) times the slowest stream's per-partition time, each
 stream slowed by what overlaps it, plus a fixed cost per partition.
+
+The formula is closed-form; its per-partition terms come from the operation counts of
+one partition of the pipeline's schedule (schedule.py): the All-to-Alls, GEMM passes
+and host copies that partition issues. It takes the several-ranks schedule whatever the
+world size: calibration measured an All-to-All on every group, one rank included.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,6 +36,7 @@ from .comm import ExpertGroup
 from .config import MoEConfig
 from .experts import Experts, ExpertSegments
 from .memory import RestorePolicy, predict_memory
+from .schedule import COMM, backward_schedule, forward_schedule
 from .streams import StreamSet
 from .timing import Stopwatch, synchronize, time_fn
 
@@ -276,6 +283,17 @@ class Prediction:
         return self.forward_s + self.backward_s
 
 
+def _partition_counts(policy: RestorePolicy) -> tuple[Counter, Counter]:
+    """Operations of one partition of the forward and of the backward schedule, by name
+    (absent names count 0), and under COMM its All-to-Alls."""
+    counts = []
+    for ops in (forward_schedule(1, policy, several=True), backward_schedule(1, policy, several=True)):
+        by_name = Counter(op.name for op in ops)
+        by_name[COMM] = sum(op.stream == COMM for op in ops)
+        counts.append(by_name)
+    return counts[0], counts[1]
+
+
 class PerformanceModel:
     """Predicts forward+backward time of MPipeMoE for any (n, strategy) from a profile."""
 
@@ -304,12 +322,16 @@ class PerformanceModel:
         a2a = p.a2a_latency_s + rows * D * s * remote / p.a2a_bytes_per_s
         gemm1 = 2 * rows * D * A_width / p.gemm_flops
         gemm2 = 2 * rows * H * D / p.gemm_flops
-        offload = rows * s * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
-        forward = self._pipelined(2 * a2a, gemm1 + gemm2, offload / p.d2h_bytes_per_s, partitions)
+        fwd, bwd = _partition_counts(policy)
+        offload = rows * s * (fwd["offload_input"] * D + fwd["offload_preactivation"] * A_width)
+        restore = rows * s * (bwd["restore_input"] * D + bwd["restore_preactivation"] * A_width)
+        forward = self._pipelined(fwd[COMM] * a2a, fwd["experts"] * (gemm1 + gemm2), offload / p.d2h_bytes_per_s,
+                                  partitions)
+        # dgrad and wgrad: the FFN's backward, twice its forward FLOPs; recompute: GEMM1 again.
         backward = self._pipelined(
-            (3 if policy.recommunicate_input else 2) * a2a,
-            2 * (gemm1 + gemm2) + (gemm1 if policy.recompute_preactivation else 0),
-            offload / p.h2d_bytes_per_s, partitions)
+            bwd[COMM] * a2a,
+            (bwd["dgrad"] + bwd["wgrad"]) * (gemm1 + gemm2) + bwd["recompute"] * gemm1,
+            restore / p.h2d_bytes_per_s, partitions)
         peak = predict_memory(config, tokens, world_size, partitions, strategy, dtype=dtype).peak_bytes
         return Prediction(partitions, strategy, forward, backward, peak)
 

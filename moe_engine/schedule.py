@@ -162,11 +162,3 @@ def _one_ahead(steps: int, communicate, compute) -> None:
             communicate(step + 1)
         compute(step)
 
-
-def count(ops: list[Op], partition: int = 0) -> dict[str, int]:
-    """How often each op name occurs for `partition` (the performance model's terms)."""
-    counts: dict[str, int] = {}
-    for op in ops:
-        if op.partition == partition:
-            counts[op.name] = counts.get(op.name, 0) + 1
-    return counts

@@ -6,7 +6,8 @@ width, L local experts, n partitions, b = k·T/n rows a rank sends per
 partition, Nn rows the busiest rank receives per partition.
 
 The simulator replays, operation by operation, what the engine's host thread
-issues (pipeline.py, layers.py, dispatcher.py, experts.py) on four timelines:
+issues (the pipeline's schedule.py, layers.py, dispatcher.py, experts.py) on four
+timelines:
 
     host      the Python thread: issues every operator, in program order, each
               at a measured cost per call, and waits where the engine reads the
@@ -48,6 +49,7 @@ from .memory import RestorePolicy, predict_memory
 from .network import (ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
                       flat_all_to_all_s, hierarchical_all_to_all_s, small_collective_s, uniform_load)
 from .parts import HOST_LAYER
+from .schedule import COMPUTE, backward_schedule, forward_schedule
 
 GPU_STREAMS = ("compute", "comm", "copy")
 STREAMS = ("host",) + GPU_STREAMS
@@ -495,9 +497,9 @@ def _prelude(prog: Program, layer: _Layer, host) -> None:
 
 
 class _Pipelined:
-    """pipeline.pipelined_forward and pipelined_backward, op for op, as every engine runs
-    them (layers.py): MPipeMoE with its n and strategy, FasterMoE with one partition per
-    peer group, FastMoE with one partition that keeps act(A) for backward."""
+    """Prices the schedule pipeline.py executes (schedule.py), op by op, as every engine
+    runs it (layers.py): MPipeMoE with its n and strategy, FasterMoE with one partition
+    per peer group, FastMoE with one partition that keeps act(A) for backward."""
 
     def __init__(self, layer: _Layer, strategy: str, host, keep_activation: bool = False):
         self.layer, self.policy, self.host = layer, RestorePolicy.of(strategy), host
@@ -526,6 +528,22 @@ class _Pipelined:
                                kernels=calls[step] if kernels is None else kernels)
         return issue
 
+    @staticmethod
+    def _walk(prog: Program, ops: list, price: dict) -> list:
+        """Issue the schedule's `ops` as pipeline.py does: a wait for a side-stream operation
+        is made on the compute stream (Pending.wait), and a side-stream operation first
+        waits for the compute stream (StreamSet.on_comm / on_copy). `price[op.name](op)`
+        launches the op's work; returns the last program op of each (None: it launched none)."""
+        issued: list = []
+        for op in ops:
+            for earlier in op.after:
+                if ops[earlier].stream != COMPUTE:
+                    prog.wait("compute", issued[earlier])
+            if op.stream != COMPUTE:
+                prog.wait_stream(op.stream, "compute")
+            issued.append(price[op.name](op))
+        return issued
+
     def forward(self, prog: Program) -> int:
         layer, policy, host, a2a = self.layer, self.policy, self.host, self.a2a
         sh, n, b, Nn = layer.shape, layer.n, layer.b, layer.Nn
@@ -533,43 +551,32 @@ class _Pipelined:
         issue = self._issuer(prog, calls, host.forward_per_partition_s / self._measured_calls("forward"))
         gemm1, ffn = layer.ffn("gemm1"), layer.ffn("forward")
         _prelude(prog, layer, host)
-        dispatched, combined, copies = [None] * n, [None] * n, [[] for _ in range(n)]
 
-        def dispatch(i):                                                               # 1. dispatch
-            issue("compute", layer.rows("gather", b), "gather", i)
-            if self.several:
-                prog.wait_stream("comm", "compute")
-                dispatched[i] = issue("comm", a2a, "dispatch", i, kernels=1)
-
-        def compute(i):
-            prog.wait("compute", dispatched[i])
-            if i >= 2:  # partition i-2's copies and combine are done: what they read is dropped
-                for copy in copies[i - 2]:
-                    prog.wait("compute", copy)
-                prog.wait("compute", combined[i - 2])
-            if self.reorder:                                                           # 2. experts
-                issue("compute", layer.rows("gather", Nn), "to expert order", i)
-            issue("compute", gemm1, "GEMM1", i)
-            issue("compute", ffn - gemm1, "activation, GEMM2", i)
+        def experts(op):
+            i = op.partition
             if self.reorder:
-                issue("compute", layer.rows("gather", Nn), "to source order", i)
-            if policy.offload_input:                                                   # 3. offload
-                prog.wait_stream("copy", "compute")
-                copies[i].append(issue("copy", layer.host_copy("d2h", sh.d_model), "offload T_DI", i))
-            if policy.offload_preactivation:
-                prog.wait_stream("copy", "compute")
-                copies[i].append(issue("copy", layer.host_copy("d2h", sh.pre_activation_width), "offload A", i))
-            if self.several:                                                           # 4. combine
-                prog.wait_stream("comm", "compute")
-                combined[i] = issue("comm", a2a, "combine", i)
+                issue("compute", layer.rows("gather", Nn), "to expert order", i)
+            last = issue("compute", gemm1, "GEMM1", i)
+            last = issue("compute", ffn - gemm1, "activation, GEMM2", i)
+            if self.reorder:
+                last = issue("compute", layer.rows("gather", Nn), "to source order", i)
+            return last
 
-        dispatch(0)
-        for i in range(n):
-            if i + 1 < n:
-                dispatch(i + 1)
-            compute(i)
-        for op in combined + [c for cs in copies for c in cs]:
-            prog.wait("compute", op)
+        price = {
+            "gather": lambda op: issue("compute", layer.rows("gather", b), "gather", op.partition),
+            "dispatch": lambda op: issue("comm", a2a, "dispatch", op.partition, kernels=1),
+            "experts": experts,
+            "offload_input": lambda op: issue("copy", layer.host_copy("d2h", sh.d_model), "offload T_DI",
+                                              op.partition),
+            "offload_preactivation": lambda op: issue("copy", layer.host_copy("d2h", sh.pre_activation_width),
+                                                      "offload A", op.partition),
+            "combine": lambda op: issue("comm", a2a, "combine", op.partition),
+        }
+        ops = forward_schedule(n, policy, self.several)
+        issued = self._walk(prog, ops, price)
+        for op, last in zip(ops, issued):  # the combines and copies
+            if op.stream != COMPUTE and op.name != "dispatch":
+                prog.wait("compute", last)
         if not self.several and n > 1:  # one rank: the partitions' outputs, concatenated
             prog.launch("compute", layer.rows("copy", layer.rows_sent), "concatenate")
         fixed_rest = max(host.forward_fixed_s - host.prelude_s, 0.0)
@@ -598,59 +605,56 @@ class _Pipelined:
             weight_grads = max(weight_grads - layer.elementwise(Nn * H, 2), 0.0)
         gradients = layer.local * (D * H * (2 + sh.gated) + sh.bias * (D + H))
         accumulate = layer.elementwise(gradients, 3)
-        fetched_dy, fetched_input, fetched_preact, returned = [None] * n, [None] * n, [None] * n, []
 
-        def fetch(step):
-            """Comm + copy streams: what partition `step` needs, ahead of its compute."""
-            if self.several:
-                prog.wait_stream("comm", "compute")
-                fetched_dy[step] = issue("comm", a2a, "dy", step, kernels=1)
-            if policy.recommunicate_input and self.several:
-                issue("compute", layer.rows("gather", b), "re-gather", step)
-                prog.wait_stream("comm", "compute")
-                fetched_input[step] = issue("comm", a2a, "re-dispatch", step, kernels=1)
-            elif policy.offload_input:
-                prog.wait_stream("copy", "compute")
-                fetched_input[step] = issue("copy", layer.host_copy("h2d", D), "restore T_DI", step, kernels=1)
-            if policy.offload_preactivation:
-                prog.wait_stream("copy", "compute")
-                fetched_preact[step] = issue("copy", layer.host_copy("h2d", sh.pre_activation_width), "restore A",
-                                             step, kernels=1 + sh.gated)
+        def step(op) -> int:  # backward labels its operations by step (partitions in reverse)
+            return n - 1 - op.partition
 
-        def compute(step):
-            prog.wait("compute", fetched_input[step])                            # T_DI of this partition
+        def recover_input(op):
             if policy.recommunicate_input and not self.several:  # one rank: re-gathered into expert order
-                issue("compute", layer.rows("gather", b), "re-gather", step)
-            elif policy.recommunicate_input and self.reorder:
-                issue("compute", layer.rows("gather", Nn), "T_DI to expert order", step)
-            if policy.recompute_preactivation:                                   # A of this partition
-                issue("compute", layer.ffn("gemm1"), "recompute A", step)
-            else:
-                prog.wait("compute", fetched_preact[step])
-            prog.wait("compute", fetched_dy[step])                               # dy, grouped by expert
-            if self.reorder:
-                issue("compute", layer.rows("gather", Nn), "dy to expert order", step)
-            issue("compute", input_grad, "input gradient", step)
-            if self.reorder:
-                issue("compute", layer.rows("gather", Nn), "dx to source order", step)
-            if self.several:  # dx goes back into its rows of dx_RD, beside the weight gradients
-                if step >= 2:
-                    prog.wait("compute", returned[step - 2])
-                prog.wait_stream("comm", "compute")
-                returned.append(issue("comm", a2a, "dx", step, kernels=1))
-            elif n > 1:       # one rank: into its rows of dx_RD (a lone partition's dx is dx_RD)
-                issue("compute", layer.rows("copy", b), "dx", step)
-            issue("compute", weight_grads, "weight gradients", step)
-            if step:
-                issue("compute", accumulate, "accumulate gradients", step)
+                return issue("compute", layer.rows("gather", b), "re-gather", step(op))
+            if policy.recommunicate_input and self.reorder:
+                return issue("compute", layer.rows("gather", Nn), "T_DI to expert order", step(op))
+            return None
 
-        fetch(0)
-        for step in range(n):
-            if step + 1 < n:
-                fetch(step + 1)
-            compute(step)
-        for op in returned:
-            prog.wait("compute", op)
+        def dgrad(op):
+            if self.reorder:
+                issue("compute", layer.rows("gather", Nn), "dy to expert order", step(op))
+            last = issue("compute", input_grad, "input gradient", step(op))
+            if self.reorder:
+                last = issue("compute", layer.rows("gather", Nn), "dx to source order", step(op))
+            return last
+
+        def return_dx(op):
+            if self.several:  # dx goes back into its rows of dx_RD, beside the weight gradients
+                return issue("comm", a2a, "dx", step(op), kernels=1)
+            if n > 1:         # one rank: into its rows of dx_RD (a lone partition's dx is dx_RD)
+                return issue("compute", layer.rows("copy", b), "dx", step(op))
+            return None
+
+        def wgrad(op):
+            last = issue("compute", weight_grads, "weight gradients", step(op))
+            if step(op):
+                last = issue("compute", accumulate, "accumulate gradients", step(op))
+            return last
+
+        price = {
+            "fetch_dy": lambda op: issue("comm", a2a, "dy", step(op), kernels=1),
+            "regather": lambda op: issue("compute", layer.rows("gather", b), "re-gather", step(op)),
+            "redispatch": lambda op: issue("comm", a2a, "re-dispatch", step(op), kernels=1),
+            "restore_input": lambda op: issue("copy", layer.host_copy("h2d", D), "restore T_DI", step(op),
+                                              kernels=1),
+            "restore_preactivation": lambda op: issue("copy", layer.host_copy("h2d", sh.pre_activation_width),
+                                                      "restore A", step(op), kernels=1 + sh.gated),
+            "recover_input": recover_input,
+            "recompute": lambda op: issue("compute", layer.ffn("gemm1"), "recompute A", step(op)),
+            "dgrad": dgrad,
+            "return_dx": return_dx,
+            "wgrad": wgrad,
+        }
+        ops = backward_schedule(n, policy, self.several)
+        for op, last in zip(ops, self._walk(prog, ops, price)):
+            if op.name == "return_dx" and op.stream != COMPUTE:
+                prog.wait("compute", last)
         prog.wait_stream("compute", "comm")
         prog.wait_stream("compute", "copy")
         # Each token sums its K rows of dx (DispatchPlan.sum_rows_per_token): one gather, one sum.
