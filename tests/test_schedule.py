@@ -1,0 +1,84 @@
+"""The engine runs exactly the schedule schedule.py describes: every operation, its
+partition, its stream, in order, for every engine, partition count and strategy, on one
+rank and on two gloo ranks. The simulator and the performance model price that same
+description (tests/test_simulator.py, tests/test_perf_model.py).
+
+FastMoE runs the schedule with one partition and "none"; FasterMoE with one partition
+per peer group (ceil(ranks / group_size) steps, each exchanging with its peers only) and
+"none": its stepped schedule is the pipeline's, the partitions being peer groups instead
+of token ranges (there is no shadowing).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_engine import MoEConfig, layers
+from moe_engine.config import STRATEGIES
+from moe_engine.memory import RestorePolicy
+from moe_engine.pipeline import PipelineRun
+from moe_engine.schedule import backward_schedule, forward_schedule
+from tests.distributed import run_on_ranks
+from tests.engine_cases import build_engine
+
+ENGINES = (["fastmoe", "fastermoe:1", "fastermoe:2"]
+           + [f"mpipemoe:{n}:{s}" for n in (1, 2, 4) for s in STRATEGIES])
+
+
+def _recorded(rank: int, world_size: int) -> dict:
+    """Per engine: (partitions, strategy, the operations recorded in forward and backward)."""
+    config = MoEConfig(8, 12, 4, top_k=2, activation="swiglu")
+    out = {}
+    for spec in ENGINES:
+        torch.manual_seed(0)
+        layer = build_engine(spec, config, dtype=torch.float32)
+        x = torch.randn(16 + rank, config.d_model, requires_grad=True)
+        recorded: list = []
+        real = layers.PipelineRun
+        layers.PipelineRun = functools.partial(PipelineRun, recorder=recorded)
+        try:
+            y, aux = layer(x)
+            y.sum().backward()
+        finally:
+            layers.PipelineRun = real
+        partitions = getattr(layer, "steps", None) or (int(spec.split(":")[1]) if "mpipemoe" in spec else 1)
+        out[spec] = (partitions, layer.last_strategy, recorded)
+    return out
+
+
+def _expected(partitions: int, strategy: str, several: bool) -> list:
+    policy = RestorePolicy.of(strategy)
+    ops = forward_schedule(partitions, policy, several) + backward_schedule(partitions, policy, several)
+    return [(op.name, op.partition, op.stream) for op in ops]
+
+
+def _check(results: list, several: bool) -> None:
+    for rank, per_engine in enumerate(results):
+        for spec, (partitions, strategy, recorded) in per_engine.items():
+            if spec.startswith("mpipemoe"):
+                assert strategy == spec.split(":")[2], (spec, strategy)
+            assert recorded == _expected(partitions, strategy, several), f"rank {rank}, {spec}"
+
+
+def test_one_rank_runs_the_schedule():
+    _check(run_on_ranks(1, _recorded), several=False)
+
+
+def test_two_ranks_run_the_schedule():
+    results = run_on_ranks(2, _recorded)
+    assert {spec: r[0] for spec, r in results[0].items()}["fastermoe:1"] == 2  # two steps of one peer
+    _check(results, several=True)
+
+
+def test_schedule_waits_only_for_earlier_operations_and_reuses_two_slots():
+    for several in (False, True):
+        for strategy in STRATEGIES:
+            policy = RestorePolicy.of(strategy)
+            for ops in (forward_schedule(4, policy, several), backward_schedule(4, policy, several)):
+                assert all(max(op.after, default=-1) < k for k, op in enumerate(ops))
+                assert {op.slot for op in ops} == {0, 1}
+
+
+def test_recorder_is_off_by_default():
+    assert PipelineRun.__dataclass_fields__["recorder"].default is None
