@@ -39,7 +39,7 @@ from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_sum
 from app.records import DEFAULT_OUT_DIR, record_meta
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
-from moe_engine.emulation import EmulatedCluster, EmulatedExpertGroup
+from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_engine.experts import Experts, ExpertSegments
 from moe_engine.granularity import GranularitySearch
 from moe_engine.memory import HostBufferPool, predict_memory
@@ -74,8 +74,8 @@ class BenchSettings:
     routings: tuple = ("uniform",)
     bias: bool = True       # expert FFN biases b1, b2 (MoEConfig.bias); --no-bias drops them
     peers: tuple = ()       # other libraries' layers timed beside ours (app/peers.py)
-    emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_engine/emulation.py)
-    network: str = "dgx-a100"   # the emulated cluster's network (moe_engine/network.py presets, or a JSON file)
+    emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_sim/emulation.py)
+    network: str = "dgx-a100"   # the emulated cluster's network (moe_sim/network.py presets, or a JSON file)
 
     def __post_init__(self):
         for m in self.models:

@@ -6,10 +6,10 @@
     mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-lean.json --out out/validation.json
     mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
 
-The schedule simulator (moe_engine/simulator.py) replays the engine's operations on
+The schedule simulator (moe_sim/simulator.py) replays the engine's operations on
 host, compute, communication and copy timelines. Compute, copy and host figures come
 from the parts measured on one GPU (--parts); the network from a profile (--network:
-dgx-a100, dgx-h200, or a JSON file of measured figures; moe_engine/network.py lists the
+dgx-a100, dgx-h200, or a JSON file of measured figures; moe_sim/network.py lists the
 datasheet defaults). Results print as a table, go to a JSON file (--out) and to MLflow
 (tag kind=simulate; --tracking-uri none to skip); `mpipemoe report` plots them.
 See docs/simulate.md.
@@ -65,7 +65,7 @@ class SimulateSettings:
 
     def __post_init__(self) -> None:
         from app.model import PRESETS
-        from moe_engine.network import PRESETS as NETWORKS
+        from moe_sim.network import PRESETS as NETWORKS
 
         if self.model not in PRESETS:
             _fail("model", self.model, f"choose one of {', '.join(PRESETS)}")
@@ -130,8 +130,8 @@ def _split(text: str, cast=str) -> tuple:
 # -- simulating -------------------------------------------------------------------------------------
 
 def _cluster(settings: SimulateSettings, nodes: int, experts: int):
-    from moe_engine.network import ClusterLayout, load_network, routing_load
-    from moe_engine.simulator import Cluster
+    from moe_sim.network import ClusterLayout, load_network, routing_load
+    from moe_sim.simulator import Cluster
 
     layout = ClusterLayout(nodes, settings.gpus_per_node)
     network = load_network(settings.network)
@@ -151,7 +151,7 @@ def _layer_row(result, fastermoe) -> dict:
 def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -> dict:
     """Every engine at one (nodes, tokens): the rows to print, log and plot."""
     from app.model import PRESETS
-    from moe_engine.simulator import ModelShape, all_to_all_options, compare_engines, simulate_step
+    from moe_sim.simulator import ModelShape, all_to_all_options, compare_engines, simulate_step
 
     preset = PRESETS[settings.model]
     ranks = nodes * settings.gpus_per_node
@@ -391,7 +391,7 @@ def _host_matched(parts, record: dict, shape_at, cluster):
     """`parts` with the host term scaled so that the simulator reproduces the record's host
     probe (the same layer at a few tokens, timed in the same rounds as the record), or None
     for a record without one."""
-    from moe_engine.simulator import HostScaled, simulate_layer
+    from moe_sim.simulator import HostScaled, simulate_layer
 
     probe_ms = record.get("host_probe_ms")
     if not probe_ms:
@@ -407,8 +407,8 @@ def _record_cluster(meta: dict):
     """The cluster a bench file's records ran in, as a function of the record (its routing),
     or None for records of several real ranks (not simulated here): one GPU, or rank 0 of
     an emulated cluster (docs/emulation.md) with the network, layout and routing it had."""
-    from moe_engine.network import ClusterLayout, hot_expert_load, load_network
-    from moe_engine.simulator import Cluster, single_gpu
+    from moe_sim.network import ClusterLayout, hot_expert_load, load_network
+    from moe_sim.simulator import Cluster, single_gpu
 
     if meta.get("measured_as") == "emulated":
         layout = ClusterLayout(meta["nodes"], meta["gpus_per_node"])
@@ -432,8 +432,8 @@ def emulated_all_to_all_ms(meta: dict, record: dict) -> float | None:
     All-to-Alls of rank 0's rows, split by the record's expert load), or None where that
     cannot be priced. Its ratio to the measured stage is the emulator's dilation: how much
     longer the emulated transfers ran than the model says (docs/emulation.md)."""
-    from moe_engine.emulation import EmulatedCluster
-    from moe_engine.network import ClusterLayout, load_network
+    from moe_sim.emulation import EmulatedCluster
+    from moe_sim.network import ClusterLayout, load_network
 
     load = record.get("expert_load")
     if meta.get("measured_as") != "emulated" or not load:
@@ -488,7 +488,7 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
     whose prediction at measurement time (``predicted_memory_bytes``, written by the
     bench) is today's. A record of an earlier engine keeps its memory error in its row
     but is left out of the memory summary (``memory_model_current`` False)."""
-    from moe_engine.simulator import ENGINES, LayerShape, simulate_layer
+    from moe_sim.simulator import ENGINES, LayerShape, simulate_layer
 
     rows = []
     for path in bench_paths:
@@ -673,7 +673,7 @@ def _write_json(path: str, data: dict) -> None:
 def measure(path: str) -> int:
     import torch
 
-    from moe_engine.parts import measure_parts
+    from moe_sim.parts import measure_parts
 
     if not torch.cuda.is_available():
         print("--measure-parts needs a CUDA GPU: the parts are device and host times of that GPU", file=sys.stderr)
@@ -691,9 +691,9 @@ def measure(path: str) -> int:
 def run(args) -> int:
     if args.measure_parts:
         return measure(args.measure_parts)
-    from moe_engine.parts import GpuParts
+    from moe_sim.parts import GpuParts
 
-    from moe_engine.simulator import HostScaled
+    from moe_sim.simulator import HostScaled
 
     parts = GpuParts.load(args.parts)
     meta = {"command": command_line("simulate"), "date": utc_timestamp(), "parts": args.parts,

@@ -1,4 +1,4 @@
-"""Tiers 1-2: the emulated cluster (moe_engine/emulation.py) on CPU.
+"""Tiers 1-2: the emulated cluster (moe_sim/emulation.py) on CPU.
 
 Its collectives have the shapes of a real W-rank gloo run in which every rank holds the
 same tokens and parameters (so routes the same), compared call by call for W = 2 and 4
@@ -13,8 +13,8 @@ import torch
 from app.cli import main
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
-from moe_engine.emulation import EmulatedCall, EmulatedCluster, fill_from_own_block
-from moe_engine.network import (PRESETS, ClusterLayout, all_to_all_traffic, flat_all_to_all_s,
+from moe_sim.emulation import EmulatedCall, EmulatedCluster, fill_from_own_block
+from moe_sim.network import (PRESETS, ClusterLayout, all_to_all_traffic, flat_all_to_all_s,
                                 hierarchical_all_to_all_s, rank_traffic, small_collective_s, uniform_load)
 from tests.distributed import run_on_ranks
 
@@ -293,7 +293,7 @@ def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
     """`simulate --validate` prices an emulated record in the emulated cluster (its layout,
     network and measured expert load), and the All-to-All stage against the network model."""
     from app.simulate import emulated_all_to_all_ms, validate
-    from moe_engine.parts import GpuParts
+    from moe_sim.parts import GpuParts
 
     out = tmp_path / "bench.json"
     assert main(["bench", "--emulate", "2x2", "--tokens", "256", "--rounds", "1", "--repeats", "1", "--no-grid",

@@ -284,7 +284,7 @@ def test_forward_captured_in_a_cuda_graph_replays_the_eager_output(spec):
 def test_emulated_all_to_all_holds_the_comm_stream_and_leaves_compute_free():
     """On CUDA an emulated asynchronous All-to-All occupies the communication stream for
     the network's time for its bytes, while the compute stream goes on (issue 16)."""
-    from moe_engine.emulation import EmulatedCluster
+    from moe_sim.emulation import EmulatedCluster
     from moe_engine.streams import StreamSet
 
     group = EmulatedCluster.parse("2x4", "dgx-a100").build()

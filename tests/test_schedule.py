@@ -11,6 +11,8 @@ of token ranges (there is no shadowing).
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import torch
 
@@ -82,3 +84,11 @@ def test_schedule_waits_only_for_earlier_operations_and_reuses_two_slots():
 
 def test_recorder_is_off_by_default():
     assert PipelineRun.__dataclass_fields__["recorder"].default is None
+
+
+def test_the_engine_never_imports_the_simulator():
+    code = ("import pkgutil, importlib, sys, moe_engine\n"
+            "for m in pkgutil.iter_modules(moe_engine.__path__): importlib.import_module('moe_engine.' + m.name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'moe_sim'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -19,12 +19,12 @@ import torch
 from app import cli
 from app.simulate import SimulateSettings, section_simulations, validate
 from moe_engine.config import MoEConfig
-from moe_engine.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
+from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
                                 hierarchical_all_to_all_s, hot_expert_load, load_network, rank_load, routing_load,
                                 uniform_load)
-from moe_engine.parts import GpuParts, interpolate
+from moe_sim.parts import GpuParts, interpolate
 from moe_engine.perf_model import HardwareProfile, PerformanceModel
-from moe_engine.simulator import (STRATEGIES, Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts,
+from moe_sim.simulator import (STRATEGIES, Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts,
                                   compare_engines, run_schedule, simulate_layer, simulate_step, single_gpu)
 
 PARTS = "results/sim-parts-h200.json"
@@ -182,7 +182,7 @@ def _calls_per_partition(rank, world_size, cases):
 
 def _counted(cases, several: bool):
     from moe_engine.memory import RestorePolicy
-    from moe_engine.simulator import backward_calls, forward_calls
+    from moe_sim.simulator import backward_calls, forward_calls
 
     out = []
     for activation, bias, strategy in cases:
@@ -508,8 +508,8 @@ def test_host_cost_of_grouped_kernels_does_not_grow_with_the_experts():
 def test_measured_parts_hold_what_the_simulator_reads(monkeypatch):
     """measure_parts' pieces run on CPU (device time replaced by 1 µs per operator call,
     so it is deterministic), and a GpuParts made of them drives every engine."""
-    import moe_engine.parts as parts_module
-    from moe_engine.parts import FFN_PHASES, ffn_key
+    import moe_sim.parts as parts_module
+    from moe_sim.parts import FFN_PHASES, ffn_key
     from tests.test_host_reads import OperatorCalls
 
     def operator_microseconds(fn, device, repeats=5):
@@ -542,7 +542,7 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
     term so that the simulator gives the probe's time at 64 tokens; at the record's own size
     the matched simulation is what the validation reports beside the plain one."""
     from app.simulate import _host_matched
-    from moe_engine.simulator import LayerShape, simulate_layer, single_gpu
+    from moe_sim.simulator import LayerShape, simulate_layer, single_gpu
 
     with open("results/bench-h200.json") as f:
         bench = json.load(f)

@@ -45,11 +45,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .memory import RestorePolicy, predict_memory
+from moe_engine.config import MoEConfig
+from moe_engine.memory import RestorePolicy, predict_memory
+from moe_engine.schedule import COMPUTE, backward_schedule, forward_schedule
+
 from .network import (ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
                       flat_all_to_all_s, hierarchical_all_to_all_s, small_collective_s, uniform_load)
-from .parts import HOST_LAYER
-from .schedule import COMPUTE, backward_schedule, forward_schedule
+from .parts import HOST_LAYER, HostCost, input_grad_share
 
 GPU_STREAMS = ("compute", "comm", "copy")
 STREAMS = ("host",) + GPU_STREAMS
@@ -189,8 +191,6 @@ class ProfileParts:
         self.slowdown = dict(profile.slowdown)
 
     def ffn_s(self, phase, rows, d_model, d_hidden, activation="gelu"):
-        from .parts import input_grad_share
-
         A = (2 if activation == "swiglu" else 1) * d_hidden
         gemm1 = 2 * rows * d_model * A / self.profile.gemm_flops
         forward = gemm1 + 2 * rows * d_hidden * d_model / self.profile.gemm_flops
@@ -212,8 +212,6 @@ class ProfileParts:
         return nbytes / rate
 
     def host_cost(self, engine_key, local_experts=8):
-        from .parts import HostCost
-
         p = self.profile.partition_overhead_s
         return HostCost(0.0, p, 0.0, p, 0.0)
 
@@ -233,8 +231,6 @@ class HostScaled:
         return getattr(self.parts, name)
 
     def host_cost(self, engine_key, local_experts=8):
-        from .parts import HostCost
-
         cost = self.parts.host_cost(engine_key, local_experts)
         return HostCost(*(self.factor * getattr(cost, f) for f in HostCost.__dataclass_fields__))
 
@@ -342,8 +338,6 @@ class LayerShape:
         return 2 * self.d_hidden if self.gated else self.d_hidden
 
     def config(self):
-        from .config import MoEConfig
-
         return MoEConfig(self.d_model, self.d_hidden, self.num_experts, top_k=self.top_k, activation=self.activation,
                          bias=self.bias)
 

@@ -319,7 +319,7 @@ def _grouped_ffn(experts, x, dy, counts, device) -> dict:
     input-gradient part (`Experts.input_grad`; the weight-gradient GEMMs are the rest).
     Each backward starts from empty gradients, as the pipeline's first partition does
     (the simulator adds a later partition's gradient adds itself)."""
-    from .experts import ExpertSegments
+    from moe_engine.experts import ExpertSegments
 
     segments = ExpertSegments.from_counts(list(counts), device)
     A = experts.project_in(x, segments)
@@ -339,7 +339,7 @@ def measure_ffn(config, device, dtype, rows_grid=ROW_GRID) -> dict:
     applies to a rank's experts (`GpuParts.grouped_ffn_s`)."""
     import torch
 
-    from .experts import Experts
+    from moe_engine.experts import Experts
 
     def curve(L, grid, phases):
         experts = Experts(config, L, device=device, dtype=dtype)
@@ -382,8 +382,8 @@ def measure_shell(config, device, dtype, token_grid=TOKEN_GRID) -> dict:
     experts' output rows are a leaf tensor here: what produces them is simulated op by op)."""
     import torch
 
-    from . import dispatcher
-    from .layers import FastMoE
+    from moe_engine import dispatcher
+    from moe_engine.layers import FastMoE
 
     layer = FastMoE(config, None, device=device, dtype=dtype)
     out = {"tokens": list(token_grid), "forward_s": [], "backward_s": []}
@@ -436,8 +436,8 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
 
     import torch
 
-    from .layers import FastMoE, FasterMoE, MPipeMoE
-    from .timing import synchronize
+    from moe_engine.layers import FastMoE, FasterMoE, MPipeMoE
+    from moe_engine.timing import synchronize
 
     x = torch.randn(tokens, config.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
@@ -489,9 +489,9 @@ def spot_check(device, dtype, checks=SPOT_CHECKS) -> list:
     (not used by the simulator)."""
     import torch
 
-    from .config import MoEConfig
-    from .layers import FastMoE, FasterMoE, MPipeMoE
-    from .timing import time_interleaved
+    from moe_engine.config import MoEConfig
+    from moe_engine.layers import FastMoE, FasterMoE, MPipeMoE
+    from moe_engine.timing import time_interleaved
 
     steps = []
     for model, tokens, engine, n, strategy in checks:
@@ -528,9 +528,9 @@ def measure_parts(shapes, device=None, dtype=None, printer=print) -> GpuParts:
     the process."""
     import torch
 
-    from .comm import ExpertGroup
-    from .config import MoEConfig
-    from .perf_model import calibrate, device_name
+    from moe_engine.comm import ExpertGroup
+    from moe_engine.config import MoEConfig
+    from moe_engine.perf_model import calibrate, device_name
 
     device = device or torch.device("cuda")
     dtype = dtype or torch.bfloat16

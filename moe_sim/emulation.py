@@ -42,11 +42,12 @@ from typing import Sequence
 
 import torch
 
-from .comm import ExpertGroup
-from .dispatcher import STATS
+from moe_engine.comm import ExpertGroup
+from moe_engine.dispatcher import STATS
+from moe_engine.streams import Pending, StreamSet
+
 from .network import (ClusterLayout, NetworkProfile, flat_all_to_all_s, hierarchical_all_to_all_s, load_network,
                       rank_traffic, small_collective_s)
-from .streams import Pending, StreamSet
 
 
 @dataclass(frozen=True, kw_only=True)
