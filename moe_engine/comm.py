@@ -3,7 +3,8 @@
 `ExpertGroup` wraps the process group of the expert-parallel ranks. Its
 methods are the collectives the MoE layers need: the token-count exchange,
 All-to-All with uneven splits (blocking or returning a `Pending` handle), and
-a few small agreements (max, sum). With no process group (a single process),
+a few small agreements (max, sum, and `agree`: the
+planner's packed values). With no process group (a single process),
 every collective degenerates to a local copy, so the same layer code runs on
 one CPU process, on gloo ranks and on NCCL ranks.
 
@@ -121,6 +122,16 @@ class ExpertGroup:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Collective. Elementwise sum over ranks."""
         return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def agree(self, values: Sequence[int], device: torch.device) -> list[int]:
+        """Collective (several ranks), with one device read. The elementwise max over ranks
+        of ``values`` (int64; negate a value to agree on its min), packed into one tensor on
+        ``device``, the data's (NCCL rejects CPU tensors). With no process group: ``values``,
+        no tensor, no read. The planner's one agreement per pass (planner.py)."""
+        if not self.distributed:
+            return list(values)
+        packed = torch.tensor(list(values), dtype=torch.int64, device=device)
+        return self.all_reduce_max(packed).tolist()
 
     def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
         if not self.distributed:

@@ -65,3 +65,8 @@ class MoEConfig:
     def gated(self) -> bool:
         """True when the FFN has a second input projection (w3), as SwiGLU does."""
         return self.activation == "swiglu"
+
+    @property
+    def pre_activation_width(self) -> int:
+        """Width of the pre-activation A per row: d_hidden, or 2·d_hidden when gated."""
+        return 2 * self.d_hidden if self.gated else self.d_hidden

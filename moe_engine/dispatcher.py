@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from .comm import ExpertGroup
 from .experts import ExpertSegments
 from .router import Routing, count_ids
 
-STATS = 3  # PassStats fields riding in the count exchange
+STATS = 3  # PassStats fields riding in the count exchange (a planner's values may follow them)
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,15 @@ def tokens_of_partition(tokens: int, partitions: int, i: int) -> int:
 
 
 # -- pass statistics and counts (local) ---------------------------------------------
-def pass_stats(x_TD: torch.Tensor, skew_bucket: torch.Tensor | int) -> torch.Tensor:
-    """Local. [nonfinite, tokens, skew bucket] as int64 on the input's device (fills, no
-    host copies): the values every rank must agree on, sent with the counts."""
+def pass_stats(x_TD: torch.Tensor, skew_bucket: torch.Tensor | int, extra: Sequence[int] = ()) -> torch.Tensor:
+    """Local. [nonfinite, tokens, skew bucket, *extra] as int64 on the input's device (fills,
+    and for `extra`, a planner's values, one non-blocking copy): the values every rank must
+    agree on, sent with the counts."""
     stats = torch.zeros(STATS, dtype=torch.int64, device=x_TD.device)
     stats[0], stats[1], stats[2] = (~torch.isfinite(x_TD)).any(), x_TD.shape[0], skew_bucket
-    return stats
+    if not extra:
+        return stats
+    return torch.cat([stats, torch.tensor(list(extra), dtype=torch.int64).to(x_TD.device, non_blocking=True)])
 
 
 def count_rows(routing: Routing, chunk_P: torch.Tensor, chunks: int, num_experts: int, single: bool
@@ -176,11 +180,12 @@ def _pair_keys(routing: Routing, chunk_P: torch.Tensor, chunks: int, num_experts
 
 def exchange_counts(counts_CE: torch.Tensor, stats: torch.Tensor, group: ExpertGroup) -> torch.Tensor:
     """Collective. Every rank sends each rank its counts for that rank's experts and its
-    pass statistics; returns [W(source), C·L + STATS] (int64, on the counts' device)."""
+    pass statistics (S ≥ STATS int64 values: `PassStats` first, then whatever else the
+    ranks must agree on); returns [W(source), C·L + S] (int64, on the counts' device)."""
     chunks, num_experts = counts_CE.shape
     local = num_experts // group.size
     send_WCL = counts_CE.view(chunks, group.size, local).transpose(0, 1).reshape(group.size, chunks * local)
-    send = torch.cat([send_WCL, stats.expand(group.size, STATS)], dim=1)
+    send = torch.cat([send_WCL, stats.expand(group.size, stats.numel())], dim=1)
     return group.exchange_counts(send)
 
 
@@ -190,23 +195,24 @@ class CountTables:
 
     sent_CE: np.ndarray       # this rank's rows per (chunk, global expert)
     received_WCL: np.ndarray  # rows per (source rank, chunk, local expert)
-    stats_W: np.ndarray       # every rank's pass statistics [W, STATS]
+    stats_W: np.ndarray       # every rank's pass statistics [W, S] (PassStats in the first STATS)
 
     @property
     def stats(self) -> PassStats:
         """The agreed statistics: the maximum over ranks."""
-        top = self.stats_W.max(axis=0)
+        top = self.stats_W[:, :STATS].max(axis=0)
         return PassStats(bool(top[0]), int(top[1]), int(top[2]))
 
 
-def read_counts(counts_CE: torch.Tensor, received: torch.Tensor) -> CountTables:
-    """Local. The one blocking device-to-host read of a pass with several ranks."""
+def read_counts(counts_CE: torch.Tensor, received: torch.Tensor, stats_width: int = STATS) -> CountTables:
+    """Local. The one blocking device-to-host read of a pass with several ranks.
+    stats_width: S, the statistics each rank sent (`exchange_counts`)."""
     chunks, _ = counts_CE.shape
     world = received.shape[0]
     both = torch.cat([counts_CE.flatten(), received.flatten()]).cpu().numpy()
     sent = both[:counts_CE.numel()].reshape(counts_CE.shape)
     table = both[counts_CE.numel():].reshape(world, -1)
-    return CountTables(sent, table[:, :-STATS].reshape(world, chunks, -1), table[:, -STATS:])
+    return CountTables(sent, table[:, :-stats_width].reshape(world, chunks, -1), table[:, -stats_width:])
 
 
 # -- plans (local) --------------------------------------------------------------------

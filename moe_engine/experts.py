@@ -209,7 +209,7 @@ class Experts(nn.Module):
 
     @property
     def pre_activation_width(self) -> int:
-        return 2 * self.config.d_hidden if self.config.gated else self.config.d_hidden
+        return self.config.pre_activation_width
 
     # -- forward ------------------------------------------------------------------------------
     def project_in(self, x_ND: torch.Tensor, seg: ExpertSegments) -> PreActivation:

@@ -95,7 +95,8 @@ def skew_bucket(expert_load: torch.Tensor) -> torch.Tensor:
 
 
 class GranularitySearch:
-    """Chooses n for each pass of one MPipeMoE layer. Call `choose` once per forward."""
+    """Chooses n for each pass of one MPipeMoE layer. Call `choose` (or, with the timings
+    agreed elsewhere, `decide`) once per forward."""
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
                  recheck_every: int = 100, tolerance: float = 0.05, skew_shift: int = 2,
@@ -120,15 +121,25 @@ class GranularitySearch:
     def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool,
                min_partitions: int = 1) -> int:
         """n for a pass over `tokens` tokens (the same on every rank: tokens and skew are
-        agreed beforehand, and the decisions below only use agreed values).
+        agreed beforehand). Collective when the search needs the ranks' timings
+        (`timing_agreement_due`): all ranks call it together. A layer agrees on the timings
+        in its count exchange instead and calls `decide` (planner.py)."""
+        seconds = self.agreed_seconds(group) if self.timing_agreement_due() else None
+        return self.decide(tokens, skew, seconds, timing_wanted, min_partitions)
+
+    def decide(self, tokens: int, skew: int, agreed_seconds: dict[int, float] | None, timing_wanted: bool,
+               min_partitions: int = 1) -> int:
+        """Local. n for a pass over `tokens` tokens from agreed values only: tokens and skew
+        (the max over ranks), and, when `timing_agreement_due` said so before this call, the
+        slowest rank's mean seconds per candidate (`agreed_seconds`; None otherwise).
 
         min_partitions: the smallest n allowed (e.g. the fewest partitions that fit a
         memory budget); cached choices below it are ignored and not searched."""
         self._floor = min(min_partitions, self.candidates[-1])
         if self.active is not None and self.active.tokens == tokens and timing_wanted:
-            self._maybe_cut_short(group)
+            self._maybe_cut_short(agreed_seconds)
         if self.active is not None and self.active.finished:
-            self._finish(group)
+            self._finish(agreed_seconds)
         if self.active is not None and (self.active.tokens != tokens or not timing_wanted):
             self._decide("search abandoned", self.active.tokens, None, reason="token count changed or no backward")
             self.active = None
@@ -138,6 +149,40 @@ class GranularitySearch:
             return self.active.current()
         entry = self._lookup(tokens)
         return entry.partitions if entry is not None else self._allowed(self.candidates)[0]
+
+    def timing_agreement_due(self) -> bool:
+        """Local, from the search's state (the same on every rank). Whether `decide` may
+        compare the candidates' times this pass: at the end of the search, or at the start
+        of a candidate where it may cut the search short."""
+        search = self.active
+        if search is None:
+            return False
+        if search.finished:
+            return True
+        timed = search.call // search.calls_per_candidate
+        return (self.give_up_slower is not None and search.call % search.calls_per_candidate == 0
+                and 2 <= timed < len(search.candidates) and timed != search.checked_after)
+
+    def local_seconds(self) -> list[float]:
+        """Local. This rank's mean seconds per candidate (in `candidates` order) of the
+        active search; inf where nothing was timed to its end."""
+        samples = self.active.samples if self.active is not None else {}
+        means = []
+        for n in self.candidates:
+            seconds = [t.seconds() for t in samples.get(n, [])]
+            seconds = [s for s in seconds if s is not None]
+            means.append(sum(seconds) / len(seconds) if seconds else math.inf)
+        return means
+
+    def agreed_seconds(self, group: ExpertGroup) -> dict[int, float]:
+        """Collective. The slowest rank's `local_seconds` per candidate n. The all-reduce
+        runs on the timed passes' device (NCCL rejects CPU tensors)."""
+        search = self.active
+        if search is None or search.device is None:  # the search only advances in timing_for_pass
+            raise RuntimeError("the granularity search has no timed passes to agree on: call "
+                               "timing_for_pass(n, device) for each pass after choose")
+        means = torch.tensor(self.local_seconds(), dtype=torch.float64, device=search.device)
+        return dict(zip(self.candidates, group.all_reduce_max(means).tolist()))
 
     def _allowed(self, candidates: list[int]) -> list[int]:
         floor = self._floor
@@ -214,20 +259,13 @@ class GranularitySearch:
         self._decide("search started", tokens, None, reason=reason, candidates=list(candidates))
 
     @staticmethod
-    def _agreed_means(search: ActiveSearch, candidates: list[int], group: ExpertGroup) -> list[float]:
-        """Collective. Mean seconds per candidate, slowest rank's; inf where nothing was timed.
-        The all-reduce runs on the timed passes' device (NCCL rejects CPU tensors)."""
-        if search.device is None:  # unreachable from choose: the search only advances in timing_for_pass
-            raise RuntimeError(f"granularity search for {search.tokens} tokens has no device: call "
-                               f"timing_for_pass(n, device) for each pass after choose")
-        means = []
-        for n in candidates:
-            seconds = [t.seconds() for t in search.samples.get(n, [])]
-            seconds = [s for s in seconds if s is not None]
-            means.append(sum(seconds) / len(seconds) if seconds else math.inf)
-        return group.all_reduce_max(torch.tensor(means, dtype=torch.float64, device=search.device)).tolist()
+    def _times(agreed_seconds: dict[int, float] | None, candidates: list[int]) -> list[float]:
+        if agreed_seconds is None:
+            raise RuntimeError("the granularity search needs the ranks' agreed timings this pass: pass "
+                               "agreed_seconds to decide when timing_agreement_due() is true")
+        return [agreed_seconds[n] for n in candidates]
 
-    def _maybe_cut_short(self, group: ExpertGroup) -> None:
+    def _maybe_cut_short(self, agreed_seconds: dict[int, float] | None) -> None:
         """At the start of a candidate (the same pass on every rank): stop timing larger n
         when the last one timed got slower and is `give_up_slower` behind the fastest."""
         search = self.active
@@ -236,7 +274,7 @@ class GranularitySearch:
                 or timed >= len(search.candidates) or timed == search.checked_after:
             return
         search.checked_after = timed
-        times = self._agreed_means(search, search.candidates[:timed], group)
+        times = self._times(agreed_seconds, search.candidates[:timed])
         if math.inf in times:  # a pass not yet timed to its end (e.g. micro-batches): no verdict
             return
         fastest = min(times)
@@ -248,9 +286,9 @@ class GranularitySearch:
                                 f"fastest and slower than n={search.candidates[-2]}: larger n not timed",
                          skipped=skipped, times=dict(zip(search.candidates, times)))
 
-    def _finish(self, group: ExpertGroup) -> None:
+    def _finish(self, agreed_seconds: dict[int, float] | None) -> None:
         search, self.active = self.active, None
-        agreed = self._agreed_means(search, search.candidates, group)
+        agreed = self._times(agreed_seconds, search.candidates)
         times = {n: t for n, t in zip(search.candidates, agreed)}
         # More partitions mean smaller shared buffers: among the n within `tolerance`
         # of the fastest, take the largest (memory saved at a bounded time cost).

@@ -7,14 +7,16 @@ how step 2 cuts the routed rows into partitions and what step 3 keeps for backwa
 so a measured difference between them is the method's, not the implementation's:
 
     1. route       softmax top-k gate, capacity, load-balance loss          (local)
-    2. plan        partition rows, exchange counts + pass statistics        (local + one collective)
+    2. plan        partition rows, exchange counts + agreed values, the      (local + one collective)
+                   planner's n and strategy on them (planner.py)
     3. experts     dispatch → expert FFN → combine, pipelined per partition  (pipeline.py)
     4. un-permute  weight each row by its gate and sum per token            (local)
 
 FastMoE: one partition, keeps everything autograd would (T_DI, A and act(A)).
 FasterMoE: partitions along the destination ranks, keeps everything.
 MPipeMoE: partitions along the tokens (n chosen online), shares buffers and restores
-them by a strategy S1–S4 (chosen by the performance model).
+them by a strategy S1–S4 (chosen by the performance model). The layers only execute:
+the tuning policy is each layer's `Planner`.
 
 Host reads: with several ranks a pass reads the device once (the count tables and the
 pass statistics, together); with one rank never (dispatcher.py says how).
@@ -24,26 +26,23 @@ E experts, C count chunks, R rows sent.
 """
 from __future__ import annotations
 
-import logging
-import math
-
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import dispatcher
 from .comm import ExpertGroup
-from .config import STRATEGIES, MoEConfig
-from .dispatcher import DispatchPlan, PassStats
+from .config import MoEConfig
+from .dispatcher import STATS, DispatchPlan, PassStats
 from .experts import Experts
-from .memory import HostBufferPool, RestorePolicy, predict_memory
+from .granularity import GranularitySearch, skew_bucket
+from .memory import HostBufferPool, RestorePolicy
+from .perf_model import HardwareProfile, ProfileCache
 from .pipeline import PipelinedExperts, PipelineRun
-from .granularity import GranularitySearch, PassTiming, skew_bucket
-from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
+from .planner import Planner, PassPlan
 from .router import Router, Routing
 from .streams import StreamSet
-
-log = logging.getLogger(__name__)
 
 
 class NonFiniteInputError(ValueError):
@@ -66,6 +65,7 @@ class MoELayerBase(nn.Module):
         self.router = Router(config, device=device, dtype=dtype)
         self.experts = Experts(config, self.local_experts, device=device, dtype=dtype)
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
+        self.planner = Planner(config, self.group, host_pool=self.host_pool)  # one partition, keep everything
         self._streams: dict[torch.device, StreamSet] = {}
 
     def streams_for(self, device: torch.device) -> StreamSet:
@@ -90,56 +90,47 @@ class MoELayerBase(nn.Module):
                             f"{self.router.weight.dtype}; call layer.to({x.dtype}) or cast x")
         return x.reshape(-1, x.shape[-1])
 
-    # -- step 2: plan (engine hooks) -------------------------------------------------------------
-    def _count_chunks(self) -> int:
-        """Chunks the counts are exchanged in: a multiple of every n this pass may use."""
-        return 1
-
+    # -- step 2: plan ------------------------------------------------------------------------------
     def _chunk_pairs(self, routing: Routing, chunks: int) -> torch.Tensor:
         """Local. Chunk of each (token, choice) pair."""
         return torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
 
-    def _partitions(self, stats: PassStats) -> int:
-        """n for this pass, from agreed values only (it decides which collectives run)."""
-        return 1
-
-    def _wants_skew(self) -> bool:
-        return False
-
-    def plan(self, x_TD: torch.Tensor, routing: Routing) -> DispatchPlan:
+    def plan(self, x_TD: torch.Tensor, routing: Routing) -> tuple[DispatchPlan, PassPlan]:
         """Step 2. With one rank: local, no device reads. With several: count rows (local),
-        exchange counts with every rank's pass statistics (one collective), read both
-        (the pass's one device read), raise together on NaN/Inf, choose n, plan (local)."""
-        E = self.config.num_experts
+        exchange counts with every rank's pass statistics and planner values (one
+        collective), read both (the pass's one device read), raise together on NaN/Inf,
+        then the planner decides on the agreed values (planner.py) and the rows are planned
+        (local). An offloading strategy's host check may add the planner's one agreement."""
+        E, planner = self.config.num_experts, self.planner
+        values = planner.local_values(x_TD.device, x_TD.dtype)
         if not self.group.distributed:
-            stats = PassStats(False, x_TD.shape[0], 0)
-            n = self._partitions(stats)
-            return dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, stats)
-        chunks = self._count_chunks()
+            agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
+                                   x_TD.device, x_TD.dtype)
+            pass_plan = planner.decide(agreed)
+            n = pass_plan.partitions
+            plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
+            return plan, planner.check_host_memory(pass_plan, plan, agreed)
+        chunks = planner.count_chunks
         chunk_P = self._chunk_pairs(routing, chunks)
         counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
-        skew = skew_bucket(counts_CE.sum(0)) if self._wants_skew() else 0
-        stats = dispatcher.pass_stats(x_TD, skew)
-        tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group))
-        agreed = tables.stats
-        if agreed.nonfinite:
+        skew = skew_bucket(counts_CE.sum(0)) if planner.wants_skew else 0
+        stats = dispatcher.pass_stats(x_TD, skew, values)
+        tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group),
+                                        STATS + len(values))
+        if tables.stats.nonfinite:
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
-        return dispatcher.plan_exchanged(routing, chunk_P, self._partitions(agreed), tables, self.group)
+        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, x_TD.dtype)
+        pass_plan = planner.decide(agreed)
+        plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
+        return plan, planner.check_host_memory(pass_plan, plan, agreed)
 
     # -- step 3: experts ---------------------------------------------------------------------
-    def _strategy_for(self, x_TD: torch.Tensor, plan: DispatchPlan) -> str:
-        return "none"
-
-    def _pass_timing(self, device: torch.device) -> PassTiming | None:
-        return None
-
-    def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """Rows in send order (R × D) after dispatch → experts → combine. Any choice that
-        changes which collectives run depends on agreed values only (plan.stats), never
-        on this rank's token count, or ranks with different batches would hang."""
-        self.last_strategy = self._strategy_for(x_TD, plan)
+    def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:
+        """Rows in send order (R × D) after dispatch → experts → combine, with the planner's
+        n and strategy (decided on agreed values only: they decide which collectives run)."""
+        self.last_strategy = pass_plan.strategy
         experts, out_dtype = self.experts, x_TD.dtype
         device_type = x_TD.device.type
         if torch.is_autocast_enabled(device_type):
@@ -150,8 +141,9 @@ class MoELayerBase(nn.Module):
             experts = experts.cast(compute)
             x_TD = x_TD.to(compute)
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
-                          RestorePolicy.of(self.last_strategy), self.host_pool,
-                          timing=self._pass_timing(x_TD.device) if torch.is_grad_enabled() else None,
+                          RestorePolicy.of(pass_plan.strategy), self.host_pool,
+                          timing=self.planner.timing_for_pass(pass_plan, x_TD.device)
+                          if torch.is_grad_enabled() else None,
                           keep_activation=self.keep_activation)
         e = experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
@@ -159,8 +151,8 @@ class MoELayerBase(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)
         routing = self.router(x_TD)                                                    # 1. route
-        plan = self.plan(x_TD, routing)                                                # 2. plan
-        y_RD = self._run_experts(x_TD, plan)                                           # 3. experts
+        plan, pass_plan = self.plan(x_TD, routing)                                     # 2. plan
+        y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts
         y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
@@ -182,31 +174,28 @@ class FasterMoE(MoELayerBase):
     and overlaps that exchange with the previous step's experts. No memory reuse."""
 
     def __init__(self, config, group=None, *, group_size: int = 4, device=None, dtype=None):
-        super().__init__(config, group, device=device, dtype=dtype)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} is invalid: give a positive integer "
                              f"(peers per exchange step; FasterMoE uses 4)")
+        super().__init__(config, group, device=device, dtype=dtype)
         self.group_size = min(group_size, self.group.size)
+        self.planner = Planner(config, self.group, partitions=self.steps, host_pool=self.host_pool)
 
     @property
     def steps(self) -> int:
         return -(-self.group.size // self.group_size)
 
-    def _count_chunks(self):
-        return self.steps
-
     def _chunk_pairs(self, routing, chunks):
         return dispatcher.chunk_by_peers(routing.expert_ids_TK, self.local_experts,
                                          self.group.rank, self.group.size, self.group_size)
-
-    def _partitions(self, stats):
-        return self.steps
 
 
 class MPipeMoE(MoELayerBase):
     """MPipeMoE: the batch's tokens are split into n partitions; partition i+1's
     All-to-All overlaps partition i's experts; T_DI / A / T_DO share one-partition
     buffers and backward restores them by the strategy S1–S4 ("none" keeps all).
+    Its tuning policy (the search, the strategy choice, the host check) is its
+    `planner` (planner.py); the layer executes the planner's plan.
 
     partitions:    "auto" (online search, granularity.py) or an int ≥ 1.
     strategy:      "auto" (performance model, perf_model.py), "none", "S1", "S2", "S3" or "S4".
@@ -227,108 +216,22 @@ class MPipeMoE(MoELayerBase):
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
                  device=None, dtype=None):
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
-        if partitions != "auto" and (isinstance(partitions, bool) or not isinstance(partitions, int)
-                                     or partitions < 1):
-            raise ValueError(f"partitions={partitions!r} is invalid: give 'auto' or an integer >= 1")
-        if strategy != "auto" and strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is invalid: give 'auto' or one of {', '.join(STRATEGIES)}")
-        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-            raise ValueError(f"memory_budget={memory_budget!r} is invalid: give a positive number of bytes or None")
-        self.partitions = partitions
-        self.strategy = strategy
-        self.profile = profile if profile is not None else ProfileCache()
-        self.memory_budget = memory_budget
-        self.search = search if search is not None else GranularitySearch()
+        self.planner = Planner(config, self.group, partitions, strategy, profile=profile,
+                               memory_budget=memory_budget, search=search, host_pool=self.host_pool)
+        self.partitions, self.strategy, self.memory_budget = partitions, strategy, memory_budget
+        self.profile, self.search = self.planner.profile, self.planner.search
         self.last_partitions: int | None = None
         self.last_strategy: str | None = None
-        self.host_fallback_reason: str | None = None  # why the last check chose S4 over an offload
-        self._host_check: tuple | None = None         # (pass shape, fell back) of the last host check
-
-    def _count_chunks(self):
-        """n when fixed; with the online search, a multiple of every candidate n (n is
-        chosen only once the pass statistics arrive with the counts)."""
-        if self.partitions != "auto":
-            return self.partitions
-        return math.lcm(*self.search.candidates)
 
     def _chunk_pairs(self, routing, chunks):
         tokens = routing.expert_ids_TK.shape[0]
         return dispatcher.chunk_by_tokens(tokens, self.config.top_k, chunks, routing.expert_ids_TK.device)
 
-    def _wants_skew(self):
-        return self.partitions == "auto"
+    def _run_experts(self, x_TD, plan, pass_plan):
+        self.last_partitions = pass_plan.partitions
+        return super()._run_experts(x_TD, plan, pass_plan)
 
-    def _partitions(self, stats):
-        if self.partitions == "auto":
-            n = self.search.choose(stats.max_tokens, stats.skew_bucket, self.group,
-                                   timing_wanted=torch.is_grad_enabled(),
-                                   min_partitions=self._fewest_partitions_within_budget(stats.max_tokens))
-        else:
-            n = self.partitions
-        self.last_partitions = n
-        return n
-
-    def _fewest_partitions_within_budget(self, tokens: int) -> int:
-        """With a memory budget, the smallest candidate n whose leanest strategy fits
-        (the memory model shrinks as n grows); 1 without a budget."""
-        if self.memory_budget is None:
-            return 1
-        param_dtype = self.router.weight.dtype
-        for n in self.search.candidates:
-            leanest = min(predict_memory(self.config, tokens, self.group.size, n, s, dtype=param_dtype).peak_bytes
-                          for s in STRATEGIES)
-            if leanest <= self.memory_budget:
-                return n
-        return self.search.candidates[-1]
-
-    def _pass_timing(self, device):
-        return self.search.timing_for_pass(self.last_partitions, device) if self.partitions == "auto" else None
-
-    def performance_model(self, x_TD: torch.Tensor, tokens: int | None = None) -> PerformanceModel:
-        """The model over this layer's profile (from the shared cache, or measured now
-        on every rank when the cache has none). ``tokens``: the token count to measure
-        with, the same on every rank (default: this rank's)."""
-        profile = self.profile
-        if isinstance(profile, ProfileCache):
-            tokens = x_TD.shape[0] if tokens is None else tokens
-            profile = profile.get_or_measure(self.config, max(tokens, 1), self.group, x_TD.device, x_TD.dtype)
-        return PerformanceModel(profile)
-
-    def _strategy_for(self, x_TD, plan):
-        """The strategy of this pass: the same on every rank (it decides whether backward
-        runs re-communication All-to-Alls), so it is chosen from agreed values only."""
-        strategy = self.strategy
-        if strategy == "auto":
-            model = self.performance_model(x_TD, plan.stats.max_tokens)
-            strategy = model.choose(self.config, plan.stats.max_tokens, self.group.size, x_TD.dtype,
-                                    [len(plan.partitions)], SHARED_STRATEGIES, self.memory_budget).strategy
-        if torch.is_grad_enabled() and RestorePolicy.of(strategy).offloads:
-            strategy = self._host_memory_fallback(strategy, x_TD, plan)
-        return strategy
-
-    def _host_memory_fallback(self, strategy: str, x_TD: torch.Tensor, plan: DispatchPlan) -> str:
-        """``strategy``, or S4 (no host memory) on every rank when the host buffers of this
-        pass do not fit on some rank. One collective (a max over ranks), run only when the
-        agreed pass shape (tokens, skew, n, strategy) differs from the last one checked."""
-        agreed = plan.stats
-        key = (agreed.max_tokens, agreed.skew_bucket, len(plan.partitions), strategy)
-        if self._host_check is not None and self._host_check[0] == key:
-            return "S4" if self._host_check[1] else strategy
-        policy = RestorePolicy.of(strategy)
-        widths = [self.config.d_model] * policy.offload_input + \
-            [self.experts.pre_activation_width] * policy.offload_preactivation
-        requests = [(p.rows_received * w, x_TD.dtype) for p in plan.partitions for w in widths]
-        grow = self.host_pool.bytes_to_grow(requests)
-        usable = self.host_pool.usable_bytes() if grow else 0
-        short_local = torch.tensor([int(grow > usable)], dtype=torch.int64, device=x_TD.device)
-        short = bool(self.group.all_reduce_max(short_local).item())
-        self._host_check = (key, short)
-        if short:
-            where = (f"needs {grow:,} more bytes of host memory, {usable:,} usable" if grow > usable
-                     else "does not fit on another rank")
-            self.host_fallback_reason = (f"{strategy} for {agreed.max_tokens} tokens, n={len(plan.partitions)} "
-                                         f"{where}: using S4 (re-communication + recomputation) instead")
-            log.warning("MPipeMoE: %s", self.host_fallback_reason)
-            return "S4"
-        self.host_fallback_reason = None
-        return strategy
+    @property
+    def host_fallback_reason(self) -> str | None:
+        """Why the last host-memory check chose S4 over an offload (None: it fitted)."""
+        return self.planner.host_fallback_reason

@@ -114,6 +114,8 @@ class ProfileCache:
 
     `get_or_measure` is a collective: all ranks call it together and either all read
     the stored profile or all calibrate (a rank missing the file makes every rank measure).
+    A caller that agrees on "missing" itself (the planner, in its count exchange) asks
+    `held` (local) on each rank and `agreed` with the agreed flag.
     """
 
     def __init__(self, store: ProfileStore | None = None):
@@ -123,19 +125,36 @@ class ProfileCache:
 
     def get_or_measure(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
                        dtype: torch.dtype) -> HardwareProfile:
-        key = profile_key(device_name(device), str(dtype).replace("torch.", ""), group.size)
+        if self._key(group.size, device, dtype) in self.profiles:
+            return self.profiles[self._key(group.size, device, dtype)]
+        missing = torch.tensor([int(self.held(group.size, device, dtype) is None)], dtype=torch.int64,
+                               device=device if group.distributed and device.type == "cuda" else "cpu")
+        return self.agreed(config, tokens, group, device, dtype, bool(group.all_reduce_max(missing).item()))
+
+    @staticmethod
+    def _key(world_size: int, device: torch.device, dtype: torch.dtype) -> str:
+        return profile_key(device_name(device), str(dtype).replace("torch.", ""), world_size)
+
+    def held(self, world_size: int, device: torch.device, dtype: torch.dtype) -> HardwareProfile | None:
+        """Local. The profile for this key in memory or in the store; None when it must be measured."""
+        key = self._key(world_size, device, dtype)
         if key in self.profiles:
             return self.profiles[key]
-        stored = self.store.get(key) if self.store is not None else None
-        missing = torch.tensor([int(stored is None)], dtype=torch.int64,
-                               device=device if group.distributed and device.type == "cuda" else "cpu")
-        if int(group.all_reduce_max(missing).item()) or stored is None:
-            stored = calibrate(config, tokens, group, device, dtype)
+        return self.store.get(key) if self.store is not None else None
+
+    def agreed(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
+               dtype: torch.dtype, missing_on_some_rank: bool) -> HardwareProfile:
+        """The profile for this key, measured now when `missing_on_some_rank` (a value all
+        ranks agreed on: then every rank calibrates, a collective) or else `held`."""
+        key = self._key(group.size, device, dtype)
+        profile = None if missing_on_some_rank else self.held(group.size, device, dtype)
+        if profile is None:
+            profile = calibrate(config, tokens, group, device, dtype)
             self.measurements += 1
             if self.store is not None:
-                self.store.put(stored)
-        self.profiles[key] = stored
-        return stored
+                self.store.put(profile)
+        self.profiles[key] = profile
+        return profile
 
 
 # -- calibration (collectives: every rank of the group must call it together) -----------

@@ -1,0 +1,225 @@
+"""The tuning policy of an MoE layer: a `Planner` turns a pass's agreed values into a `PassPlan`.
+
+Every choice that decides which collectives a pass runs (the partition count n, the restore
+strategy, the fall-back to S4 when host memory is short) must be the same on every rank, or
+ranks with different batches would wait in mismatched collectives. So the planner's decisions
+take agreed values and nothing else (`decide`, `decide_host`); the per-rank values they come
+from only reach them through an agreement. A pass, with the layer's steps (layers.py):
+
+  1. `local_values`   Local. This rank's values besides the pass statistics: whether it holds
+                      the hardware profile (strategy "auto"), and the search's mean seconds per
+                      candidate when the search compares them this pass (partitions "auto").
+  2. the values ride in the count exchange with the pass statistics (NaN/Inf, the token count,
+     the routing skew; dispatcher.exchange_counts, the collective dispatch needs anyway), so
+     agreeing on them costs no collective and no device read of its own; `agree` takes the
+     max over the ranks' rows (Local, on the host).
+  3. `decide`         n from the online search (granularity.py), the strategy from the
+                      performance model (perf_model.py). Collective only when the agreed values
+                      say some rank lacks the hardware profile: then every rank measures it.
+  4. `check_host_memory`  An offloading strategy's host buffers follow the rows this rank
+                      receives, known only after the count exchange: whether they fit on every
+                      rank is the pass's one agreement collective (`ExpertGroup.agree`, the min
+                      headroom over ranks), run when the agreed pass shape changes;
+                      `decide_host` keeps the strategy or falls back to S4.
+
+The search's timings are floats riding in an int64 exchange: a non-negative float64 orders
+like its int64 bit pattern, so the max over ranks of the bits is the bits of the max.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .comm import ExpertGroup
+from .config import STRATEGIES, MoEConfig
+from .dispatcher import DispatchPlan, PassStats
+from .granularity import GranularitySearch, PassTiming
+from .memory import HostBufferPool, RestorePolicy, predict_memory
+from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgreedValues:
+    """The values of one pass that every rank holds alike: the max over ranks of each rank's
+    values, and the pass's context (the same on every rank by construction)."""
+
+    stats: PassStats                          # NaN/Inf anywhere, the largest token count, the routing skew
+    profile_missing: bool                     # some rank holds no hardware profile: every rank measures it
+    search_seconds: dict[int, float] | None   # slowest rank's mean seconds per candidate n; None: not compared
+    backward: bool                            # the pass records for backward (grad enabled)
+    device: torch.device                      # the pass's data device (agreements run there)
+    dtype: torch.dtype                        # the pass's data dtype (the layer's)
+
+
+@dataclass(frozen=True)
+class AgreedHeadroom:
+    """Host memory left after this pass's offload buffers on the tightest rank (bytes; < 0:
+    some rank is short)."""
+
+    min_bytes: int
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """What a pass runs: n partitions, the restore strategy, and whether the host check moved
+    it from an offload to S4."""
+
+    partitions: int
+    strategy: str
+    host_fallback: bool = False
+
+
+class Planner:
+    """The tuning policy of one MoE layer (see the module docstring).
+
+    partitions:    "auto" (online search) or an int >= 1.
+    strategy:      "auto" (performance model), "none", "S1", "S2", "S3" or "S4".
+    profile:       a HardwareProfile, or a ProfileCache (default: one of this planner's own).
+    memory_budget: bytes the layer's activations may use (None: no budget).
+    search:        the GranularitySearch for partitions="auto" (default: GranularitySearch()).
+    host_pool:     the pool offloads take host buffers from (its headroom is checked).
+    """
+
+    def __init__(self, config: MoEConfig, group: ExpertGroup, partitions: int | str = 1, strategy: str = "none", *,
+                 profile: HardwareProfile | ProfileCache | None = None, memory_budget: int | None = None,
+                 search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None):
+        if partitions != "auto" and (isinstance(partitions, bool) or not isinstance(partitions, int)
+                                     or partitions < 1):
+            raise ValueError(f"partitions={partitions!r} is invalid: give 'auto' or an integer >= 1")
+        if strategy != "auto" and strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is invalid: give 'auto' or one of {', '.join(STRATEGIES)}")
+        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+            raise ValueError(f"memory_budget={memory_budget!r} is invalid: give a positive number of bytes or None")
+        self.config, self.group = config, group
+        self.partitions, self.strategy = partitions, strategy
+        self.profile = profile if profile is not None else ProfileCache()
+        self.memory_budget = memory_budget
+        self.search = search if search is not None else GranularitySearch()
+        self.host_pool = host_pool if host_pool is not None else HostBufferPool()
+        self.host_fallback_reason: str | None = None  # why the last host check chose S4 over an offload
+        self._host_check: tuple | None = None         # (pass shape, AgreedHeadroom) of the last host check
+
+    @property
+    def count_chunks(self) -> int:
+        """Chunks the counts are exchanged in: n when fixed; with the online search, a
+        multiple of every candidate n (n is chosen only once the agreed values arrive)."""
+        return self.partitions if self.partitions != "auto" else math.lcm(*self.search.candidates)
+
+    @property
+    def wants_skew(self) -> bool:
+        """Whether the decision reads the routing skew (the search re-runs when it shifts)."""
+        return self.partitions == "auto"
+
+    # -- 1. this rank's values (local) -----------------------------------------------------------
+    def local_values(self, device: torch.device, dtype: torch.dtype) -> list[int]:
+        """Local. This rank's values for the agreement, as int64s: [profile missing] with
+        strategy "auto", then the search's seconds per candidate (float64 bits) with
+        partitions "auto". The same length on every rank."""
+        values = []
+        if self.strategy == "auto":
+            values.append(int(isinstance(self.profile, ProfileCache)
+                              and self.profile.held(self.group.size, device, dtype) is None))
+        if self.partitions == "auto":
+            due = self.search.timing_agreement_due()
+            seconds = self.search.local_seconds() if due else [0.0] * len(self.search.candidates)
+            values += np.asarray(seconds, dtype=np.float64).view(np.int64).tolist()
+        return values
+
+    # -- 2. agreement (local: the rows rode in the count exchange) ------------------------------------
+    def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype
+              ) -> AgreedValues:
+        """Local. The agreed values from the pass statistics (already the max over ranks) and
+        every rank's `local_values` (rows of values_W, one per rank)."""
+        top = values_W.max(axis=0) if values_W.size else values_W.reshape(-1)
+        profile_missing = False
+        if self.strategy == "auto":
+            profile_missing, top = bool(top[0]), top[1:]
+        search_seconds = None
+        if self.partitions == "auto" and self.search.timing_agreement_due():
+            search_seconds = dict(zip(self.search.candidates, top.astype(np.int64).view(np.float64).tolist()))
+        return AgreedValues(stats, profile_missing, search_seconds, torch.is_grad_enabled(),
+                            torch.device(device), dtype)
+
+    # -- 3. the decision (agreed values only) -----------------------------------------------------
+    def decide(self, agreed: AgreedValues) -> PassPlan:
+        """n and the strategy of this pass, from agreed values only. Collective when
+        ``agreed.profile_missing``: every rank measures the hardware profile."""
+        tokens = agreed.stats.max_tokens
+        if self.partitions == "auto":
+            n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
+                                   min_partitions=self._fewest_partitions_within_budget(tokens, agreed.dtype))
+        else:
+            n = self.partitions
+        strategy = self.strategy
+        if strategy == "auto":
+            model = PerformanceModel(self._profile(agreed))
+            strategy = model.choose(self.config, tokens, self.group.size, agreed.dtype, [n], SHARED_STRATEGIES,
+                                    self.memory_budget).strategy
+        return PassPlan(n, strategy)
+
+    def _profile(self, agreed: AgreedValues) -> HardwareProfile:
+        if not isinstance(self.profile, ProfileCache):
+            return self.profile
+        return self.profile.agreed(self.config, max(agreed.stats.max_tokens, 1), self.group, agreed.device,
+                                   agreed.dtype, agreed.profile_missing)
+
+    def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype) -> int:
+        """With a memory budget, the smallest candidate n whose leanest strategy fits
+        (the memory model shrinks as n grows); 1 without a budget."""
+        if self.memory_budget is None:
+            return 1
+        for n in self.search.candidates:
+            leanest = min(predict_memory(self.config, tokens, self.group.size, n, s, dtype=dtype).peak_bytes
+                          for s in STRATEGIES)
+            if leanest <= self.memory_budget:
+                return n
+        return self.search.candidates[-1]
+
+    def timing_for_pass(self, plan: PassPlan, device: torch.device) -> PassTiming | None:
+        """Local. The stopwatches of a pass the search measures (None: not measured)."""
+        return self.search.timing_for_pass(plan.partitions, device) if self.partitions == "auto" else None
+
+    # -- 4. host memory (one agreement collective, when the pass shape changes) --------------------
+    def check_host_memory(self, plan: PassPlan, dispatch: DispatchPlan, agreed: AgreedValues) -> PassPlan:
+        """``plan``, or S4 (no host memory) on every rank when the host buffers of an offloading
+        pass do not fit on some rank. Collective (`ExpertGroup.agree`) when the agreed pass
+        shape (tokens, skew, n, strategy) differs from the last one checked; else local."""
+        if not (agreed.backward and RestorePolicy.of(plan.strategy).offloads):
+            return plan
+        key = (agreed.stats.max_tokens, agreed.stats.skew_bucket, plan.partitions, plan.strategy)
+        if self._host_check is not None and self._host_check[0] == key:
+            return self.decide_host(plan, self._host_check[1])
+        grow, usable = self._host_need(plan.strategy, dispatch, agreed.dtype)
+        headroom = AgreedHeadroom(-self.group.agree([grow - usable], agreed.device)[0])
+        self._host_check = (key, headroom)
+        checked = self.decide_host(plan, headroom)
+        if checked.host_fallback:
+            where = (f"needs {grow:,} more bytes of host memory, {usable:,} usable" if grow > usable
+                     else "does not fit on another rank")
+            self.host_fallback_reason = (f"{plan.strategy} for {agreed.stats.max_tokens} tokens, n={plan.partitions} "
+                                         f"{where}: using S4 (re-communication + recomputation) instead")
+            log.warning("MPipeMoE: %s", self.host_fallback_reason)
+        else:
+            self.host_fallback_reason = None
+        return checked
+
+    @staticmethod
+    def decide_host(plan: PassPlan, headroom: AgreedHeadroom) -> PassPlan:
+        """Local. ``plan`` when its host buffers fit on every rank, else S4 (from agreed values only)."""
+        return replace(plan, strategy="S4", host_fallback=True) if headroom.min_bytes < 0 else plan
+
+    def _host_need(self, strategy: str, dispatch: DispatchPlan, dtype: torch.dtype) -> tuple[int, int]:
+        """Local. (bytes the pool would grow by for this pass's offloads, bytes it may take);
+        the host memory is asked only when the pool must grow."""
+        policy = RestorePolicy.of(strategy)
+        widths = [self.config.d_model] * policy.offload_input + \
+            [self.config.pre_activation_width] * policy.offload_preactivation
+        requests = [(p.rows_received * w, dtype) for p in dispatch.partitions for w in widths]
+        grow = self.host_pool.bytes_to_grow(requests)
+        return grow, (self.host_pool.usable_bytes() if grow else 0)
