@@ -3,10 +3,10 @@
 `ExpertGroup` wraps the process group of the expert-parallel ranks. Its
 methods are the collectives the MoE layers need: the token-count exchange,
 All-to-All with uneven splits (blocking or returning a `Pending` handle), and
-a few small agreements (max, sum, and `agree`: the
-planner's packed values). With no process group (a single process),
-every collective degenerates to a local copy, so the same layer code runs on
-one CPU process, on gloo ranks and on NCCL ranks.
+a few small agreements (max, sum, and `agree`: the planner's packed values).
+With no process group (a single process), every collective degenerates to a
+local copy, so the same layer code runs on one CPU process, on gloo ranks and
+on NCCL ranks.
 
 On CUDA an asynchronous All-to-All is issued on the communication stream the
 caller names; its `Pending` is an event on that stream. On CPU (gloo) it is
