@@ -396,7 +396,7 @@ def measure_shell(config, device, dtype, token_grid=TOKEN_GRID) -> dict:
         def forward():
             x_TD = x.detach().requires_grad_(True)
             routing = layer.router(x_TD)
-            plan = layer.plan(x_TD, routing)
+            plan, _ = layer.plan(x_TD, routing)
             y_TD = dispatcher.unpermute(rows_RD, plan, routing.weights_TK, routing.keep_TK)
             holder["out"] = (y_TD, routing.aux_loss)
 
