@@ -105,7 +105,7 @@ class MoELayerBase(nn.Module):
         values = planner.local_values(x_TD.device, x_TD.dtype)
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
-                                   x_TD.device, x_TD.dtype)
+                                   x_TD.device, x_TD.dtype, self.router.weight.dtype)
             pass_plan = planner.decide(agreed)
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
@@ -121,7 +121,8 @@ class MoELayerBase(nn.Module):
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
-        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, x_TD.dtype)
+        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, x_TD.dtype,
+                               self.router.weight.dtype)
         pass_plan = planner.decide(agreed)
         plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
         return plan, planner.check_host_memory(pass_plan, plan, agreed)

@@ -54,7 +54,8 @@ class AgreedValues:
     search_seconds: dict[int, float] | None   # slowest rank's mean seconds per candidate n; None: not compared
     backward: bool                            # the pass records for backward (grad enabled)
     device: torch.device                      # the pass's data device (agreements run there)
-    dtype: torch.dtype                        # the pass's data dtype (the layer's)
+    dtype: torch.dtype                        # the pass's data dtype
+    param_dtype: torch.dtype                  # the layer's parameters' dtype (the memory budget's)
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,8 @@ class Planner:
         return values
 
     # -- 2. agreement (local: the rows rode in the count exchange) ------------------------------------
-    def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype
-              ) -> AgreedValues:
+    def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype,
+              param_dtype: torch.dtype) -> AgreedValues:
         """Local. The agreed values from the pass statistics (already the max over ranks) and
         every rank's `local_values` (rows of values_W, one per rank)."""
         top = values_W.max(axis=0) if values_W.size else values_W.reshape(-1)
@@ -144,7 +145,7 @@ class Planner:
         if self.partitions == "auto" and self.search.timing_agreement_due():
             search_seconds = dict(zip(self.search.candidates, top.astype(np.int64).view(np.float64).tolist()))
         return AgreedValues(stats, profile_missing, search_seconds, torch.is_grad_enabled(),
-                            torch.device(device), dtype)
+                            torch.device(device), dtype, param_dtype)
 
     # -- 3. the decision (agreed values only) -----------------------------------------------------
     def decide(self, agreed: AgreedValues) -> PassPlan:
@@ -153,7 +154,7 @@ class Planner:
         tokens = agreed.stats.max_tokens
         if self.partitions == "auto":
             n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
-                                   min_partitions=self._fewest_partitions_within_budget(tokens, agreed.dtype))
+                                   min_partitions=self._fewest_partitions_within_budget(tokens, agreed.param_dtype))
         else:
             n = self.partitions
         strategy = self.strategy

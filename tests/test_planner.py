@@ -29,7 +29,8 @@ SLOW_COPIES = dataclasses.replace(OFFLOAD_FRIENDLY, gemm_flops=1e15, a2a_bytes_p
 
 
 def agreed(tokens=64, seconds=None, backward=True):
-    return AgreedValues(PassStats(False, tokens, 0), False, seconds, backward, torch.device("cpu"), torch.float32)
+    return AgreedValues(PassStats(False, tokens, 0), False, seconds, backward, torch.device("cpu"), torch.float32,
+                        torch.float32)
 
 
 def test_the_search_proceeds_on_the_agreed_timings():
