@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.model import PRESETS
+from lm.model import PRESETS
 from app.records import DEFAULT_OUT_DIR, record_meta
 from app.train import ENGINES, TrainJob, build_trainer, ensure_data, init_ray
 

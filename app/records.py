@@ -1,11 +1,9 @@
 """What every result file carries besides its numbers: the command that made it, when,
-on what hardware, with which code (docs/design.md §7: benchmark results are data); and how
-the user ran the command, so that hints print a command they can type again."""
+on what hardware, with which code (docs/design.md §7: benchmark results are data). How the
+user ran the command, for hints they can type again, is ``lm.errors.invocation``."""
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -13,29 +11,6 @@ import time
 # Where commands write generated records unless told otherwise (`--out`): a folder that
 # .gitignore ignores, never the committed results/.
 DEFAULT_OUT_DIR = "out"
-
-
-def _as_typed(path: str) -> str:
-    """``path`` relative to the current directory when it lies below it, else absolute."""
-    absolute = os.path.abspath(path)
-    relative = os.path.relpath(absolute)
-    return relative if not relative.startswith("..") else absolute
-
-
-def invocation() -> str:
-    """The ``mpipemoe`` command as the user can type it in this shell: ``mpipemoe`` when
-    that name on PATH is the program running, else the path it was started by
-    (``.venv/bin/mpipemoe``), or ``.venv/bin/python -m app.cli`` when started that way.
-    Called from Python (tests, notebooks), plain ``mpipemoe``."""
-    started_by = sys.argv[0] if sys.argv else ""
-    if os.path.basename(started_by) == "mpipemoe":
-        on_path = shutil.which("mpipemoe")
-        if on_path and os.path.realpath(on_path) == os.path.realpath(started_by):
-            return "mpipemoe"
-        return _as_typed(started_by)
-    if started_by.endswith(os.path.join("app", "cli.py")):
-        return f"{_as_typed(sys.executable)} -m app.cli"
-    return "mpipemoe"
 
 
 def command_line(subcommand: str) -> str:

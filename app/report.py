@@ -582,7 +582,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.records import invocation
+    from lm.errors import invocation
     from app.tracking import check_store, client, resolve_tracking_uri, unfinished_runs
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri)

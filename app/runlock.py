@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.errors import os_error
+from lm.errors import os_error
 
 LOCK_DIR = ".mpipemoe-locks"
 

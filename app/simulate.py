@@ -39,7 +39,7 @@ def _fail(field: str, value, fix: str) -> None:
 class SimulateSettings:
     """What to simulate; validated at construction (errors name the option and the fix).
 
-    model:          a preset of app.model (gpt-s, gpt-xl, bert-l, ...).
+    model:          a preset of lm.model (gpt-s, gpt-xl, bert-l, ...).
     tokens:         tokens per GPU, one or several.
     nodes:          node counts to simulate (one, or a sweep).
     gpus_per_node:  GPUs per node.
@@ -64,7 +64,7 @@ class SimulateSettings:
     step: bool = False
 
     def __post_init__(self) -> None:
-        from app.model import PRESETS
+        from lm.model import PRESETS
         from moe_sim.network import PRESETS as NETWORKS
 
         if self.model not in PRESETS:
@@ -86,7 +86,7 @@ class SimulateSettings:
                 _fail("experts", experts, f"it must be a multiple of the {ranks} GPUs of {nodes} node(s)")
 
     def experts_for(self, ranks: int) -> int:
-        from app.model import PRESETS
+        from lm.model import PRESETS
 
         return self.experts if self.experts is not None else max(PRESETS[self.model].num_experts, ranks)
 
@@ -150,7 +150,7 @@ def _layer_row(result, fastermoe) -> dict:
 
 def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -> dict:
     """Every engine at one (nodes, tokens): the rows to print, log and plot."""
-    from app.model import PRESETS
+    from lm.model import PRESETS
     from moe_sim.simulator import ModelShape, all_to_all_options, compare_engines, simulate_step
 
     preset = PRESETS[settings.model]

@@ -178,7 +178,7 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
     space.pop("use_gpu", None)  # decided by the plan
     if data_dir is None:
-        from app.data import ensure_default_data
+        from lm.data import ensure_default_data
 
         data_dir = ensure_default_data()
     parent_run_id = study_parent_run(tracking_uri, study, experiment_path, module.DESCRIPTION)
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     print(format_results(results))
-    from app.records import invocation
+    from lm.errors import invocation
 
     print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: {invocation()} report --experiment "
           f"{args.space}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))

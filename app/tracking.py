@@ -99,7 +99,7 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
             # any other answer: a server is there (older MLflow versions lack /health)
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
-            from app.records import invocation
+            from lm.errors import invocation
 
             raise ValueError(f"{flag}: no MLflow server answers at {tracking_uri} ({reason}): start it "
                              f"(`{invocation()} ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None

@@ -29,9 +29,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from app import data as data_lib
-from app.errors import os_error
-from app.model import ENGINES, PRESETS, STRATEGIES, get_preset
+from lm import data as data_lib
+from lm.errors import os_error
+from lm.model import ENGINES, PRESETS, STRATEGIES, get_preset
 from workers import checkpoint as ckpt
 from workers.loop import NONFINITE_POLICIES
 
@@ -54,7 +54,7 @@ class TrainJob:
     directory when the job is created: inside a Ray Tune trial pass them explicitly.
     """
 
-    preset: str = "tiny-gpt"           # model shape, see app.model.PRESETS
+    preset: str = "tiny-gpt"           # model shape, see lm.model.PRESETS
     engine: str = "mpipemoe"           # mpipemoe | fastmoe | fastermoe
     steps: int = 50                    # total optimizer steps (a resumed run continues to this)
     num_workers: int = 2               # Ray Train workers = expert-parallel ranks
@@ -231,7 +231,7 @@ def available_host_bytes() -> int | None:
 def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None:
     """Before Ray starts: refuse sizes this machine cannot run (``local``: embedded Ray, so
     all workers share this machine). Workers beyond ``WORKERS_PER_CORE`` per core, and a
-    memory estimate (``app.model.estimate_worker_bytes``) above the free host memory of
+    memory estimate (``lm.model.estimate_worker_bytes``) above the free host memory of
     all workers (CPU) or one GPU's memory (GPU, when this machine has the GPUs)."""
     preset = job.model_preset()
     cores = os.cpu_count() or 1
@@ -241,7 +241,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
               f"workers on them ({WORKERS_PER_CORE} per core; each is a whole PyTorch process): use "
               f"--num-workers {WORKERS_PER_CORE * cores} or fewer (and --num-experts to match), or a cluster "
               f"(--address, docs/cluster.md)")
-    from app.model import estimate_step_flops, estimate_worker_bytes
+    from lm.model import estimate_step_flops, estimate_worker_bytes
 
     base = get_preset(job.preset)
     longer = preset.seq_len > base.seq_len
@@ -497,7 +497,7 @@ def model_memory(job: TrainJob, config: dict) -> dict:
     the MoE engine's memory model (docs/engine.md)."""
     import torch
 
-    from app.model import ModelPreset, MoETransformer, param_counts
+    from lm.model import ModelPreset, MoETransformer, param_counts
     from workers.distributed import training_state_bytes
 
     with torch.device("meta"):
@@ -935,7 +935,7 @@ def save_job(job: TrainJob) -> None:
 def resume_command(job: TrainJob, steps: int | None = None) -> str:
     """The command that continues ``job`` (to ``steps``; None: its recorded steps), as the
     user can type it: with ``--storage-path`` where the checkpoints are not in ./ray_results."""
-    from app.records import invocation
+    from lm.errors import invocation
 
     storage = "" if Path(job.storage_path) == Path("ray_results").resolve() else f" --storage-path {job.storage_path}"
     more = f" --steps {steps}" if steps else ""
@@ -944,7 +944,7 @@ def resume_command(job: TrainJob, steps: int | None = None) -> str:
 
 def ui_command(tracking_uri: str) -> str:
     """``mpipemoe ui`` as the user can type it, naming the store unless it is the default one."""
-    from app.records import invocation
+    from lm.errors import invocation
     from app.tracking import resolve_tracking_uri
 
     store = "" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from app import cli
-from app.data import MANIFEST, Manifest, load_rank_tokens, prepare_dataset
-from app.model import MoETransformer, get_preset
+from lm.data import MANIFEST, Manifest, load_rank_tokens, prepare_dataset
+from lm.model import MoETransformer, get_preset
 from app.train import (TrainJob, _MetricsPump, add_arguments, build_trainer, check_resources, ensure_data,
                        job_from_args, summarize)
 from workers.loop import MAX_SKIPPED_IN_A_ROW, StepError, check_nonfinite_loss

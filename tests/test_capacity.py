@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from app.capacity import CapacitySearch, add_arguments, run
-from app.data import prepare_dataset
-from app.model import MoETransformer, get_preset
+from lm.data import prepare_dataset
+from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
 
 TRIAL_SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}

@@ -43,7 +43,7 @@ def main(out_dir: str) -> dict:
     from ray.cluster_utils import Cluster
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.data import ensure_default_data
+    from lm.data import ensure_default_data
     from app.train import TrainJob, worker_config
 
     out = Path(out_dir)

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import (EOS_ID, VOCAB_SIZE, BatchSampler, Manifest, decode, encode, load_rank_tokens,
+from lm.data import (EOS_ID, VOCAB_SIZE, BatchSampler, Manifest, decode, encode, load_rank_tokens,
                       prepare_dataset, stdlib_source_files)
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.data import MANIFEST, prepare_dataset
+from lm.data import MANIFEST, prepare_dataset
 from app.tracking import RunLogger, client, metric_history
 
 pytestmark = pytest.mark.faults

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.data import prepare_dataset
+from lm.data import prepare_dataset
 from app.tracking import client, metric_history
 from app.train import TrainJob, run_job
 from workers import checkpoint as ckpt

@@ -123,7 +123,7 @@ def test_offload_falls_back_to_s4_on_cuda_when_host_memory_is_short(strategy):
 def test_model_refuses_token_ids_outside_the_vocabulary_on_cuda():
     """The check runs before the embedding, so CUDA raises a ValueError instead of a
     device-side assert that would poison the process."""
-    from app.model import MoETransformer, get_preset
+    from lm.model import MoETransformer, get_preset
 
     model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe").cuda()
     with pytest.raises(ValueError, match=r"token ids outside the vocabulary in the batch: found 0..259"):
@@ -316,8 +316,8 @@ def test_trainer_on_cuda_keeps_float32_master_weights_under_bf16_compute(tmp_pat
     import dataclasses
 
     import torch.distributed as dist
-    from app.data import prepare_dataset
-    from app.model import get_preset
+    from lm.data import prepare_dataset
+    from lm.model import get_preset
     from workers.loop import Trainer, model_flops_metrics
 
     prepare_dataset(tmp_path / "data", max_bytes=2**18, row_len=1024)

@@ -64,7 +64,7 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
     missing = _dashboard_missing()
     if missing:
         pytest.skip(missing)
-    from app.data import prepare_dataset
+    from lm.data import prepare_dataset
     from app.tracking import find_run, metric_history
 
     data_dir = tmp_path / "data"

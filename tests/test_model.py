@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.data import MASK_ID
-from app.model import (ENGINES, IGNORE_INDEX, PRESETS, ModelPreset, MoETransformer, get_preset,
+from lm.data import MASK_ID
+from lm.model import (ENGINES, IGNORE_INDEX, PRESETS, ModelPreset, MoETransformer, get_preset,
                        init_parameters, is_expert_param, lm_batch, lm_loss, model_flops_per_token, param_counts)
 
 
@@ -105,7 +105,7 @@ def test_init_is_reproducible_and_independent_of_expert_layout():
     # Rank 1 of 2 holds global experts 2 and 3: its init equals those slices of the full model.
     w1 = full.blocks[0].moe.experts.w1
     slice_ = torch.empty(2, *w1.shape[1:])
-    from app.model import _normal_, _seed_for
+    from lm.model import _normal_, _seed_for
     for i in range(2):
         _normal_(slice_[i], 0.02, _seed_for(5, "blocks.0.moe.experts.w1", 2 + i))
     assert torch.equal(slice_, w1[2:].detach())

@@ -32,7 +32,7 @@ def _script(folder, name="mpipemoe"):
 
 def test_hints_print_the_command_as_the_user_can_type_it(tmp_path, monkeypatch):
     """`resume with:` and the like: `mpipemoe` only when PATH finds this very program."""
-    from app.records import invocation
+    from lm.errors import invocation
 
     script = _script(tmp_path / ".venv" / "bin")
     monkeypatch.chdir(tmp_path)

@@ -66,8 +66,8 @@ def _write_corpus(data_dir: Path, num_rows: int, row_len: int) -> None:
 
 
 TRAIN = """
-from app.data import BatchSampler, open_rank_stream
-from app.model import MoETransformer, get_preset, lm_batch, lm_loss
+from lm.data import BatchSampler, open_rank_stream
+from lm.model import MoETransformer, get_preset, lm_batch, lm_loss
 data_dir, steps = sys.argv[1], int(sys.argv[2])
 corpus_bytes = (__import__("pathlib").Path(data_dir) / "tokens.bin").stat().st_size
 torch.manual_seed(0)
@@ -120,7 +120,7 @@ def test_training_reads_a_corpus_larger_than_the_worker_may_allocate(tmp_path):
 
 
 PREPARE = """
-from app.data import Manifest, prepare_dataset
+from lm.data import Manifest, prepare_dataset
 source, out = sys.argv[1], sys.argv[2]
 LIMIT = apply_limit()
 try:
@@ -149,7 +149,7 @@ def test_preparation_streams_a_text_file_larger_than_it_may_allocate(tmp_path):
 
 
 def test_data_prepared_before_tokens_bin_is_still_read_and_the_default_is_redone(tmp_path):
-    from app.data import MANIFEST, ensure_default_data, load_rank_tokens, open_rank_stream, prepare_dataset
+    from lm.data import MANIFEST, ensure_default_data, load_rank_tokens, open_rank_stream, prepare_dataset
 
     prepare_dataset(tmp_path / "old", max_bytes=20_000, row_len=1000)
     expected = load_rank_tokens(tmp_path / "old", 1, 2)

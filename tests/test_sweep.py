@@ -74,7 +74,7 @@ def test_unknown_study_names_the_choices():
 
 @pytest.fixture
 def sweep_dirs(tmp_path, monkeypatch):
-    from app.data import ensure_default_data
+    from lm.data import ensure_default_data
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     data_dir = ensure_default_data(tmp_path / "data", echo=lambda *_: None)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.data import MASK_ID, prepare_dataset
-from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
+from lm.data import MASK_ID, prepare_dataset
+from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from app.train import (TrainJob, add_arguments, comparison_table, job_from_args, save_job,
                        summarize, worker_config)
 from workers.distributed import DenseParallel, clip_grad_norm, split_params

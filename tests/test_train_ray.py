@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from app.data import prepare_dataset
-from app.model import ENGINES
+from lm.data import prepare_dataset
+from lm.model import ENGINES
 from app import cli
 from app.train import TrainJob, add_arguments, compare_engines, run, run_job
 from app.tracking import client, metric_history

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.data import MASK_ID, prepare_dataset
-from app.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
+from lm.data import MASK_ID, prepare_dataset
+from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from tests.distributed import run_on_ranks
 
 N, K = 4, 2

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from app.data import MASK_ID, BatchSampler, open_rank_stream
-from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
+from lm.data import MASK_ID, BatchSampler, open_rank_stream
+from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, reduce_max
 from workers.loop import build_optimizer, model_flops_metrics, peak_memory_bytes
 

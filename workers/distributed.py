@@ -9,7 +9,7 @@ Gradient rule, so the update equals that of the mean loss over all W ranks' toke
 - dense parameters: PyTorch's data parallelism averages them over ranks:
   ``DistributedDataParallel`` (bucketed all-reduce overlapped with backward), or FSDP2's
   ``fully_shard`` (reduce-scatter; parameters, gradients and AdamW state sharded);
-- expert parameters (marked where they are created, see ``app.model.is_expert_param``):
+- expert parameters (marked where they are created, see ``lm.model.is_expert_param``):
   the MoE layer already summed the gradient over every rank's tokens; they are excluded
   from DDP/FSDP2 and only divided by W (``DenseParallel.finish_gradients``).
 
@@ -30,7 +30,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from app.model import is_expert_param
+from lm.model import is_expert_param
 
 DENSE_MODES = ("ddp", "fsdp2")
 

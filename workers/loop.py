@@ -49,8 +49,8 @@ import uuid
 
 import torch
 
-from app.data import MASK_ID, BatchSampler, open_rank_stream
-from app.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
+from lm.data import MASK_ID, BatchSampler, open_rank_stream
+from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt

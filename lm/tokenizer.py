@@ -13,6 +13,9 @@ out of vocabulary. The tokenizer of a prepared directory is saved there as
 Special ids: a trained BPE puts ``<eos>``, ``<mask>``, ``<pad>`` at 0, 1, 2. A loaded file keeps
 its own ids for a known end-of-text, mask and padding token (``<|endoftext|>``, ``</s>``,
 ``[MASK]``, ``[PAD]``, ...) and gets ``<eos>``/``<mask>``/``<pad>`` added for the ones it lacks.
+
+``tokenizers`` is imported only where a BPE is trained or loaded (``_import_tokenizers``):
+byte-level data, and the workers, never need it.
 """
 from __future__ import annotations
 

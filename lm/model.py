@@ -1,6 +1,6 @@
 """MoE transformer: GPT-style decoder (causal LM) and BERT-style encoder (masked LM).
 
-    from app.model import get_preset, MoETransformer
+    from lm.model import get_preset, MoETransformer
     model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe")
     logits_BSV, aux_loss = model(tokens_BS)
 
@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import moe_engine
+from moe_engine import HostBufferPool, MoEConfig, ProfileCache
+
 KINDS = ("gpt", "bert")
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 PARTITION_CHOICES = "'auto' or an integer >= 1"
@@ -53,7 +56,7 @@ class ModelPreset:
     top_k:           experts per token.
     capacity_factor: None = dropless routing.
     activation:      expert activation ("relu", "gelu", "swiglu").
-    vocab_size:      tokens in the vocabulary (the byte tokenizer of app.data has 259).
+    vocab_size:      tokens in the vocabulary (the byte tokenizer of lm.data has 259).
     """
 
     kind: str
@@ -119,8 +122,6 @@ def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy
     """One MoE layer of ``engine``; ``partitions``/``strategy``/``profiles`` (a
     moe_engine.ProfileCache shared by the model's layers) and ``host_pool`` (a
     moe_engine.HostBufferPool, likewise shared) only apply to mpipemoe."""
-    import moe_engine
-
     if engine == "mpipemoe":
         return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy,
                                    profile=profiles, host_pool=host_pool)
@@ -196,8 +197,6 @@ class MoETransformer(nn.Module):
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
                  partitions="auto", strategy="auto", host_pool=None):
         super().__init__()
-        from moe_engine import HostBufferPool, MoEConfig, ProfileCache
-
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
         self.preset = preset
