@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.records import DEFAULT_OUT_DIR, record_meta
+from app.tracking import RunLogger, resolve_tracking_uri
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
@@ -47,9 +49,6 @@ from moe_engine.perf_model import PerformanceModel, calibrate, device_name
 from moe_engine.router import count_ids
 from moe_engine.timing import synchronize, time_fn, time_interleaved
 
-# Layer shapes of the paper's models (docs/design.md §6) and a tiny one for CPUs.
-LAYER_SHAPES = {"gpt-s": (1024, 4096), "gpt-xl": (2048, 8192), "bert-l": (1024, 4096), "tiny": (64, 128)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
 # skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows).
 ROUTINGS = ("uniform", "skewed")
@@ -675,8 +674,7 @@ def _progress_line(r: dict, elapsed_s: float) -> str:
 def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
     """One MLflow run per record (tag kind=bench), plus one per summary (kind=bench-summary)."""
     try:
-        from app.tracking import RunLogger, resolve_tracking_uri
-        import mlflow  # noqa: F401
+        import mlflow  # noqa: F401  (optional: the records are in the JSON either way)
     except ImportError:
         printer("MLflow is not installed here: records stay in the JSON (log them later with --import).")
         return 0

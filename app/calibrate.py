@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from app.bench import DTYPES, LAYER_SHAPES
+from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.records import DEFAULT_OUT_DIR
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup

@@ -8,6 +8,9 @@ whose workers cap their GPU memory and search the batch size with real training 
 tokens/s and peak memory, and the ratios to the first engine; writes a JSON record (with
 the command, the hardware and the date) and, unless ``--tracking-uri none``, one MLflow
 run per engine. On CPU there is no memory cap: the search stops at ``--max-batch``.
+`mpipemoe report`'s section on these runs is app/capacity_report.py.
+
+Ray (the ``ray`` extra) is imported where the search starts, as in app/jobs.py.
 """
 from __future__ import annotations
 
@@ -18,9 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.model import PRESETS
+import torch
+
+from app.jobs import TrainJob, build_trainer, ensure_data, init_ray
 from app.records import DEFAULT_OUT_DIR, record_meta
-from app.train import ENGINES, TrainJob, build_trainer, ensure_data, init_ray
+from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
+from lm.model import ENGINES, PRESETS
+from workers.capacity import capacity_fn_per_worker
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,6 @@ def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: st
     """Run the search for ``job.engine``; returns {engine, largest_batch_size, at_largest, trials}."""
     import ray
     from ray.util.queue import Empty, Queue
-
-    from workers.capacity import capacity_fn_per_worker
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address)
@@ -115,8 +120,6 @@ def comparison_table(results: list[dict], seq_len: int) -> str:
 
 def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
     """One MLflow run per engine: the search settings as params; the result as metrics."""
-    from app.tracking import NO_TRACKING, RunLogger
-
     if tracking_uri == NO_TRACKING:
         return
     for result in record["results"]:
@@ -131,40 +134,6 @@ def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
                          "peak_memory_bytes": best.get("peak_memory_bytes", 0),
                          **{k: best[k] for k in ("model_tflops_per_s", "mfu") if k in best}})
         run.finish()
-
-
-# ---- the report's section ------------------------------------------------------------------
-
-def load_capacity_runs(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
-    """Every finished capacity run (one per engine and search) as a flat dict, oldest first."""
-    from app.tracking import finished_runs
-
-    rows = [{**run.data.params, **run.data.metrics, **run.data.tags, "start_time": run.info.start_time}
-            for _, run in finished_runs(tracking_uri, experiments, "tags.`mpipemoe.kind` = 'capacity'")]
-    return sorted(rows, key=lambda r: r["start_time"] or 0)
-
-
-def section_capacity(rows: list[dict]) -> list[str]:
-    """Markdown for `mpipemoe report`: per preset, hardware, cap and worker count, each
-    engine's largest batch and its tokens/s there (the newest search of each engine)."""
-    lines = ["## 6. Largest batch under a memory cap (`mpipemoe capacity`)", ""]
-    latest = {}
-    for r in rows:  # oldest first: the newest run of each (setting, engine) counts
-        setting = (r.get("preset", "?"), r.get("device", "?"), r.get("memory_cap_gib", "?"), r.get("num_workers", "?"))
-        latest.setdefault(setting, {})[r.get("engine", "?")] = r
-    if not latest:
-        return lines + ["_No data: no capacity search was logged (run `mpipemoe capacity --use-gpu`)._", ""]
-    lines += ["Tokens/s at each engine's own largest batch; ratios against MPipeMoE's row.", "",
-              "| preset | hardware | cap GiB | workers | engine | largest batch | tokens/s | peak GiB | "
-              "batch vs mpipemoe | tokens/s vs mpipemoe |", "|" + "---|" * 10]
-    for (preset, device, cap, workers), engines in sorted(latest.items()):
-        ref = engines.get("mpipemoe")
-        for engine, r in sorted(engines.items(), key=lambda item: item[0] != "mpipemoe"):
-            ratio = lambda key: f"{r[key] / ref[key]:.2f}" if ref and ref.get(key) else "–"  # noqa: E731
-            lines.append(f"| {preset} | {device} | {cap} | {workers} | {engine} | {r['largest_batch_size']:.0f} | "
-                         f"{r['tokens_per_s']:,.0f} | {r['peak_memory_bytes'] / 2**30:.2f} | "
-                         f"{ratio('largest_batch_size')} | {ratio('tokens_per_s')} |")
-    return lines + [""]
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -205,8 +174,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.import_json:
-        from app.tracking import resolve_tracking_uri
-
         uri = resolve_tracking_uri(args.tracking_uri)
         record = json.loads(Path(args.import_json).read_text())
         log_to_mlflow(record, uri, args.experiment)
@@ -247,6 +214,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gpu_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()

@@ -34,7 +34,7 @@ SUBCOMMANDS = {
     "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
     "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
     "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
-    "tracking": ("app.offline", "send metrics a run kept while its MLflow tracking server was unreachable"),
+    "tracking": ("app.tracking_import", "send metrics a run kept while its MLflow tracking server was unreachable"),
 }
 
 

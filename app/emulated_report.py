@@ -8,11 +8,15 @@ measurements; here, per network:
   time at its automatic settings), against tokens per GPU;
 - the best n of the grid and the online search's n against tokens;
 - memory against time for every n × strategy of the grid, both relative to FastMoE.
+
+matplotlib is imported where a figure is drawn, as in app/report.py.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
+from app.tracking import finished_runs
 
 STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
 STRATEGY_COLOURS = {"none": "black", "S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green", "S4": "tab:red"}
@@ -25,8 +29,6 @@ def _row(run) -> dict:
 
 def load_emulated(tracking_uri: str, experiments: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     """(summaries, records) of the emulated bench runs."""
-    from app.tracking import finished_runs
-
     emulated = "tags.measured_as = 'emulated'"
     summaries = [_row(run) for _, run in finished_runs(tracking_uri, experiments,
                                                        f"tags.kind = 'bench-summary' and {emulated}")]

@@ -1,12 +1,11 @@
 """Metrics kept in a local file while the MLflow tracking server is unreachable.
 
-    mpipemoe tracking import ray_results/RUN/mlflow_pending.jsonl   # send what a run kept
-
 On a cluster, drivers log to the head's tracking server over HTTP. If it stops answering
 mid-run, training goes on: ``RunLogger`` (app/tracking.py) appends the metrics, tags and
 final status it could not send to ``<run dir>/mlflow_pending.jsonl``, says so once, and
 sends them (in order, then renames the file ``*.sent``) as soon as the server answers
-again; if the run ends first, ``mpipemoe tracking import FILE`` sends them later.
+again; if the run ends first, ``mpipemoe tracking import FILE`` (app/tracking_import.py)
+sends them later.
 
 File format: JSON lines; the first is ``{"run_id", "tracking_uri"}``, then
 ``{"metrics": [[key, value, timestamp_ms, step], ...]}``, ``{"tags": {...}}`` and
@@ -14,7 +13,6 @@ File format: JSON lines; the first is ``{"run_id", "tracking_uri"}``, then
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -93,7 +91,7 @@ class MetricSpool:
 
 
 def replay_file(path: Path, mlflow_client, run_id: str | None = None) -> int:
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import Metric, RunTag  # MLflow (the ``ray`` extra) only when there is something to send
 
     lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if not lines or "run_id" not in lines[0]:
@@ -112,29 +110,3 @@ def replay_file(path: Path, mlflow_client, run_id: str | None = None) -> int:
             mlflow_client.set_terminated(run_id, status=record["status"])
     Path(path).rename(Path(path).with_name(Path(path).name + ".sent"))
     return sent
-
-
-# ---- command line: mpipemoe tracking import FILE ------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    imp = sub.add_parser("import", help="send the metrics a run kept while its tracking server was unreachable")
-    imp.add_argument("path", help=f"the run's {PENDING_FILE} (in its run directory)")
-    imp.add_argument("--tracking-uri", default=None,
-                     help="send them to this store instead of the one the file names")
-
-
-def run(args: argparse.Namespace) -> int:
-    from app.tracking import client
-
-    path = Path(args.path)
-    if not path.is_file():
-        raise ValueError(f"no kept metrics at {path}: give the {PENDING_FILE} of a run directory "
-                         f"(already sent ones are renamed {PENDING_FILE}.sent)")
-    header = json.loads(path.read_text().splitlines()[0])
-    uri = args.tracking_uri or header["tracking_uri"]
-    if not reachable(uri):
-        raise ValueError(f"the tracking server {uri} does not answer: start it, or give --tracking-uri")
-    sent = replay_file(path, client(uri))
-    print(f"sent {sent} metric values of run {header['run_id']} to {uri}")
-    return 0

@@ -1,6 +1,9 @@
 """What every result file carries besides its numbers: the command that made it, when,
 on what hardware, with which code (docs/design.md §7: benchmark results are data). How the
-user ran the command, for hints they can type again, is ``lm.errors.invocation``."""
+user ran the command, for hints they can type again, is ``lm.errors.invocation``.
+torch is imported only where the hardware is named: `mpipemoe simulate` and `report`
+read this module without loading it (about a second).
+"""
 from __future__ import annotations
 
 import platform

@@ -15,7 +15,7 @@ Each becomes a ``Record``; the sections are pure functions of the records:
    assumed monotonicity (best n non-decreasing in tokens) marked;
 4. predicted against measured peak memory;
 5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate.py).
-6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity.py).
+6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity_report.py).
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
    app/emulated_report.py). Emulated runs never enter sections 1–4.
 
@@ -23,6 +23,9 @@ Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
 for training runs. Where one configuration was measured several times, the
 fastest measurement counts (best-of). A section without data says so.
+
+matplotlib (the ``ray`` extra) is imported where a figure is drawn: a report without
+figures, and the tests of its tables, need none.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.capacity_report import load_capacity_runs, section_capacity
+from app.emulated_report import load_emulated, section_emulated
+from app.simulate import load_simulations, section_simulations  # moves below app/ with the simulator (issue 19)
+from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
+from lm.errors import invocation
 
 ENGINE = "mpipemoe"
 BASELINES = ("fastmoe", "fastermoe")
@@ -134,8 +143,6 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
 
 def load_records(tracking_uri: str, experiments: list[str] | None = None) -> list[Record]:
     """Records of the FINISHED runs in ``experiments`` (default: every experiment)."""
-    from app.tracking import finished_runs
-
     records = []
     for experiment, run in finished_runs(tracking_uri, experiments):
         record = to_record(run.info.run_id, experiment, run.data.params, run.data.metrics, run.data.tags)
@@ -535,7 +542,7 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
                  emulated: tuple[list[dict], list[dict]] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any);
-    ``capacities``: rows of ``app.capacity.load_capacity_runs`` (section 6 when there are any);
+    ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
     ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
     when there are any)."""
     out = Path(out_dir)
@@ -557,16 +564,10 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
     for section in (section_baselines, section_strategies, section_best_n, section_memory):
         lines += section(records, out)
     if simulations:  # section 5 only where `mpipemoe simulate` logged something
-        from app.simulate import section_simulations
-
         lines += section_simulations(simulations, str(out))
     if capacities:  # section 6 only where `mpipemoe capacity` logged something
-        from app.capacity import section_capacity
-
         lines += section_capacity(capacities)
     if emulated and emulated[0]:  # section 7 only where `mpipemoe bench --emulate` logged something
-        from app.emulated_report import section_emulated
-
         lines += section_emulated(*emulated, out)
     path = out / "report.md"
     path.write_text("\n".join(lines))
@@ -582,9 +583,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lm.errors import invocation
-    from app.tracking import check_store, client, resolve_tracking_uri, unfinished_runs
-
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     check_store(tracking_uri, write=False)  # a typo'd folder is an error, never a new empty store
     store = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
@@ -600,10 +598,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
-    from app.capacity import load_capacity_runs
-    from app.emulated_report import load_emulated
-    from app.simulate import load_simulations
-
     path = write_report(records, args.out, source=tracking_uri,
                         simulations=load_simulations(tracking_uri, args.experiment),
                         capacities=load_capacity_runs(tracking_uri, args.experiment),

@@ -5,8 +5,8 @@
 
 Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
 is not allowed): the driver builds a ``Tuner`` around the function trainable
-``train_trial``; each trial turns its config into an ``app.train.TrainJob`` and
-calls ``app.train.run_job``, which builds and fits a ``TorchTrainer`` and logs the
+``train_trial``; each trial turns its config into an ``app.jobs.TrainJob`` and
+calls ``app.jobs.run_job``, which builds and fits a ``TorchTrainer`` and logs the
 job as one MLflow run. The trial then reports the job's summary back to Tune.
 
 - **Resources.** A trial itself holds ``TRIAL_CPUS`` and a sliver of the head node
@@ -20,6 +20,9 @@ job as one MLflow run. The trial then reports the job's summary back to Tune.
 - **Resume.** The Tune experiment lives in ``<storage-path>/<study>``; running the
   same study again with the same storage path restores it (``Tuner.restore``):
   finished trials are kept, unfinished and errored ones run again.
+
+Ray and Ray Tune (the ``ray`` extra) are imported inside the functions that use them, as
+in app/jobs.py.
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tune_spaces
+from app.jobs import TrainJob, run_job
+from app.tracking import RunLogger, check_store, find_run, resolve_tracking_uri
+from lm.data import ensure_default_data
+from lm.errors import invocation
 
 # Defaults, in one place.
 DEFAULT_STORAGE = "ray_results"      # relative to the current directory; made absolute
@@ -109,11 +116,8 @@ def _constant(space: dict, key: str, default):
 
 
 def train_trial(config: dict, *, settings: TrialSettings) -> None:
-    """One Tune trial: one ``app.train`` job with the trial's config; reports its summary."""
+    """One Tune trial: one ``app.jobs`` job with the trial's config; reports its summary."""
     from ray import tune
-
-    from app.train import TrainJob, run_job
-    from app.tracking import RunLogger
 
     trial_id = tune.get_context().get_trial_id()
     fields = {f.name for f in dataclasses.fields(TrainJob)}
@@ -146,8 +150,6 @@ def trial_metrics(summary: dict) -> dict:
 
 def study_parent_run(tracking_uri: str, study: str, experiment_path: str, description: str) -> str:
     """The MLflow parent run of this study's experiment directory, reused on resume."""
-    from app.tracking import RunLogger, find_run
-
     run_id = find_run(tracking_uri, study, "study_path", experiment_path)
     if run_id:
         return RunLogger.resume(tracking_uri, run_id).run_id
@@ -168,8 +170,6 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     import ray
     from ray import tune
 
-    from app.tracking import RunLogger
-
     module = tune_spaces.load(study)
     space = module.param_space()
     storage_path = os.path.abspath(storage_path)  # Ray Train needs absolute paths
@@ -178,8 +178,6 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
     space.pop("use_gpu", None)  # decided by the plan
     if data_dir is None:
-        from lm.data import ensure_default_data
-
         data_dir = ensure_default_data()
     parent_run_id = study_parent_run(tracking_uri, study, experiment_path, module.DESCRIPTION)
     settings = TrialSettings(study=study, tracking_uri=tracking_uri,
@@ -264,10 +262,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from app.tracking import resolve_tracking_uri
-
-    from app.tracking import check_store
-
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
@@ -287,8 +281,6 @@ def run(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     print(format_results(results))
-    from lm.errors import invocation
-
     print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: {invocation()} report --experiment "
           f"{args.space}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
     failed, finished = count_trials(results)

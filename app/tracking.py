@@ -10,13 +10,23 @@ state), so these helpers are safe inside Ray Tune trainables that also use
     run.log_params({"lr": 1e-3, "model": {"d_model": 128}})   # nested dicts flatten to model.d_model
     run.log_metrics({"loss": 2.3}, step=1)                     # buffered, sent in batches
     run.finish()                                               # flushes; status FINISHED
+
+MLflow itself (the ``ray`` extra) is imported inside the functions that talk to a store:
+``resolve_tracking_uri`` and ``--tracking-uri none`` runs work without it, and importing
+it costs about a second.
 """
 from __future__ import annotations
 
 import math
 import os
+import sqlite3
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+from app.offline import MetricSpool, reachable
+from lm.errors import invocation
 
 PARENT_TAG = "mlflow.parentRunId"
 _BATCH = 500  # MLflow accepts at most 1000 metrics / 100 params per log_batch call
@@ -61,8 +71,6 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
         return
     flag = f"--tracking-uri {tracking_uri}"
     if tracking_uri.startswith("sqlite:///"):
-        import sqlite3
-
         path = Path(tracking_uri[len("sqlite:///"):])
         if not path.parent.is_dir():
             raise ValueError(f"{flag}: folder {path.parent} does not exist: create it (mkdir -p {path.parent}) "
@@ -85,9 +93,6 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
                                  f"({why}): fix its permissions or free space (or, if it is not an MLflow store, "
                                  f"the path), or use another --tracking-uri ('none': no MLflow)") from None
     elif tracking_uri.startswith(("http://", "https://")):
-        import urllib.error
-        import urllib.request
-
         url = tracking_uri.rstrip("/") + "/health"
         try:
             with urllib.request.urlopen(url, timeout=STORE_CHECK_TIMEOUT_S):
@@ -99,8 +104,6 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
             # any other answer: a server is there (older MLflow versions lack /health)
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
-            from lm.errors import invocation
-
             raise ValueError(f"{flag}: no MLflow server answers at {tracking_uri} ({reason}): start it "
                              f"(`{invocation()} ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None
 
@@ -145,20 +148,16 @@ class RunLogger:
         self.run_id = run_id
         self.client = client(tracking_uri)
         self._pending = []
-        self.spool = None  # app.offline.MetricSpool once keep_offline() is called
+        self.spool = None  # a MetricSpool (app/offline.py) once keep_offline() is called
 
     def keep_offline(self, path: str | Path, echo=None, retry_every_s: float = 30.0) -> None:
         """If the (HTTP) tracking server stops answering, keep metrics, tags and the final
         status in ``path`` and send them once it is back, instead of failing (app/offline.py)."""
-        from app.offline import MetricSpool
-
         self.spool = MetricSpool(path, self.run_id, self.tracking_uri, echo, retry_every_s)
 
     def _down(self) -> bool:
         """True if records may be kept: a spool is set and the server does not answer (checked
         before sending, so a down server costs a 3 s health check, not MLflow's retries)."""
-        from app.offline import reachable
-
         return self.spool is not None and not reachable(self.tracking_uri)
 
     @classmethod
@@ -221,8 +220,6 @@ class RunLogger:
         to the pending file (tried again every ``retry_every_s``, and when ``final``)."""
         spool = self.spool
         if spool is not None and spool.waiting:
-            from app.offline import reachable
-
             if not ((final or spool.due()) and reachable(self.tracking_uri)):
                 if self._pending:
                     spool.keep(self._pending)

@@ -258,7 +258,8 @@ def test_training_never_uses_the_emulated_group():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "model.py"]
+    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "jobs.py",
+                *sorted((root / "lm").glob("*.py"))]
     assert len(training) > 3
     for path in training:
         assert "emulation" not in path.read_text(), f"{path.relative_to(root)} uses the emulated cluster"

@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from lm.data import MANIFEST, prepare_dataset
 from app.tracking import RunLogger, client, metric_history
+from lm.data import MANIFEST, prepare_dataset
 
 pytestmark = pytest.mark.faults
 
@@ -176,7 +176,7 @@ def test_read_only_store(env, tmp_path, capsys):
 # ---- refused resumes change nothing ----------------------------------------------------------
 
 def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
-    from app.train import JOB_FILE, TrainJob, save_job
+    from app.jobs import JOB_FILE, TrainJob, save_job
 
     storage = tmp_path / "rr"
     save_job(TrainJob(preset="tiny-gpt", seq_len=32, storage_path=str(storage), name="base", tracking_uri="none",
@@ -531,7 +531,8 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
     """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
     from app.sweep import trial_metrics
-    from app.train import job_from_args, run_job, add_arguments
+    from app.jobs import run_job
+    from app.train import job_from_args, add_arguments
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from lm.data import prepare_dataset
+from app.jobs import TrainJob, run_job
 from app.tracking import client, metric_history
-from app.train import TrainJob, run_job
+from lm.data import prepare_dataset
 from workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.ray

@@ -51,7 +51,7 @@ def _grid_points(space: dict):
 
 @pytest.mark.parametrize("study", tune_spaces.STUDIES)
 def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
-    from app.train import TrainJob
+    from app.jobs import TrainJob
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION

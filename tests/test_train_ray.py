@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from app import cli
+from app.jobs import TrainJob, run_job
+from app.tracking import client, metric_history
+from app.train import add_arguments, compare_engines, run
 from lm.data import prepare_dataset
 from lm.model import ENGINES
-from app import cli
-from app.train import TrainJob, add_arguments, compare_engines, run, run_job
-from app.tracking import client, metric_history
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from app.bench import LAYER_SHAPES
+from app.layer_shapes import LAYER_SHAPES
 from moe_engine import FastMoE, MoEConfig, MPipeMoE
 
 

@@ -10,6 +10,8 @@ sizes. A trial at the largest fitting size is also the throughput measurement.
 Limitation: a rank that runs out of memory inside an All-to-All leaves its peers waiting
 in that collective until the process-group timeout ends the job; with one worker per
 engine (the usual capacity question) this cannot happen.
+
+Ray Train is imported inside the worker function only, as in workers/loop.py.
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ a checkpoint whose marker is missing, empty or unreadable, or one of whose files
 or shorter/longer than recorded, is incomplete; ``choose`` picks the newest complete one.
 A checkpoint loads only with the world size that wrote it (the data shards are split by
 rank); it loads into any engine and either dense mode, since DCP reshards.
+
+DCP and DTensor (``torch.distributed.checkpoint``, ``.tensor``) are imported where a
+checkpoint is saved or loaded: importing them costs about 0.5 s, which the driver (it reads
+this module to choose a checkpoint) and runs without checkpoints need not pay.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from workers.distributed import expert_param_names
 
 META = "meta.json"
 DAMAGED = "damaged"            # incomplete checkpoints are moved here (never deleted)
@@ -44,8 +51,6 @@ def _state(parallel, optimizer, rank: int, world_size: int) -> dict:
     qualified name, expert tensors as ``Shard(0)`` DTensors of the global expert tensor (DCP
     would otherwise keep one rank's copy of a name), and this rank's RNG state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from workers.distributed import expert_param_names
 
     model_sd, optim_sd = get_state_dict(parallel.model, optimizer)
     if world_size > 1:
@@ -69,8 +74,6 @@ def _unshard_experts(state: dict, parallel) -> tuple[dict, dict]:
     """Local. The model and optimizer state dicts of ``_state`` with the expert DTensors
     made local again (FSDP2's own DTensors stay as they are)."""
     from torch.distributed.tensor import DTensor
-
-    from workers.distributed import expert_param_names
 
     model_sd, optim_sd = dict(state["model"]), state["optim"]
     for name in expert_param_names(parallel.model):
@@ -107,8 +110,6 @@ def save_async(directory: str | Path, rank: int, world_size: int, parallel, opti
 def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict) -> None:
     """Collective: gathers every rank's file sizes; rank 0 writes ``meta.json`` (the
     completeness marker) under a temporary name, then renames it."""
-    import torch.distributed as dist
-
     directory = Path(directory)
     mine = {name: (directory / name).stat().st_size for name in sorted(os.listdir(directory))}
     every = [mine]

@@ -7,6 +7,8 @@
 
 Only rank 0 polls; the loop carries its answer in the step's max-reduction that every rank
 already makes, so all ranks stop after the same step (no extra collective, no hang).
+Ray is imported inside the functions that use it: tests drive the flag and the poller
+without the ``ray`` extra.
 """
 from __future__ import annotations
 

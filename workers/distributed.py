@@ -22,13 +22,20 @@ The dense collectives run on their own process group (same ranks): the MoE layer
 All-to-Alls and DDP's bucket all-reduces are issued from different places during backward,
 and on one gloo group two ranks issuing them in a different order would pair the wrong
 collectives.
+
+DTensor and FSDP2 (``torch.distributed.tensor``, ``.fsdp``) are imported where they are used:
+importing them costs about 0.5 s, which the driver (app/jobs.py reads ``training_state_bytes``
+here) and DDP runs need not pay.
 """
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lm.model import is_expert_param
 
@@ -56,8 +63,6 @@ def expert_param_names(model: torch.nn.Module) -> list[str]:
 
 def new_group(timeout_s: float | None = None, backend: str | None = None):
     """Collective: a process group of all ranks, with ``timeout_s`` (None: torch's default)."""
-    from datetime import timedelta
-
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     return dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout, backend=backend)
 
@@ -87,13 +92,10 @@ class DenseParallel:
         # Collective: a group of its own for the dense collectives (see the module docstring).
         group = new_group(timeout_s)
         if mode == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
             DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
             self.module = DDP(model, process_group=group,
                               device_ids=[device.index] if device.type == "cuda" else None)
         else:
-            from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = DeviceMesh.from_group(group, device.type)

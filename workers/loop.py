@@ -30,13 +30,16 @@ controller has consumed the previous one, and the controller polls every
 step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
 The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
-``config`` keys are written by ``app.train.worker_config()``. One key is for fault-injection
-tests only: ``fault = {"kind": ..., "step": s, "rank": r}`` (rank default: the last) makes
-rank r, at step s,
+``config`` keys are written by the driver's ``worker_config()`` (app/jobs.py). One key is
+for fault-injection tests only: ``fault = {"kind": ..., "step": s, "rank": r}`` (rank
+default: the last) makes rank r, at step s,
   - "exit":     exit abruptly like a killed process (fresh start only, so the restarted
                 group runs on): Ray Train must restart the group from the last checkpoint;
   - "stall":    stop participating while staying alive: the others' collectives must time out;
   - "nan_loss": produce a NaN loss.
+
+Ray Train is imported inside the functions that run under it: the driver reads this
+module (``NONFINITE_POLICIES``) and the tests run its pieces without Ray.
 """
 from __future__ import annotations
 
