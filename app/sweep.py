@@ -22,7 +22,8 @@ job as one MLflow run. The trial then reports the job's summary back to Tune.
   finished trials are kept, unfinished and errored ones run again.
 
 Ray and Ray Tune (the ``ray`` extra) are imported inside the functions that use them, as
-in app/jobs.py.
+in app/jobs.py; so is app/jobs.py itself, which loads torch (about 2 s): only a trial runs a
+job, and `mpipemoe sweep --help` stays fast.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tune_spaces
-from app.jobs import TrainJob, run_job
 from app.tracking import RunLogger, check_store, find_run, resolve_tracking_uri
 from lm.data import ensure_default_data
 from lm.errors import invocation
@@ -118,6 +118,8 @@ def _constant(space: dict, key: str, default):
 def train_trial(config: dict, *, settings: TrialSettings) -> None:
     """One Tune trial: one ``app.jobs`` job with the trial's config; reports its summary."""
     from ray import tune
+
+    from app.jobs import TrainJob, run_job
 
     trial_id = tune.get_context().get_trial_id()
     fields = {f.name for f in dataclasses.fields(TrainJob)}
