@@ -9,7 +9,7 @@ Each study module gives:
 
 - ``DESCRIPTION``: one line for ``--help`` and the MLflow parent run.
 - ``param_space() -> dict``: the Tune param space. Keys are fields of
-  ``app.train.TrainJob`` (preset, engine, steps, num_workers, batch_size,
+  ``app.jobs.TrainJob`` (preset, engine, steps, num_workers, batch_size,
   seq_len, partitions, strategy, ...); every trial is one Ray Train run of the
   training application built from them. ``num_workers`` is a constant per study:
   ``app.sweep`` sizes the concurrency from it and the cluster's resources.
@@ -25,7 +25,7 @@ from types import ModuleType
 
 STUDIES = ("smoke", "granularity", "strategy", "engines")
 
-# Every study ranks trials by training throughput (reported by app.train.run_job).
+# Every study ranks trials by training throughput (reported by app.jobs.run_job).
 METRIC = "tokens_per_s"
 MODE = "max"
 
