@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from app.data import prepare_dataset
-from app.model import get_preset, model_flops_per_token
+from lm.data import prepare_dataset
+from lm.model import get_preset, model_flops_per_token
 from workers.loop import Trainer, peak_flops
 
 # Kernel kinds by name fragment, first match wins (names of cuBLAS/cuDNN/Triton/ATen kernels).
