@@ -779,7 +779,7 @@ def compare_engines(shape: LayerShape, cluster: Cluster, parts, partitions=PARTI
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A MoE transformer as app.model builds it: every block is pre-LN attention and a MoE layer."""
+    """A MoE transformer as lm.model builds it: every block is pre-LN attention and a MoE layer."""
 
     d_model: int
     d_hidden: int
