@@ -6,8 +6,8 @@ shapes, inputs and weights, and the dense-GEMM floor of the same routed work.
 torchtitan is optional (CI has none); it is imported only when a peer is built, and
 tools/h200-lean-engine.sh installs the wheels in .whl/ on the GPU machine.
 
-Legend (torchtitan's letters): T tokens, D d_model, H d_hidden (torchtitan's F),
-E experts, K top_k, R routed rows (K·T).
+Shapes: see moe_engine's legend (moe_engine/__init__.py); torchtitan's F is our H and
+its L our S, which its parameter names (`w1_EFD`) keep.
 
 What torchtitan's layer does differently, by its design (torchtitan 0.3.0,
 torchtitan/models/common/moe.py), and how it is configured here:
@@ -110,15 +110,15 @@ def torchtitan_state_dict(source_layer: nn.Module) -> dict:
 
 class TorchtitanMoE(nn.Module):
     """torchtitan's MoE layer behind our layers' call, ``y, aux = layer(x)`` with x of
-    shape (T, D) or (B, L, D)."""
+    shape (T, D) or (B, S, D)."""
 
     def __init__(self, moe: nn.Module):
         super().__init__()
         self.moe = moe
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BLD = x.reshape(1, -1, x.shape[-1]) if x.dim() == 2 else x
-        y = self.moe(x_BLD).reshape(x.shape)
+        x_BSD = x.reshape(1, -1, x.shape[-1]) if x.dim() == 2 else x
+        y = self.moe(x_BSD).reshape(x.shape)
         # torchtitan has no aux loss (see the module docstring); a zero that requires grad
         # lets the bench's backward([y, aux], ...) run as it does for our layers.
         return y, torch.zeros((), device=x.device, dtype=x.dtype, requires_grad=True)

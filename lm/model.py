@@ -14,8 +14,7 @@ drawn from its own generator seeded by (seed, parameter name), and each expert b
 (seed, parameter name, *global* expert index). So the three engines, and any expert
 parallel layout, start from the same model and give the same loss.
 
-Shape suffixes: B batch (sequences), S sequence length, D d_model, H heads,
-V vocabulary, E_local experts on this rank.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
 """
 from __future__ import annotations
 
@@ -163,14 +162,14 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
-        # 1. project to q, k, v with heads split out: (B, H, S, D/H) each
-        q_BHSd, k_BHSd, v_BHSd = (
+        # 1. project to q, k, v with heads split out: (B, M, S, d) each
+        q_BMSd, k_BMSd, v_BMSd = (
             t.view(B, S, self.num_heads, D // self.num_heads).transpose(1, 2)
             for t in self.qkv(x_BSD).chunk(3, dim=-1))
         # 2. attention (flash/memory-efficient kernels where available)
-        out_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=self.causal)
+        out_BMSd = F.scaled_dot_product_attention(q_BMSd, k_BMSd, v_BMSd, is_causal=self.causal)
         # 3. merge heads, output projection
-        return self.proj(out_BHSd.transpose(1, 2).reshape(B, S, D))
+        return self.proj(out_BMSd.transpose(1, 2).reshape(B, S, D))
 
 
 class Block(nn.Module):
@@ -268,9 +267,9 @@ def _seed_for(seed: int, name: str, index: int = 0) -> int:
 def init_parameters(model: MoETransformer, seed: int, rank: int = 0) -> None:
     """GPT-2 style init, reproducible per parameter name, independent of engine and layout.
 
-    Weights ~ N(0, 0.02) (residual output projections scaled by 1/sqrt(2 L)), position
+    Weights ~ N(0, 0.02) (residual output projections scaled by 1/sqrt(2 · num_layers)), position
     embeddings ~ N(0, 0.01), biases 0, LayerNorm weight 1. Expert weight slice i on
-    ``rank`` is global expert ``rank * E_local + i`` and gets that expert's generator.
+    ``rank`` is global expert ``rank * L + i`` and gets that expert's generator.
     """
     num_layers = model.preset.num_layers
     for name, param in model.named_parameters():
@@ -302,7 +301,7 @@ def _normal_(tensor: torch.Tensor, std: float, seed: int) -> None:
 IGNORE_INDEX = -100
 
 
-def lm_batch(kind: str, window_BW: torch.Tensor, mask_id: int, vocab_size: int,
+def lm_batch(kind: str, window_BS: torch.Tensor, mask_id: int, vocab_size: int,
              generator: torch.Generator | None = None, mask_prob: float = 0.15
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs_BS, targets_BS) of one batch of token windows.
@@ -313,17 +312,17 @@ def lm_batch(kind: str, window_BW: torch.Tensor, mask_id: int, vocab_size: int,
           original tokens there and IGNORE_INDEX elsewhere. Draws from ``generator`` (CPU).
     """
     if kind == "gpt":
-        return window_BW[:, :-1], window_BW[:, 1:]
-    shape = window_BW.shape
+        return window_BS[:, :-1], window_BS[:, 1:]
+    shape = window_BS.shape
     chosen_BS = torch.rand(shape, generator=generator) < mask_prob
     if not chosen_BS.any():
         chosen_BS[0, 0] = True
     action_BS = torch.rand(shape, generator=generator)
     random_BS = torch.randint(0, min(256, vocab_size), shape, generator=generator)
-    chosen_BS, action_BS, random_BS = (t.to(window_BW.device) for t in (chosen_BS, action_BS, random_BS))
-    inputs_BS = torch.where(chosen_BS & (action_BS < 0.8), torch.full_like(window_BW, mask_id), window_BW)
+    chosen_BS, action_BS, random_BS = (t.to(window_BS.device) for t in (chosen_BS, action_BS, random_BS))
+    inputs_BS = torch.where(chosen_BS & (action_BS < 0.8), torch.full_like(window_BS, mask_id), window_BS)
     inputs_BS = torch.where(chosen_BS & (action_BS >= 0.8) & (action_BS < 0.9), random_BS, inputs_BS)
-    targets_BS = torch.where(chosen_BS, window_BW, torch.full_like(window_BW, IGNORE_INDEX))
+    targets_BS = torch.where(chosen_BS, window_BS, torch.full_like(window_BS, IGNORE_INDEX))
     return inputs_BS, targets_BS
 
 

@@ -1,8 +1,6 @@
 """Token dispatch: permute → exchange counts → dispatch → (experts) → combine → un-permute.
 
-Legend (the engine's, see docs/engine.md): T tokens on this rank, K top_k, D d_model,
-E global experts, L local experts (E / W), W ranks, C count chunks, n partitions,
-R rows this rank sends, N rows it receives.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
 
 Each function is either purely local or one collective, never both, and its
 docstring says which: that cut is what lets the pipeline overlap them.

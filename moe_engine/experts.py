@@ -1,7 +1,7 @@
 """All local experts' FFNs as grouped GEMMs: one kernel per projection for all experts.
 
-Legend (the engine's, see docs/engine.md): N rows grouped by local expert (expert l owns
-rows [end[l-1], end[l])), D d_model, H d_hidden, L local experts.
+Shapes: see moe_engine's legend (moe_engine/__init__.py). Expert l owns rows
+[end[l-1], end[l]) of the N rows.
 
     A = x @ w1 + b1              (SwiGLU: A = (x @ w1 + b1, x @ w3), two parts)   "GEMM1"
     h = act(A)                   (SwiGLU: silu(gate) * up)

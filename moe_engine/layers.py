@@ -21,8 +21,7 @@ the tuning policy is each layer's `Planner`.
 Host reads: with several ranks a pass reads the device once (the count tables and the
 pass statistics, together); with one rank never (dispatcher.py says how).
 
-Legend (the engine's, see docs/engine.md): T tokens on this rank, D d_model, K top_k,
-E experts, C count chunks, R rows sent.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
 """
 from __future__ import annotations
 

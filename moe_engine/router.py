@@ -1,6 +1,6 @@
 """Top-k gate: softmax over experts, top-k choice, capacity, load-balance loss.
 
-Legend: T tokens on this rank, D d_model, E global experts, K top_k.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
 Everything here is local to the rank (no collectives).
 """
 from __future__ import annotations

@@ -7,8 +7,7 @@ name), the simulator (moe_sim/simulator.py) prices it, and the performance model
 (perf_model.py) takes its per-partition terms from it; tests/test_schedule.py checks
 that the engine runs exactly these operations.
 
-Legend (the engine's, see docs/engine.md): T tokens on this rank, D d_model, H d_hidden,
-R rows this rank sends, N rows it receives, n partitions.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
 
 Forward, for each partition i (rows of one token range, one All-to-All each):
 

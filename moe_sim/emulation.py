@@ -28,8 +28,7 @@ turns seconds into GPU clock cycles). The count exchange and the agreements cost
 only the copies run. With ``keep_log=True`` every call is logged in `calls`
 (`EmulatedCall`: kind, shapes, splits, modelled seconds).
 
-Legend (the engine's, see docs/engine.md): W ranks, R rows this rank sends, N rows it
-receives, D row width, C count chunks, L local experts.
+Shapes: see moe_engine's legend (moe_engine/__init__.py). D is the row width.
 """
 from __future__ import annotations
 

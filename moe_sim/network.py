@@ -1,6 +1,6 @@
 """Network model of a GPU cluster for the schedule simulator (docs/design.md §2, §7).
 
-A cluster is N nodes × G GPUs (P = N·G ranks, rank r on node r // G). Two
+A cluster is `nodes` × G GPUs (W = nodes·G ranks, rank r on node r // G). Two
 kinds of link carry an All-to-All:
 
 * intra-node (NVLink through NVSwitch): per GPU, one direction,
@@ -18,15 +18,15 @@ where the bytes and messages are those of the busiest rank on that link, in
 whichever direction is larger (the receiving side of a hot expert is usually
 the bottleneck). A rank's own rows move through device memory and are not
 network traffic. Routing decides which fraction of a rank's rows leaves its
-node (`Traffic`): uniform routing over N nodes sends (N−1)/N of the rows off
-the node and (G−1)/P over NVLink; skewed routing loads the ranks of the hot
+node (`Traffic`): uniform routing over the nodes sends (nodes−1)/nodes of the rows off
+the node and (G−1)/W over NVLink; skewed routing loads the ranks of the hot
 experts.
 
 A hierarchical All-to-All (`hierarchical_all_to_all_s`) first exchanges over
 NVLink so that each GPU holds the rows for "its" rail of every other node,
 then sends one message per remote node over InfiniBand, then scatters over
-NVLink again: N−1 inter-node messages of G·b/P bytes instead of P−G messages
-of b/P — it pays when per-message costs dominate.
+NVLink again: nodes−1 inter-node messages of G·b/W bytes instead of W−G messages
+of b/W — it pays when per-message costs dominate.
 
 Defaults are datasheet figures (see PRESETS); a JSON file of measured figures
 overrides them (`load_network`).
@@ -126,7 +126,7 @@ def load_network(name_or_path: str) -> NetworkProfile:
 
 @dataclass(frozen=True)
 class ClusterLayout:
-    """N nodes × G GPUs; rank r is GPU r % G of node r // G."""
+    """`nodes` × G GPUs; rank r is GPU r % G of node r // G."""
 
     nodes: int
     gpus_per_node: int
@@ -187,7 +187,7 @@ def routing_load(spec: str, num_experts: int) -> list[float]:
 
 
 def rank_load(load_E: list[float], ranks: int) -> list[float]:
-    """Share of the routed rows each rank's experts receive (expert e on rank e // (E / P))."""
+    """Share of the routed rows each rank's experts receive (expert e on rank e // (E / W))."""
     if len(load_E) % ranks:
         raise ValueError(f"{len(load_E)} experts do not spread evenly over {ranks} ranks; "
                          f"use a multiple of {ranks} experts")
@@ -224,28 +224,28 @@ def all_to_all_traffic(layout: ClusterLayout, load_E: list[float], peers: list[i
     """
     import numpy as np
 
-    P, G = layout.ranks, layout.gpus_per_node
-    share_P = np.asarray(rank_load(load_E, P))
-    offsets_O = np.arange(P) if peers is None else np.asarray(peers)
-    src_PO = np.repeat(np.arange(P)[:, None], len(offsets_O), axis=1)
-    dst_PO = (src_PO + offsets_O[None, :]) % P
-    rows_PO = share_P[dst_PO]
-    remote_PO = (dst_PO != src_PO) & (rows_PO > 0)
-    inter_PO = remote_PO & (dst_PO // G != src_PO // G)
-    intra_PO = remote_PO & ~inter_PO
+    W, G = layout.ranks, layout.gpus_per_node
+    share_W = np.asarray(rank_load(load_E, W))
+    offsets_J = np.arange(W) if peers is None else np.asarray(peers)
+    src_WJ = np.repeat(np.arange(W)[:, None], len(offsets_J), axis=1)
+    dst_WJ = (src_WJ + offsets_J[None, :]) % W
+    rows_WJ = share_W[dst_WJ]
+    remote_WJ = (dst_WJ != src_WJ) & (rows_WJ > 0)
+    inter_WJ = remote_WJ & (dst_WJ // G != src_WJ // G)
+    intra_WJ = remote_WJ & ~inter_WJ
 
-    def received_by_destination(mask_PO):
-        out_P = np.zeros(P)
-        np.add.at(out_P, dst_PO[mask_PO], rows_PO[mask_PO])
-        return out_P
+    def received_by_destination(mask_WJ):
+        out_W = np.zeros(W)
+        np.add.at(out_W, dst_WJ[mask_WJ], rows_WJ[mask_WJ])
+        return out_W
 
-    received_P = received_by_destination(np.ones_like(remote_PO))
-    send_intra_P, send_inter_P = (rows_PO * intra_PO).sum(1), (rows_PO * inter_PO).sum(1)
-    recv_intra_P, recv_inter_P = received_by_destination(intra_PO), received_by_destination(inter_PO)
-    return Traffic(intra=float(max(send_intra_P.max(), recv_intra_P.max())),
-                   inter=float(max(send_inter_P.max(), recv_inter_P.max())),
-                   intra_messages=int(intra_PO.sum(1).max()), inter_messages=int(inter_PO.sum(1).max()),
-                   received=float(received_P.max()), leaving_node=float(send_inter_P.sum() / P))
+    received_W = received_by_destination(np.ones_like(remote_WJ))
+    send_intra_W, send_inter_W = (rows_WJ * intra_WJ).sum(1), (rows_WJ * inter_WJ).sum(1)
+    recv_intra_W, recv_inter_W = received_by_destination(intra_WJ), received_by_destination(inter_WJ)
+    return Traffic(intra=float(max(send_intra_W.max(), recv_intra_W.max())),
+                   inter=float(max(send_inter_W.max(), recv_inter_W.max())),
+                   intra_messages=int(intra_WJ.sum(1).max()), inter_messages=int(inter_WJ.sum(1).max()),
+                   received=float(received_W.max()), leaving_node=float(send_inter_W.sum() / W))
 
 
 def rank_traffic(layout: ClusterLayout, rank: int, send_rows: list[int], recv_rows: list[int]) -> Traffic:
@@ -253,15 +253,15 @@ def rank_traffic(layout: ClusterLayout, rank: int, send_rows: list[int], recv_ro
     it with the bytes of one row): it sends send_rows[r] rows to rank r and receives
     recv_rows[r] from rank r. Its own rows move through device memory, not the network.
     Each link carries the larger of the rank's send and receive on it, as in
-    `all_to_all_traffic`; for a balanced exchange (b/P rows to and from every rank) the
-    two agree: this one is `all_to_all_traffic(layout, uniform_load(P))` times b."""
-    P = layout.ranks
-    if len(send_rows) != P or len(recv_rows) != P:
-        raise ValueError(f"rank_traffic needs one split per rank of the {P}-rank layout; got "
+    `all_to_all_traffic`; for a balanced exchange (b/W rows to and from every rank) the
+    two agree: this one is `all_to_all_traffic(layout, uniform_load(W))` times b."""
+    W = layout.ranks
+    if len(send_rows) != W or len(recv_rows) != W:
+        raise ValueError(f"rank_traffic needs one split per rank of the {W}-rank layout; got "
                          f"{len(send_rows)} send and {len(recv_rows)} receive splits")
     sums = {"intra": [0, 0], "inter": [0, 0]}
     messages = {"intra": [0, 0], "inter": [0, 0]}
-    for peer in range(P):
+    for peer in range(W):
         if peer == rank:
             continue
         link = "intra" if layout.node_of(peer) == layout.node_of(rank) else "inter"
@@ -285,35 +285,35 @@ def hierarchical_all_to_all_s(network: NetworkProfile, layout: ClusterLayout, tr
                               rank_bytes: float) -> float:
     """Seconds of a two-level All-to-All: NVLink gather to the rail GPU, one message per
     remote node over InfiniBand, NVLink scatter. Same bytes over the NIC as the flat one
-    (the busiest rank's inter share), but N−1 messages instead of P−G."""
-    N, G = layout.nodes, layout.gpus_per_node
-    if N == 1:
+    (the busiest rank's inter share), but nodes−1 messages instead of W−G."""
+    nodes, G = layout.nodes, layout.gpus_per_node
+    if nodes == 1:
         return flat_all_to_all_s(network, traffic, rank_bytes)
     # Each NVLink phase moves the inter-node rows once more inside the node (G−1 peers).
     nvlink_phase = (G - 1) * network.intra_message_s + traffic.inter * rank_bytes * (G - 1) / G \
         / network.intra_bytes_per_s
-    inter = (N - 1) * network.inter_message_s + traffic.inter * rank_bytes / network.inter_bytes_per_s
+    inter = (nodes - 1) * network.inter_message_s + traffic.inter * rank_bytes / network.inter_bytes_per_s
     intra = traffic.intra_messages * network.intra_message_s + traffic.intra * rank_bytes / network.intra_bytes_per_s
     return 3 * network.collective_s + 2 * nvlink_phase + max(inter, intra)
 
 
 def all_reduce_s(network: NetworkProfile, layout: ClusterLayout, nbytes: float) -> float:
-    """Ring all-reduce of `nbytes` per rank: 2(P−1)/P of the bytes through the slowest link
-    on the ring (InfiniBand once the ring leaves the node), 2(P−1) messages."""
-    P = layout.ranks
-    if P == 1:
+    """Ring all-reduce of `nbytes` per rank: 2(W−1)/W of the bytes through the slowest link
+    on the ring (InfiniBand once the ring leaves the node), 2(W−1) messages."""
+    W = layout.ranks
+    if W == 1:
         return 0.0
     multi_node = layout.nodes > 1
     bandwidth = network.inter_bytes_per_s if multi_node else network.intra_bytes_per_s
     message = network.inter_message_s if multi_node else network.intra_message_s
-    return network.collective_s + 2 * (P - 1) * message + 2 * (P - 1) / P * nbytes / bandwidth
+    return network.collective_s + 2 * (W - 1) * message + 2 * (W - 1) / W * nbytes / bandwidth
 
 
 def small_collective_s(network: NetworkProfile, layout: ClusterLayout) -> float:
     """A few bytes agreed by all ranks (max/sum or the count exchange): latency only,
-    a tree of depth log2(P) over the slowest link."""
-    P = layout.ranks
-    if P == 1:
+    a tree of depth log2(W) over the slowest link."""
+    W = layout.ranks
+    if W == 1:
         return 0.0
     message = network.inter_message_s if layout.nodes > 1 else network.intra_message_s
-    return network.collective_s + 2 * math.ceil(math.log2(P)) * message
+    return network.collective_s + 2 * math.ceil(math.log2(W)) * message

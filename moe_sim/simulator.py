@@ -1,9 +1,9 @@
 """Schedule simulator: one MoE layer's forward+backward, and a training step, on
-P ranks in N nodes (docs/design.md §2, §7), from calibrated parts.
+W ranks on several nodes (docs/design.md §2, §7), from calibrated parts.
 
-Legend: T tokens per rank, k top_k, D d_model, H d_hidden, A pre-activation
-width, L local experts, n partitions, b = k·T/n rows a rank sends per
-partition, Nn rows the busiest rank receives per partition.
+Shapes: see moe_engine's legend (moe_engine/__init__.py).
+Beside them: b = R/n rows a rank sends per partition, Nn rows the busiest rank
+receives per partition.
 
 The simulator replays, operation by operation, what the engine's host thread
 issues (the pipeline's schedule.py, layers.py, dispatcher.py, experts.py) on four
@@ -393,22 +393,22 @@ class _Layer:
 
     def __init__(self, shape: LayerShape, cluster: Cluster, parts, partitions: int, peers: list | None = None):
         self.shape, self.cluster, self.parts, self.n = shape, cluster, parts, partitions
-        P = cluster.layout.ranks
-        if shape.num_experts % P:
-            raise ValueError(f"LayerShape.num_experts={shape.num_experts} is not a multiple of the {P} ranks; "
-                             f"use {P * max(1, shape.num_experts // P)} experts or fewer ranks")
-        self.local = shape.num_experts // P
+        W = cluster.layout.ranks
+        if shape.num_experts % W:
+            raise ValueError(f"LayerShape.num_experts={shape.num_experts} is not a multiple of the {W} ranks; "
+                             f"use {W * max(1, shape.num_experts // W)} experts or fewer ranks")
+        self.local = shape.num_experts // W
         self.load = cluster.load_for(shape.num_experts)
         self.rows_sent = shape.top_k * shape.tokens                      # R
         self.b = math.ceil(self.rows_sent / partitions)                  # rows sent per partition
-        self.traffic: Traffic = (all_to_all_traffic(cluster.layout, self.load, peers) if P > 1 else
+        self.traffic: Traffic = (all_to_all_traffic(cluster.layout, self.load, peers) if W > 1 else
                                  Traffic(0, 0, 0, 0, 1.0, 0.0))
         # Rows of each local expert of the busiest receiver, per partition.
-        hot = max(range(P), key=lambda r: sum(self.load[r * self.local:(r + 1) * self.local]))
+        hot = max(range(W), key=lambda r: sum(self.load[r * self.local:(r + 1) * self.local]))
         share = self.load[hot * self.local:(hot + 1) * self.local]
         total = sum(self.load)
-        in_exchange = self.traffic.received / max(sum(share) / total * P, 1e-30) if P > 1 else 1.0
-        self.expert_rows = [self.b * P * s / total * in_exchange for s in share]
+        in_exchange = self.traffic.received / max(sum(share) / total * W, 1e-30) if W > 1 else 1.0
+        self.expert_rows = [self.b * W * s / total * in_exchange for s in share]
         self.Nn = sum(self.expert_rows)
 
     # durations ------------------------------------------------------------------------------
@@ -447,17 +447,17 @@ class _FasterLayer(_Layer):
     slowest one (most rows over the NIC)."""
 
     def __init__(self, shape, cluster, parts, steps: int, group: int):
-        P = cluster.layout.ranks
+        W = cluster.layout.ranks
         peers = None
-        if P > 1:
+        if W > 1:
             load = cluster.load_for(shape.num_experts)
-            candidates = [list(range(s * group, min((s + 1) * group, P))) for s in range(steps)]
+            candidates = [list(range(s * group, min((s + 1) * group, W))) for s in range(steps)]
             peers = max(candidates, key=lambda c: (all_to_all_traffic(cluster.layout, load, c).inter, len(c)))
         super().__init__(shape, cluster, parts, 1, peers=peers)
         self.n = steps
         # Traffic fractions are relative to all rows a rank sends; one step sends the
-        # rows of its peers (uniform routing: g/P of them).
-        self.scale = P / len(peers) if peers else 1.0
+        # rows of its peers (uniform routing: g/W of them).
+        self.scale = W / len(peers) if peers else 1.0
         self.b = math.ceil(self.rows_sent / self.scale)
         self.rows_received_total = self.Nn * steps
 
@@ -689,9 +689,9 @@ def _build(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: 
     if engine == "fastmoe":
         layer, partitions, strategy = _Layer(shape, cluster, parts, 1), 1, "none"
     elif engine == "fastermoe":
-        P = cluster.layout.ranks
-        partitions, strategy = fastermoe_steps(P, group_size), "none"
-        layer = _FasterLayer(shape, cluster, parts, partitions, min(group_size, P))
+        W = cluster.layout.ranks
+        partitions, strategy = fastermoe_steps(W, group_size), "none"
+        layer = _FasterLayer(shape, cluster, parts, partitions, min(group_size, W))
     else:
         layer = _Layer(shape, cluster, parts, partitions)
     host = _host_cost(parts, engine, strategy, layer.local)
@@ -709,7 +709,7 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     """Forward+backward of one layer of `engine` on the busiest rank of `cluster`.
 
     mpipemoe: `partitions` and `strategy` as given. fastmoe: one partition, keep
-    everything (act(A) too). fastermoe: ceil(P / group_size) steps, step s exchanging
+    everything (act(A) too). fastermoe: ceil(W / group_size) steps, step s exchanging
     with the ring offsets s·g … s·g+g−1 (layers.FasterMoE), keep everything.
     """
     _check(engine, partitions, strategy)
@@ -728,7 +728,7 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
 
 
 def all_to_all_options(shape: LayerShape, cluster: Cluster, parts) -> dict:
-    """One All-to-All of the whole batch (k·T rows per rank): flat and hierarchical
+    """One All-to-All of the whole batch (K·T rows per rank): flat and hierarchical
     seconds, and the fraction of rows that leaves the node."""
     layer = _Layer(shape, cluster, parts, 1)
     if cluster.layout.ranks == 1:  # one rank has no All-to-All
@@ -808,7 +808,7 @@ class ModelShape:
         return self.num_layers * per_layer + (self.vocab_size + self.seq_len) * D + 2 * D
 
     def expert_params(self, ranks: int) -> int:
-        """Expert parameters on one rank (its E / P experts in every layer)."""
+        """Expert parameters on one rank (its E / W experts in every layer)."""
         D, H = self.d_model, self.d_hidden
         per_expert = 2 * D * H + H + D + (D * H if self.activation == "swiglu" else 0)
         return self.num_layers * (self.num_experts // ranks) * per_expert
@@ -867,11 +867,11 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     elementwise = 4 * 2 * T * D * dtype_bytes / bandwidth
     head = 2 * T * D * model.vocab_size
     dense = model.num_layers * (3 * attention / rate + 3 * elementwise) + 3 * head / rate
-    P = cluster.layout.ranks
-    params = model.replicated_params + model.expert_params(P)
-    reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * 4) if P > 1 else 0.0
-    dense_here = -(-model.replicated_params // P) if shard_dense else model.replicated_params
-    master = dense_here + model.expert_params(P)
+    W = cluster.layout.ranks
+    params = model.replicated_params + model.expert_params(W)
+    reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * 4) if W > 1 else 0.0
+    dense_here = -(-model.replicated_params // W) if shard_dense else model.replicated_params
+    master = dense_here + model.expert_params(W)
     optimizer = 28 * master / bandwidth
     memory = _memory(moe.engine, layer_shape, cluster, _build(engine, layer_shape, cluster, parts, partitions, strategy,
                                                              group_size)[1], moe.partitions, moe.strategy)

@@ -79,12 +79,12 @@ def test_gpt_is_causal_and_bert_is_not():
 
 @pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-bert"])
 def test_engines_give_the_same_loss_and_gradients(preset):
-    window_BW = torch.randint(0, 256, (4, 65 if preset == "tiny-gpt" else 64),
+    window_BS = torch.randint(0, 256, (4, 65 if preset == "tiny-gpt" else 64),
                               generator=torch.Generator().manual_seed(3))
     results = {}
     for engine in ENGINES:
         model = _model(preset, engine)
-        inputs_BS, targets_BS = lm_batch(model.preset.kind, window_BW, MASK_ID, 259,
+        inputs_BS, targets_BS = lm_batch(model.preset.kind, window_BS, MASK_ID, 259,
                                          torch.Generator().manual_seed(1))
         logits_BSV, aux_loss = model(inputs_BS)
         loss = lm_loss(logits_BSV, targets_BS) + 0.01 * aux_loss
@@ -113,15 +113,15 @@ def test_init_is_reproducible_and_independent_of_expert_layout():
 
 
 def test_masked_lm_batch():
-    window_BW = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
-    inputs_BS, targets_BS = lm_batch("bert", window_BW, MASK_ID, 259, torch.Generator().manual_seed(0))
+    window_BS = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
+    inputs_BS, targets_BS = lm_batch("bert", window_BS, MASK_ID, 259, torch.Generator().manual_seed(0))
     chosen = targets_BS != IGNORE_INDEX
     assert 0.08 < chosen.float().mean() < 0.22
-    assert torch.equal(targets_BS[chosen], window_BW[chosen])
-    assert torch.equal(inputs_BS[~chosen], window_BW[~chosen])
+    assert torch.equal(targets_BS[chosen], window_BS[chosen])
+    assert torch.equal(inputs_BS[~chosen], window_BS[~chosen])
     assert (inputs_BS[chosen] == MASK_ID).float().mean() > 0.6
-    inputs_BS, targets_BS = lm_batch("gpt", window_BW, MASK_ID, 259)
-    assert torch.equal(inputs_BS, window_BW[:, :-1]) and torch.equal(targets_BS, window_BW[:, 1:])
+    inputs_BS, targets_BS = lm_batch("gpt", window_BS, MASK_ID, 259)
+    assert torch.equal(inputs_BS, window_BS[:, :-1]) and torch.equal(targets_BS, window_BS[:, 1:])
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])

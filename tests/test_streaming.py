@@ -88,8 +88,8 @@ stream = open_rank_stream(data_dir, 1, 2)          # rank 1 of 2: every other ro
 sampler = BatchSampler(stream, batch_size=8, window=65, seed=0, rank=1)
 losses = []
 for step in range(steps):
-    window_BW = torch.from_numpy(sampler.batch(step))
-    inputs_BS, targets_BS = lm_batch("gpt", window_BW, 257, 259)
+    window_BS = torch.from_numpy(sampler.batch(step))
+    inputs_BS, targets_BS = lm_batch("gpt", window_BS, 257, 259)
     logits_BSV, aux = model(inputs_BS)
     loss = lm_loss(logits_BSV, targets_BS) + 0.01 * aux
     optimizer.zero_grad(); loss.backward(); optimizer.step()

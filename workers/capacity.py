@@ -85,8 +85,8 @@ class BatchTrials:
         self.trials: list[dict] = []
 
     def _train_step(self, sampler: BatchSampler, index: int) -> None:
-        window_BW = torch.from_numpy(sampler.batch(index)).to(self.device)
-        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BW, self.config.get("mask_id", MASK_ID),
+        window_BS = torch.from_numpy(sampler.batch(index)).to(self.device)
+        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BS, self.config.get("mask_id", MASK_ID),
                                          self.preset.vocab_size, self.generator)
         with self.parallel.autocast():
             logits_BSV, aux_loss = self.parallel.module(inputs_BS)

@@ -184,9 +184,9 @@ class Trainer:
         return self.sampler.epoch_of((step - 1) * self.grad_accum)
 
     def _micro_batch(self, step: int, micro: int):
-        window_BW = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
+        window_BS = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
         seed = self.config["seed"] * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
-        return lm_batch(self.preset.kind, window_BW, self.config.get("mask_id", MASK_ID), self.preset.vocab_size,
+        return lm_batch(self.preset.kind, window_BS, self.config.get("mask_id", MASK_ID), self.preset.vocab_size,
                         torch.Generator().manual_seed(seed))
 
     def step(self, step: int, nan_loss: bool = False) -> dict:
