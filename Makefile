@@ -1,6 +1,7 @@
 # Two commands do all the set-up (see README):
 #   make train   - the main job: a short MoE training run on embedded local Ray
 #   make test    - the test suite
+#   make bench   - a small MoE-layer benchmark on CPU (docs/engine.md, "Benchmarking the layer")
 # Each creates .venv and installs the project into it when missing.
 PYTHON ?= python3
 VENV := .venv
@@ -32,6 +33,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray"
+
+bench: $(STAMP)
+	$(VENV)/bin/mpipemoe bench --tokens 256 --partitions 1,2 --strategies none,S3 --rounds 1 --repeats 1 --tracking-uri none
 
 clean:
 	rm -rf $(VENV) mlflow.db mlruns .pytest_cache

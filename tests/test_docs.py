@@ -295,6 +295,22 @@ def test_no_citation_of_files_outside_the_repository():
     assert not cited, f"citations of files the repository does not hold: {cited}"
 
 
+def test_cited_markdown_files_exist():
+    """Every `docs/....md` (or `results/`, `tools/`, ... `.md`) path that code, config, the Makefile
+    or the docs cite is a file of the repository."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    top_folders = "|".join(sorted({name.split("/")[0] for name in tracked if "/" in name}))
+    cited_path = re.compile(rf"(?<![\w./-])((?:{top_folders})/[\w./-]*\.md|README\.md)\b")
+    sources = [name for name in tracked if name.endswith((".py", ".toml", ".md")) or name == "Makefile"]
+    missing = [f"{name}:{number} -> {path}" for name in sources
+               if not name.startswith("results/") and name != "tests/test_docs.py"
+               for number, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+               for path in cited_path.findall(line) if not (ROOT / path).is_file()]
+    assert not missing, f"citations of markdown files the repository does not hold: {missing}"
+
+
 def test_cited_sections_of_the_design_exist():
     """`docs/design.md §4.1` (or `[design.md](design.md) §7`) in code and docs names a heading there."""
     headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", (ROOT / "docs" / "design.md").read_text(), flags=re.M))
