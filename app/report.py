@@ -14,7 +14,7 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 3. the best number of partitions n against tokens, with every violation of the
    assumed monotonicity (best n non-decreasing in tokens) marked;
 4. predicted against measured peak memory;
-5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate.py).
+5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate_report.py).
 6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity_report.py).
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
    app/emulated_report.py). Emulated runs never enter sections 1–4.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
-from app.simulate import load_simulations, section_simulations  # moves below app/ with the simulator (issue 19)
+from app.simulate_report import load_simulations, section_simulations
 from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
 from lm.errors import invocation
 
@@ -541,7 +541,7 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
                  simulations: list[dict] | None = None, capacities: list[dict] | None = None,
                  emulated: tuple[list[dict], list[dict]] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
-    ``simulations``: rows of ``app.simulate.load_simulations`` (section 5 when there are any);
+    ``simulations``: rows of ``app.simulate_report.load_simulations`` (section 5 when there are any);
     ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
     ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
     when there are any)."""
