@@ -15,6 +15,8 @@ from moe_engine.memory import predict_memory
 from moe_engine.config import STRATEGIES
 from tests.distributed import run_on_ranks
 
+pytestmark = pytest.mark.gloo
+
 CONFIG = MoEConfig(d_model=8, d_hidden=16, num_experts=4, top_k=2)
 TIMEOUT_S = 2
 

@@ -272,6 +272,7 @@ def engine_results():
     return run_on_ranks(2, _every_engine, ENGINE_PASSES, timeout=120, collective_timeout_s=20)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("name", [n for n, _ in ENGINE_PASSES])
 def test_collectives_get_tensors_on_the_data_device(engine_results, name):
     for rank, results in enumerate(engine_results):

@@ -82,9 +82,11 @@ def _nan_on_one_rank(rank, world_size):
     return True
 
 
+@pytest.mark.gloo
 def test_experts_not_divisible_by_world_size():
     assert run_on_ranks(2, _experts_not_divisible) == [True, True]
 
 
+@pytest.mark.gloo
 def test_nan_on_one_rank_fails_on_every_rank():
     assert run_on_ranks(2, _nan_on_one_rank) == [True, True]

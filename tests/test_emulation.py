@@ -111,6 +111,7 @@ def _emulated_calls(world_size: int, engines: list) -> tuple[list, list]:
     return logs, own
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_have_the_shapes_of_a_real_run_with_the_same_routing_on_every_rank(world_size):
     engines = ENGINES[world_size]

@@ -7,6 +7,8 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.engine_cases import ENGINES, SCENARIOS, check_matrix
 
+pytestmark = pytest.mark.gloo
+
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5}
 _results: dict = {}
 

@@ -181,6 +181,7 @@ def _auto_layer_matches_fastmoe(rank, world_size):
     return chosen, [d["event"] for d in layer.search.decisions], layer.profile.profiles
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_auto_layer_is_exact_and_ranks_agree(world_size):
     results = run_on_ranks(world_size, _auto_layer_matches_fastmoe)
@@ -231,6 +232,7 @@ def _cut_on_ranks(rank, world_size):
     return run_passes(search, 4096, 4), [d["event"] for d in search.decisions]
 
 
+@pytest.mark.gloo
 def test_ranks_cut_the_search_at_the_same_pass():
     results = run_on_ranks(2, _cut_on_ranks)
     assert results[0] == results[1]

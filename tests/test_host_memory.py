@@ -108,6 +108,7 @@ def _one_rank_short(rank, world_size):
     return layer.last_strategy, layer.host_fallback_reason, layer.host_pool.bytes_allocated
 
 
+@pytest.mark.gloo
 def test_one_short_rank_moves_every_rank_to_s4():
     (s0, reason0, bytes0), (s1, reason1, bytes1) = run_on_ranks(2, _one_rank_short, collective_timeout_s=30)
     assert s0 == s1 == "S4" and bytes0 == bytes1 == 0

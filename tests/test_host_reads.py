@@ -111,6 +111,7 @@ def _waits_on_rank(rank, world_size):
     return waits
 
 
+@pytest.mark.gloo
 def test_a_pass_on_several_ranks_reads_the_device_once():
     """With 2 gloo ranks: one read per pass (`.cpu()` of the count tables and statistics)."""
     for rank_waits in run_on_ranks(2, _waits_on_rank):

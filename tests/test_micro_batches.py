@@ -37,11 +37,13 @@ def _two_in_flight(rank, world_size, strategy):
     return pool.bytes_allocated
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
 def test_two_micro_batches_in_flight_one_rank(strategy):
     assert run_on_ranks(1, _two_in_flight, strategy)[0] > 0
 
 
+@pytest.mark.gloo
 def test_two_micro_batches_in_flight_two_ranks():
     assert all(b > 0 for b in run_on_ranks(2, _two_in_flight, "S1"))
 

@@ -93,6 +93,7 @@ def _shared_cache(rank, world_size, store_path):
     return cache.measurements, again.measurements
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_layers_share_one_measured_profile_and_later_runs_reuse_it(world_size, tmp_path):
     results = run_on_ranks(world_size, _shared_cache, str(tmp_path / f"profiles-{world_size}.json"))
@@ -104,6 +105,7 @@ def _calibrate(rank, world_size):
     return calibrate(config, 64, ExpertGroup(None), torch.device("cpu"), torch.float32, repeats=2)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_calibration_on_cpu_gives_one_profile_for_all_ranks(world_size):
     profiles = run_on_ranks(world_size, _calibrate)

@@ -6,6 +6,7 @@ import tempfile
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from moe_engine import HostBufferPool, MoEConfig, MPipeMoE
@@ -135,6 +136,7 @@ def _collectives_per_pass(rank, world_size):
     return passes, [d["event"] for d in layer.search.decisions], measured
 
 
+@pytest.mark.gloo
 def test_an_auto_layer_runs_at_most_one_agreement_collective_per_pass():
     results = run_on_ranks(2, _collectives_per_pass)
     (passes, events, measured), other = results[0], results[1]

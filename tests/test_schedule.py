@@ -14,6 +14,7 @@ import functools
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moe_engine import MoEConfig, layers
@@ -63,10 +64,12 @@ def _check(results: list, several: bool) -> None:
             assert recorded == _expected(partitions, strategy, several), f"rank {rank}, {spec}"
 
 
+@pytest.mark.gloo
 def test_one_rank_runs_the_schedule():
     _check(run_on_ranks(1, _recorded), several=False)
 
 
+@pytest.mark.gloo
 def test_two_ranks_run_the_schedule():
     results = run_on_ranks(2, _recorded)
     assert {spec: r[0] for spec, r in results[0].items()}["fastermoe:1"] == 2  # two steps of one peer

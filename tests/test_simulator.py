@@ -199,6 +199,7 @@ ONE_RANK_CASES = [(a, True, s) for a in ("gelu", "swiglu") for s in STRATEGIES] 
 TWO_RANK_CASES = [("gelu", True, "none"), ("swiglu", True, "S2"), ("gelu", False, "S4")]
 
 
+@pytest.mark.gloo
 def test_the_operator_calls_charged_per_partition_are_the_engines():
     """The simulator charges host time per operator call: its counts are what the engine's
     pipeline calls on CPU, one rank (all strategies) and two gloo ranks (All-to-Alls,

@@ -20,7 +20,7 @@ from moe_engine import MoEConfig, MPipeMoE
 from moe_engine.granularity import GranularitySearch
 from tests.distributed import run_on_ranks
 
-pytestmark = pytest.mark.soak
+pytestmark = [pytest.mark.soak, pytest.mark.gloo]
 
 STEPS = 520
 PHASE = 40          # steps per routing regime: balanced, skewed, balanced, ...

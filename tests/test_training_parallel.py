@@ -107,6 +107,7 @@ def runs(tmp_path_factory):
     return results, root / "out"
 
 
+@pytest.mark.gloo
 def test_ddp_and_fsdp2_give_the_same_losses(runs):
     results, _ = runs
     assert results[0]["ddp"] == results[1]["ddp"]  # every rank reports the global mean
@@ -114,6 +115,7 @@ def test_ddp_and_fsdp2_give_the_same_losses(runs):
     assert results[0]["ddp"][-1] < results[0]["ddp"][0]
 
 
+@pytest.mark.gloo
 def test_bf16_compute_stays_near_float32(runs):
     results, _ = runs
     fp32, bf16 = results[0]["ddp"], results[0]["bf16"]
@@ -121,6 +123,7 @@ def test_bf16_compute_stays_near_float32(runs):
     assert bf16 != fp32  # autocast really ran in bf16
 
 
+@pytest.mark.gloo
 def test_pure_bf16_parameters_train_in_bf16_near_mixed_precision(runs):
     results, _ = runs
     assert results[0]["pure_bf16_dtypes"] == ["torch.bfloat16"]  # parameters and AdamW moments
@@ -128,11 +131,13 @@ def test_pure_bf16_parameters_train_in_bf16_near_mixed_precision(runs):
     assert results[0]["pure_bf16"] != results[0]["bf16"]  # the master weights made a difference
 
 
+@pytest.mark.gloo
 def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(runs):
     results, _ = runs
     assert results[0]["accum"] == pytest.approx(results[0]["whole"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_sharded_checkpoint_resumes_exactly(runs, mode):
     results, out = runs
@@ -151,6 +156,7 @@ def test_sharded_checkpoint_resumes_exactly(runs, mode):
     assert not torch.equal(results[0][f"{mode}_experts"][w1], results[1][f"{mode}_experts"][w1])
 
 
+@pytest.mark.gloo
 def test_fsdp2_shards_the_dense_part(runs):
     results, _ = runs
     assert results[0]["fsdp2_dense_shard"] == ("DTensor", 259 // 2 + 1)  # tok_embed rows on rank 0
