@@ -140,6 +140,7 @@ def _grads_on_rank(rank: int, world_size: int, port: int, out: str, mode: str) -
         dist.destroy_process_group()
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path, mode):
     with socket.socket() as sock:
