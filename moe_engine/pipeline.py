@@ -30,7 +30,7 @@ class PipelineRun:
     keep_activation: also keep act(A) for backward, as autograd would (the FastMoE
     baseline); otherwise backward recomputes it from A, elementwise.
     recorder: a list that gets (op name, partition, stream) for every operation as it is
-    issued (tests/test_schedule.py); None records nothing."""
+    issued (tests/moe_engine/test_schedule.py); None records nothing."""
 
     experts: Experts
     group: ExpertGroup

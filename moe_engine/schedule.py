@@ -4,7 +4,7 @@
 `forward_schedule` and `backward_schedule` list, in the order the host issues them, the
 operations of one pipelined pass. pipeline.py executes this list (one handler per op
 name), the simulator (moe_sim/simulator.py) prices it, and the performance model
-(perf_model.py) takes its per-partition terms from it; tests/test_schedule.py checks
+(perf_model.py) takes its per-partition terms from it; tests/moe_engine/test_schedule.py checks
 that the engine runs exactly these operations.
 
 Shapes: see moe_engine's legend (moe_engine/__init__.py).

@@ -241,7 +241,7 @@ class HostScaled:
 # measure the host's cost of a partition on one GPU; it is spread over the partition's
 # calls, and a partition on several ranks, which calls more operators (the All-to-Alls,
 # their receive buffers, the re-orders by expert), is charged for its calls at that
-# rate. The counts are the engine's own: tests/test_simulator.py counts the calls of
+# rate. The counts are the engine's own: tests/moe_sim/test_simulator.py counts the calls of
 # pipeline.py on CPU (tests/test_host_reads.OperatorCalls) and compares them with these.
 # None of them grows with the number of experts (one grouped GEMM per projection).
 

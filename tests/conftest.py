@@ -1,5 +1,11 @@
 """Shared pytest fixtures.
 
+The tests mirror the source tree (tests/moe_engine/, tests/moe_sim/, tests/lm/,
+tests/workers/, tests/app/); the helpers every test imports (conftest.py, distributed.py,
+engine_cases.py, processes.py) stay here. Tiers are markers (pyproject.toml): ``gloo``
+(spawns gloo rank processes), ``ray``, ``soak``, ``faults``, ``gpu``; unmarked tests are
+unit tests.
+
 ``ray_local`` starts one embedded Ray instance for the whole session, sized for a
 2-core CI machine (two ``ray.init`` calls with different
 settings in one process conflict, and a stale ``ray_current_cluster`` file makes a

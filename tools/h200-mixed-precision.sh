@@ -19,7 +19,7 @@ XL=(--preset gpt-xl --num-layers 4)
 rm -rf ~/ray_results /tmp/mpipemoe-runs ray_results
 for stage in "$@"; do case $stage in
 gpu-tests)  # the GPU tests: engines on CUDA streams and NCCL, the Trainer's bf16 compute over float32 weights
-  step gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py ;;
+  step gpu-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py ;;
 gpt-s)  # default batch (8 x 1024 tokens), both engines, n and strategy chosen online
   step gpt-s 280 "${train[@]}" --preset gpt-s --engines mpipemoe,fastmoe --steps 40 --batch-size 8 \
     --summary-json "$OUT/train-gpt-s-h200-mixed.json" ;;

@@ -21,6 +21,6 @@ bench)  # 2. the layer benchmark in the same session as the parts (the committed
 bench-rerun)  # 3. the same again: the run-to-run spread of the measurements themselves
   step bench-rerun 300 "${bench[@]}" --out "$OUT/bench-h200-probe-rerun.json" ;;
 gpu-tests)  # 4. the GPU tests (engines on CUDA streams, device reads per pass, memory model)
-  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
+  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py tests/app/test_capacity.py ;;
 *) echo "unknown stage $stage: give parts, bench, bench-rerun or gpu-tests"; exit 2 ;;
 esac; done

@@ -22,6 +22,6 @@ capacity)  # 3. the largest batch each engine trains with under a 32 GiB cap
     --memory-cap-gib 32 --partitions 4 --strategy S3 --start-batch 8 --max-batch 64 --tracking-uri none \
     --out "$OUT/capacity-gpt-s-h200.json" ;;
 gpu-tests)  # 4. the GPU tests (engines on CUDA streams, memory model, capacity OOM search, host fallback)
-  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_capacity.py ;;
+  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py tests/app/test_capacity.py ;;
 *) echo "unknown stage $stage: give train-auto, train-n4-s3, capacity or gpu-tests"; exit 2 ;;
 esac; done

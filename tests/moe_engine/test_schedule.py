@@ -1,7 +1,7 @@
 """The engine runs exactly the schedule schedule.py describes: every operation, its
 partition, its stream, in order, for every engine, partition count and strategy, on one
 rank and on two gloo ranks. The simulator and the performance model price that same
-description (tests/test_simulator.py, tests/test_perf_model.py).
+description (tests/moe_sim/test_simulator.py, tests/moe_engine/test_perf_model.py).
 
 FastMoE runs the schedule with one partition and "none"; FasterMoE with one partition
 per peer group (ceil(ranks / group_size) steps, each exchanging with its peers only) and

@@ -153,7 +153,7 @@ def test_every_engine_reads_the_device_once_per_pass_on_several_ranks_and_never_
 def _calls_by_phase(config, partitions: int, strategy: str):
     """Operator calls of one MPipeMoE pass on CPU: (forward, backward)."""
     from moe_engine import MPipeMoE
-    from tests.test_host_reads import OperatorCalls
+    from tests.moe_engine.test_host_reads import OperatorCalls
 
     torch.manual_seed(0)
     layer = MPipeMoE(config, partitions=partitions, strategy=strategy)
@@ -512,7 +512,7 @@ def test_measured_parts_hold_what_the_simulator_reads(monkeypatch):
     so it is deterministic), and a GpuParts made of them drives every engine."""
     import moe_sim.parts as parts_module
     from moe_sim.parts import FFN_PHASES, ffn_key
-    from tests.test_host_reads import OperatorCalls
+    from tests.moe_engine.test_host_reads import OperatorCalls
 
     def operator_microseconds(fn, device, repeats=5):
         with OperatorCalls() as counted:

@@ -21,7 +21,7 @@ import pytest
 
 from tests.processes import free_ports, start_mlflow_server, stop, wait_http
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
 

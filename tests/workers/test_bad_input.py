@@ -3,7 +3,7 @@ problem and the fix (docs/design.md §8, issue 7 item 4); on the command line as
 stderr, exit status 1, no traceback unless ``--debug``.
 
 The Ray-side cases (NaN/Inf losses in a real run, a cluster too small for the workers,
-killed and stalled workers) are in tests/test_train_ray.py.
+killed and stalled workers) are in tests/app/test_train_ray.py.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ pytest.importorskip("jsonschema")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(text: str) -> dict:

@@ -69,5 +69,5 @@ def test_generated_records_default_to_the_ignored_out_folder():
     assert defaults["app.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
     assert defaults["app.report"].startswith(f"{DEFAULT_OUT_DIR}/")
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
-    ignored = (Path(__file__).parent.parent / ".gitignore").read_text().split()
+    ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert f"/{DEFAULT_OUT_DIR}/" in ignored

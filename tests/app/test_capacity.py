@@ -119,7 +119,7 @@ def test_report_section_tabulates_the_logged_h200_search(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    path = str(Path(__file__).parent.parent / "results" / "capacity-gpt-s-h200.json")
+    path = str(Path(__file__).parents[2] / "results" / "capacity-gpt-s-h200.json")
     assert run(parser.parse_args(["--import", path, "--tracking-uri", uri])) == 0
     rows = load_capacity_runs(uri)
     assert sorted(r["engine"] for r in rows) == ["fastmoe", "mpipemoe"]

@@ -4,9 +4,9 @@ Ray Train job asking one ``fake_gpu`` per worker must put one worker on each nod
 two train the tiny model together (gloo, expert parallel over both) to the last step.
 
 The cluster needs its own Ray instance, so the test runs this file as a subprocess
-(``python tests/test_cluster_multinode.py OUT_DIR``), away from the session's ``ray_local``.
+(``python tests/app/test_cluster_multinode.py OUT_DIR``), away from the session's ``ray_local``.
 
-    python tests/test_cluster_multinode.py /tmp/mn   # prints the placement as JSON
+    python tests/app/test_cluster_multinode.py /tmp/mn   # prints the placement as JSON
 """
 from __future__ import annotations
 

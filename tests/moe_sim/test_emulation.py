@@ -258,7 +258,7 @@ def test_bench_emulate_refuses_what_it_cannot_emulate(extra, message, tmp_path, 
 def test_training_never_uses_the_emulated_group():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "jobs.py",
                 *sorted((root / "lm").glob("*.py"))]
     assert len(training) > 3

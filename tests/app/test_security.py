@@ -1,6 +1,6 @@
 """Private by default (docs/design.md §8, issue 7 item 6): the MLflow UI and the embedded Ray
 instance listen on 127.0.0.1 only unless the user asks otherwise (then with a warning);
-cluster.yaml's bindings are checked in tests/test_cluster_config.py; docs/security.md
+cluster.yaml's bindings are checked in tests/app/test_cluster_config.py; docs/security.md
 says how to run safely. No server is started here: the commands and calls are captured.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from app import ui
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _FakeServer:

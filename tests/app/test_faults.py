@@ -40,7 +40,7 @@ from lm.data import MANIFEST, prepare_dataset
 
 pytestmark = pytest.mark.faults
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Steps far beyond what a test waits for: the runs are interrupted, or resumed with fewer.
 LONG = 400
 

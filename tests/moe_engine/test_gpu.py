@@ -135,7 +135,7 @@ def test_model_refuses_token_ids_outside_the_vocabulary_on_cuda():
 @pytest.mark.parametrize("strategy", ["none", "S3"])
 def test_device_waits_per_pass_do_not_grow_with_n(strategy):
     """PyTorch's sync debug mode flags every operation that makes the host wait for the
-    GPU; a pass waits the same number of times at n = 1 and n = 8 (tests/test_host_reads.py
+    GPU; a pass waits the same number of times at n = 1 and n = 8 (tests/moe_engine/test_host_reads.py
     checks the same on CPU by following the reads)."""
     import warnings
 
