@@ -242,7 +242,7 @@ class HostScaled:
 # calls, and a partition on several ranks, which calls more operators (the All-to-Alls,
 # their receive buffers, the re-orders by expert), is charged for its calls at that
 # rate. The counts are the engine's own: tests/moe_sim/test_simulator.py counts the calls of
-# pipeline.py on CPU (tests/test_host_reads.OperatorCalls) and compares them with these.
+# pipeline.py on CPU (tests/moe_engine/test_host_reads.py OperatorCalls) and compares them with these.
 # None of them grows with the number of experts (one grouped GEMM per projection).
 
 def _projection_calls(shape: "LayerShape") -> tuple[int, int]:

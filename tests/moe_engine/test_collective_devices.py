@@ -174,7 +174,7 @@ def test_tracker_flags_a_host_tensor_sent_to_a_collective():
     fake, sent = _fake_distributed()
     with DefaultDeviceTracker(), collectives_checked(fake):
         with pytest.raises(WrongDeviceError, match=r"all_reduce got a \(1,\) torch.float32 tensor made on the "
-                                                   r"default device \(tensor at tests/test_collective_devices"):
+                                                   r"default device \(tensor at tests/moe_engine/test_collective_devices"):
             fake.all_reduce(torch.tensor([1.0]))
         derived = (torch.tensor([1.0, 2.0], dtype=torch.float64) * 2).clone()[:1]
         with pytest.raises(WrongDeviceError, match="tensor made on the default device"):
