@@ -39,12 +39,13 @@ from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, client, 
                           resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (ENGINES, STRATEGIES, ModelPreset, MoETransformer, estimate_step_flops, estimate_worker_bytes,
+from lm.model import (ENGINES, STRATEGIES, MoETransformer, estimate_step_flops, estimate_worker_bytes,
                       get_preset, param_counts)
 from workers import checkpoint as ckpt
 from workers.control import new_stop_flag
 from workers.distributed import training_state_bytes
-from workers.loop import NONFINITE_POLICIES, train_fn_per_worker
+from workers.config import NONFINITE_POLICIES, WorkerConfig
+from workers.loop import train_fn_per_worker
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -177,25 +178,25 @@ def _resolve_gpu(job: TrainJob) -> bool:
     return torch.cuda.is_available()
 
 
-def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> dict:
-    """The plain dict that ``train_fn_per_worker`` reads (all settings resolved)."""
+def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerConfig:
+    """What ``train_fn_per_worker`` reads (all settings resolved)."""
     manifest = data_lib.Manifest.load(job.data_dir)
     preset = job.model_preset(vocab_size=manifest.vocab_size)
     cpus = job.cpus_per_worker or (1.0 if use_gpu else 0.9)
     dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
-    return {
-        "preset": dataclasses.asdict(preset), "engine": job.engine, "partitions": job.partitions,
-        "strategy": job.strategy, "seed": job.seed, "lr": job.lr, "weight_decay": job.weight_decay,
-        "warmup_steps": job.warmup_steps, "grad_clip": job.grad_clip,
-        "aux_loss_weight": job.aux_loss_weight, "steps": job.steps, "batch_size": job.batch_size,
-        "seq_len": preset.seq_len, "checkpoint_every": job.checkpoint_every,
-        "data_dir": job.data_dir, "use_gpu": use_gpu, "dtype": dtype, "param_dtype": job.param_dtype,
-        "torch_threads": max(1, int(cpus)), "cpus_per_worker": cpus,
-        "on_nonfinite_loss": job.on_nonfinite_loss, "metrics_queue": metrics_queue,
-        "shard_dense": job.shard_dense, "grad_accum": job.grad_accum, "async_checkpoint": job.async_checkpoint,
-        "collective_timeout_s": job.collective_timeout_s,
-        "mask_id": manifest.mask_id,  # the data's tokenizer decides its special ids
-    }
+    return WorkerConfig(
+        preset=preset, engine=job.engine, partitions=job.partitions,
+        strategy=job.strategy, seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
+        warmup_steps=job.warmup_steps, grad_clip=job.grad_clip,
+        aux_loss_weight=job.aux_loss_weight, steps=job.steps, batch_size=job.batch_size,
+        seq_len=preset.seq_len, checkpoint_every=job.checkpoint_every,
+        data_dir=str(job.data_dir), use_gpu=use_gpu, dtype=dtype, param_dtype=job.param_dtype,
+        torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
+        on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
+        shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
+        collective_timeout_s=job.collective_timeout_s,
+        mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
+    )
 
 
 def ensure_data(job: TrainJob, echo=print) -> None:
@@ -349,8 +350,8 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
     from ray.train.torch import TorchConfig, TorchTrainer
 
     use_gpu = _resolve_gpu(job)
-    config = {**worker_config(job, use_gpu, metrics_queue), "stop_flag": stop_flag, **(extra_config or {})}
-    resources = {"CPU": config["cpus_per_worker"]}
+    config = worker_config(job, use_gpu, metrics_queue).replace(stop_flag=stop_flag, **(extra_config or {}))
+    resources = {"CPU": config.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = 1
     return TorchTrainer(
@@ -490,24 +491,24 @@ def summarize(history: list[dict]) -> dict:
     return summary
 
 
-def model_memory(job: TrainJob, config: dict) -> dict:
+def model_memory(job: TrainJob, config: WorkerConfig) -> dict:
     """Parameter counts of the whole model and the training state per worker in bytes
     (master weights, gradients and AdamW's two moments in ``param_dtype``, the compute copy
     under bf16 autocast; the dense part divided by W under ``shard_dense``). Activations are
     the MoE engine's memory model (docs/engine.md)."""
     with torch.device("meta"):
-        model = MoETransformer(ModelPreset(**config["preset"]), engine=job.engine)
+        model = MoETransformer(config.preset, engine=job.engine)
     counts = param_counts(model)  # one process: every expert
-    compute_bytes, param_bytes = (torch.empty((), dtype=getattr(torch, config[key])).element_size()
-                                  for key in ("dtype", "param_dtype"))
+    compute_bytes, param_bytes = (torch.empty((), dtype=getattr(torch, name)).element_size()
+                                  for name in (config.dtype, config.param_dtype))
     return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // job.num_workers,
                                              job.num_workers, job.shard_dense, compute_bytes, param_bytes)}
 
 
-def _run_params(job: TrainJob, config: dict) -> dict:
+def _run_params(job: TrainJob, config: WorkerConfig) -> dict:
     params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
-    params["resolved"] = {k: v for k, v in config.items() if k not in ("preset", "metrics_queue", "stop_flag")}
-    params["model"] = dict(config["preset"])
+    params["resolved"] = config.settings()
+    params["model"] = config.preset_dict()
     try:
         params["model"].update(model_memory(job, config))
     except Exception as error:  # the count is informative only
@@ -631,7 +632,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         config = trainer.train_loop_config
         resuming = job.run_dir.exists()
         if resuming:  # before MLflow is touched: a run that cannot resume keeps its status
-            config["resume_from"] = choose_checkpoint(job, echo)
+            # the workers read the trainer's config when it fits
+            trainer.train_loop_config = config = config.replace(resume_from=choose_checkpoint(job, echo))
         save_job(job)
         logged_through, previous_status = 0, None
         try:
@@ -656,18 +658,18 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         lock.update(mlflow_run_id=run.run_id)
         if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
-        device = "GPU (nccl)" if config["use_gpu"] else "CPU (gloo)"
+        device = "GPU (nccl)" if config.use_gpu else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
         echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
-             f"{device}, {config['dtype']} compute over {job.param_dtype} weights, dense part "
-             f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config['seq_len']}{accum} "
+             f"{device}, {config.dtype} compute over {job.param_dtype} weights, dense part "
+             f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config.seq_len}{accum} "
              f"per worker, {job.steps} steps")
         memory = model_memory(job, config)
         mib = {k: v / 2**20 for k, v in memory.items() if k.endswith("_bytes")}
         echo(f"[mpipemoe] training state per worker {mib['training_state_bytes']:,.1f} MiB: {job.param_dtype} weights "
              f"{mib['master_params_bytes']:,.1f} + gradients {mib['grads_bytes']:,.1f} + AdamW moments "
              f"{mib['optimizer_state_bytes']:,.1f}"
-             + (f" + {config['dtype']} compute copy {mib['compute_copy_bytes']:,.1f}" if memory["compute_copy_bytes"]
+             + (f" + {config.dtype} compute copy {mib['compute_copy_bytes']:,.1f}" if memory["compute_copy_bytes"]
                 else "") + (" (dense part sharded)" if job.shard_dense else ""))
         if run.run_id:
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
@@ -693,15 +695,15 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.finish(previous_status if previous_status and not pump.history else "FAILED")
             raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
         trained = bool(pump.history)
-        if not trained and config.get("resume_from"):  # nothing left: the chosen checkpoint's step
-            reached = json.loads((Path(config["resume_from"]) / "meta.json").read_text()).get("step")
+        if not trained and config.resume_from:  # nothing left: the chosen checkpoint's step
+            reached = json.loads((Path(config.resume_from) / "meta.json").read_text()).get("step")
         summary = summarize(pump.history or ([result.metrics] if result.metrics else _recorded_last_step(run)))
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
                        wall_time_s=time.perf_counter() - started,
                        training_state_bytes=memory["training_state_bytes"])
-        if not trained and config.get("resume_from") and reached:
+        if not trained and config.resume_from and reached:
             summary["steps"] = reached
         if trained:  # a run that had already reached job.steps keeps its recorded summary
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()

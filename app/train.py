@@ -25,7 +25,7 @@ from app.records import record_meta
 from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import ENGINES, PRESETS, STRATEGIES
-from workers.loop import NONFINITE_POLICIES
+from workers.config import NONFINITE_POLICIES
 
 PRESET_NAMES = tuple(PRESETS)
 

@@ -7,7 +7,6 @@ wall time, so that MFU's gap to the GEMM rate is measured, not guessed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 import time
@@ -18,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lm.data import prepare_dataset
 from lm.model import get_preset, model_flops_per_token
+from workers.config import WorkerConfig
 from workers.loop import Trainer, peak_flops
 
 # Kernel kinds by name fragment, first match wins (names of cuBLAS/cuDNN/Triton/ATen kernels).
@@ -45,10 +45,10 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="profile-step")
     prepare_dataset(f"{work}/data", max_bytes=2**24, row_len=1024)
     preset = get_preset(args.preset).replace(num_layers=args.num_layers, vocab_size=259)
-    config = {"preset": dataclasses.asdict(preset), "engine": args.engine, "partitions": 1, "strategy": "none",
-              "seed": 0, "lr": 3e-4, "weight_decay": 0.1, "warmup_steps": 5, "grad_clip": 1.0,
-              "aux_loss_weight": 0.01, "steps": 100, "batch_size": args.batch_size, "seq_len": preset.seq_len,
-              "data_dir": f"{work}/data", "dtype": "bfloat16", "shard_dense": False, "grad_accum": 1}
+    config = WorkerConfig(preset=preset, engine=args.engine, partitions=1, strategy="none",
+                          seed=0, lr=3e-4, weight_decay=0.1, warmup_steps=5, grad_clip=1.0,
+                          aux_loss_weight=0.01, steps=100, batch_size=args.batch_size, seq_len=preset.seq_len,
+                          data_dir=f"{work}/data", dtype="bfloat16", shard_dense=False, grad_accum=1)
     dist.init_process_group("nccl", init_method=f"file://{work}/init", rank=0, world_size=1, device_id=device)
     trainer = Trainer(config, 0, 1, device)
     for step in range(1, 4):

@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from lm.data import MASK_ID, BatchSampler, open_rank_stream
-from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss
+from lm.data import BatchSampler, open_rank_stream
+from lm.model import MoETransformer, init_parameters, lm_batch, lm_loss
+from workers.config import WorkerConfig
 from workers.distributed import DenseParallel, reduce_max
 from workers.loop import build_optimizer, model_flops_metrics, peak_memory_bytes
 
@@ -71,26 +72,26 @@ class BatchTrials:
     """
 
     def __init__(self, model: MoETransformer, tokens, device: torch.device, world_size: int, rank: int,
-                 config: dict, on_trial: Callable[[dict], None] | None = None):
+                 config: WorkerConfig, on_trial: Callable[[dict], None] | None = None):
         self.model, self.tokens, self.device = model, tokens, device
         self.world_size, self.rank, self.config, self.on_trial = world_size, rank, config, on_trial
         self.preset = model.preset
         self.window = self.preset.seq_len + 1 if self.preset.kind == "gpt" else self.preset.seq_len
-        self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
+        self.parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp",
                                       world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config.get("dtype", "float32")),
-                                      timeout_s=config.get("collective_timeout_s"))
-        self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
-        self.generator = torch.Generator().manual_seed(config["seed"])
+                                      compute_dtype=getattr(torch, config.dtype),
+                                      timeout_s=config.collective_timeout_s)
+        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
+        self.generator = torch.Generator().manual_seed(config.seed)
         self.trials: list[dict] = []
 
     def _train_step(self, sampler: BatchSampler, index: int) -> None:
         window_BS = torch.from_numpy(sampler.batch(index)).to(self.device)
-        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BS, self.config.get("mask_id", MASK_ID),
+        inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BS, self.config.mask_id,
                                          self.preset.vocab_size, self.generator)
         with self.parallel.autocast():
             logits_BSV, aux_loss = self.parallel.module(inputs_BS)
-            loss = lm_loss(logits_BSV.float(), targets_BS) + self.config["aux_loss_weight"] * aux_loss.float()
+            loss = lm_loss(logits_BSV.float(), targets_BS) + self.config.aux_loss_weight * aux_loss.float()
         del logits_BSV
         loss.backward()
         self.parallel.finish_gradients()
@@ -105,8 +106,8 @@ class BatchTrials:
             torch.cuda.reset_peak_memory_stats(self.device)
         out_of_memory, times = False, []
         try:
-            sampler = BatchSampler(self.tokens, batch_size, self.window, self.config["seed"], self.rank)
-            for index in range(self.config["steps_per_trial"]):
+            sampler = BatchSampler(self.tokens, batch_size, self.window, self.config.seed, self.rank)
+            for index in range(self.config.steps_per_trial):
                 started = time.perf_counter()
                 self._train_step(sampler, index)
                 if cuda:
@@ -128,36 +129,36 @@ class BatchTrials:
                  **self.model.engine_choices()}
         if not failed:
             trial.update(model_flops_metrics(tokens / step_time / self.world_size, self.preset, self.device,
-                                             self.config.get("dtype", "float32")))
+                                             self.config.dtype))
         self.trials.append(trial)
         if self.on_trial is not None:
             self.on_trial(trial)
         return not failed
 
 
-def capacity_fn_per_worker(config: dict) -> None:
+def capacity_fn_per_worker(config: WorkerConfig) -> None:
     import ray.train
     import ray.train.torch
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    device = ray.train.torch.get_device() if config.use_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        if config["memory_cap_bytes"]:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, config["memory_cap_bytes"] / total), device)
-    torch.set_num_threads(config["torch_threads"])
-    torch.manual_seed(config["seed"] + rank)
+        if config.memory_cap_bytes:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.memory_cap_bytes / total), device)
+    torch.set_num_threads(config.torch_threads)
+    torch.manual_seed(config.seed + rank)
 
-    model = MoETransformer(ModelPreset(**config["preset"]), engine=config["engine"], group=None,
-                           partitions=config["partitions"], strategy=config["strategy"])
-    model.to(device=device)  # float32 master parameters; config["dtype"] is the autocast dtype
-    init_parameters(model, config["seed"], rank)
+    model = MoETransformer(config.preset, engine=config.engine, group=None,
+                           partitions=config.partitions, strategy=config.strategy)
+    model.to(device=device)  # float32 master parameters; config.dtype is the autocast dtype
+    init_parameters(model, config.seed, rank)
     model.train()
-    queue = config.get("metrics_queue") if rank == 0 else None
-    trials = BatchTrials(model, open_rank_stream(config["data_dir"], rank, world_size), device, world_size,
+    queue = config.metrics_queue if rank == 0 else None
+    trials = BatchTrials(model, open_rank_stream(config.data_dir, rank, world_size), device, world_size,
                          rank, config, on_trial=queue.put if queue is not None else None)
-    largest = largest_fitting(trials.fits, config["start_batch"], config["max_batch"])
+    largest = largest_fitting(trials.fits, config.start_batch, config.max_batch)
     if queue is not None:
         queue.put({"largest_batch_size": largest})

@@ -7,7 +7,7 @@ expert-parallel group of every MoE layer and the data-parallel group of the dens
 The model's parameters and AdamW state are float32 (master weights; ``param_dtype``
 bfloat16 keeps them in bf16 instead, for comparison); ``Trainer`` wraps
 the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) and runs
-the forward under autocast at ``config["dtype"]``. One step (numbers match the code):
+the forward under autocast at ``config.dtype``. One step (numbers match the code):
   1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
   2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss
   3. collective: loss sums over ranks; non-finite (or NaN/Inf caught inside a MoE layer,
@@ -30,7 +30,7 @@ controller has consumed the previous one, and the controller polls every
 step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
 The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
-``config`` keys are written by the driver's ``worker_config()`` (app/jobs.py). One key is
+``config`` is the driver's ``worker_config()`` (app/jobs.py, workers/config.py). One field is
 for fault-injection tests only: ``fault = {"kind": ..., "step": s, "rank": r}`` (rank
 default: the last) makes rank r, at step s,
   - "exit":     exit abruptly like a killed process (fresh start only, so the restarted
@@ -38,8 +38,8 @@ default: the last) makes rank r, at step s,
   - "stall":    stop participating while staying alive: the others' collectives must time out;
   - "nan_loss": produce a NaN loss.
 
-Ray Train is imported inside the functions that run under it: the driver reads this
-module (``NONFINITE_POLICIES``) and the tests run its pieces without Ray.
+Ray Train is imported inside the functions that run under it: the driver imports this
+module (``train_fn_per_worker``) and the tests run its pieces without Ray.
 """
 from __future__ import annotations
 
@@ -52,11 +52,12 @@ import uuid
 
 import torch
 
-from lm.data import MASK_ID, BatchSampler, open_rank_stream
+from lm.data import BatchSampler, open_rank_stream
 from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
+from workers.config import WorkerConfig
 from workers.control import StopPoller
 from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
 
@@ -65,18 +66,17 @@ class StepError(RuntimeError):
     """A training step failed; the message names the step (and rank)."""
 
 
-NONFINITE_POLICIES = ("halt", "skip")
 MAX_SKIPPED_IN_A_ROW = 10  # "skip": this many non-finite steps in a row halt (the model itself is broken)
 
 
 def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str, in_a_row: int,
-                         config: dict) -> None:
+                         config: WorkerConfig) -> None:
     """Called when step ``step``'s mean loss is NaN/Inf (``in_a_row``: such steps in a row,
     this one included). Raises StepError naming the step under "halt", or under "skip" once
     MAX_SKIPPED_IN_A_ROW are reached; otherwise returns and the caller skips the update.
     Every rank sees the same mean losses, so every rank takes the same action."""
     where = (f"non-finite loss at step {step} (lm_loss={mean_lm}, aux_loss={mean_aux}, "
-             f"engine={config['engine']}, lr={config['lr']})")
+             f"engine={config.engine}, lr={config.lr})")
     if policy == "halt":
         raise StepError(f"{where}: lower --lr, check the data, or use float32 "
                         f"(--on-nonfinite-loss skip skips such steps instead)")
@@ -85,9 +85,9 @@ def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str
                         f"broken: lower --lr, check the data, or use float32")
 
 
-def fault_here(config: dict, kind: str, step: int, rank: int, world_size: int) -> bool:
-    """Fault-injection tests: whether ``config["fault"]`` asks for ``kind`` here and now."""
-    fault = config.get("fault")
+def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size: int) -> bool:
+    """Fault-injection tests: whether ``config.fault`` asks for ``kind`` here and now."""
+    fault = config.fault
     return bool(fault) and fault["kind"] == kind and fault["step"] == step \
         and rank == fault.get("rank", world_size - 1)
 
@@ -157,27 +157,27 @@ class Trainer:
     buffers (taken per forward, given back by its backward) are reused across them.
     """
 
-    def __init__(self, config: dict, rank: int, world_size: int, device: torch.device, host_pool=None):
+    def __init__(self, config: WorkerConfig, rank: int, world_size: int, device: torch.device, host_pool=None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.preset = ModelPreset(**config["preset"])
+        self.preset = config.preset
         self.preset.check_world_size(world_size)
-        model = MoETransformer(self.preset, engine=config["engine"], group=None, partitions=config["partitions"],
-                               strategy=config["strategy"], host_pool=host_pool)
+        model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
+                               strategy=config.strategy, host_pool=host_pool)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast
-        init_parameters(model, config["seed"], rank)
-        if config.get("param_dtype", "float32") != "float32":  # pure low-precision training, for comparison
-            model.to(dtype=getattr(torch, config["param_dtype"]))
-        self.parallel = DenseParallel(model, mode="fsdp2" if config.get("shard_dense") else "ddp",
+        init_parameters(model, config.seed, rank)
+        if config.param_dtype != "float32":  # pure low-precision training, for comparison
+            model.to(dtype=getattr(torch, config.param_dtype))
+        self.parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp",
                                       world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config["dtype"]),
-                                      timeout_s=config.get("collective_timeout_s"))
+                                      compute_dtype=getattr(torch, config.dtype),
+                                      timeout_s=config.collective_timeout_s)
         self.model = model
-        self.optimizer = build_optimizer(self.parallel, config["lr"], config["weight_decay"])
-        window = config["seq_len"] + 1 if self.preset.kind == "gpt" else config["seq_len"]
-        self.grad_accum = config.get("grad_accum", 1)
+        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
+        window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
+        self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
-        self.sampler = BatchSampler(open_rank_stream(config["data_dir"], rank, world_size),
-                                    config["batch_size"], window, config["seed"], rank)
+        self.sampler = BatchSampler(open_rank_stream(config.data_dir, rank, world_size),
+                                    config.batch_size, window, config.seed, rank)
         self.nonfinite_in_a_row = 0
 
     def epoch_of(self, step: int) -> int:
@@ -185,8 +185,8 @@ class Trainer:
 
     def _micro_batch(self, step: int, micro: int):
         window_BS = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
-        seed = self.config["seed"] * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
-        return lm_batch(self.preset.kind, window_BS, self.config.get("mask_id", MASK_ID), self.preset.vocab_size,
+        seed = self.config.seed * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
+        return lm_batch(self.preset.kind, window_BS, self.config.mask_id, self.preset.vocab_size,
                         torch.Generator().manual_seed(seed))
 
     def step(self, step: int, nan_loss: bool = False) -> dict:
@@ -207,12 +207,12 @@ class Trainer:
                         loss_lm = lm_loss(logits_BSV.float(), targets_BS)
                     if nan_loss:
                         loss_lm = loss_lm * float("nan")
-                    loss = loss_lm + config["aux_loss_weight"] * aux_loss.float()
+                    loss = loss_lm + config.aux_loss_weight * aux_loss.float()
                     local_losses = [loss_lm.item(), aux_loss.item()]
                 except NonFiniteInputError:
                     loss, local_losses = None, [math.nan, math.nan]
                 except Exception as error:
-                    raise StepError(f"step {step} failed on rank {rank} (engine {config['engine']}): "
+                    raise StepError(f"step {step} failed on rank {rank} (engine {config.engine}): "
                                     f"{type(error).__name__}: {error}") from error
                 # 3. global losses; on NaN/Inf every rank halts, or skips this update, together
                 lm_sum, aux_sum = reduce_sum(local_losses, self.device, self.world_size)
@@ -226,19 +226,19 @@ class Trainer:
                 try:
                     (loss / K).backward()
                 except Exception as error:
-                    raise StepError(f"step {step} backward failed on rank {rank} (engine {config['engine']}): "
+                    raise StepError(f"step {step} backward failed on rank {rank} (engine {config.engine}): "
                                     f"{type(error).__name__}: {error}") from error
                 del loss, logits_BSV
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
         if skip:
-            check_nonfinite_loss(step, lm_total, aux_total, config.get("on_nonfinite_loss", "halt"),
+            check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
                                  self.nonfinite_in_a_row, config)
-        grad_norm, lr = math.nan, learning_rate(step, config["lr"], config["warmup_steps"])
+        grad_norm, lr = math.nan, learning_rate(step, config.lr, config.warmup_steps)
         if not skip:
             # 5. expert grads / W (dense ones were averaged by DDP/FSDP2)
             self.parallel.finish_gradients()
             # 6. global clip, update
-            grad_norm = self.parallel.clip_grad_norm(config["grad_clip"])
+            grad_norm = self.parallel.clip_grad_norm(config.grad_clip)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -246,17 +246,17 @@ class Trainer:
         return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip)}
 
 
-def train_fn_per_worker(config: dict) -> None:
+def train_fn_per_worker(config: WorkerConfig) -> None:
     import ray.train
     import ray.train.torch
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    device = ray.train.torch.get_device() if config.use_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(config["torch_threads"])
-    seed = config["seed"]
+    torch.set_num_threads(config.torch_threads)
+    seed = config.seed
     torch.manual_seed(seed + rank)
 
     # Model, optimizer, data ------------------------------------------------------------
@@ -266,27 +266,27 @@ def train_fn_per_worker(config: dict) -> None:
 
     start_step = 0
     checkpoint = ray.train.get_checkpoint()  # a restart within this run: the last one reported
-    resume_from = config.get("resume_from")  # a resumed run: the newest complete one (driver's choice)
+    resume_from = config.resume_from  # a resumed run: the newest complete one (driver's choice)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config["preset"])
+            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
         start_step = meta["step"]
     elif resume_from:
-        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config["preset"])
+        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
         start_step = meta["step"]
 
-    tokens_per_step = world_size * config["batch_size"] * trainer.grad_accum * config["seq_len"]
+    tokens_per_step = world_size * config.batch_size * trainer.grad_accum * config.seq_len
     # --async-checkpoint: a checkpoint's shards are written while the next step trains,
     # then (after that step, on every rank) completed and reported to Ray Train.
     saver = CheckpointSaver(config, rank, world_size, trainer)
-    queue = config.get("metrics_queue") if rank == 0 else None
-    stop = StopPoller(config.get("stop_flag") if rank == 0 else None)
+    queue = config.metrics_queue if rank == 0 else None
+    stop = StopPoller(config.stop_flag if rank == 0 else None)
     attempt = uuid.uuid4().hex[:8]  # tells the driver when Ray Train restarted the workers
     fresh = checkpoint is None and not resume_from
 
     # Loop -------------------------------------------------------------------------------
     trainer.model.train()
-    for step in range(start_step + 1, config["steps"] + 1):
+    for step in range(start_step + 1, config.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if fresh and fault_here(config, "exit", step, rank, world_size):
@@ -307,10 +307,10 @@ def train_fn_per_worker(config: dict) -> None:
         # 8. report
         metrics = {
             "step": step,
-            "loss": result["lm_loss"] + config["aux_loss_weight"] * result["aux_loss"],
+            "loss": result["lm_loss"] + config.aux_loss_weight * result["aux_loss"],
             **result,
             "tokens_per_s": tokens_per_step / step_time,
-            **model_flops_metrics(tokens_per_step / step_time / world_size, trainer.preset, device, config["dtype"]),
+            **model_flops_metrics(tokens_per_step / step_time / world_size, trainer.preset, device, config.dtype),
             "step_time_s": step_time,
             "peak_memory_bytes": int(peak),
             "tokens_seen": step * tokens_per_step,
@@ -321,8 +321,8 @@ def train_fn_per_worker(config: dict) -> None:
         if queue is not None:
             queue.put(metrics)
         saver.finish()  # the previous step's async checkpoint, if any
-        every = config["checkpoint_every"]  # 0 = no checkpoints
-        if every and (step % every == 0 or step == config["steps"] or stopping):
+        every = config.checkpoint_every  # 0 = no checkpoints
+        if every and (step % every == 0 or step == config.steps or stopping):
             saver.start(step, metrics)
         if stopping:
             break
@@ -332,22 +332,22 @@ def train_fn_per_worker(config: dict) -> None:
 class CheckpointSaver:
     """Writes a checkpoint and reports it to Ray Train (collective: every rank calls the
     same methods at the same steps). Synchronous by default; with
-    ``config["async_checkpoint"]`` the shards are copied to host memory in ``start`` and
+    ``config.async_checkpoint`` the shards are copied to host memory in ``start`` and
     written in the background, and ``finish`` (called after the next step) waits for them,
     writes ``meta.json`` and reports the checkpoint with the metrics of its step."""
 
-    def __init__(self, config: dict, rank: int, world_size: int, trainer: Trainer):
+    def __init__(self, config: WorkerConfig, rank: int, world_size: int, trainer: Trainer):
         self.config, self.rank, self.world_size, self.trainer = config, rank, world_size, trainer
-        self.asynchronous = bool(config.get("async_checkpoint"))
-        self.group = new_group(config.get("collective_timeout_s"), backend="gloo") \
+        self.asynchronous = config.async_checkpoint
+        self.group = new_group(config.collective_timeout_s, backend="gloo") \
             if self.asynchronous and world_size > 1 else None
         self.pending = None  # (future, temporary directory, step, meta, metrics)
 
     def _meta(self, step: int) -> dict:
         config = self.config
-        return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config["engine"],
-                "seed": config["seed"], "preset": config["preset"], "grad_accum": self.trainer.grad_accum,
-                "shard_dense": bool(config.get("shard_dense"))}
+        return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
+                "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
+                "shard_dense": config.shard_dense}
 
     def start(self, step: int, metrics: dict) -> None:
         directory = tempfile.TemporaryDirectory()

@@ -14,6 +14,7 @@ from app.capacity import CapacitySearch, add_arguments, run
 from lm.data import prepare_dataset
 from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
+from workers.config import WorkerConfig
 
 TRIAL_SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
 
@@ -53,7 +54,7 @@ def _tiny_trials(engine: str, device: torch.device, dtype=torch.float32, windows
     preset = get_preset("tiny-gpt").replace(seq_len=32)
     model = MoETransformer(preset, engine=engine, partitions=2, strategy="S1").to(device=device, dtype=dtype)
     tokens = np.random.default_rng(0).integers(0, preset.vocab_size, size=windows * 33)
-    return BatchTrials(model, tokens, device, world_size=1, rank=0, config=TRIAL_SETTINGS)
+    return BatchTrials(model, tokens, device, world_size=1, rank=0, config=WorkerConfig(preset, engine, data_dir="(tokens given)", **TRIAL_SETTINGS))
 
 
 @pytest.mark.parametrize("engine", ["mpipemoe", "fastmoe"])

@@ -33,7 +33,7 @@ def placed_train_fn(config: dict) -> None:
     record = {"rank": context.get_world_rank(), "world_size": context.get_world_size(),
               "node_id": ray.get_runtime_context().get_node_id()}
     Path(config["placement_dir"], f"rank{record['rank']}.json").write_text(json.dumps(record))
-    train_fn_per_worker({k: v for k, v in config.items() if k != "placement_dir"})
+    train_fn_per_worker(config["worker"])
 
 
 def main(out_dir: str) -> dict:
@@ -62,7 +62,7 @@ def main(out_dir: str) -> dict:
                        data_dir=str(ensure_default_data(out / "data", echo=lambda *_: None)),
                        storage_path=str(out / "results"), name="multinode",
                        tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-        config = {**worker_config(job, use_gpu=False), "placement_dir": str(out / "placement")}
+        config = {"worker": worker_config(job, use_gpu=False), "placement_dir": str(out / "placement")}
         trainer = TorchTrainer(
             placed_train_fn, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
             # one fake GPU per worker, like {"GPU": 1} on the real cluster

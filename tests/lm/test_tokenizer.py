@@ -80,7 +80,7 @@ def test_the_vocabulary_and_special_ids_reach_the_model(bpe_data, tmp_path):
                    tracking_uri="none")
     ensure_data(job)
     config = worker_config(job, use_gpu=False)
-    assert config["preset"]["vocab_size"] == 600 and config["mask_id"] == 1
+    assert config.preset.vocab_size == 600 and config.mask_id == 1
 
 
 def test_a_tokenizer_json_is_loaded_and_encodes_the_same(bpe_data, corpus, tmp_path):

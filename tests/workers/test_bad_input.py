@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,7 +142,7 @@ def test_token_ids_outside_the_vocabulary(data_dir, tmp_path):
 # ---- NaN/Inf loss policy ------------------------------------------------------------------
 
 def test_nonfinite_loss_halts_or_skips_naming_the_step():
-    config = {"engine": "mpipemoe", "lr": 1e-3}
+    config = SimpleNamespace(engine="mpipemoe", lr=1e-3)  # the fields it names
     with pytest.raises(StepError, match=r"non-finite loss at step 7 \(lm_loss=nan.*--on-nonfinite-loss skip"):
         check_nonfinite_loss(7, float("nan"), 1.0, "halt", 1, config)
     check_nonfinite_loss(7, float("inf"), 1.0, "skip", 1, config)   # returns: the caller skips the update
@@ -225,4 +226,4 @@ def test_fault_options_reach_ray_train(data_dir, tmp_path):
     trainer = build_trainer(job)
     assert trainer.run_config.failure_config.max_failures == 3
     assert trainer.backend_config.timeout_s == 7
-    assert trainer.train_loop_config["on_nonfinite_loss"] == "skip"
+    assert trainer.train_loop_config.on_nonfinite_loss == "skip"

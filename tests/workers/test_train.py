@@ -57,9 +57,9 @@ def test_worker_config_resolves_device_dtype_and_preset(tmp_path):
     prepare_dataset(tmp_path, max_bytes=50_000, row_len=1000)
     job = TrainJob(data_dir=str(tmp_path), seq_len=128, num_experts=8)
     cpu = worker_config(job, use_gpu=False)
-    assert (cpu["dtype"], cpu["cpus_per_worker"], cpu["torch_threads"]) == ("float32", 0.9, 1)
-    assert cpu["preset"]["seq_len"] == cpu["seq_len"] == 128 and cpu["preset"]["num_experts"] == 8
-    assert worker_config(job, use_gpu=True)["dtype"] == "bfloat16"
+    assert (cpu.dtype, cpu.cpus_per_worker, cpu.torch_threads) == ("float32", 0.9, 1)
+    assert cpu.preset.seq_len == cpu.seq_len == 128 and cpu.preset.num_experts == 8
+    assert worker_config(job, use_gpu=True).dtype == "bfloat16"
 
 
 def test_cli_arguments_build_the_job(tmp_path):
@@ -177,7 +177,7 @@ def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
     assert (trainer.backend_config.backend, trainer.backend_config.timeout_s) == ("nccl", 120)
     assert trainer.scaling_config.num_workers == 4 and trainer.scaling_config.use_gpu
     assert trainer.scaling_config.resources_per_worker == {"CPU": 1.0, "GPU": 1}
-    assert trainer.train_loop_config["dtype"] == "bfloat16" and trainer.train_loop_config["use_gpu"]
+    assert trainer.train_loop_config.dtype == "bfloat16" and trainer.train_loop_config.use_gpu
     cpu = build_trainer(TrainJob(use_gpu=False, data_dir=str(tmp_path / "data"), storage_path=str(tmp_path / "rr")))
     assert cpu.backend_config.backend == "gloo" and cpu.scaling_config.resources_per_worker == {"CPU": 0.9}
 

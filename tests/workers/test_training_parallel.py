@@ -26,11 +26,12 @@ import torch
 from lm.data import MASK_ID, prepare_dataset
 from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from tests.distributed import run_on_ranks
+from workers.config import WorkerConfig
 
 N, K = 4, 2
 
 
-def _config(data_dir: str, **change) -> dict:
+def _config(data_dir: str, **change) -> WorkerConfig:
     preset = get_preset("tiny-gpt").replace(vocab_size=259)
     import dataclasses
 
@@ -39,7 +40,7 @@ def _config(data_dir: str, **change) -> dict:
               "aux_loss_weight": 0.01, "steps": N, "batch_size": 4, "seq_len": preset.seq_len,
               "data_dir": data_dir, "dtype": "float32", "shard_dense": False, "grad_accum": 1}
     config.update(change)
-    return config
+    return WorkerConfig(**config)
 
 
 def _losses(trainer, steps) -> list[float]:
@@ -71,7 +72,7 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
         losses = _losses(first, range(1, K + 1))
         own = Path(out) / name / f"rank{rank}"  # what each worker reports to Ray Train ...
         own.mkdir(parents=True)
-        meta = {"step": K, "world_size": world_size, "preset": first.config["preset"]}
+        meta = {"step": K, "world_size": world_size, "preset": first.config.preset_dict()}
         if name == "ddp":  # async: the next step trains while the shards are written
             future = ckpt.save_async(own, rank, world_size, first.parallel, first.optimizer,
                                      dist.new_group(backend="gloo"))
@@ -89,7 +90,7 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
         results[f"{name}_continued"] = losses + _losses(first, range(len(losses) + 1, N + 1))  # saving changed nothing
         torch.manual_seed(100 + rank)  # the checkpoint's RNG state must win
         second = Trainer(_config(data_dir, **change), rank, world_size, device)
-        meta = ckpt.load(merged, rank, world_size, second.parallel, second.optimizer, second.config["preset"])
+        meta = ckpt.load(merged, rank, world_size, second.parallel, second.optimizer, second.config.preset_dict())
         results[f"{name}_resumed"] = losses[:K] + _losses(second, range(meta["step"] + 1, N + 1))
         embed = second.model.tok_embed.weight
         local = embed.to_local() if hasattr(embed, "to_local") else embed

@@ -1,0 +1,133 @@
+"""What the driver hands each Ray Train worker: one frozen, validated ``WorkerConfig``.
+
+The driver builds it with ``app.jobs.worker_config(job, use_gpu)`` (all settings resolved:
+device, dtype, threads, the data's mask id); ``workers/loop.py`` (training) and
+``workers/capacity.py`` (the batch-size search) read its attributes. Ray pickles it to the
+workers like any value. Tests build one directly, with the defaults below.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lm.data import MASK_ID
+from lm.model import ENGINES, STRATEGIES, ModelPreset
+
+NONFINITE_POLICIES = ("halt", "skip")
+DTYPES = ("float32", "bfloat16", "float16")
+# Fields only some runs set; logged to MLflow only when set (app/jobs.py ``_run_params``).
+RUN_SPECIFIC = ("resume_from", "fault", "memory_cap_bytes", "start_batch", "max_batch", "steps_per_trial")
+HANDLES = ("metrics_queue", "stop_flag")  # Ray actor handles, not settings
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"WorkerConfig.{field}={value!r} is invalid: {fix}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one training (or capacity-search) worker.
+
+    preset:              the model (a ``ModelPreset``; its dict, as checkpoints store it, is accepted).
+    engine, partitions, strategy: the MoE engine and its pipeline settings (lm.model).
+    seed, lr, weight_decay, warmup_steps, grad_clip, aux_loss_weight: the optimisation.
+    steps, batch_size, seq_len, grad_accum: the run's length and each worker's batch.
+    checkpoint_every:    steps between checkpoints (0: none); async_checkpoint writes them
+                         while the next step trains.
+    data_dir:            the prepared dataset (lm.data); mask_id is its tokenizer's mask token.
+    use_gpu, dtype, param_dtype: device, autocast dtype and parameter dtype.
+    torch_threads, cpus_per_worker: CPU threads per worker and the CPUs Ray reserves.
+    on_nonfinite_loss:   "halt" or "skip" (workers/loop.py ``check_nonfinite_loss``).
+    shard_dense:         FSDP2 for the dense part instead of DDP.
+    collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
+    metrics_queue, stop_flag: Ray actor handles (the driver's queue and Ctrl-C flag) or None.
+    resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
+    fault:               fault-injection tests only (workers/loop.py ``fault_here``).
+    memory_cap_bytes, start_batch, max_batch, steps_per_trial: the capacity search only
+                         (app/capacity.py ``CapacitySearch``).
+    """
+
+    preset: ModelPreset
+    engine: str
+    data_dir: str
+    partitions: int | str = "auto"
+    strategy: str = "auto"
+    seed: int = 0
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    aux_loss_weight: float = 0.01
+    steps: int = 1
+    batch_size: int = 1
+    seq_len: int | None = None
+    checkpoint_every: int = 0
+    use_gpu: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    torch_threads: int = 1
+    cpus_per_worker: float = 1.0
+    on_nonfinite_loss: str = "halt"
+    shard_dense: bool = False
+    grad_accum: int = 1
+    async_checkpoint: bool = False
+    collective_timeout_s: float | None = None
+    mask_id: int = MASK_ID
+    metrics_queue: object | None = None
+    stop_flag: object | None = None
+    resume_from: str | None = None
+    fault: dict | None = None
+    memory_cap_bytes: int | None = None
+    start_batch: int | None = None
+    max_batch: int | None = None
+    steps_per_trial: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preset, dict):  # as checkpoints and older callers give it
+            object.__setattr__(self, "preset", ModelPreset(**self.preset))
+        if not isinstance(self.preset, ModelPreset):
+            _fail("preset", self.preset, "give a lm.model.ModelPreset (or its dict)")
+        if self.seq_len is None:
+            object.__setattr__(self, "seq_len", self.preset.seq_len)
+        if self.engine not in ENGINES:
+            _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
+        if self.strategy not in STRATEGIES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.partitions != "auto" and not (_is_int(self.partitions) and self.partitions >= 1):
+            _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')
+        if not isinstance(self.data_dir, str) or not self.data_dir:
+            _fail("data_dir", self.data_dir, "give the prepared dataset's directory (mpipemoe data)")
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "torch_threads"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                _fail(name, getattr(self, name), "give an integer >= 1")
+        for name in ("seed", "warmup_steps", "checkpoint_every", "mask_id"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                _fail(name, getattr(self, name), "give an integer >= 0")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                _fail(name, getattr(self, name), f"choose one of {', '.join(DTYPES)}")
+        if self.on_nonfinite_loss not in NONFINITE_POLICIES:
+            _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose one of {', '.join(NONFINITE_POLICIES)}")
+        for name in ("start_batch", "max_batch", "steps_per_trial"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                _fail(name, value, "give an integer >= 1, or None outside the capacity search")
+
+    def replace(self, **changes) -> WorkerConfig:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def preset_dict(self) -> dict:
+        """The model preset as checkpoints store it (``meta.json``'s "preset")."""
+        return dataclasses.asdict(self.preset)
+
+    def settings(self) -> dict:
+        """The resolved settings as MLflow logs them: every field but the preset (logged as
+        the model) and the actor handles; the run-specific ones only when set."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if field.name not in ("preset", *HANDLES)
+                and not (field.name in RUN_SPECIFIC and getattr(self, field.name) is None)}
