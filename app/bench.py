@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.records import DEFAULT_OUT_DIR, record_meta
+from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.tracking import RunLogger, resolve_tracking_uri
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
@@ -683,10 +684,10 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
         return 0
     meta = result["meta"]
     count = 0
-    for kind, rows in (("bench", result["records"]), ("bench-summary", result["summaries"])):
+    for kind, rows in ((BENCH, result["records"]), (BENCH_SUMMARY, result["summaries"])):
         for row in rows:
             run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{row.get('engine', 'summary')}",
-                                  tags={"kind": kind, "device": meta["device"], "command": meta["command"][:250],
+                                  tags={**kind_tags(kind), "device": meta["device"], "command": meta["command"][:250],
                                         "measured_as": meta.get("measured_as", "measured")})
             params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
             params.update(world_size=meta["world_size"], date=meta["date"], torch=meta["torch"],

@@ -25,8 +25,10 @@ import torch
 
 from app.jobs import TrainJob, build_trainer, ensure_data, init_ray
 from app.records import DEFAULT_OUT_DIR, record_meta
+from app.run_kinds import CAPACITY, kind_tags
 from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
-from lm.model import ENGINES, PRESETS
+from lm.model import PRESETS
+from moe_engine.config import ENGINES
 from workers.capacity import capacity_fn_per_worker
 
 
@@ -124,7 +126,7 @@ def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
         return
     for result in record["results"]:
         run = RunLogger.start(tracking_uri, experiment, run_name=f"capacity-{result['engine']}",
-                              tags={"mpipemoe.kind": "capacity", "engine": result["engine"],
+                              tags={**kind_tags(CAPACITY), "engine": result["engine"],
                                     "preset": record["meta"]["preset"], "device": record["meta"]["hardware"]})
         run.log_params({**record["meta"]["search"], "command": record["meta"]["command"][:250],
                         "num_workers": record["meta"]["num_workers"]})

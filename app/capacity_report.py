@@ -2,13 +2,14 @@
 their MLflow runs, read back, and the Markdown table of each engine's largest batch."""
 from __future__ import annotations
 
-from app.tracking import finished_runs
+from app.run_kinds import CAPACITY
+from app.tracking import finished_runs_of_kind
 
 
 def load_capacity_runs(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
     """Every finished capacity run (one per engine and search) as a flat dict, oldest first."""
     rows = [{**run.data.params, **run.data.metrics, **run.data.tags, "start_time": run.info.start_time}
-            for _, run in finished_runs(tracking_uri, experiments, "tags.`mpipemoe.kind` = 'capacity'")]
+            for _, run in finished_runs_of_kind(tracking_uri, experiments, CAPACITY)]
     return sorted(rows, key=lambda r: r["start_time"] or 0)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from app.tracking import finished_runs
+from app.run_kinds import BENCH, BENCH_SUMMARY
+from app.tracking import finished_runs_of_kind
 
 STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
 STRATEGY_COLOURS = {"none": "black", "S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green", "S4": "tab:red"}
@@ -30,9 +31,8 @@ def _row(run) -> dict:
 def load_emulated(tracking_uri: str, experiments: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     """(summaries, records) of the emulated bench runs."""
     emulated = "tags.measured_as = 'emulated'"
-    summaries = [_row(run) for _, run in finished_runs(tracking_uri, experiments,
-                                                       f"tags.kind = 'bench-summary' and {emulated}")]
-    records = [_row(run) for _, run in finished_runs(tracking_uri, experiments, f"tags.kind = 'bench' and {emulated}")]
+    summaries = [_row(run) for _, run in finished_runs_of_kind(tracking_uri, experiments, BENCH_SUMMARY, emulated)]
+    records = [_row(run) for _, run in finished_runs_of_kind(tracking_uri, experiments, BENCH, emulated)]
     return summaries, records
 
 

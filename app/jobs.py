@@ -34,13 +34,15 @@ from pathlib import Path
 import torch
 
 from app.offline import PENDING_FILE, is_remote
+from app.run_kinds import TRAIN, kind_tags
 from app.runlock import RunLock
 from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, client, find_run, metric_history,
                           resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (ENGINES, STRATEGIES, MoETransformer, estimate_step_flops, estimate_worker_bytes,
+from lm.model import (MoETransformer, estimate_step_flops, estimate_worker_bytes,
                       get_preset, param_counts)
+from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import new_stop_flag
 from workers.distributed import training_state_bytes
@@ -123,8 +125,8 @@ class TrainJob:
         if self.partitions != "auto" and (isinstance(self.partitions, bool)
                                           or not isinstance(self.partitions, int) or self.partitions < 1):
             _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
-        if self.strategy not in STRATEGIES:
-            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.strategy not in STRATEGY_CHOICES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
         if self.dtype == "float16":
             _fail("dtype", self.dtype, "float16 compute needs loss scaling, which this trainer does not do; "
                   "use --dtype bfloat16 (same memory and speed, no scaling needed) or float32")
@@ -648,7 +650,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                 run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
                                       parent_run_id=job.parent_run_id,
                                       tags={"ray_train_name": job.name, "engine": job.engine,
-                                            "preset": job.preset, "mpipemoe.kind": "train",
+                                            "preset": job.preset, **kind_tags(TRAIN),
                                             "run_dir": str(job.run_dir)})
                 run.log_params(_run_params(job, config))
         except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
+from app.run_kinds import BENCH, TRAIN, run_kind
 from app.simulate_report import load_simulations, section_simulations
 from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
 from lm.errors import invocation
@@ -98,13 +99,13 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
     """A ``Record`` from one run's params/metrics/tags, or None for runs of no known kind."""
     if tags.get("measured_as") == "emulated":  # rank 0 of a modelled cluster: section 7 only
         return None
-    kind = tags.get("kind") or tags.get("mpipemoe.kind") or \
+    kind = run_kind(tags) or \
         ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
     engine = params.get("engine")
-    if kind not in ("bench", "train") or not engine:
+    if kind not in (BENCH, TRAIN) or not engine:
         return None
     model = params.get("model") or params.get("preset") or "?"
-    if kind == "bench":  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
+    if kind == BENCH:  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
         if params.get("routing", "uniform") != "uniform":  # skewed routing: its own series
             model = f"{model}/{params['routing']}"
         auto_partitions = auto_strategy = params.get("chosen_by") == "auto"

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from app.records import DEFAULT_OUT_DIR, command_line, utc_timestamp
+from app.run_kinds import SIMULATE, kind_tags
 
 DEFAULT_PARTS = "results/sim-parts-h200.json"
 DEFAULT_PARTITIONS = (1, 2, 4, 8, 16)
@@ -294,7 +295,7 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
         for row in point["engines"]:
             run = RunLogger.start(uri, experiment, run_name=f"sim-{point['model']}-{point['tokens']}-"
                                   f"{point['nodes']}x{point['gpus_per_node']}-{row['label']}",
-                                  tags={"kind": "simulate", "command": result["meta"]["command"][:250]})
+                                  tags={**kind_tags(SIMULATE), "command": result["meta"]["command"][:250]})
             params = {k: v for k, v in point.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)}
             params.update(label=row["label"], engine=row["engine"], partitions=row["partitions"],
                           strategy=row["strategy"], parts=result["meta"]["parts"])
@@ -418,7 +419,8 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
     whose prediction at measurement time (``predicted_memory_bytes``, written by the
     bench) is today's. A record of an earlier engine keeps its memory error in its row
     but is left out of the memory summary (``memory_model_current`` False)."""
-    from moe_sim.simulator import ENGINES, LayerShape, simulate_layer
+    from moe_engine.config import ENGINES
+    from moe_sim.simulator import LayerShape, simulate_layer
 
     rows = []
     for path in bench_paths:

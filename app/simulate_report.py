@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 
-from app.tracking import finished_runs
+from app.run_kinds import SIMULATE
+from app.tracking import finished_runs_of_kind
 
 
 def load_simulations(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
     """Every finished kind=simulate run (in `experiments`, default all) as a flat dict of
     params and metrics, oldest first (for the report)."""
     rows = [{**run.data.metrics, **run.data.params, "run_id": run.info.run_id, "start_time": run.info.start_time}
-            for _, run in finished_runs(tracking_uri, experiments, "tags.kind = 'simulate'")]
+            for _, run in finished_runs_of_kind(tracking_uri, experiments, SIMULATE)]
     return sorted(rows, key=lambda r: r["start_time"] or 0)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tune_spaces
+from app.run_kinds import STUDY, kind_tags
 from app.tracking import RunLogger, check_store, find_run, resolve_tracking_uri
 from lm.data import ensure_default_data
 from lm.errors import invocation
@@ -156,7 +157,7 @@ def study_parent_run(tracking_uri: str, study: str, experiment_path: str, descri
     if run_id:
         return RunLogger.resume(tracking_uri, run_id).run_id
     run = RunLogger.start(tracking_uri, study, run_name=f"study-{study}",
-                          tags={"kind": "study", "study": study, "study_path": experiment_path})
+                          tags={**kind_tags(STUDY), "study": study, "study_path": experiment_path})
     run.log_params({"study": study, "description": description})
     return run.run_id
 

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from app.offline import MetricSpool, reachable
+from app.run_kinds import kind_filters
 from lm.errors import invocation
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -288,7 +289,7 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
 
 def finished_runs(tracking_uri: str, experiments: list[str] | None = None, where: str = ""):
     """Yields ``(experiment name, run)`` for every FINISHED run in ``experiments`` (default:
-    all) that also matches the MLflow filter ``where`` (e.g. ``tags.kind = 'simulate'``)."""
+    all) that also matches the MLflow filter ``where`` (e.g. ``tags.engine = 'mpipemoe'``)."""
     mlflow_client = client(tracking_uri)
     names = {e.experiment_id: e.name for e in mlflow_client.search_experiments()
              if experiments is None or e.name in experiments}
@@ -303,6 +304,17 @@ def finished_runs(tracking_uri: str, experiments: list[str] | None = None, where
         token = page.token
         if not token:
             return
+
+
+def finished_runs_of_kind(tracking_uri: str, experiments: list[str] | None, kind: str, where: str = ""):
+    """``finished_runs`` of the runs tagged ``kind`` (app/run_kinds.py), under the tag or
+    the old one, each run once."""
+    seen = set()
+    for kind_filter in kind_filters(kind):
+        for name, run in finished_runs(tracking_uri, experiments, kind_filter + (f" and {where}" if where else "")):
+            if run.info.run_id not in seen:
+                seen.add(run.info.run_id)
+                yield name, run
 
 
 def unfinished_runs(tracking_uri: str, experiments: list[str] | None = None) -> dict[str, int]:

@@ -22,9 +22,11 @@ from pathlib import Path
 
 from app.jobs import COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, resume_command, run_job
 from app.records import record_meta
+from app.run_kinds import COMPARE, kind_tags
 from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
 from lm.errors import invocation
-from lm.model import ENGINES, PRESETS, STRATEGIES
+from lm.model import PRESETS
+from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers.config import NONFINITE_POLICIES
 
 PRESET_NAMES = tuple(PRESETS)
@@ -48,7 +50,7 @@ def compare_engines(job: TrainJob, engines: list[str], address: str | None = Non
     else:
         parent = RunLogger.start(job.tracking_uri, job.experiment, run_name=f"{base}-compare",
                                  parent_run_id=job.parent_run_id,
-                                 tags={"mpipemoe.kind": "compare", "engines": ",".join(engines),
+                                 tags={**kind_tags(COMPARE), "engines": ",".join(engines),
                                        "preset": job.preset})
     parent.log_params({"engines": ",".join(engines), **{k: v for k, v in dataclasses.asdict(job).items()
                                                         if v is not None and k not in ("engine", "name")}})
@@ -121,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", "sequences per worker per step", type=int)
     add("--seq-len", "tokens per sequence (default: the preset's)", type=int)
     add("--partitions", "mpipemoe partitions n: auto or an integer")
-    add("--strategy", "mpipemoe memory strategy", choices=STRATEGIES)
+    add("--strategy", "mpipemoe memory strategy", choices=STRATEGY_CHOICES)
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
     add("--checkpoint-every", "steps between checkpoints, also written at the last step; "

@@ -30,11 +30,10 @@ from torch import nn
 
 import moe_engine
 from moe_engine import HostBufferPool, MoEConfig, ProfileCache
+from moe_engine.config import ENGINES
 
 KINDS = ("gpt", "bert")
-ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 PARTITION_CHOICES = "'auto' or an integer >= 1"
-STRATEGIES = ("auto", "none", "S1", "S2", "S3", "S4")
 
 
 def _fail(field: str, value, fix: str) -> None:

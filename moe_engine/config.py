@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
-STRATEGIES = ("none", "S1", "S2", "S3", "S4")
+# The one definition of the engines and strategies; every other module imports these.
+ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
+STRATEGIES = ("none", "S1", "S2", "S3", "S4")   # mpipemoe's memory strategies (docs/design.md §5)
+STRATEGY_CHOICES = ("auto", *STRATEGIES)        # what a user may ask for: "auto" lets the planner choose
 
 
 def _fail(field: str, value, fix: str) -> None:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .config import STRATEGIES
+from .config import ENGINES, STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,6 @@ class HostBufferPool:
 
 
 # -- memory model (docs/design.md §5; derivation in docs/engine.md) ---------------------------
-
-ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:

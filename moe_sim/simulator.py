@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from moe_engine.config import MoEConfig
+from moe_engine.config import ENGINES, STRATEGIES, MoEConfig
 from moe_engine.memory import RestorePolicy, predict_memory
 from moe_engine.schedule import COMPUTE, backward_schedule, forward_schedule
 
@@ -55,8 +55,6 @@ from .parts import HOST_LAYER, HostCost, input_grad_share
 
 GPU_STREAMS = ("compute", "comm", "copy")
 STREAMS = ("host",) + GPU_STREAMS
-ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
-STRATEGIES = ("none", "S1", "S2", "S3", "S4")
 
 
 # -- the event-level scheduler ------------------------------------------------------------------

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from lm.data import MASK_ID
-from lm.model import ENGINES, STRATEGIES, ModelPreset
+from lm.model import ModelPreset
+from moe_engine.config import ENGINES, STRATEGY_CHOICES
 
 NONFINITE_POLICIES = ("halt", "skip")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -95,8 +96,8 @@ class WorkerConfig:
             object.__setattr__(self, "seq_len", self.preset.seq_len)
         if self.engine not in ENGINES:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
-        if self.strategy not in STRATEGIES:
-            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGIES)}")
+        if self.strategy not in STRATEGY_CHOICES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
         if self.partitions != "auto" and not (_is_int(self.partitions) and self.partitions >= 1):
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')
         if not isinstance(self.data_dir, str) or not self.data_dir:

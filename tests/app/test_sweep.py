@@ -17,6 +17,7 @@ import pytest
 
 import tune_spaces
 from app import sweep
+from app.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -162,4 +163,4 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
-    assert [(r.data.tags["kind"], r.info.status) for r in parents] == [("study", "FINISHED")]
+    assert [(run_kind(r.data.tags), r.info.status) for r in parents] == [("study", "FINISHED")]
