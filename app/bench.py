@@ -40,7 +40,7 @@ from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_sum
 from app.records import DEFAULT_OUT_DIR, record_meta
 from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.tracking import RunLogger, resolve_tracking_uri
-from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_engine.experts import Experts, ExpertSegments
@@ -353,15 +353,17 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     host_pool = HostBufferPool()
     # An emulated group answers FasterMoE's count exchange by its peer steps (emulation.py).
     faster_group = group.for_peer_steps(FASTERMOE_GROUP_SIZE) if isinstance(group, EmulatedExpertGroup) else group
-    variants = [("fastmoe", "baseline", lambda: FastMoE(config, group, device=device, dtype=dtype)),
-                ("fastermoe", "baseline", lambda: FasterMoE(config, faster_group, group_size=FASTERMOE_GROUP_SIZE,
-                                                            device=device, dtype=dtype)),
-                ("mpipemoe", "auto", lambda: MPipeMoE(config, group, "auto", "auto", profile=profile,
-                                                      search=GranularitySearch(candidates=settings.partitions),
-                                                      host_pool=host_pool, device=device, dtype=dtype))]
+    variants = [("fastmoe", "baseline", lambda: build_layer("fastmoe", config, group, device=device, dtype=dtype)),
+                ("fastermoe", "baseline", lambda: build_layer("fastermoe", config, faster_group,
+                                                              group_size=FASTERMOE_GROUP_SIZE, device=device,
+                                                              dtype=dtype)),
+                ("mpipemoe", "auto", lambda: build_layer("mpipemoe:auto:auto", config, group, profile=profile,
+                                                         search=GranularitySearch(candidates=settings.partitions),
+                                                         host_pool=host_pool, device=device, dtype=dtype))]
     if settings.grid:
-        variants += [("mpipemoe", "grid", lambda n=n, s=s: MPipeMoE(config, group, n, s, host_pool=host_pool,
-                                                                    device=device, dtype=dtype))
+        variants += [("mpipemoe", "grid", lambda n=n, s=s: build_layer(f"mpipemoe:{n}:{s}", config, group,
+                                                                       host_pool=host_pool, device=device,
+                                                                       dtype=dtype))
                      for n in settings.partitions for s in settings.strategies]
     layers, memories = [], []
     for _, _, build in variants:

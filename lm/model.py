@@ -115,21 +115,6 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(f"preset={name!r} is unknown: choose one of {', '.join(PRESETS)}") from None
 
 
-def build_moe_layer(engine: str, config, group=None, partitions="auto", strategy="auto",
-                    profiles=None, host_pool=None) -> nn.Module:
-    """One MoE layer of ``engine``; ``partitions``/``strategy``/``profiles`` (a
-    moe_engine.ProfileCache shared by the model's layers) and ``host_pool`` (a
-    moe_engine.HostBufferPool, likewise shared) only apply to mpipemoe."""
-    if engine == "mpipemoe":
-        return moe_engine.MPipeMoE(config, group=group, partitions=partitions, strategy=strategy,
-                                   profile=profiles, host_pool=host_pool)
-    if engine == "fastmoe":
-        return moe_engine.FastMoE(config, group=group)
-    if engine == "fastermoe":
-        return moe_engine.FasterMoE(config, group=group)
-    raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
-
-
 def model_flops_per_token(preset: ModelPreset) -> float:
     """Model FLOPs per trained token (forward + backward, no recomputation), the numerator
     of MFU as PaLM and torchtitan count it: 6 FLOPs per active weight (2 forward, 4
@@ -207,7 +192,8 @@ class MoETransformer(nn.Module):
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.blocks = nn.ModuleList(
-            Block(preset, build_moe_layer(engine, moe_config, group, partitions, strategy, profiles, host_pool))
+            Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
+                                                   profile=profiles, host_pool=host_pool))
             for _ in range(preset.num_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)
 

@@ -23,9 +23,10 @@ tensor's name ends in the letters of its dimensions, in order (`x_TD`, `counts_C
     V vocabulary                      M attention heads; d head width (D / M)
 """
 from .config import MoEConfig
+from .factory import EngineSpec, build_layer
 from .layers import FastMoE, FasterMoE, MPipeMoE
 from .memory import HostBufferPool, predict_memory
 from .perf_model import HardwareProfile, ProfileCache, ProfileStore
 
-__all__ = ["MoEConfig", "MPipeMoE", "FastMoE", "FasterMoE", "HostBufferPool", "predict_memory",
+__all__ = ["MoEConfig", "MPipeMoE", "FastMoE", "FasterMoE", "EngineSpec", "build_layer", "HostBufferPool", "predict_memory",
            "HardwareProfile", "ProfileCache", "ProfileStore"]

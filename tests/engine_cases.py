@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
+from moe_engine import MoEConfig, build_layer
 from moe_engine.config import STRATEGIES
 from moe_engine.reference import reference_moe
 
@@ -47,12 +47,7 @@ ENGINES = (["fastmoe"]
 
 
 def build_engine(spec: str, config: MoEConfig, dtype=torch.float64):
-    kind, *args = spec.split(":")
-    if kind == "fastmoe":
-        return FastMoE(config, dtype=dtype)
-    if kind == "mpipemoe":
-        return MPipeMoE(config, partitions=int(args[0]), strategy=args[1], dtype=dtype)
-    return FasterMoE(config, group_size=int(args[0]), dtype=dtype)
+    return build_layer(spec, config, dtype=dtype)
 
 
 @dataclass

@@ -13,18 +13,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from app.layer_shapes import LAYER_SHAPES
-from moe_engine import FastMoE, MoEConfig, MPipeMoE
+from moe_engine import FastMoE, MoEConfig, build_layer
 
 
 def build(spec: str, config: MoEConfig, source):
-    kind, *args = spec.split(":")
-    if kind == "torchtitan":
+    if spec == "torchtitan":
         from app.peers import build_peer
         return build_peer("torchtitan", config, source, torch.device("cuda"), torch.bfloat16)
-    if kind == "fastmoe":
-        layer = FastMoE(config, device="cuda", dtype=torch.bfloat16)
-    else:
-        layer = MPipeMoE(config, partitions=int(args[0]), strategy=args[1], device="cuda", dtype=torch.bfloat16)
+    layer = build_layer(spec, config, device="cuda", dtype=torch.bfloat16)
     layer.load_state_dict(source.state_dict())
     return layer
 
