@@ -88,6 +88,7 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
     then `mpipemoe report`."""
     from app import report
+    from app.run_kinds import run_kind
     from app.tracking import client
 
     args = argparse.Namespace(space="smoke", address=None, num_samples=1, max_concurrent=None,
@@ -102,8 +103,8 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     mlflow = client(sweep_dirs["tracking_uri"])
     experiment = mlflow.get_experiment_by_name("smoke")
     runs = mlflow.search_runs([experiment.experiment_id])
-    parents = [r for r in runs if r.data.tags.get("kind") == "study"]
-    trials = [r for r in runs if r.data.tags.get("mpipemoe.kind") == "train"]
+    parents = [r for r in runs if run_kind(r.data.tags) == "study"]
+    trials = [r for r in runs if run_kind(r.data.tags) == "train"]
     assert len(parents) == 1 and len(trials) == 3  # one run per trial, no duplicates
     assert parents[0].info.status == "FINISHED"
     assert sorted(r.data.params["engine"] for r in trials) == ["fastermoe", "fastmoe", "mpipemoe"]
