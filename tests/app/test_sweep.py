@@ -88,7 +88,6 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
     then `mpipemoe report`."""
     from app import report
-    from app.run_kinds import run_kind
     from app.tracking import client
 
     args = argparse.Namespace(space="smoke", address=None, num_samples=1, max_concurrent=None,
