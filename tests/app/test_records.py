@@ -1,8 +1,12 @@
 """Tier 1: the metadata every result file carries."""
+import json
 import re
 import sys
+from pathlib import Path
 
-from app.records import command_line, record_meta
+import pytest
+
+from app.records import BenchPoint, BenchResult, CapacityResult, RecordMeta, command_line, record_meta
 
 
 def test_command_line_reads_as_the_user_typed_it(monkeypatch):
@@ -71,3 +75,45 @@ def test_generated_records_default_to_the_ignored_out_folder():
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert f"/{DEFAULT_OUT_DIR}/" in ignored
+
+
+# -- typed result files: every committed one reads and writes back as it was -------------------
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/bench-*.json")), ids=lambda p: p.name)
+def test_every_committed_bench_json_round_trips(path):
+    data = json.loads(path.read_text())
+    result = BenchResult.from_json(data)
+    assert result.to_json() == data
+    assert all(isinstance(point, BenchPoint) and point.fwd_bwd_ms > 0 for point in result.records)
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/capacity-*.json")), ids=lambda p: p.name)
+def test_every_committed_capacity_json_round_trips(path):
+    data = json.loads(path.read_text())
+    result = CapacityResult.from_json(data)
+    assert result.to_json() == data
+    assert all(r.largest_batch_size is None or r.at_largest["batch_size"] == r.largest_batch_size
+               for r in result.results)
+
+
+def test_committed_results_are_found():
+    assert len(list(RESULTS.glob("**/bench-*.json"))) >= 10 and list(RESULTS.glob("**/capacity-*.json"))
+
+
+def test_meta_from_record_meta_keeps_its_key_order(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["mpipemoe", "bench"])
+    written = {**record_meta("bench", use_gpu=False), "device": "cpu", "world_size": 1}
+    assert list(RecordMeta.from_json(written).to_json()) == list(written)
+
+
+def test_a_point_lacking_a_field_names_it():
+    with pytest.raises(ValueError, match="fwd_bwd_ms"):
+        BenchPoint.from_json({"engine": "fastmoe"})
+
+
+def test_unknown_top_level_keys_are_refused():
+    with pytest.raises(ValueError, match="surprise"):
+        CapacityResult.from_json({"meta": {"command": "c", "date": "d"}, "results": [], "surprise": 1})
