@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from app.jobs import TrainJob, build_trainer, ensure_data, init_ray
-from app.records import DEFAULT_OUT_DIR, record_meta
+from app.records import DEFAULT_OUT_DIR, CapacityResult, EngineCapacity, RecordMeta, record_meta
 from app.run_kinds import CAPACITY, kind_tags
 from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
 from lm.model import PRESETS
@@ -65,8 +65,8 @@ class CapacitySearch:
                 "steps_per_trial": self.steps_per_trial}
 
 
-def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: str | None = None) -> dict:
-    """Run the search for ``job.engine``; returns {engine, largest_batch_size, at_largest, trials}."""
+def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: str | None = None) -> EngineCapacity:
+    """Run the search for ``job.engine``: the largest batch that fit, the trial at it, every trial."""
     import ray
     from ray.util.queue import Empty, Queue
 
@@ -102,36 +102,37 @@ def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: st
         if started_ray:
             ray.shutdown()
     at_largest = next((t for t in trials if t["fits"] and t["batch_size"] == largest), None)
-    return {"engine": job.engine, "largest_batch_size": largest, "at_largest": at_largest, "trials": trials}
+    return EngineCapacity(engine=job.engine, largest_batch_size=largest, at_largest=at_largest, trials=trials)
 
 
-def comparison_table(results: list[dict], seq_len: int) -> str:
+def comparison_table(results: list[EngineCapacity], seq_len: int) -> str:
     """Largest batch, tokens/s and peak per engine, with ratios to the first engine."""
     first = results[0]
     lines = [f"{'engine':<10} {'batch':>6} {'tokens':>8} {'tokens/s':>10} {'peak GiB':>9} "
-             f"{'batch x':>8} {'speed x':>8}  (x = engine / {first['engine']})"]
+             f"{'batch x':>8} {'speed x':>8}  (x = engine / {first.engine})"]
     for r in results:
-        best = r["at_largest"] or {"tokens_per_s": 0.0, "peak_memory_bytes": 0}
-        ref = first["at_largest"] or {"tokens_per_s": float("nan")}
-        lines.append(f"{r['engine']:<10} {r['largest_batch_size']:>6} {r['largest_batch_size'] * seq_len:>8} "
+        best = r.at_largest or {"tokens_per_s": 0.0, "peak_memory_bytes": 0}
+        ref = first.at_largest or {"tokens_per_s": float("nan")}
+        lines.append(f"{r.engine:<10} {r.largest_batch_size:>6} {r.largest_batch_size * seq_len:>8} "
                      f"{best['tokens_per_s']:>10,.0f} {best['peak_memory_bytes'] / 2**30:>9.2f} "
-                     f"{r['largest_batch_size'] / max(first['largest_batch_size'], 1):>8.2f} "
+                     f"{r.largest_batch_size / max(first.largest_batch_size, 1):>8.2f} "
                      f"{best['tokens_per_s'] / ref['tokens_per_s']:>8.2f}")
     return "\n".join(lines)
 
 
-def log_to_mlflow(record: dict, tracking_uri: str, experiment: str) -> None:
+def log_to_mlflow(record: CapacityResult, tracking_uri: str, experiment: str) -> None:
     """One MLflow run per engine: the search settings as params; the result as metrics."""
     if tracking_uri == NO_TRACKING:
         return
-    for result in record["results"]:
-        run = RunLogger.start(tracking_uri, experiment, run_name=f"capacity-{result['engine']}",
-                              tags={**kind_tags(CAPACITY), "engine": result["engine"],
-                                    "preset": record["meta"]["preset"], "device": record["meta"]["hardware"]})
-        run.log_params({**record["meta"]["search"], "command": record["meta"]["command"][:250],
-                        "num_workers": record["meta"]["num_workers"]})
-        best = result["at_largest"] or {}
-        run.log_metrics({"largest_batch_size": result["largest_batch_size"],
+    meta = record.meta
+    for result in record.results:
+        run = RunLogger.start(tracking_uri, experiment, run_name=f"capacity-{result.engine}",
+                              tags={**kind_tags(CAPACITY), "engine": result.engine,
+                                    "preset": meta.extra["preset"], "device": meta.hardware})
+        run.log_params({**meta.extra["search"], "command": meta.command[:250],
+                        "num_workers": meta.extra["num_workers"]})
+        best = result.at_largest or {}
+        run.log_metrics({"largest_batch_size": result.largest_batch_size,
                          "tokens_per_s": best.get("tokens_per_s", 0.0),
                          "peak_memory_bytes": best.get("peak_memory_bytes", 0),
                          **{k: best[k] for k in ("model_tflops_per_s", "mfu") if k in best}})
@@ -177,9 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.import_json:
         uri = resolve_tracking_uri(args.tracking_uri)
-        record = json.loads(Path(args.import_json).read_text())
+        record = CapacityResult.from_json(json.loads(Path(args.import_json).read_text()))
         log_to_mlflow(record, uri, args.experiment)
-        print(f"[capacity] logged {len(record['results'])} run(s) of {args.import_json} to {uri}")
+        print(f"[capacity] logged {len(record.results)} run(s) of {args.import_json} to {uri}")
         return 0
     search = CapacitySearch(memory_cap_gib=args.memory_cap_gib, start_batch=args.start_batch,
                             max_batch=args.max_batch, steps_per_trial=args.steps_per_trial)
@@ -202,14 +203,14 @@ def run(args: argparse.Namespace) -> int:
                              echo=lambda line: print(line, flush=True), address=args.address)
                for engine in engines]
     seq_len = base.model_preset().seq_len
-    record = {"meta": {**record_meta("capacity", use_gpu), "preset": args.preset, "seq_len": seq_len,
-                       "num_workers": args.num_workers, "partitions": args.partitions,
-                       "strategy": args.strategy, "search": dataclasses.asdict(search)},
-              "results": results}
+    meta = RecordMeta.from_json({**record_meta("capacity", use_gpu), "preset": args.preset, "seq_len": seq_len,
+                                 "num_workers": args.num_workers, "partitions": args.partitions,
+                                 "strategy": args.strategy, "search": dataclasses.asdict(search)})
+    record = CapacityResult(meta=meta, results=results)
     print(comparison_table(results, seq_len))
     out = Path(args.out or f"{DEFAULT_OUT_DIR}/capacity-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out.write_text(json.dumps(record.to_json(), indent=1) + "\n")
     print(f"[capacity] wrote {out}")
     log_to_mlflow(record, base.tracking_uri, args.experiment)
     return 0
