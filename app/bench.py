@@ -514,7 +514,7 @@ def targets(summaries: list) -> dict:
     best_n = {}
     for s in summaries:
         if "grid_best_partitions" in s:
-            best_n.setdefault(f"{s['model']}/{s['routing']}", []).append((s["tokens"], s["grid_best_partitions"]))
+            best_n.setdefault(f"{s['model']}/{s.get('routing', 'uniform')}", []).append((s["tokens"], s["grid_best_partitions"]))
     monotone = {key: all(a[1] <= b[1] for a, b in zip(sorted(ns), sorted(ns)[1:])) for key, ns in best_n.items()}
     return {
         "within_15pct_of_overlap_bound": share([s.get("auto_vs_overlap_bound") for s in summaries], 0.15),
@@ -576,7 +576,7 @@ def markdown_table(result: BenchResult | dict) -> str:
             f"{fmt(s.get('auto_vs_overlap_bound'), '+.1%')} | "
             f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
             f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
-            + (f"{s['lean_setting']} ({s['lean_memory_ratio_vs_fastmoe']:.2f}) | {s['lean_vs_fastest']:+.1%} | "
+            + (f"{s['lean_setting']} ({fmt(s.get('lean_memory_ratio_vs_fastmoe'), '.2f')}) | {fmt(s.get('lean_vs_fastest'), '+.1%')} | "
                if "lean_setting" in s else "– | – | ")
             + f"{fmt(s.get('expert_gemm_efficiency'), '.0%')} |")
     lines += [""] + peer_table(summaries)
