@@ -39,6 +39,7 @@ from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
+from app.timeline import trace_name, trace_step
 from app.tracking import RunLogger, resolve_tracking_uri
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
@@ -76,6 +77,8 @@ class BenchSettings:
     peers: tuple = ()       # other libraries' layers timed beside ours (app/peers.py)
     emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_sim/emulation.py)
     network: str = "dgx-a100"   # the emulated cluster's network (moe_sim/network.py presets, or a JSON file)
+    transfer_ctas: int = 1      # thread blocks each emulated transfer holds (EmulatedCluster.transfer_ctas)
+    trace: str | None = None    # a folder: one torch.profiler timeline per engine and setting (app/timeline.py)
 
     def __post_init__(self):
         for m in self.models:
@@ -113,7 +116,7 @@ class BenchSettings:
         if self.emulate is None:
             return None
         try:
-            return EmulatedCluster.parse(self.emulate, self.network)
+            return EmulatedCluster.parse(self.emulate, self.network, transfer_ctas=self.transfer_ctas)
         except ValueError as error:
             raise ValueError(f"--emulate {self.emulate!r} --network {self.network!r}: {error}") from None
 
@@ -152,6 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "network's delays modelled (docs/emulation.md); records say measured_as=emulated")
     parser.add_argument("--network", default="dgx-a100",
                         help="the emulated cluster's network: dgx-a100, dgx-h200 or a JSON file (default dgx-a100)")
+    parser.add_argument("--transfer-ctas", type=int, default=1,
+                        help="with --emulate: thread blocks each emulated transfer holds while it waits, as NCCL's "
+                             "kernels hold SMs (default 1: the least contention)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="write a torch.profiler timeline (Chrome/Perfetto JSON, gzip) of one forward+backward "
+                             "of every engine and setting into DIR, and add its stream account to the records")
     parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
@@ -329,11 +338,6 @@ def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Ten
             "expert_load": [round(v, 5) for v in (all_rows_per_expert / all_rows_per_expert.sum()).tolist()]}
 
 
-def measured_as(group: ExpertGroup) -> dict:
-    """What a record's times are: measured on real ranks, or rank 0 of an emulated cluster."""
-    return group.cluster.record_fields() if isinstance(group, EmulatedExpertGroup) else {"measured_as": "measured"}
-
-
 def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, group: ExpertGroup, device,
                 log) -> list:
     d_model, d_hidden = LAYER_SHAPES[model]
@@ -399,7 +403,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                   "predicted_memory_bytes": predicted_memory,
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
                   "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
-                  **measured_as(group)}
+                  **group_fields(group)}
         if engine == "mpipemoe":
             record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
                                                                          dtype).total_s
@@ -412,15 +416,57 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                          and r["strategy"] == record["strategy"]), None)
             if twin:
                 record.update(host_probe_ms=twin["host_probe_ms"], host_probe_tokens=twin["host_probe_tokens"])
+    traced = layers + [None] if settings.trace else []  # the dense floor is not traced
     del layers, floor
     if device.type == "cuda":
         torch.cuda.empty_cache()
     efficiency = expert_gemm_efficiency(config, tokens, config.experts_per_rank(group.size), device, dtype, settings)
     stages = pipeline_stages(config, x, source.router.weight.detach(), group, device, dtype, settings)
+    for record in records:
+        record.update(efficiency, **stages, **group_fields(group))
+    add_overlap_account(records)
+    if settings.trace:
+        trace_records(records, traced, x, grad_y, settings.trace, device)
     for record in records:  # logged whole: a run stopped later keeps every finished point
-        record.update(efficiency, **stages)
         log(record)
     return records
+
+
+def group_fields(group: ExpertGroup) -> dict:
+    """What a record says about how its collectives were made: measured on real ranks, or rank
+    0 of an emulated cluster (with the emulated wait's measured dilation)."""
+    if not isinstance(group, EmulatedExpertGroup):
+        return {"measured_as": "measured"}
+    fields = group.cluster.record_fields()
+    if group.dilation is not None:
+        fields.update(emulated_wait_dilation_alone=group.dilation["alone"],
+                      emulated_wait_dilation_beside_gemms=group.dilation["beside_gemms"])
+    return fields
+
+
+def add_overlap_account(records: list) -> None:
+    """In place: for every record of a point, the overlap bound at its n and the share of the
+    ideal saving over FastMoE it realizes, (FastMoE − t) / (FastMoE − bound(n)) (docs/design.md §7)."""
+    fast = next((r for r in records if r["engine"] == "fastmoe"), None)
+    for record in records:
+        if record.get("all_to_all_ms") is None or record["engine"] not in ("mpipemoe", "fastermoe", "fastmoe"):
+            continue
+        n = record["partitions"] if record["engine"] == "mpipemoe" else 1
+        bound = overlap_bound_ms(record["all_to_all_ms"], record["expert_ms"], n)
+        record["overlap_bound_ms"] = bound
+        if fast is not None and fast["fwd_bwd_ms"] - bound > 1e-9:
+            record["realized_saving"] = (fast["fwd_bwd_ms"] - record["fwd_bwd_ms"]) / (fast["fwd_bwd_ms"] - bound)
+
+
+def trace_records(records: list, layers: list, x, grad_y, folder: str, device) -> None:
+    """In place: one timeline per record that has a layer (app/timeline.py), its stream account
+    under ``timeline`` and its file under ``trace_file``."""
+    for record, layer in zip(records, layers):
+        if layer is None:
+            continue
+        path = os.path.join(folder, trace_name(record))
+        record["timeline"] = trace_step(lambda layer=layer: _step(layer, x, grad_y), device, path)
+        record["trace_file"] = path
 
 
 # -- summaries: the targets of docs/design.md §7, from the records ---------------------------
@@ -605,6 +651,8 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
                                 world_size=settings.world_size, timeout=timedelta(minutes=5))
     cluster = settings.emulated_cluster()
     group = cluster.build() if cluster is not None else ExpertGroup(None)
+    if isinstance(group, EmulatedExpertGroup) and use_cuda:
+        group.dilation = group.clock.measure_dilation(device)
     log = (lambda r: queue.put(("record", r))) if rank == 0 else (lambda r: None)
     try:
         records = []
@@ -731,7 +779,7 @@ def run(args) -> int:
         grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
-        emulate=args.emulate, network=args.network)
+        emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
     cluster = settings.emulated_cluster()

@@ -22,8 +22,9 @@ Timing. An All-to-All occupies the stream it is issued on (`streams.comm` for th
 asynchronous one, as comm.py issues NCCL) for the network's time for rank 0's actual
 bytes: `network.rank_traffic` of its split sizes, priced by `network.flat_all_to_all_s`
 (or `hierarchical_all_to_all_s`), the functions the simulator prices with. On CUDA that
-is the local copy of the rows, then `torch.cuda._sleep` for that time (`SleepClock`
-turns seconds into GPU clock cycles). The count exchange and the agreements cost
+is the local copy of the rows, then a wait of that much wall-clock time (`WallClockWait`:
+a kernel spinning on the GPU's nanosecond timer, so the GPU clock falling under load
+does not stretch it). The count exchange and the agreements cost
 `network.small_collective_s` on the caller's stream, as NCCL's blocking calls do. On CPU
 only the copies run. With ``keep_log=True`` every call is logged in `calls`
 (`EmulatedCall`: kind, shapes, splits, modelled seconds).
@@ -57,11 +58,14 @@ class EmulatedCluster:
     network:      a network profile (network.PRESETS, or measured figures by load_network).
     hierarchical: price a full All-to-All as the two-level exchange; FasterMoE's peer
                   steps stay flat, as in the simulator.
+    transfer_ctas: thread blocks each emulated transfer holds while it waits (WallClockWait):
+                  1 (default) models the least SM contention; NCCL uses a few.
     """
 
     layout: ClusterLayout
     network: NetworkProfile
     hierarchical: bool = False
+    transfer_ctas: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ClusterLayout):
@@ -72,15 +76,20 @@ class EmulatedCluster:
         if self.layout.ranks < 2:
             raise ValueError(f"EmulatedCluster.layout={self.layout.nodes}x{self.layout.gpus_per_node} is invalid: "
                              f"one GPU needs no emulation (run without it), give at least 2 ranks, e.g. 1x2")
+        if isinstance(self.transfer_ctas, bool) or not isinstance(self.transfer_ctas, int) or self.transfer_ctas < 1:
+            raise ValueError(f"EmulatedCluster.transfer_ctas={self.transfer_ctas!r} is invalid: give the thread "
+                             f"blocks an emulated transfer holds, >= 1 (1 is the default)")
 
     @classmethod
-    def parse(cls, spec: str, network: str = "dgx-a100", *, hierarchical: bool = False) -> "EmulatedCluster":
+    def parse(cls, spec: str, network: str = "dgx-a100", *, hierarchical: bool = False,
+              transfer_ctas: int = 1) -> "EmulatedCluster":
         """From ``NODESxGPUS`` (``8x8``: 8 nodes of 8 GPUs) and a network preset or JSON file."""
         match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(spec))
         if not match:
             raise ValueError(f"emulated cluster {spec!r} is invalid: give NODESxGPUS, e.g. 8x8 for 8 nodes of 8 GPUs")
         layout = ClusterLayout(int(match.group(1)), int(match.group(2)))
-        return cls(layout=layout, network=load_network(network), hierarchical=hierarchical)
+        return cls(layout=layout, network=load_network(network), hierarchical=hierarchical,
+                   transfer_ctas=transfer_ctas)
 
     @property
     def ranks(self) -> int:
@@ -94,7 +103,7 @@ class EmulatedCluster:
         """What every record measured in this cluster says about it."""
         return {"measured_as": "emulated", "network": self.network.name, "emulated_cluster": self.name,
                 "nodes": self.layout.nodes, "gpus_per_node": self.layout.gpus_per_node,
-                "hierarchical": self.hierarchical, "world_size": self.ranks}
+                "hierarchical": self.hierarchical, "world_size": self.ranks, "transfer_ctas": self.transfer_ctas}
 
     def all_to_all_s(self, output_splits: Sequence[int], input_splits: Sequence[int], row_bytes: int, *,
                      flat: bool = False) -> float:
@@ -113,45 +122,88 @@ class EmulatedCluster:
         return EmulatedExpertGroup(self, keep_log=keep_log)
 
 
-class SleepClock:
-    """Converts seconds into cycles of `torch.cuda._sleep`, which spins one thread for a
-    number of GPU clock cycles: the rate is measured once per device with CUDA events.
+class WallClockWait:
+    """Occupies a stream for a span of wall-clock time: one small kernel per wait that spins
+    on the GPU's global nanosecond timer (`%globaltimer`, through Triton's inline PTX).
 
-    The sleep counts SM clock cycles: if the clock drops under load (power or thermal
-    limits), an emulated transfer lasts longer by the same ratio. `measure` again after a
-    run, or lock the clocks, to check."""
+    Why not `torch.cuda._sleep`: it counts SM clock cycles, and the SM clock falls under
+    load (measured on an H200: 1980 MHz idle, ~1515 MHz after GEMM warm-up), so a 10 ms
+    modelled transfer took 12.7 ms alone and 13.3 ms beside GEMMs, 50 ms took 63–69 ms:
+    the emulator inflated communication exactly where it overlaps compute. The timer does
+    not move with the clock. What remains (`measure_dilation`) is the real cost of getting
+    an SM while GEMMs hold them, which NCCL's kernels also pay.
 
-    CALIBRATION_CYCLES = 50_000_000  # 25–35 ms at 1.4–2 GHz: long against the events' microsecond resolution
+    ctas: the spinning kernel's thread blocks (default 1). NCCL runs its collectives on a
+    few CTAs that each hold an SM's slot for the transfer; ``ctas=k`` holds k of them, so
+    the GEMMs running beside a transfer lose what they would lose to NCCL. Off (1) by default.
+    """
 
-    def __init__(self):
-        self.rates: dict[torch.device, float] = {}
+    def __init__(self, ctas: int = 1):
+        if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
+            raise ValueError(f"ctas={ctas!r} is invalid: give the thread blocks a wait occupies (>= 1; NCCL uses a "
+                             f"few per collective, 1 models the least contention)")
+        self.ctas = ctas
+        self._kernel = None
 
-    def measure(self, device: torch.device) -> float:
-        """Cycles per second of `_sleep` on `device`, the median of three timed sleeps."""
-        device = torch.device(device)
-        rates = []
-        with torch.cuda.device(device):
-            torch.cuda._sleep(1_000_000)  # warm-up: the first launch, and the clock leaving idle
-            torch.cuda.synchronize(device)
-            for _ in range(3):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                torch.cuda._sleep(self.CALIBRATION_CYCLES)
-                end.record()
-                end.synchronize()
-                rates.append(self.CALIBRATION_CYCLES / (start.elapsed_time(end) / 1e3))
-        self.rates[device] = statistics.median(rates)
-        return self.rates[device]
-
-    def cycles_per_s(self, device: torch.device) -> float:
-        device = torch.device(device)
-        return self.rates[device] if device in self.rates else self.measure(device)
+    def _spin_kernel(self):
+        if self._kernel is None:
+            self._kernel = _build_spin_kernel()
+        return self._kernel
 
     def sleep(self, seconds: float, device: torch.device) -> None:
-        """Occupy the current stream of `device` for `seconds`."""
-        cycles = int(round(seconds * self.cycles_per_s(device)))
-        if cycles > 0:
-            torch.cuda._sleep(cycles)
+        """Occupy the current stream of `device` for `seconds` of wall-clock time."""
+        nanoseconds = int(round(seconds * 1e9))
+        if nanoseconds > 0:
+            with torch.cuda.device(device):
+                self._spin_kernel()[(self.ctas,)](nanoseconds)
+
+    def measure_dilation(self, device: torch.device, seconds: float = 0.01, gemm_size: int = 8192) -> dict:
+        """How long a wait of `seconds` takes, as a ratio to `seconds`: alone on an idle
+        device, and beside a loop of bf16 GEMMs on another stream (what every emulated
+        record carries: the instrument's own error, measured in the same run)."""
+        device = torch.device(device)
+        with torch.cuda.device(device):
+            self.sleep(1e-4, device)  # compiles the kernel, leaves the idle clock
+            torch.cuda.synchronize(device)
+            alone = statistics.median(self._timed_wait(seconds, device) for _ in range(3))
+            a = torch.randn(gemm_size, gemm_size, device=device, dtype=torch.bfloat16)
+            gemm_stream, wait_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            beside = []
+            for _ in range(3):
+                torch.cuda.synchronize(device)
+                with torch.cuda.stream(gemm_stream):
+                    for _ in range(max(4, int(seconds * 1.5 / 1.4e-3))):  # ~1.4 ms per GEMM on an H200
+                        a @ a
+                with torch.cuda.stream(wait_stream):
+                    beside.append(self._timed_wait(seconds, device))
+            torch.cuda.synchronize(device)
+        return {"wait_ms": seconds * 1e3, "alone": alone / seconds,
+                "beside_gemms": statistics.median(beside) / seconds, "ctas": self.ctas}
+
+    def _timed_wait(self, seconds: float, device: torch.device) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.sleep(seconds, device)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def _build_spin_kernel():
+    """The Triton kernel behind `WallClockWait` (imported on first use: CPU runs never need it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def spin_for_ns(duration_ns):
+        start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                          is_pure=False, pack=1)
+        now = start
+        while now - start < duration_ns:
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+
+    return spin_for_ns
 
 
 @dataclass(frozen=True)
@@ -205,8 +257,9 @@ class EmulatedExpertGroup(ExpertGroup):
         self.always_communicate = False
         self.cluster = cluster
         self.peer_group_size: int | None = None  # FasterMoE's g when its count chunks are peer steps
-        self.clock = SleepClock()
+        self.clock = WallClockWait(cluster.transfer_ctas)
         self.calls: list[EmulatedCall] | None = [] if keep_log else None
+        self.dilation: dict | None = None  # WallClockWait.measure_dilation's answer, when measured
         self._seconds: dict[tuple, float] = {}       # price per (splits, row bytes): passes repeat them
         self._source_steps: dict[tuple, torch.Tensor] = {}
 

@@ -309,6 +309,40 @@ def test_emulated_all_to_all_holds_the_comm_stream_and_leaves_compute_free():
     assert torch.equal(recv[:splits[0]], own) and torch.equal(recv[-splits[0]:], own)
 
 
+# The wall-clock wait's fixed start cost on an idle device: the Triton launch from Python
+# (the device waits for the host between the two events; in a pass the host runs ahead).
+WAIT_FIXED_COST_S = 3e-4
+
+
+@pytest.mark.parametrize("modelled_ms", [0.5, 2.0, 10.0, 50.0])
+def test_emulated_wait_takes_its_modelled_time_whatever_the_clock(modelled_ms):
+    """Issue 26: an emulated transfer alone takes its modelled time within 3% plus a fixed
+    start cost, after GEMMs have warmed the GPU up (the SM clock falls; the wait must not
+    stretch with it); beside GEMMs its dilation is measured and bounded."""
+    from moe_sim.emulation import WallClockWait
+
+    wait = WallClockWait()
+    device = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(200):  # ~0.3 s of GEMMs: the clock leaves its idle peak
+        a @ a
+    torch.cuda.synchronize()
+    seconds = modelled_ms / 1e3
+    took = sorted(wait._timed_wait(seconds, device) for _ in range(5))[2]
+    assert seconds <= took <= 1.03 * seconds + WAIT_FIXED_COST_S
+    dilation = wait.measure_dilation(device, seconds=max(seconds, 5e-3))
+    assert 0.97 <= dilation["alone"] <= 1.03 + WAIT_FIXED_COST_S / max(seconds, 5e-3)
+    assert dilation["beside_gemms"] >= 0.97
+
+
+def test_emulated_wait_can_hold_several_ctas():
+    from moe_sim.emulation import WallClockWait
+
+    wait = WallClockWait(ctas=8)
+    took = sorted(wait._timed_wait(5e-3, torch.device("cuda")) for _ in range(3))[1]
+    assert 5e-3 <= took <= 1.03 * 5e-3 + WAIT_FIXED_COST_S
+
+
 def test_trainer_on_cuda_keeps_float32_master_weights_under_bf16_compute(tmp_path):
     """The worker's Trainer on one GPU with an NCCL group: bf16 autocast compute (the experts'
     grouped GEMMs included) over float32 parameters and AdamW state stays near float32
