@@ -13,7 +13,7 @@ trace-xl32k)  # gpt-xl 32k on the H200-class network: baselines, auto, n x {none
   step trace-xl32k 300 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
       --tokens 32768 --partitions 1,2,4,8 --strategies none,S3 --rounds 2 --repeats 2 --tracking-uri none \
       --trace /tmp/traces --out "$OUT/bench-xl32k-trace.json"
-  for f in /tmp/traces/*fastmoe* /tmp/traces/*grid-4-none* /tmp/traces/*grid-2-none* /tmp/traces/*grid-8-none* \
+  for f in /tmp/traces/*fastmoe* /tmp/traces/*grid-4_none* /tmp/traces/*grid-2_none* /tmp/traces/*grid-8_none* \
            /tmp/traces/*auto*; do [ -f "$f" ] && cp "$f" "$OUT/"; done ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac; done
