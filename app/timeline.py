@@ -9,8 +9,9 @@ traced forward+backward, how long the device was busy on each stream, how long e
 sat idle inside the pass, and how long communication and compute ran at the same time:
 the overlap the pipeline achieved (docs/engine.md, "Reading a timeline").
 
-Streams are named by what runs on them: `comm` holds the All-to-Alls (NCCL kernels, or the
-emulated link's wait kernel), `copy` the host copies (device↔host memcpy), `compute` the rest.
+Device time is counted by role: `comm` is the All-to-Alls (NCCL kernels, the emulated link's
+wait kernel, and whatever else runs on a stream that holds them but no GEMM), `copy` the host
+copies (device↔host memcpy), `compute` the rest.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 # Kernels that are communication: NCCL's, and the emulated link's wall-clock wait (moe_sim/emulation.py).
 COMM_KERNEL = re.compile(r"nccl|spin_for_ns", re.IGNORECASE)
 HOST_COPY = re.compile(r"Memcpy (DtoH|HtoD)", re.IGNORECASE)
+GEMM_KERNEL = re.compile(r"gemm|cutlass|sm90_xmma|cublas", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -70,30 +72,52 @@ def device_events(trace: dict) -> list[dict]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in kinds]
 
 
+def _roles(events: list[dict]) -> list[str]:
+    """Local. The role of each device event: `comm` for communication kernels, and for
+    everything on a stream that holds communication but no GEMM (the pipeline's comm stream:
+    the emulated link's copies too); `copy` for host copies; `compute` for the rest."""
+    comm_streams = set()
+    gemm_streams = set()
+    for event in events:
+        stream = event.get("args", {}).get("stream", -1)
+        if COMM_KERNEL.search(event.get("name", "")):
+            comm_streams.add(stream)
+        if GEMM_KERNEL.search(event.get("name", "")):
+            gemm_streams.add(stream)
+    roles = []
+    for event in events:
+        name, stream = event.get("name", ""), event.get("args", {}).get("stream", -1)
+        if COMM_KERNEL.search(name) or (stream in comm_streams and stream not in gemm_streams):
+            roles.append("comm")
+        elif HOST_COPY.search(name):
+            roles.append("copy")
+        else:
+            roles.append("compute")
+    return roles
+
+
 def stream_account(trace: dict) -> dict:
-    """Local. The stream account of a trace of one pass (module docstring): span, busy and idle
-    milliseconds per stream role, communication/compute overlap, and the kernel count."""
-    by_stream: dict[int, list[dict]] = {}
-    for event in device_events(trace):
-        by_stream.setdefault(int(event.get("args", {}).get("stream", -1)), []).append(event)
-    if not by_stream:
+    """Local. The account of a trace of one pass (module docstring): its span, and the busy
+    and idle milliseconds of communication, compute and host copies, how long communication
+    ran beside compute, how long nothing ran, and the device event count."""
+    events = device_events(trace)
+    if not events:
         return {}
-    roles: dict[str, list[Interval]] = {}
-    for events in by_stream.values():
-        names = " ".join(e.get("name", "") for e in events)
-        role = "comm" if COMM_KERNEL.search(names) else "copy" if HOST_COPY.search(names) else "compute"
-        roles.setdefault(role, []).extend(Interval(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
-    start = min(iv.start_us for ivs in roles.values() for iv in ivs)
-    end = max(iv.end_us for ivs in roles.values() for iv in ivs)
-    busy = {role: _union_us(ivs) for role, ivs in roles.items()}
+    busy_by_role: dict[str, list[Interval]] = {}
+    for event, role in zip(events, _roles(events)):
+        start = float(event["ts"])
+        busy_by_role.setdefault(role, []).append(Interval(start, start + float(event["dur"])))
+    busy = {role: _union_us(ivs) for role, ivs in busy_by_role.items()}
+    start = min(ivs[0].start_us for ivs in busy.values())
+    end = max(ivs[-1].end_us for ivs in busy.values())
     span_ms = (end - start) / 1e3
-    account = {"span_ms": span_ms, "kernels": sum(len(events) for events in by_stream.values())}
+    account = {"span_ms": span_ms, "device_events": len(events)}
     for role, ivs in sorted(busy.items()):
         account[f"{role}_busy_ms"] = _length_us(ivs) / 1e3
         account[f"{role}_idle_ms"] = span_ms - account[f"{role}_busy_ms"]
     account["all_idle_ms"] = span_ms - _length_us(_union_us([iv for ivs in busy.values() for iv in ivs])) / 1e3
     if "comm" in busy and "compute" in busy:
-        account["comm_compute_overlap_ms"] = _intersection_us(busy["comm"], busy["compute"]) / 1e3
+        account["comm_beside_compute_ms"] = _intersection_us(busy["comm"], busy["compute"]) / 1e3
     return account
 
 

@@ -140,11 +140,14 @@ class MoELayerBase(nn.Module):
             compute = torch.get_autocast_dtype(device_type)
             experts = experts.cast(compute)
             x_TD = x_TD.to(compute)
+        # Partitions overlap communication with the GEMMs: leave the comm kernels their SMs.
+        overlaps = not plan.single and pass_plan.partitions > 1
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(pass_plan.strategy), self.host_pool,
                           timing=self.planner.timing_for_pass(pass_plan, x_TD.device)
                           if torch.is_grad_enabled() else None,
-                          keep_activation=self.keep_activation)
+                          keep_activation=self.keep_activation,
+                          reserved_sms=self.group.comm_sms if overlaps else 0)
         e = experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
 

@@ -29,6 +29,8 @@ class PipelineRun:
 
     keep_activation: also keep act(A) for backward, as autograd would (the FastMoE
     baseline); otherwise backward recomputes it from A, elementwise.
+    reserved_sms: SMs the GEMMs leave to the All-to-Alls running beside them
+    (StreamSet.reserving_sms; ExpertGroup.comm_sms when partitions overlap, else 0).
     recorder: a list that gets (op name, partition, stream) for every operation as it is
     issued (tests/moe_engine/test_schedule.py); None records nothing."""
 
@@ -40,6 +42,7 @@ class PipelineRun:
     host_pool: HostBufferPool
     timing: PassTiming | None = None   # set while the granularity search measures this pass
     keep_activation: bool = False
+    reserved_sms: int = 0
     recorder: list | None = None
 
     def issued(self, op: Op, stream: str) -> None:
@@ -174,7 +177,7 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
     ops = forward_schedule(n, policy, several=not plan.single, save=save)
     if run.timing is not None:
         run.timing.forward.start()
-    with torch.no_grad():
+    with torch.no_grad(), streams.reserving_sms(run.reserved_sms):
         issued = _execute(ops, handlers)
         kept.clear()
         for op, pending in zip(ops, issued):  # the combines and copies
@@ -314,7 +317,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     ops = backward_schedule(n, policy, several=not plan.single)
     if run.timing is not None:
         run.timing.backward.start()
-    with torch.no_grad():
+    with torch.no_grad(), streams.reserving_sms(run.reserved_sms):
         issued = _execute(ops, handlers)
         for op, pending in zip(ops, issued):
             if op.name == "return_dx":

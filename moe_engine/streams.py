@@ -107,6 +107,21 @@ class StreamSet:
     def record_compute(self) -> Pending:
         return self._record(self.compute)
 
+    @contextlib.contextmanager
+    def reserving_sms(self, count: int):
+        """GEMMs launched inside leave `count` SMs free for the communication kernels that
+        run beside them (torch's SM carve-out, which its grouped GEMMs and cuBLAS honour);
+        the caller's setting is restored after. No-op off CUDA or for 0."""
+        if not self.is_cuda or count <= 0:
+            yield
+            return
+        previous = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(count)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(previous)
+
     def join(self) -> None:
         """The caller's current stream waits for every side stream given work since the
         last join (end of a pipelined pass). Streams the pass never used are left alone:
