@@ -32,7 +32,7 @@ class LoggedGroup(ExpertGroup):
     def __init__(self, inner: ExpertGroup, calls: list):
         self.inner, self.calls = inner, calls
         self.group, self.size, self.rank = inner.group, inner.size, inner.rank
-        self.always_communicate = inner.always_communicate
+        self.always_communicate, self.comm_sms = inner.always_communicate, inner.comm_sms
 
     @property
     def distributed(self):
