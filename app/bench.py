@@ -451,7 +451,7 @@ def add_overlap_account(records: list) -> None:
     for record in records:
         if record.get("all_to_all_ms") is None or record["engine"] not in ("mpipemoe", "fastermoe", "fastmoe"):
             continue
-        n = record["partitions"] if record["engine"] == "mpipemoe" else 1
+        n = record["partitions"]  # FasterMoE overlaps per peer step: its partitions are its steps
         bound = overlap_bound_ms(record["all_to_all_ms"], record["expert_ms"], n)
         record["overlap_bound_ms"] = bound
         if fast is not None and fast["fwd_bwd_ms"] - bound > 1e-9:

@@ -145,9 +145,9 @@ class WallClockWait:
         self.ctas = ctas
         self._kernel = None
 
-    def _spin_kernel(self):
+    def _kernels(self):
         if self._kernel is None:
-            self._kernel = _build_spin_kernel()
+            self._kernel = _build_wait_kernels()
         return self._kernel
 
     def sleep(self, seconds: float, device: torch.device) -> None:
@@ -155,7 +155,23 @@ class WallClockWait:
         nanoseconds = int(round(seconds * 1e9))
         if nanoseconds > 0:
             with torch.cuda.device(device):
-                self._spin_kernel()[(self.ctas,)](nanoseconds)
+                self._kernels().spin_for_ns[(self.ctas,)](nanoseconds)
+
+    def start(self, device: torch.device) -> torch.Tensor:
+        """Note the time now, when the current stream reaches this point (a one-element
+        device tensor for `wait_since`)."""
+        slot = torch.empty(1, dtype=torch.int64, device=device)
+        with torch.cuda.device(device):
+            self._kernels().stamp_now[(1,)](slot)
+        return slot
+
+    def wait_since(self, started: torch.Tensor, seconds: float) -> None:
+        """Occupy the current stream until `seconds` after `started` (from `start`): work
+        issued between the two, such as the transfer's own copies, counts in the time."""
+        nanoseconds = int(round(seconds * 1e9))
+        if nanoseconds > 0:
+            with torch.cuda.device(started.device):
+                self._kernels().spin_until[(self.ctas,)](started, nanoseconds)
 
     def measure_dilation(self, device: torch.device, seconds: float = 0.01, gemm_size: int = 8192) -> dict:
         """How long a wait of `seconds` takes, as a ratio to `seconds`: alone on an idle
@@ -189,21 +205,38 @@ class WallClockWait:
         return start.elapsed_time(end) / 1e3
 
 
-def _build_spin_kernel():
-    """The Triton kernel behind `WallClockWait` (imported on first use: CPU runs never need it)."""
+def _build_wait_kernels():
+    """The Triton kernels behind `WallClockWait` (imported on first use: CPU runs never need
+    Triton): spin for a span, stamp the time into a slot, spin until a span after a stamp."""
+    from types import SimpleNamespace
+
     import triton
     import triton.language as tl
 
     @triton.jit
+    def globaltimer():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
     def spin_for_ns(duration_ns):
-        start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                          is_pure=False, pack=1)
+        start = globaltimer()
         now = start
         while now - start < duration_ns:
-            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                            is_pure=False, pack=1)
+            now = globaltimer()
 
-    return spin_for_ns
+    @triton.jit
+    def stamp_now(slot_ptr):
+        tl.store(slot_ptr, globaltimer())
+
+    @triton.jit
+    def spin_until(slot_ptr, duration_ns):
+        start = tl.load(slot_ptr, volatile=True)
+        now = globaltimer()
+        while now - start < duration_ns:
+            now = globaltimer()
+
+    return SimpleNamespace(spin_for_ns=spin_for_ns, stamp_now=stamp_now, spin_until=spin_until)
 
 
 @dataclass(frozen=True)
@@ -325,8 +358,7 @@ class EmulatedExpertGroup(ExpertGroup):
                    output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
         """Collective (emulated), blocking: the copy, then the network time on the current stream."""
         seconds = self._price(output, input, output_splits, input_splits)
-        fill_from_own_block(output, input, input_splits)
-        self._occupy_current_stream(seconds, output.device)
+        self._transfer(output, input, input_splits, seconds)
         self._log("all_to_all", output, input, output_splits, input_splits, seconds)
 
     def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor,
@@ -336,9 +368,7 @@ class EmulatedExpertGroup(ExpertGroup):
         ``streams.comm`` (CUDA); on CPU the copy, done at once."""
         seconds = self._price(output, input, output_splits, input_splits)
         with streams.on_comm():
-            fill_from_own_block(output, input, input_splits)
-            if streams.is_cuda:
-                self.clock.sleep(seconds, streams.device)
+            self._transfer(output, input, input_splits, seconds)
         self._log("all_to_all_async", output, input, output_splits, input_splits, seconds)
         return streams.record_comm()
 
@@ -386,6 +416,15 @@ class EmulatedExpertGroup(ExpertGroup):
         return obj
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _transfer(self, output: torch.Tensor, input: torch.Tensor, input_splits: Sequence[int],
+                  seconds: float) -> None:
+        """Local, on the current stream: the rows' copy, then the wait until `seconds` after the
+        copy started (the copy is part of the modelled transfer, not extra time)."""
+        started = self.clock.start(output.device) if output.is_cuda and seconds > 0 else None
+        fill_from_own_block(output, input, input_splits)
+        if started is not None:
+            self.clock.wait_since(started, seconds)
+
     def _occupy_current_stream(self, seconds: float, device: torch.device) -> None:
         if device.type == "cuda":
             self.clock.sleep(seconds, device)

@@ -11,7 +11,7 @@ wait-tests)  # the emulated link's wall-clock wait and the emulated All-to-All o
   step wait-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py -k "emulated" ;;
 trace-xl32k)  # gpt-xl 32k on the H200-class network: baselines, auto, n x {none, S3}, a timeline each
   step trace-xl32k 300 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
-      --tokens 32768 --partitions 1,2,4,8 --strategies none,S3 --rounds 2 --repeats 2 --tracking-uri none \
+      --tokens 32768,16384 --partitions 1,2,4,8 --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none \
       --trace /tmp/traces --out "$OUT/bench-xl32k-trace.json"
   for f in /tmp/traces/*fastmoe* /tmp/traces/*grid-4_none* /tmp/traces/*grid-2_none* /tmp/traces/*grid-8_none* \
            /tmp/traces/*auto*; do [ -f "$f" ] && cp "$f" "$OUT/"; done ;;
