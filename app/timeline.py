@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 # Kernels that are communication: NCCL's, and the emulated link's wall-clock wait (moe_sim/emulation.py).
-COMM_KERNEL = re.compile(r"nccl|spin_for_ns", re.IGNORECASE)
+COMM_KERNEL = re.compile(r"nccl|spin_for_ns|spin_until|stamp_now", re.IGNORECASE)
 HOST_COPY = re.compile(r"Memcpy (DtoH|HtoD)", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|sm90_xmma|cublas", re.IGNORECASE)
 
