@@ -316,3 +316,34 @@ def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
         assert row["measured_as"] == "emulated" and row["routing"] == "skewed"
         assert row["busy_ms"]["comm"] > 0  # priced in a 4-rank cluster, not on one GPU
         assert row["network_dilation"] > 0 and row["dilated_ms"] > 0
+
+
+def test_wall_clock_wait_and_transfer_ctas_are_checked():
+    from moe_sim.emulation import WallClockWait
+
+    with pytest.raises(ValueError, match="ctas=0 is invalid"):
+        WallClockWait(0)
+    with pytest.raises(ValueError, match="transfer_ctas=0 is invalid"):
+        EmulatedCluster.parse("2x2", transfer_ctas=0)
+    group = EmulatedCluster.parse("2x2", transfer_ctas=4).build()
+    assert group.comm_sms == 4 and group.clock.ctas == 4
+
+
+def test_comm_sms_default_follows_ncclmax_ctas_and_is_checked(monkeypatch):
+    from moe_engine.comm import DEFAULT_COMM_SMS, ExpertGroup
+
+    monkeypatch.delenv("NCCL_MAX_CTAS", raising=False)
+    monkeypatch.delenv("NCCL_MAX_NCHANNELS", raising=False)
+    assert ExpertGroup(None).comm_sms == DEFAULT_COMM_SMS
+    monkeypatch.setenv("NCCL_MAX_CTAS", "8")
+    assert ExpertGroup(None).comm_sms == 8
+    assert ExpertGroup(None, comm_sms=0).comm_sms == 0
+    with pytest.raises(ValueError, match="comm_sms=-1 is invalid"):
+        ExpertGroup(None, comm_sms=-1)
+
+
+def test_reserving_sms_is_a_no_op_off_cuda():
+    from moe_engine.streams import StreamSet
+
+    with StreamSet(torch.device("cpu")).reserving_sms(16):
+        assert torch._C._get_sm_carveout_experimental() is None

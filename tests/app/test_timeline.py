@@ -1,0 +1,70 @@
+"""`mpipemoe bench --trace`: the timeline's stream account (app/timeline.py) and the overlap
+account every record carries (app/bench.py)."""
+import gzip
+import json
+
+import pytest
+
+from app.bench import add_overlap_account, overlap_bound_ms
+from app.cli import main
+from app.timeline import stream_account
+
+
+def kernel(name, start_us, dur_us, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start_us, "dur": dur_us, "args": {"stream": stream}}
+
+
+def test_account_counts_busy_idle_and_overlap_by_role():
+    trace = {"traceEvents": [
+        kernel("spin_until", 0, 1000, 13),                                           # comm 0-1 ms
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 1000, "dur": 500,
+         "args": {"stream": 13}},                                                     # the link's copy: comm
+        kernel("cutlass_gemm_sm90", 500, 1500, 7),                                    # compute 0.5-2 ms
+        kernel("vectorized_elementwise_kernel", 1800, 400, 7),                        # overlaps the GEMM
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 3000, "dur": 1000,
+         "args": {"stream": 20}},                                                     # host copy 3-4 ms
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},      # host: not counted
+    ]}
+    account = stream_account(trace)
+    assert account["span_ms"] == pytest.approx(4.0)
+    assert account["comm_busy_ms"] == pytest.approx(1.5)
+    assert account["compute_busy_ms"] == pytest.approx(1.7)     # 0.5-2.2 ms, the union
+    assert account["copy_busy_ms"] == pytest.approx(1.0)
+    assert account["comm_beside_compute_ms"] == pytest.approx(1.0)  # 0.5-1.5 ms
+    assert account["all_idle_ms"] == pytest.approx(0.8)         # 2.2-3.0 ms
+    assert account["compute_idle_ms"] == pytest.approx(2.3)
+    assert account["device_events"] == 5
+
+
+def test_a_blocking_all_to_all_on_the_compute_stream_is_still_communication():
+    trace = {"traceEvents": [kernel("spin_until", 0, 1000, 7), kernel("cutlass_gemm", 1000, 1000, 7)]}
+    account = stream_account(trace)
+    assert (account["comm_busy_ms"], account["compute_busy_ms"], account["comm_beside_compute_ms"]) == \
+        pytest.approx((1.0, 1.0, 0.0))
+
+
+def test_overlap_account_is_the_share_of_the_ideal_saving():
+    records = [{"engine": "fastmoe", "partitions": 1, "fwd_bwd_ms": 50.0, "all_to_all_ms": 24.0, "expert_ms": 26.0},
+               {"engine": "mpipemoe", "partitions": 4, "fwd_bwd_ms": 38.0, "all_to_all_ms": 24.0, "expert_ms": 26.0},
+               {"engine": "dense-floor", "partitions": 1, "fwd_bwd_ms": 20.0}]
+    add_overlap_account(records)
+    bound = overlap_bound_ms(24.0, 26.0, 4)
+    assert records[1]["overlap_bound_ms"] == pytest.approx(32.0) == pytest.approx(bound)
+    assert records[1]["realized_saving"] == pytest.approx((50 - 38) / (50 - 32))
+    assert "realized_saving" not in records[0] and "overlap_bound_ms" not in records[2]
+
+
+def test_bench_trace_writes_one_timeline_per_engine_and_setting(tmp_path):
+    out, traces = tmp_path / "bench.json", tmp_path / "traces"
+    assert main(["bench", "--emulate", "1x2", "--tokens", "128", "--rounds", "1", "--repeats", "1",
+                 "--partitions", "2", "--strategies", "S3", "--tracking-uri", "none", "--out", str(out),
+                 "--trace", str(traces)]) == 0
+    records = json.loads(out.read_text())["records"]
+    traced = [r for r in records if r["engine"] != "dense-floor"]
+    assert len(traced) == 4 and all(r["transfer_ctas"] == 1 for r in records)
+    for record in traced:
+        with gzip.open(record["trace_file"], "rt") as handle:
+            trace = json.load(handle)
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+        assert "timeline" in record  # empty on CPU: no device events
+    assert sorted(p.name for p in traces.iterdir()) == sorted(r["trace_file"].split("/")[-1] for r in traced)
