@@ -531,7 +531,7 @@ def validation_markdown(result: dict) -> str:
     if emulated:
         lines += ["", "## Emulated records: the network as slow as the emulator ran it", "",
                   "An emulated record's All-to-All stage, timed alone, ran longer than the network model says "
-                  "(`torch.cuda._sleep` counts GPU clock cycles; docs/emulation.md). Dilation = that stage "
+                  "(docs/emulation.md, \"The emulator's dilation\"). Dilation = that stage "
                   "measured / modelled; the simulation below prices the network that much slower.", "",
                   "| measurements | records | median dilation | time within 15%, plain | within 15%, dilated |",
                   "|---|---|---|---|---|"]
