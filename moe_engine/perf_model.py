@@ -15,7 +15,8 @@ The model predicts the pipelined forward+backward time of every
 All-to-Alls, the compute stream the GEMMs (plus recomputation), the copy stream
 the offloads/restores. With n partitions a pass takes one partition's full
 latency (fill) plus (n−1) times the slowest stream's per-partition time, each
-stream slowed by what overlaps it, plus a fixed cost per partition.
+stream slowed by what overlaps it, plus a fixed cost per partition. A partition's host
+copies run beside its All-to-Alls in the fill (offloads trail its compute, restores lead it).
 
 The formula is closed-form; its per-partition terms come from the operation counts of
 one partition of the pipeline's schedule (schedule.py): the All-to-Alls, GEMM passes
@@ -326,7 +327,10 @@ class PerformanceModel:
         c = compute * max(p.factor("compute", "comm") if comm else 1, p.factor("compute", "copy") if copy else 1)
         m = comm * max(p.factor("comm", "compute"), p.factor("comm", "copy") if copy else 1)
         h = copy * max(p.factor("copy", "compute"), p.factor("copy", "comm") if comm else 1)
-        fill = comm + compute + copy
+        # The first partition's inputs arrive (All-to-All, or a restore from the host, side by
+        # side), it computes, and its output leaves; after it the slowest stream sets the pace.
+        # Host copies are never between two partitions' compute: offloads trail it, restores lead.
+        fill = max(comm, copy) + compute
         return fill + (n - 1) * max(c, m, h) + n * p.partition_overhead_s
 
     def predict(self, config: MoEConfig, tokens: int, world_size: int, partitions: int, strategy: str,
