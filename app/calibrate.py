@@ -2,8 +2,11 @@
 
     mpipemoe calibrate --model gpt-xl --tokens 16384 --profiles out/profiles.json
 
-Later runs load it with ProfileStore(path).get(key) and pass it to MPipeMoE(profile=...);
-run this again to refresh it (e.g. after a driver or topology change).
+Later runs load it with ProfileStore(path).get(key) and pass it to MPipeMoE(profile=...)
+(or give the layers ProfileCache(ProfileStore(path))); run this again to refresh it (e.g.
+after a driver or topology change). Calibrate in the dtype the experts run in: the
+training's compute (autocast) dtype, which --dtype auto matches. Where ranks load
+different profiles (one file per node), the layers adopt rank 0's, with a warning.
 """
 from __future__ import annotations
 

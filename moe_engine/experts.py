@@ -65,6 +65,19 @@ class ExpertSegments:
         return self.counts if self.counts is not None else self.counts_L.tolist()
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Local. The dtype the experts run in for the input ``x`` (and the All-to-Alls move
+    rows in): the autocast dtype when autocast is on for x's device type (the layer casts
+    the rows and the weights to it, layers.MoELayerBase._run_experts), else x's own. Under
+    the Trainer's autocast the layer's input is float32 (a LayerNorm output) while the
+    GEMMs are bf16: every decision that prices the experts (the planner, the performance
+    model's calibration, the host check) asks this, not ``x.dtype``."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
     """Whether `torch._grouped_mm` runs on rows like `x` with these inner widths (else:
     the per-expert loop)."""

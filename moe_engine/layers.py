@@ -34,7 +34,7 @@ from . import dispatcher
 from .comm import ExpertGroup
 from .config import MoEConfig
 from .dispatcher import STATS, DispatchPlan, PassStats
-from .experts import Experts
+from .experts import Experts, compute_dtype
 from .granularity import GranularitySearch, skew_bucket
 from .memory import HostBufferPool, RestorePolicy
 from .perf_model import HardwareProfile, ProfileCache
@@ -99,12 +99,15 @@ class MoELayerBase(nn.Module):
         exchange counts with every rank's pass statistics and planner values (one
         collective), read both (the pass's one device read), raise together on NaN/Inf,
         then the planner decides on the agreed values (planner.py) and the rows are planned
-        (local). An offloading strategy's host check may add the planner's one agreement."""
+        (local). An offloading strategy's host check may add the planner's one agreement.
+        The planner prices the dtype the experts run in (`compute_dtype`: autocast's under
+        autocast), not the input's."""
         E, planner = self.config.num_experts, self.planner
-        values = planner.local_values(x_TD.device, x_TD.dtype)
+        dtype = compute_dtype(x_TD)
+        values = planner.local_values(x_TD.device, dtype)
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
-                                   x_TD.device, x_TD.dtype, self.router.weight.dtype)
+                                   x_TD.device, dtype, self.router.weight.dtype)
             pass_plan = planner.decide(agreed)
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
@@ -120,7 +123,7 @@ class MoELayerBase(nn.Module):
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
-        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, x_TD.dtype,
+        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype,
                                self.router.weight.dtype)
         pass_plan = planner.decide(agreed)
         plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
@@ -132,14 +135,12 @@ class MoELayerBase(nn.Module):
         n and strategy (decided on agreed values only: they decide which collectives run)."""
         self.last_strategy = pass_plan.strategy
         experts, out_dtype = self.experts, x_TD.dtype
-        device_type = x_TD.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Mixed precision (float32 master weights under autocast): the experts compute,
-            # and the All-to-Alls move rows, in the autocast dtype. The weights are cast once
-            # per pass; autograd takes their gradients back to float32 through the cast.
-            compute = torch.get_autocast_dtype(device_type)
-            experts = experts.cast(compute)
-            x_TD = x_TD.to(compute)
+        # Mixed precision (float32 master weights under autocast): the experts compute, and
+        # the All-to-Alls move rows, in the autocast dtype, the one the planner priced. The
+        # weights are cast once per pass (autograd takes their gradients back to float32
+        # through the cast); without autocast both casts are no-ops.
+        compute = compute_dtype(x_TD)
+        experts, x_TD = experts.cast(compute), x_TD.to(compute)
         # Partitions overlap communication with the GEMMs: leave the comm kernels their SMs.
         overlaps = not plan.single and pass_plan.partitions > 1
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
@@ -204,7 +205,9 @@ class MPipeMoE(MoELayerBase):
     strategy:      "auto" (performance model, perf_model.py), "none", "S1", "S2", "S3" or "S4".
     profile:       a HardwareProfile, or a ProfileCache shared by the model's layers
                    (default: a cache of this layer's own); a missing profile is measured
-                   on the first pass that needs one, by all ranks together.
+                   on the first pass that needs one, by all ranks together, and where the
+                   ranks' profiles differ (per-node files) all adopt rank 0's, with a warning.
+                   Its key's dtype is the one the experts run in (autocast's under autocast).
     memory_budget: bytes the layer's activations may use; "auto" then picks the fastest
                    strategy that fits (and "none" may compete), or fails naming the need.
     search:        the GranularitySearch to use (candidates, re-check period, ...).
@@ -222,7 +225,7 @@ class MPipeMoE(MoELayerBase):
         self.planner = Planner(config, self.group, partitions, strategy, profile=profile,
                                memory_budget=memory_budget, search=search, host_pool=self.host_pool)
         self.partitions, self.strategy, self.memory_budget = partitions, strategy, memory_budget
-        self.profile, self.search = self.planner.profile, self.planner.search
+        self.search = self.planner.search
         self.last_partitions: int | None = None
         self.last_strategy: str | None = None
 
@@ -233,6 +236,12 @@ class MPipeMoE(MoELayerBase):
     def _run_experts(self, x_TD, plan, pass_plan):
         self.last_partitions = pass_plan.partitions
         return super()._run_experts(x_TD, plan, pass_plan)
+
+    @property
+    def profile(self) -> HardwareProfile | ProfileCache:
+        """The planner's profile (a HardwareProfile given, once the ranks differed, is
+        replaced by rank 0's)."""
+        return self.planner.profile
 
     @property
     def host_fallback_reason(self) -> str | None:

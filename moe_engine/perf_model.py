@@ -8,7 +8,16 @@ Calibration measures, on the actual device and process group:
     the same time (they share SMs, memory bandwidth and links).
 All ranks take the slowest rank's figures (one all-reduce), so every rank
 holds the same profile and makes the same choices. Profiles are JSON, keyed by
-device name, dtype and world size, and reused until refreshed.
+device name, dtype and world size, and reused until refreshed. The dtype is the
+one the experts run in (experts.compute_dtype: autocast's under autocast), not
+the layer input's.
+
+A profile read rather than measured (a rank-local file, a per-node `ProfileStore`,
+a `HardwareProfile` each rank loaded itself) may differ between ranks, and a
+strategy chosen from it decides which collectives backward runs (S2/S4 send the
+inputs again). So ranks compare their profiles' `digest` before choosing (the
+planner: in the count exchange) and, where they differ, all adopt rank 0's
+figures (`adopt_rank0`, one agreement) with a warning.
 
 The model predicts the pipelined forward+backward time of every
 (partitions n, strategy): per partition, the communication stream carries the
@@ -25,12 +34,15 @@ world size: calibration measured an All-to-All on every group, one rank included
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
 import torch
 
 from .comm import ExpertGroup
@@ -42,6 +54,13 @@ from .streams import StreamSet
 from .timing import Stopwatch, synchronize, time_fn
 
 SHARED_STRATEGIES = ("S1", "S2", "S3", "S4")
+# The rates and costs the model reads, and the concurrent pairs it reads slowdowns of.
+FIGURES = ("gemm_flops", "a2a_latency_s", "a2a_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
+           "partition_overhead_s")
+SLOWDOWN_PAIRS = (("compute", "comm"), ("comm", "compute"), ("compute", "copy"), ("copy", "compute"),
+                  ("comm", "copy"), ("copy", "comm"))
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,22 @@ class HardwareProfile:
     def factor(self, victim: str, other: str) -> float:
         """How much slower `victim` runs while `other` runs beside it (≥ 1)."""
         return max(1.0, float(self.slowdown.get(f"{victim}|{other}", 1.0)))
+
+    def figures(self) -> list[float]:
+        """Local. Every number the model reads: the FIGURES, then the SLOWDOWN_PAIRS' factors."""
+        return [float(getattr(self, name)) for name in FIGURES] + [self.factor(*pair) for pair in SLOWDOWN_PAIRS]
+
+    def with_figures(self, figures) -> "HardwareProfile":
+        """Local. This profile (device, dtype, ...) with the numbers of ``figures()`` replaced."""
+        figures = [float(f) for f in figures]
+        slowdown = {f"{victim}|{other}": f for (victim, other), f in zip(SLOWDOWN_PAIRS, figures[len(FIGURES):])}
+        return replace(self, **dict(zip(FIGURES, figures)), slowdown=slowdown)
+
+    def digest(self) -> int:
+        """Local. A 63-bit hash of ``figures()``: equal digests, equal choices. Ranks compare
+        it (an int64 that rides in the count exchange) to find whether they agree."""
+        raw = np.asarray(self.figures(), dtype=np.float64).tobytes()
+        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -114,9 +149,10 @@ class ProfileCache:
     by later runs): the first layer that needs one measures it, the others reuse it.
 
     `get_or_measure` is a collective: all ranks call it together and either all read
-    the stored profile or all calibrate (a rank missing the file makes every rank measure).
-    A caller that agrees on "missing" itself (the planner, in its count exchange) asks
-    `held` (local) on each rank and `agreed` with the agreed flag.
+    the stored profile or all calibrate (a rank missing the file makes every rank measure);
+    where the ranks read different profiles (one store per node), all adopt rank 0's.
+    A caller that agrees on "missing" and "different" itself (the planner, in its count
+    exchange) asks `held` (local) on each rank and `agreed` with the agreed flags.
     """
 
     def __init__(self, store: ProfileStore | None = None):
@@ -128,9 +164,12 @@ class ProfileCache:
                        dtype: torch.dtype) -> HardwareProfile:
         if self._key(group.size, device, dtype) in self.profiles:
             return self.profiles[self._key(group.size, device, dtype)]
-        missing = torch.tensor([int(self.held(group.size, device, dtype) is None)], dtype=torch.int64,
-                               device=device if group.distributed and device.type == "cuda" else "cpu")
-        return self.agreed(config, tokens, group, device, dtype, bool(group.all_reduce_max(missing).item()))
+        held = self.held(group.size, device, dtype)
+        digest = held.digest() if held is not None else 0
+        flags = torch.tensor([int(held is None), digest, -digest], dtype=torch.int64,
+                             device=device if group.distributed and device.type == "cuda" else "cpu")
+        missing, top, neg_bottom = group.all_reduce_max(flags).tolist()
+        return self.agreed(config, tokens, group, device, dtype, bool(missing), top != -neg_bottom)
 
     @staticmethod
     def _key(world_size: int, device: torch.device, dtype: torch.dtype) -> str:
@@ -144,9 +183,12 @@ class ProfileCache:
         return self.store.get(key) if self.store is not None else None
 
     def agreed(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
-               dtype: torch.dtype, missing_on_some_rank: bool) -> HardwareProfile:
-        """The profile for this key, measured now when `missing_on_some_rank` (a value all
-        ranks agreed on: then every rank calibrates, a collective) or else `held`."""
+               dtype: torch.dtype, missing_on_some_rank: bool, differs_on_some_rank: bool = False
+               ) -> HardwareProfile:
+        """The profile for this key, the same on every rank, from flags all ranks agreed on:
+        measured now when `missing_on_some_rank` (every rank calibrates, a collective);
+        rank 0's when `differs_on_some_rank` (`adopt_rank0`, a collective; kept in memory
+        for the other layers, not written to the store); else `held` (local)."""
         key = self._key(group.size, device, dtype)
         profile = None if missing_on_some_rank else self.held(group.size, device, dtype)
         if profile is None:
@@ -154,15 +196,41 @@ class ProfileCache:
             self.measurements += 1
             if self.store is not None:
                 self.store.put(profile)
+        elif differs_on_some_rank:
+            profile = adopt_rank0(profile, group, device)
         self.profiles[key] = profile
         return profile
+
+
+def adopt_rank0(profile: HardwareProfile, group: ExpertGroup, device: torch.device) -> HardwareProfile:
+    """Collective (one agreement, `ExpertGroup.agree`, on the data's ``device``). ``profile``
+    with rank 0's figures, on every rank: rank 0 sends its figures' float64 bits, the others
+    the smallest int64, so the max over ranks is rank 0's. Call it when the ranks' digests
+    differ (they agreed so); it logs a warning naming the key."""
+    bits = np.asarray(profile.figures(), dtype=np.float64).view(np.int64)
+    mine = bits.tolist() if group.rank == 0 else [int(np.iinfo(np.int64).min)] * bits.size
+    figures = np.asarray(group.agree(mine, device), dtype=np.int64).view(np.float64)
+    log.warning("MPipeMoE: the ranks hold different hardware profiles for %s (read from per-rank or per-node "
+                "files?); every rank now uses rank 0's, so that all choose the same strategies and run the "
+                "same collectives. To choose from each rank's own measurements, let the layers calibrate "
+                "together (ProfileCache without a stored profile) or give every node the same profiles file.",
+                profile.key)
+    return profile.with_figures(figures.tolist())
 
 
 # -- calibration (collectives: every rank of the group must call it together) -----------
 
 def calibrate(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
               dtype: torch.dtype, repeats: int = 5) -> HardwareProfile:
-    """Measure the profile for this layer shape on this device and group."""
+    """Measure the profile for this layer shape on this device and group, in ``dtype``
+    (give the dtype the experts run in, experts.compute_dtype). Autocast is off while it
+    measures, so what is timed is ``dtype`` whatever the caller's context."""
+    with torch.autocast(device.type, enabled=False):
+        return _measure(config, tokens, group, device, dtype, repeats)
+
+
+def _measure(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
+             dtype: torch.dtype, repeats: int) -> HardwareProfile:
     torch.manual_seed(1234)
     L = config.experts_per_rank(group.size)
     rows = max(group.size * L, config.top_k * tokens)
@@ -232,8 +300,7 @@ def _slowdowns(compute_fn, comm_fn, copy_fn, streams: StreamSet, group: ExpertGr
     """Time each pair of activities side by side; slowdown = concurrent / alone."""
     activities = {"compute": (compute_fn, "compute"), "comm": (comm_fn, "comm"), "copy": (copy_fn, "copy")}
     result = {}
-    for victim, other in (("compute", "comm"), ("comm", "compute"), ("compute", "copy"),
-                          ("copy", "compute"), ("comm", "copy"), ("copy", "comm")):
+    for victim, other in SLOWDOWN_PAIRS:
         concurrent = _time_beside(activities[victim], activities[other], streams, group)
         result[f"{victim}|{other}"] = max(1.0, concurrent / max(alone[victim], 1e-9))
     return result

@@ -7,20 +7,30 @@ take agreed values and nothing else (`decide`, `decide_host`); the per-rank valu
 from only reach them through an agreement. A pass, with the layer's steps (layers.py):
 
   1. `local_values`   Local. This rank's values besides the pass statistics: whether it holds
-                      the hardware profile (strategy "auto"), and the search's mean seconds per
-                      candidate when the search compares them this pass (partitions "auto").
+                      the hardware profile and that profile's digest (strategy "auto"), and the
+                      search's mean seconds per candidate when the search compares them this
+                      pass (partitions "auto").
   2. the values ride in the count exchange with the pass statistics (NaN/Inf, the token count,
      the routing skew; dispatcher.exchange_counts, the collective dispatch needs anyway), so
      agreeing on them costs no collective and no device read of its own; `agree` takes the
-     max over the ranks' rows (Local, on the host).
+     max over the ranks' rows, and compares every rank's profile digest with rank 0's
+     (Local, on the host).
   3. `decide`         n from the online search (granularity.py), the strategy from the
                       performance model (perf_model.py). Collective only when the agreed values
-                      say some rank lacks the hardware profile: then every rank measures it.
+                      say some rank lacks the hardware profile (then every rank measures it) or
+                      that the ranks' profiles differ (a rank-local file, one store per node:
+                      then every rank adopts rank 0's, one agreement, with a warning; with a
+                      ProfileCache shared by the model's layers, once for all of them).
   4. `check_host_memory`  An offloading strategy's host buffers follow the rows this rank
                       receives, known only after the count exchange: whether they fit on every
                       rank is the pass's one agreement collective (`ExpertGroup.agree`, the min
                       headroom over ranks), run when the agreed pass shape changes;
                       `decide_host` keeps the strategy or falls back to S4.
+
+The dtype every decision prices is the one the experts run in (experts.compute_dtype:
+autocast's under autocast, where the layer's input is float32 but its GEMMs, All-to-Alls
+and offloads are bf16): the profile's key and calibration, the model's bytes per row, the
+host check's buffers.
 
 The search's timings are floats riding in an int64 exchange: a non-negative float64 orders
 like its int64 bit pattern, so the max over ranks of the bits is the bits of the max.
@@ -39,7 +49,7 @@ from .config import STRATEGIES, MoEConfig
 from .dispatcher import DispatchPlan, PassStats
 from .granularity import GranularitySearch, PassTiming
 from .memory import HostBufferPool, RestorePolicy, predict_memory
-from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache
+from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache, adopt_rank0
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +61,11 @@ class AgreedValues:
 
     stats: PassStats                          # NaN/Inf anywhere, the largest token count, the routing skew
     profile_missing: bool                     # some rank holds no hardware profile: every rank measures it
+    profile_differs: bool                     # the ranks' profiles differ: every rank adopts rank 0's
     search_seconds: dict[int, float] | None   # slowest rank's mean seconds per candidate n; None: not compared
     backward: bool                            # the pass records for backward (grad enabled)
     device: torch.device                      # the pass's data device (agreements run there)
-    dtype: torch.dtype                        # the pass's data dtype
+    dtype: torch.dtype                        # the dtype the experts run in (experts.compute_dtype)
     param_dtype: torch.dtype                  # the layer's parameters' dtype (the memory budget's)
 
 
@@ -119,13 +130,15 @@ class Planner:
 
     # -- 1. this rank's values (local) -----------------------------------------------------------
     def local_values(self, device: torch.device, dtype: torch.dtype) -> list[int]:
-        """Local. This rank's values for the agreement, as int64s: [profile missing] with
-        strategy "auto", then the search's seconds per candidate (float64 bits) with
-        partitions "auto". The same length on every rank."""
+        """Local. This rank's values for the agreement, as int64s: [profile missing, profile
+        digest (0 when missing)] with strategy "auto", then the search's seconds per candidate
+        (float64 bits) with partitions "auto". The same length on every rank. ``dtype``: the
+        dtype the experts run in (experts.compute_dtype), the profile's key."""
         values = []
         if self.strategy == "auto":
-            values.append(int(isinstance(self.profile, ProfileCache)
-                              and self.profile.held(self.group.size, device, dtype) is None))
+            held = (self.profile.held(self.group.size, device, dtype) if isinstance(self.profile, ProfileCache)
+                    else self.profile)
+            values += [int(held is None), held.digest() if held is not None else 0]
         if self.partitions == "auto":
             due = self.search.timing_agreement_due()
             seconds = self.search.local_seconds() if due else [0.0] * len(self.search.candidates)
@@ -136,21 +149,25 @@ class Planner:
     def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype,
               param_dtype: torch.dtype) -> AgreedValues:
         """Local. The agreed values from the pass statistics (already the max over ranks) and
-        every rank's `local_values` (rows of values_W, one per rank)."""
-        top = values_W.max(axis=0) if values_W.size else values_W.reshape(-1)
-        profile_missing = False
+        every rank's `local_values` (rows of values_W, one per rank): the max over ranks, and
+        whether any rank's profile digest differs from rank 0's."""
+        profile_missing = profile_differs = False
         if self.strategy == "auto":
-            profile_missing, top = bool(top[0]), top[1:]
+            profile_missing = bool(values_W[:, 0].max())
+            profile_differs = not profile_missing and bool((values_W[:, 1] != values_W[0, 1]).any())
+            values_W = values_W[:, 2:]
+        top = values_W.max(axis=0) if values_W.size else values_W.reshape(-1)
         search_seconds = None
         if self.partitions == "auto" and self.search.timing_agreement_due():
             search_seconds = dict(zip(self.search.candidates, top.astype(np.int64).view(np.float64).tolist()))
-        return AgreedValues(stats, profile_missing, search_seconds, torch.is_grad_enabled(),
+        return AgreedValues(stats, profile_missing, profile_differs, search_seconds, torch.is_grad_enabled(),
                             torch.device(device), dtype, param_dtype)
 
     # -- 3. the decision (agreed values only) -----------------------------------------------------
     def decide(self, agreed: AgreedValues) -> PassPlan:
         """n and the strategy of this pass, from agreed values only. Collective when
-        ``agreed.profile_missing``: every rank measures the hardware profile."""
+        ``agreed.profile_missing`` (every rank measures the hardware profile) or
+        ``agreed.profile_differs`` (every rank adopts rank 0's)."""
         tokens = agreed.stats.max_tokens
         if self.partitions == "auto":
             n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
@@ -165,10 +182,13 @@ class Planner:
         return PassPlan(n, strategy)
 
     def _profile(self, agreed: AgreedValues) -> HardwareProfile:
+        """The profile every rank holds alike (collective when the agreed flags say so)."""
         if not isinstance(self.profile, ProfileCache):
+            if agreed.profile_differs:
+                self.profile = adopt_rank0(self.profile, self.group, agreed.device)
             return self.profile
         return self.profile.agreed(self.config, max(agreed.stats.max_tokens, 1), self.group, agreed.device,
-                                   agreed.dtype, agreed.profile_missing)
+                                   agreed.dtype, agreed.profile_missing, agreed.profile_differs)
 
     def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype) -> int:
         """With a memory budget, the smallest candidate n whose leanest strategy fits

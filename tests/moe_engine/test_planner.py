@@ -30,8 +30,8 @@ SLOW_COPIES = dataclasses.replace(OFFLOAD_FRIENDLY, gemm_flops=1e15, a2a_bytes_p
 
 
 def agreed(tokens=64, seconds=None, backward=True):
-    return AgreedValues(PassStats(False, tokens, 0), False, seconds, backward, torch.device("cpu"), torch.float32,
-                        torch.float32)
+    return AgreedValues(PassStats(False, tokens, 0), False, False, seconds, backward, torch.device("cpu"),
+                        torch.float32, torch.float32)
 
 
 def test_the_search_proceeds_on_the_agreed_timings():
@@ -147,3 +147,125 @@ def test_an_auto_layer_runs_at_most_one_agreement_collective_per_pass():
     assert "chose" in events and measured == 0                  # the search ended; nothing was calibrated
     assert {s for _, _, s in passes} >= {"S1"}                  # offloads ran, so the host check did too
     assert sum(c.get("agreement", 0) for c, _, _ in passes) >= 2  # once per new pass shape
+
+
+# -- the dtype the experts run in (autocast) ---------------------------------------------------------
+def _autocast_pass(layer, tokens=24):
+    """One forward+backward of ``layer`` on float32 input under CPU bf16 autocast (the Trainer's
+    mixed precision: a LayerNorm's float32 output, float32 parameters)."""
+    x = torch.randn(tokens, CONFIG.d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    (y.float().square().sum() + aux).backward()
+
+
+def test_under_autocast_the_profile_is_keyed_timed_and_priced_in_the_experts_dtype(monkeypatch):
+    import moe_engine.experts as experts_module
+
+    gemms, priced = [], []
+    grouped_mm, predict = experts_module.grouped_mm, PerformanceModel.predict
+    monkeypatch.setattr(experts_module, "grouped_mm",
+                        lambda x, w, seg: gemms.append((x.dtype, w.dtype)) or grouped_mm(x, w, seg))
+    monkeypatch.setattr(PerformanceModel, "predict", lambda self, *args: priced.append(args[-1]) or predict(self, *args))
+    cache = ProfileCache()
+    _autocast_pass(MPipeMoE(CONFIG, ExpertGroup(None), 2, "auto", profile=cache))
+    assert list(cache.profiles) == ["cpu|bfloat16|ws1"] and cache.profiles["cpu|bfloat16|ws1"].dtype == "bfloat16"
+    assert cache.measurements == 1
+    assert set(gemms) == {(torch.bfloat16, torch.bfloat16)}   # the calibration's GEMMs and the pass's
+    assert priced and set(priced) == {torch.bfloat16}          # rows priced at 2 bytes
+    # Without autocast the same float32 input is priced as what it is.
+    plain = ProfileCache()
+    layer = MPipeMoE(CONFIG, ExpertGroup(None), 2, "auto", profile=plain)
+    layer(torch.randn(24, CONFIG.d_model))[0].sum().backward()
+    assert list(plain.profiles) == ["cpu|float32|ws1"] and priced[-1] == torch.float32
+
+
+@pytest.mark.gpu
+def test_under_cuda_autocast_the_profile_is_measured_and_keyed_in_bf16():
+    """The trainer's setting on a GPU: float32 parameters and input under bf16 autocast."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cache = ProfileCache()
+    layer = MPipeMoE(CONFIG, ExpertGroup(None), 2, "auto", profile=cache, device=device)
+    x = torch.randn(256, CONFIG.d_model, device=device, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    (y.float().square().sum() + aux).backward()
+    (key, profile), = cache.profiles.items()
+    assert key.endswith("|bfloat16|ws1") and profile.dtype == "bfloat16" and y.dtype == torch.float32
+
+
+def test_under_autocast_the_host_check_prices_the_bf16_buffers_the_offloads_take():
+    """The offloads copy bf16 rows: host memory for exactly those fits (priced at float32 it
+    would look twice as large and fall back to S4 for nothing)."""
+    def run(pool):
+        torch.manual_seed(0)
+        layer = MPipeMoE(CONFIG, ExpertGroup(None), 2, "S1", host_pool=pool)
+        _autocast_pass(layer)
+        return layer
+
+    roomy = HostBufferPool(available_bytes=lambda: PLENTY)
+    run(roomy)
+    taken = roomy.bytes_allocated
+    assert taken > 0
+    exact = HostBufferPool(available_bytes=lambda: taken, usable_fraction=1.0)
+    layer = run(exact)
+    assert layer.last_strategy == "S1" and layer.host_fallback_reason is None
+    assert exact.bytes_allocated == taken
+
+
+# -- one profile across ranks ------------------------------------------------------------------------
+def _different_local_profiles(rank, world_size):
+    """Rank 0 holds a profile under which offloading (S1) wins, rank 1 one under which S4
+    (extra All-to-Alls in backward) wins: given directly, and read from a store of each
+    rank's own (one per node) through a ProfileCache shared by two layers."""
+    import logging
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = warned.append
+    logging.getLogger("moe_engine.perf_model").addHandler(handler)
+    mine = OFFLOAD_FRIENDLY if rank == 0 else SLOW_COPIES
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = ProfileStore(os.path.join(tmp, "profiles.json"))
+        store.put(mine)
+        cache = ProfileCache(store)
+
+        def layer(profile):
+            return MPipeMoE(CONFIG, CountingGroup(), 2, "auto", profile=profile,
+                            host_pool=HostBufferPool(available_bytes=lambda: PLENTY))
+
+        for name, stack in (("given", [layer(mine)]), ("stored", [layer(cache), layer(cache)])):
+            passes, before = [], len(warned)
+            for step in range(3):
+                torch.manual_seed(step)
+                h = torch.randn(20 + 6 * rank, CONFIG.d_model, requires_grad=True)   # ranks differ
+                for moe in stack:
+                    moe.group.calls.clear()
+                    h = moe(h)[0]
+                h.square().sum().backward()
+                passes.append([(dict(moe.group.calls), moe.last_partitions, moe.last_strategy) for moe in stack])
+            results[name] = (passes, len(warned) - before)
+        before = len(warned)
+        fresh = ProfileCache(store).get_or_measure(CONFIG, 32, ExpertGroup(None), torch.device("cpu"), torch.float32)
+        results["get_or_measure"] = (fresh.figures(), len(warned) - before)
+    return results
+
+
+@pytest.mark.gloo
+def test_ranks_with_different_local_profiles_adopt_rank_0s_and_choose_alike():
+    results = run_on_ranks(2, _different_local_profiles, collective_timeout_s=30)
+    for name in ("given", "stored"):
+        (passes, warnings), (other, other_warnings) = results[0][name], results[1][name]
+        choices = [[(n, s) for _, n, s in layers] for layers in passes]
+        assert choices == [[(n, s) for _, n, s in layers] for layers in other], name
+        assert {s for layers in choices for _, s in layers} == {"S1"}, name   # rank 0's profile's choice
+        assert warnings == other_warnings == 1, name   # adopted once (a shared cache: once for its layers)
+        for step, layers in enumerate(passes):
+            for i, (calls, _, _) in enumerate(layers):
+                assert calls.get("exchange_counts") == 1, (name, step, calls)
+                # One agreement at most (the host check), plus the one-off adoption on the first pass.
+                assert calls.get("agreement", 0) <= 1 + (step == 0 and i == 0), (name, step, i, calls)
+    figures, warnings = results[0]["get_or_measure"]
+    assert results[1]["get_or_measure"] == (figures, warnings) and warnings == 1
+    assert figures == OFFLOAD_FRIENDLY.figures()
