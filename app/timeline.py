@@ -66,10 +66,24 @@ def _intersection_us(a: list[Interval], b: list[Interval]) -> float:
     return total
 
 
-def device_events(trace: dict) -> list[dict]:
-    """The device-side events (kernels, memcpys, memsets) of a Chrome trace."""
+PASS_MARK = "mpipemoe.pass"  # the record_function around each traced pass
+
+
+def device_events(trace: dict, last_pass_only: bool = True) -> list[dict]:
+    """The device-side events (kernels, memcpys, memsets) of a Chrome trace; with
+    `last_pass_only`, those launched during the last `PASS_MARK` range (when there is one):
+    the pass traced in steady state, its kernels queued behind the pass before it."""
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in kinds]
+    events = trace.get("traceEvents", [])
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == PASS_MARK]
+    if not (last_pass_only and marks):
+        return device
+    last = max(marks, key=lambda e: float(e["ts"]))
+    start, end = float(last["ts"]), float(last["ts"]) + float(last["dur"])
+    launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    return [e for e in device if start <= launched.get(e.get("args", {}).get("correlation"), -1.0) <= end]
 
 
 def _roles(events: list[dict]) -> list[str]:
@@ -121,16 +135,20 @@ def stream_account(trace: dict) -> dict:
     return account
 
 
-def trace_step(step: Callable[[], None], device: torch.device, path: str) -> dict:
-    """Runs `step` once under torch.profiler (after one untraced call), writes the trace to
-    `path` (gzip when it ends in .gz) and returns its stream account."""
+def trace_step(step: Callable[[], None], device: torch.device, path: str, passes: int = 2) -> dict:
+    """Runs `step` `passes` times back to back under torch.profiler (after one untraced call),
+    each inside a `PASS_MARK` range, writes the trace to `path` (gzip when it ends in .gz)
+    and returns the stream account of the last pass: the steady state, where a pass's first
+    kernels wait behind the previous pass as they do in training."""
     step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=activities) as profiler:
-        step()
+        for _ in range(passes):
+            with torch.profiler.record_function(PASS_MARK):
+                step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

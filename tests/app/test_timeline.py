@@ -36,6 +36,21 @@ def test_account_counts_busy_idle_and_overlap_by_role():
     assert account["device_events"] == 5
 
 
+def test_account_takes_the_last_pass_by_launch_time():
+    runtime = lambda corr, ts: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                                "args": {"correlation": corr}}  # noqa: E731
+    with_corr = lambda event, corr: {**event, "args": {**event["args"], "correlation": corr}}  # noqa: E731
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "mpipemoe.pass", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "mpipemoe.pass", "ts": 100, "dur": 100},
+        runtime(1, 10), runtime(2, 150),
+        with_corr(kernel("cutlass_gemm", 20, 2000, 7), 1),      # launched in the first pass
+        with_corr(kernel("cutlass_gemm", 2020, 500, 7), 2),     # launched in the second: queued behind
+    ]}
+    account = stream_account(trace)
+    assert account["span_ms"] == pytest.approx(0.5) and account["device_events"] == 1
+
+
 def test_a_blocking_all_to_all_on_the_compute_stream_is_still_communication():
     trace = {"traceEvents": [kernel("spin_until", 0, 1000, 7), kernel("cutlass_gemm", 1000, 1000, 7)]}
     account = stream_account(trace)
