@@ -136,16 +136,18 @@ class MoELayerBase(nn.Module):
         if torch.is_autocast_enabled(device_type):
             # Mixed precision (float32 master weights under autocast): the experts compute,
             # and the All-to-Alls move rows, in the autocast dtype. The weights are cast once
-            # per pass; autograd takes their gradients back to float32 through the cast.
+            # per pass, outside autograd: the pipeline sums their gradients over the
+            # partitions in float32 and hands them to the float32 parameters directly.
             compute = torch.get_autocast_dtype(device_type)
-            experts = experts.cast(compute)
+            with torch.no_grad():
+                experts = experts.cast(compute)
             x_TD = x_TD.to(compute)
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(pass_plan.strategy), self.host_pool,
                           timing=self.planner.timing_for_pass(pass_plan, x_TD.device)
                           if torch.is_grad_enabled() else None,
                           keep_activation=self.keep_activation)
-        e = experts
+        e = self.experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
