@@ -46,10 +46,10 @@ def test_pool_settings_are_validated():
 
 def test_pool_counts_the_bytes_it_would_grow_by():
     pool = HostBufferPool()
-    assert pool.bytes_to_grow([(100, torch.float32), (3, torch.float64)]) == 128 * 4 + 4 * 8
+    assert pool.bytes_to_grow([(100, torch.float32), (3, torch.float64)]) == 100 * 4 + 3 * 8
     pool.give_back(pool.take(100, torch.float32, pin=False))
     assert pool.bytes_to_grow([(100, torch.float32)]) == 0           # reuses the free buffer
-    assert pool.bytes_to_grow([(100, torch.float32)] * 2) == 128 * 4  # only one is free
+    assert pool.bytes_to_grow([(100, torch.float32)] * 2) == 100 * 4  # only one is free
     assert HostBufferPool(available_bytes=lambda: 1000, usable_fraction=0.5).usable_bytes() == 500
 
 
@@ -146,7 +146,7 @@ def test_a_buffer_whose_copy_is_pending_orders_its_taker_after_the_copy():
     buffer = pool.take(100, torch.float32, pin=False)
     copy = FakeEvent()
     pool.give_back(buffer, in_use_until=copy)
-    assert pool.free_buffers == 1 and pool.bytes_free == 128 * 4
+    assert pool.free_buffers == 1 and pool.bytes_free == 100 * 4
     assert pool.bytes_to_grow([(100, torch.float32)]) == 0
     writer = FakeStream()
     assert pool.take(100, torch.float32, pin=False, stream=writer) is buffer
@@ -168,7 +168,7 @@ def test_a_buffer_whose_copy_is_done_is_preferred_and_needs_no_wait():
     assert {id(pool.take(100, torch.float32, pin=False, stream=writer)) for _ in range(2)} == {id(idle), id(bare)}
     assert writer.waited == [] and not busy_copy.synchronized
     assert pool.take(100, torch.float32, pin=False, stream=writer) is busy and writer.waited == [busy_copy]
-    assert pool.free_buffers == 0 and pool.bytes_allocated == 3 * 128 * 4
+    assert pool.free_buffers == 0 and pool.bytes_allocated == 3 * 100 * 4
 
 
 def test_the_pool_never_hands_out_a_pending_buffer_unordered():
@@ -176,7 +176,7 @@ def test_the_pool_never_hands_out_a_pending_buffer_unordered():
     each buffer taken while its copy is pending was ordered after that copy."""
     rng = random.Random(0)
     pool = HostBufferPool()
-    held = [pool.take(100, torch.float32, pin=False) for _ in range(6)]
+    held = [pool.take(128, torch.float32, pin=False) for _ in range(6)]
     copies = {}                                   # id(buffer) -> the event it went back with
     for _ in range(400):
         if not pool.free_buffers or (held and rng.random() < 0.5):
@@ -189,7 +189,7 @@ def test_the_pool_never_hands_out_a_pending_buffer_unordered():
                     event.done = True
             stream = rng.choice((None, FakeStream()))
             pending_before = {key: event is not None and not event.done for key, event in copies.items()}
-            buffer = pool.take(rng.choice((65, 100, 128)), torch.float32, pin=False, stream=stream)
+            buffer = pool.take(rng.choice((110, 120, 128)), torch.float32, pin=False, stream=stream)
             event = copies.pop(id(buffer), None)
             if pending_before.get(id(buffer)):
                 assert (stream is not None and stream.waited == [event]) or (stream is None and event.synchronized)
