@@ -25,6 +25,7 @@ Shapes: see moe_engine's legend (moe_engine/__init__.py).
 """
 from __future__ import annotations
 
+import collections
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ from .pipeline import PipelinedExperts, PipelineRun
 from .planner import Planner, PassPlan
 from .router import Router, Routing
 from .streams import StreamSet
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward: an activation checkpoint's recomputation
+    (autograd's current graph task; -1 outside backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class NonFiniteInputError(ValueError):
@@ -66,6 +73,9 @@ class MoELayerBase(nn.Module):
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.planner = Planner(config, self.group, host_pool=self.host_pool)  # one partition, keep everything
         self._streams: dict[torch.device, StreamSet] = {}
+        # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
+        # forwards never recomputed fall off the far end)
+        self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
 
     def streams_for(self, device: torch.device) -> StreamSet:
         if device not in self._streams:
@@ -105,10 +115,11 @@ class MoELayerBase(nn.Module):
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
                                    x_TD.device, x_TD.dtype, self.router.weight.dtype)
-            pass_plan = planner.decide(agreed)
+            replayed = self._replayed_plan()
+            pass_plan = replayed or planner.decide(agreed)
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
-            return plan, planner.check_host_memory(pass_plan, plan, agreed)
+            return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
         chunks = planner.count_chunks
         chunk_P = self._chunk_pairs(routing, chunks)
         counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
@@ -122,9 +133,29 @@ class MoELayerBase(nn.Module):
                                       f"learning rate, or the data that produced it")
         agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, x_TD.dtype,
                                self.router.weight.dtype)
-        pass_plan = planner.decide(agreed)
+        replayed = self._replayed_plan()
+        pass_plan = replayed or planner.decide(agreed)
         plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
-        return plan, planner.check_host_memory(pass_plan, plan, agreed)
+        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+
+    # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
+    # and needs the same tensors saved: the recomputation must run the plan the original
+    # forward ran (the online search moves on between passes). Forwards that record for
+    # backward push their plan; a recomputation pops the latest, last in first out as
+    # backward visits the forwards. Every rank recomputes the same layers in the same order,
+    # so every rank replays, and skips the planner's agreements, alike.
+    def _record_plan(self, pass_plan: PassPlan) -> PassPlan:
+        """Local. Remember the plan of a forward that records for backward."""
+        if torch.is_grad_enabled():
+            self._recorded_plans.append(pass_plan)
+        return pass_plan
+
+    def _replayed_plan(self) -> PassPlan | None:
+        """Local. The plan of the forward being recomputed, when this forward runs inside
+        backward (a checkpointed forward's recomputation); None otherwise."""
+        if not recomputing() or not self._recorded_plans:
+            return None
+        return self._recorded_plans.pop()
 
     # -- step 3: experts ---------------------------------------------------------------------
     def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:
@@ -145,7 +176,7 @@ class MoELayerBase(nn.Module):
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(pass_plan.strategy), self.host_pool,
                           timing=self.planner.timing_for_pass(pass_plan, x_TD.device)
-                          if torch.is_grad_enabled() else None,
+                          if torch.is_grad_enabled() and not recomputing() else None,
                           keep_activation=self.keep_activation)
         e = self.experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)

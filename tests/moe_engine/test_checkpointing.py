@@ -98,3 +98,30 @@ def test_checkpointing_our_layer_keeps_as_little_as_a_plain_layer(partitions, st
         torch.testing.assert_close(a, b)
     # The host copies of the discarded forward and of the recomputation are not held on to.
     assert layer.host_pool.bytes_held <= held_before
+
+
+def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
+    """partitions="auto" moves n on from pass to pass while it searches; the recomputation
+    inside backward must run the n (and strategy) of the forward it repeats, or checkpoint
+    finds other tensors saved. Gradients equal those of the same n without checkpointing."""
+    from moe_engine.granularity import GranularitySearch
+
+    torch.manual_seed(0)
+    layer = MPipeMoE(CONFIG, partitions="auto", strategy="S1",
+                     search=GranularitySearch(candidates=(1, 2), warmup=0, repeats=1, give_up_slower=None))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(3):
+        x = torch.randn(32, CONFIG.d_model, generator=g, requires_grad=True)
+        checkpointed(layer)(x).square().sum().backward()
+        n = layer.last_partitions
+        seen.append(n)
+        got = [x.grad] + [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        fixed = MPipeMoE(CONFIG, partitions=n, strategy="S1")
+        fixed.load_state_dict(layer.state_dict())
+        x_again = x.detach().clone().requires_grad_(True)
+        residual(fixed)(x_again).square().sum().backward()
+        for a, b in zip(got, [x_again.grad] + [p.grad for p in fixed.parameters()]):
+            torch.testing.assert_close(a, b)
+    assert len(set(seen)) > 1  # the search did move n between passes
