@@ -77,6 +77,12 @@ class MoELayerBase(nn.Module):
         # forwards never recomputed fall off the far end)
         self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
 
+    @property
+    def host_bytes_held(self) -> int:
+        """Local. Bytes of pinned host memory the layer's pool holds now (handed out and free;
+        shared by every layer given the same pool): the figure to log per layer."""
+        return self.host_pool.bytes_held
+
     def streams_for(self, device: torch.device) -> StreamSet:
         if device not in self._streams:
             self._streams[device] = StreamSet(device)

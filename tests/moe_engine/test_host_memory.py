@@ -232,3 +232,43 @@ def test_a_queued_restore_reads_the_data_it_was_given(taker):
     torch.cuda.synchronize(device)
     assert torch.equal(restored.cpu(), original), "the restore read data written after the buffer went back"
     assert torch.equal(reused, torch.full((numel,), -1.0))
+
+
+def test_pool_stays_within_a_quarter_of_the_largest_need_over_200_random_passes():
+    """Per pass, S1 with n = 4 offloads T_DI (N_i × D) and A (N_i × 2H) of each partition,
+    where N_i, the rows a rank receives, moves with the routing (here: uniform within ±30%
+    of balanced, as on two ranks with random routing). The pool reuses what fits, frees what
+    nothing fits, and never holds more than 1.25x the most any pass asked for (the pool of
+    power-of-two bins that never freed held 2.6x)."""
+    rng = random.Random(0)
+    pool = HostBufferPool(available_bytes=lambda: PLENTY)
+    D, A = 64, 256
+    needs, held = [], []
+    for _ in range(200):
+        requests = [rows * width for rows in (rng.randint(700, 1300) for _ in range(4)) for width in (D, A)]
+        needs.append(4 * sum(requests))
+        buffers = [pool.take(numel, torch.float32, pin=False) for numel in requests]
+        held.append(pool.bytes_held)
+        for buffer in reversed(buffers):
+            pool.give_back(buffer)
+        held.append(pool.bytes_held)
+    assert max(held) <= 1.25 * max(needs), (max(held), max(needs))
+    assert pool.bytes_held >= needs[-1]  # and it keeps what the passes reuse
+
+
+def test_an_offloading_layer_holds_what_its_passes_need():
+    """The engine's own passes (S1, n = 2, random token counts): the pool's bytes stay
+    within 1.25x the largest pass's offloads."""
+    layer = _layer("S1", available_bytes=lambda: PLENTY)
+    g = torch.Generator().manual_seed(3)
+    needs, held = [], []
+    for _ in range(30):
+        tokens = int(torch.randint(24, 64, (), generator=g))
+        x = torch.randn(tokens, CONFIG.d_model, generator=g, requires_grad=True)
+        y, aux = layer(x)
+        # the offloads of a pass: T_DI (k·T × D) and A (k·T × H), in float32
+        needs.append(4 * CONFIG.top_k * tokens * (CONFIG.d_model + CONFIG.d_hidden))
+        held.append(layer.host_pool.bytes_held)
+        (y.square().sum() + aux).backward()
+        held.append(layer.host_pool.bytes_held)
+    assert max(held) <= 1.25 * max(needs), (max(held), max(needs))
