@@ -73,6 +73,7 @@ class MoELayerBase(nn.Module):
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.planner = Planner(config, self.group, host_pool=self.host_pool)  # one partition, keep everything
         self._streams: dict[torch.device, StreamSet] = {}
+        self.last_rows: tuple[int, int] | None = None  # (rows sent, rows received) of the last pass
         # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
         # forwards never recomputed fall off the far end)
         self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
@@ -168,6 +169,16 @@ class MoELayerBase(nn.Module):
         """Rows in send order (R × D) after dispatch → experts → combine, with the planner's
         n and strategy (decided on agreed values only: they decide which collectives run)."""
         self.last_strategy = pass_plan.strategy
+        if torch.is_grad_enabled() and RestorePolicy.of(pass_plan.strategy).offloads and x_TD.is_cuda \
+                and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"strategy {pass_plan.strategy} cannot be captured in a CUDA graph for training: its offloads "
+                f"take pinned host buffers each pass (allocating them and querying their copies' events is not "
+                f"capturable), and every replay would write the same host buffers; capture with strategy S4 or "
+                f"none (forward-only capture under torch.no_grad offloads nothing and works)")
+        # The pass's actual rows (this rank's), for the routing-aware memory model
+        # (memory.predict_memory's rows_sent / rows_received).
+        self.last_rows = (plan.send_offsets[-1], sum(p.rows_received for p in plan.partitions))
         experts, out_dtype = self.experts, x_TD.dtype
         device_type = x_TD.device.type
         if torch.is_autocast_enabled(device_type):
