@@ -73,7 +73,12 @@ def measure(stack: Stack, x, dy, device, warmup: int, repeats: int) -> dict:
     """Mean and spread of fwd+bwd ms over `repeats` (CUDA events), and the activation peak."""
     def step():
         stack(x).backward(dy)
-    for _ in range(warmup):  # also lets an automatic layer's search settle
+    for _ in range(warmup):
+        step()
+    searches = [layer.search for layer in stack.layers if getattr(layer, "partitions", None) == "auto"]
+    for _ in range(60):  # let automatic layers' searches settle on an n
+        if all(search.active is None and search.cache for search in searches):
+            break
         step()
     record = {"fwd_bwd_ms": None, "fwd_bwd_ms_std": None, "activation_bytes": None}
     if device.type == "cuda":
