@@ -152,8 +152,10 @@ class MoELayerBase(nn.Module):
     # backward visits the forwards. Every rank recomputes the same layers in the same order,
     # so every rank replays, and skips the planner's agreements, alike.
     def _record_plan(self, pass_plan: PassPlan) -> PassPlan:
-        """Local. Remember the plan of a forward that records for backward."""
-        if torch.is_grad_enabled():
+        """Local. Remember the plan of a forward that records for backward (not of a
+        recomputation: a reentrant checkpoint's forward runs without grad, so its
+        recomputation finds nothing to replay and must leave nothing behind)."""
+        if torch.is_grad_enabled() and not recomputing():
             self._recorded_plans.append(pass_plan)
         return pass_plan
 

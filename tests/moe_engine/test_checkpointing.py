@@ -125,3 +125,20 @@ def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
         for a, b in zip(got, [x_again.grad] + [p.grad for p in fixed.parameters()]):
             torch.testing.assert_close(a, b)
     assert len(set(seen)) > 1  # the search did move n between passes
+
+
+def test_a_reentrant_checkpoint_runs_and_leaves_no_plan_behind():
+    """use_reentrant=True: the first forward runs without grad (nothing to replay), the
+    recomputation decides afresh and records nothing; gradients equal the plain block's."""
+    torch.manual_seed(0)
+    layer = MPipeMoE(CONFIG, partitions=2, strategy="S1")
+    x = torch.randn(32, CONFIG.d_model, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    residual(layer)(x).square().sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    layer._recorded_plans.clear()
+    checkpoint(residual(layer), x, use_reentrant=True).square().sum().backward()
+    assert not layer._recorded_plans
+    for a, b in zip([x.grad] + [p.grad for p in layer.parameters()], want):
+        torch.testing.assert_close(a, b)
