@@ -394,13 +394,17 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers + [None], memories, times):
         n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
         strategy = getattr(layer, "last_strategy", None) or "none"
+        # The model on the rows this rank actually sent and received in the layer's last pass
+        # (under skew the busiest rank's, which an emulated rank 0 is), not the balanced k·T.
+        rows_sent, rows_received = getattr(layer, "last_rows", None) or (None, None)
         predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
             config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
-            dtype=dtype).peak_bytes
+            dtype=dtype, rows_sent=rows_sent, rows_received=rows_received).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
+                  **({"rows_sent": rows_sent, "rows_received": rows_received} if rows_sent is not None else {}),
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
                   "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
                   **group_fields(group)}

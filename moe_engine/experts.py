@@ -25,7 +25,7 @@ gradient can be sent back while the weight-gradient GEMMs run.
 from __future__ import annotations
 
 import copy
-
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,11 +112,48 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> 
     return y_NO
 
 
-def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
-    """Local. dw[l] = x[rows of l]ᵀ @ dy[rows of l] for all experts: [L, I, O]."""
-    L = seg.ends_L.shape[0]
+@functools.cache
+def _grouped_kernel_widens(device_type: str) -> bool:
+    """Whether this torch's grouped kernel writes a float32 result from bf16 operands on
+    `device_type` (``out_dtype``); a property of the installed build, probed once."""
+    if device_type != "cuda":
+        return False  # CPU: "Grouped gemm output dtype must match `mat_a` dtype" (torch 2.13)
+    a_KM = torch.ones(16, 8, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch._grouped_mm(a_KM.t(), a_KM, offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type),
+                          out_dtype=torch.float32)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _wide_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """dw summed in ``out_dtype`` from rows of a lower precision: on CUDA the grouped kernel
+    writing float32 where this torch has it, else one tensor-core GEMM per expert with a
+    float32 result (an upcast float32 GEMM would run without tensor cores); elsewhere the
+    kernel on upcast copies (a product of two bf16 or fp16 numbers is exact in float32, so
+    only the order of the sums differs)."""
+    if x_NI.device.type == "cuda" and out_dtype == torch.float32:
+        if _grouped_kernel_widens("cuda") and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
+            return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L, out_dtype=out_dtype)
+        dw_LIO = dy_NO.new_empty(seg.ends_L.shape[0], x_NI.shape[-1], dy_NO.shape[-1], dtype=out_dtype)
+        for l, rows in enumerate(_segments(seg.host_counts())):
+            dw_LIO[l] = torch.mm(x_NI[rows].t(), dy_NO[rows], out_dtype=out_dtype)
+        return dw_LIO
+    return grouped_weight_grad(x_NI.to(out_dtype), dy_NO.to(out_dtype), seg)
+
+
+def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Local. dw[l] = x[rows of l]ᵀ @ dy[rows of l] for all experts: [L, I, O], summed
+    in ``out_dtype`` (default: the rows' dtype; under mixed precision the parameters', so
+    the partial sums of several partitions add without rounding to the compute dtype)."""
+    L, out_dtype = seg.ends_L.shape[0], out_dtype or dy_NO.dtype
     if seg.rows == 0:
-        return dy_NO.new_zeros(L, x_NI.shape[-1], dy_NO.shape[-1])
+        return dy_NO.new_zeros(L, x_NI.shape[-1], dy_NO.shape[-1], dtype=out_dtype)
+    if out_dtype != dy_NO.dtype:
+        return _wide_weight_grad(x_NI, dy_NO, seg, out_dtype)
     if x_NI.dtype == dy_NO.dtype and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
         return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L)
     dw_LIO = dy_NO.new_empty(L, x_NI.shape[-1], dy_NO.shape[-1])
@@ -125,15 +162,22 @@ def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegm
     return dw_LIO
 
 
-def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
-    """Local. db[l] = Σ dy[rows of l]: a row of ones against dy, one grouped GEMM.
+def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Local. db[l] = Σ dy[rows of l], summed in ``out_dtype`` (default dy's): a row of
+    ones against dy, one grouped GEMM.
     (An index_add over rows would serialise on atomics: every row of an expert adds
     into the same O numbers.) The kernel asks that a group's rows span a multiple of 16
     bytes along the operand's contiguous dimension, so the ones are 8 columns of N
     (column-major: the rows are the outer dimension); the first row is the answer."""
-    L = seg.ends_L.shape[0]
+    L, out_dtype = seg.ends_L.shape[0], out_dtype or dy_NO.dtype
     if seg.rows == 0:
-        return dy_NO.new_zeros(L, dy_NO.shape[-1])
+        return dy_NO.new_zeros(L, dy_NO.shape[-1], dtype=out_dtype)
+    if out_dtype != dy_NO.dtype:
+        if dy_NO.device.type == "cuda" and _grouped_kernel_widens("cuda") and grouped_kernel_supports(
+                dy_NO, dy_NO.shape[-1]):
+            ones_8N = dy_NO.new_ones(seg.rows, 8).t()
+            return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L, out_dtype=out_dtype)[:, 0]
+        return grouped_bias_grad(dy_NO.to(out_dtype), seg)
     if grouped_kernel_supports(dy_NO, dy_NO.shape[-1]):
         ones_8N = dy_NO.new_ones(seg.rows, 8).t()
         return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L)[:, 0]
@@ -156,8 +200,11 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
 @dataclass
 class ExpertGrads:
     """Gradient accumulators of the expert parameters (parameter layout; None until a
-    partition adds to it)."""
+    partition adds to it), in ``dtype``: the parameters' own, also when the experts compute
+    in a lower precision (mixed precision), so the sum over partitions does not depend on
+    how many there are beyond float32 rounding (docs/design.md §7, numerics)."""
 
+    dtype: torch.dtype | None = None  # None: each partition's product's dtype
     w1: torch.Tensor | None = None
     b1: torch.Tensor | None = None
     w2: torch.Tensor | None = None
@@ -169,7 +216,8 @@ class ExpertGrads:
         out = []
         for name in ("w1", "b1", "w2", "b2", "w3"):
             param, grad = getattr(experts, name), getattr(self, name)
-            out.append(None if param is None else (grad if grad is not None else torch.zeros_like(param)))
+            out.append(None if param is None else grad if grad is not None
+                       else torch.zeros_like(param, dtype=self.dtype or param.dtype))
         return out
 
 
@@ -185,6 +233,8 @@ class InputGrad:
 class Experts(nn.Module):
     """This rank's L experts. Parameters (docs/engine.md, "Parameters"):
     w1 [L, D, H], b1 [L, H], w2 [L, H, D], b2 [L, D]; SwiGLU adds w3 [L, D, H] (no bias)."""
+
+    master_dtype: torch.dtype | None = None  # a `cast` view: its parameters' dtype
 
     def __init__(self, config: MoEConfig, local_experts: int, device=None, dtype=None):
         super().__init__()
@@ -215,6 +265,7 @@ class Experts(nn.Module):
             return self
         view = copy.copy(self)
         view._parameters = {}  # plain tensors below, not parameters of the view
+        view.master_dtype = self.w1.dtype
         for name in ("w1", "w2", "w3", "b1", "b2"):
             weight = getattr(self, name)
             object.__setattr__(view, name, None if weight is None else weight.to(dtype))
@@ -253,8 +304,9 @@ class Experts(nn.Module):
 
     # -- backward -----------------------------------------------------------------------------
     def grads(self) -> ExpertGrads:
-        """Empty gradient accumulators for `weight_grads`."""
-        return ExpertGrads()
+        """Empty gradient accumulators for `weight_grads`, in the parameters' dtype (a `cast`
+        view's: its parameters')."""
+        return ExpertGrads(self.master_dtype or self.w1.dtype)
 
     def backward(self, x_ND: torch.Tensor, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments,
                  grads: ExpertGrads) -> torch.Tensor:
@@ -285,15 +337,16 @@ class Experts(nn.Module):
         with torch.no_grad():
             if h_NH is None:
                 h_NH = done.h_NH if done.h_NH is not None else self.activate(A)
-            grads.w2 = _accumulate(grads.w2, grouped_weight_grad(h_NH, dy_ND, seg))
+            wide = grads.dtype
+            grads.w2 = _accumulate(grads.w2, grouped_weight_grad(h_NH, dy_ND, seg, wide))
             del h_NH
             if self.b2 is not None:
-                grads.b2 = _accumulate(grads.b2, grouped_bias_grad(dy_ND, seg))
-            grads.w1 = _accumulate(grads.w1, grouped_weight_grad(x_ND, done.dA[0], seg))
+                grads.b2 = _accumulate(grads.b2, grouped_bias_grad(dy_ND, seg, wide))
+            grads.w1 = _accumulate(grads.w1, grouped_weight_grad(x_ND, done.dA[0], seg, wide))
             if self.b1 is not None:
-                grads.b1 = _accumulate(grads.b1, grouped_bias_grad(done.dA[0], seg))
+                grads.b1 = _accumulate(grads.b1, grouped_bias_grad(done.dA[0], seg, wide))
             if self.w3 is not None:
-                grads.w3 = _accumulate(grads.w3, grouped_weight_grad(x_ND, done.dA[1], seg))
+                grads.w3 = _accumulate(grads.w3, grouped_weight_grad(x_ND, done.dA[1], seg, wide))
 
 
 def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str) -> torch.Tensor:

@@ -25,6 +25,7 @@ Shapes: see moe_engine's legend (moe_engine/__init__.py).
 """
 from __future__ import annotations
 
+import collections
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ from .pipeline import PipelinedExperts, PipelineRun
 from .planner import Planner, PassPlan
 from .router import Router, Routing
 from .streams import StreamSet
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward: an activation checkpoint's recomputation
+    (autograd's current graph task; -1 outside backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class NonFiniteInputError(ValueError):
@@ -66,6 +73,16 @@ class MoELayerBase(nn.Module):
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.planner = Planner(config, self.group, host_pool=self.host_pool)  # one partition, keep everything
         self._streams: dict[torch.device, StreamSet] = {}
+        self.last_rows: tuple[int, int] | None = None  # (rows sent, rows received) of the last pass
+        # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
+        # forwards never recomputed fall off the far end)
+        self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
+
+    @property
+    def host_bytes_held(self) -> int:
+        """Local. Bytes of pinned host memory the layer's pool holds now (handed out and free;
+        shared by every layer given the same pool): the figure to log per layer."""
+        return self.host_pool.bytes_held
 
     def streams_for(self, device: torch.device) -> StreamSet:
         if device not in self._streams:
@@ -108,10 +125,11 @@ class MoELayerBase(nn.Module):
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
                                    x_TD.device, dtype, self.router.weight.dtype)
-            pass_plan = planner.decide(agreed)
+            replayed = self._replayed_plan()
+            pass_plan = replayed or planner.decide(agreed)
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
-            return plan, planner.check_host_memory(pass_plan, plan, agreed)
+            return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
         chunks = planner.count_chunks
         chunk_P = self._chunk_pairs(routing, chunks)
         counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
@@ -125,31 +143,66 @@ class MoELayerBase(nn.Module):
                                       f"learning rate, or the data that produced it")
         agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype,
                                self.router.weight.dtype)
-        pass_plan = planner.decide(agreed)
+        replayed = self._replayed_plan()
+        pass_plan = replayed or planner.decide(agreed)
         plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
-        return plan, planner.check_host_memory(pass_plan, plan, agreed)
+        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+
+    # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
+    # and needs the same tensors saved: the recomputation must run the plan the original
+    # forward ran (the online search moves on between passes). Forwards that record for
+    # backward push their plan; a recomputation pops the latest, last in first out as
+    # backward visits the forwards. Every rank recomputes the same layers in the same order,
+    # so every rank replays, and skips the planner's agreements, alike.
+    def _record_plan(self, pass_plan: PassPlan) -> PassPlan:
+        """Local. Remember the plan of a forward that records for backward (not of a
+        recomputation: a reentrant checkpoint's forward runs without grad, so its
+        recomputation finds nothing to replay and must leave nothing behind)."""
+        if torch.is_grad_enabled() and not recomputing():
+            self._recorded_plans.append(pass_plan)
+        return pass_plan
+
+    def _replayed_plan(self) -> PassPlan | None:
+        """Local. The plan of the forward being recomputed, when this forward runs inside
+        backward (a checkpointed forward's recomputation); None otherwise."""
+        if not recomputing() or not self._recorded_plans:
+            return None
+        return self._recorded_plans.pop()
 
     # -- step 3: experts ---------------------------------------------------------------------
     def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:
         """Rows in send order (R × D) after dispatch → experts → combine, with the planner's
         n and strategy (decided on agreed values only: they decide which collectives run)."""
         self.last_strategy = pass_plan.strategy
+        if torch.is_grad_enabled() and RestorePolicy.of(pass_plan.strategy).offloads and x_TD.is_cuda \
+                and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"strategy {pass_plan.strategy} cannot be captured in a CUDA graph for training: its offloads "
+                f"take pinned host buffers each pass (allocating them and querying their copies' events is not "
+                f"capturable), and every replay would write the same host buffers; capture with strategy S4 or "
+                f"none (forward-only capture under torch.no_grad offloads nothing and works)")
+        # The pass's actual rows (this rank's), for the routing-aware memory model
+        # (memory.predict_memory's rows_sent / rows_received).
+        self.last_rows = (plan.send_offsets[-1], sum(p.rows_received for p in plan.partitions))
         experts, out_dtype = self.experts, x_TD.dtype
         # Mixed precision (float32 master weights under autocast): the experts compute, and
         # the All-to-Alls move rows, in the autocast dtype, the one the planner priced. The
-        # weights are cast once per pass (autograd takes their gradients back to float32
-        # through the cast); without autocast both casts are no-ops.
+        # weights are cast once per pass, outside autograd: the pipeline sums their gradients
+        # over the partitions in float32 and hands them to the float32 parameters directly.
+        # Without autocast both casts are no-ops.
         compute = compute_dtype(x_TD)
-        experts, x_TD = experts.cast(compute), x_TD.to(compute)
+        with torch.no_grad():
+            experts = experts.cast(compute)
+        x_TD = x_TD.to(compute)
         # Partitions overlap communication with the GEMMs: leave the comm kernels their SMs.
         overlaps = not plan.single and pass_plan.partitions > 1
         run = PipelineRun(experts, self.group, plan, self.streams_for(x_TD.device),
                           RestorePolicy.of(pass_plan.strategy), self.host_pool,
                           timing=self.planner.timing_for_pass(pass_plan, x_TD.device)
-                          if torch.is_grad_enabled() else None,
+                          if torch.is_grad_enabled() and not recomputing() else None,
                           keep_activation=self.keep_activation,
                           reserved_sms=self.group.comm_sms if overlaps else 0)
-        e = experts
+        e = self.experts
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

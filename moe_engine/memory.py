@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .config import ENGINES, STRATEGIES
 
@@ -63,30 +64,49 @@ class RestorePolicy:
         return self.recommunicate_input
 
 
-def available_host_memory() -> int:
-    """Bytes of host memory the OS can give now without swapping: ``MemAvailable`` of
-    /proc/meminfo on Linux, else free physical pages (``os.sysconf``)."""
+def _meminfo(field: str) -> int | None:
+    """Bytes of one /proc/meminfo field (Linux), or None."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the OS can give now without swapping: ``MemAvailable`` of
+    /proc/meminfo on Linux, else free physical pages (``os.sysconf``)."""
+    available = _meminfo("MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_host_memory() -> int:
+    """Bytes of host memory installed: ``MemTotal`` of /proc/meminfo, else ``os.sysconf``."""
+    total = _meminfo("MemTotal")
+    return total if total is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _capacity(numel: int) -> int:
-    """Buffer size (elements) the pool uses for ``numel``: the next power of two."""
-    return 1 << max(0, (numel - 1).bit_length())
+    """Buffer size (elements) the pool allocates for ``numel``: rounded up to a sixteenth of
+    its power of two (at most 1/16 more), so counts that differ a little share a size."""
+    step = 1 << max(0, numel.bit_length() - 5)
+    return -(-max(numel, 1) // step) * step
 
 
 class HostBufferPool:
-    """Reusable host buffers for offloaded activations (pinned when CUDA is present).
+    """Reusable host buffers for offloaded activations (pinned when CUDA is present),
+    bounded: what it holds stays within ``REUSE_SLACK`` of the largest set of buffers ever
+    asked for at once, and within ``max_bytes``.
 
-    `take` hands out a buffer no one else holds; `give_back` returns it for reuse.
-    Sizes are rounded up to a power of two so buffers are reused across steps
-    whose token counts differ a little.
+    `take` hands out a buffer no one else holds: the best-fitting free one (the smallest
+    that holds the request and is at most ``REUSE_SLACK`` times it), else a new one; a
+    free buffer no request fits is released once the pool holds more than ``REUSE_SLACK``
+    times its peak request, or to make room under ``max_bytes``. `give_back` returns a
+    buffer for reuse. A buffer handed out and then dropped (e.g. a host copy an activation
+    checkpoint discarded) is no longer counted once it is freed.
 
     A buffer can go back while a copy that reads it is still queued on a CUDA stream
     (backward's host-to-device restore): `give_back(buffer, in_use_until=event)` with
@@ -100,72 +120,135 @@ class HostBufferPool:
                      pass your own to test or to account for other users of the host).
     usable_fraction: the share of those bytes this pool may take when it grows; the
                      rest stays for the process, the OS and other ranks on the node
-                     (with R ranks per node, about 0.8 / R).
+                     (with R ranks per node, about 0.8 / R: workers/loop.py passes that).
+    max_bytes:       the most the pool holds (handed out and free); default
+                     ``usable_fraction`` of the host's installed memory. The layers' host
+                     check (planner.py) falls back to S4 rather than pass it.
     """
 
+    REUSE_SLACK = 1.2
+
     def __init__(self, available_bytes: Callable[[], int] = available_host_memory,
-                 usable_fraction: float = 0.8):
+                 usable_fraction: float = 0.8, max_bytes: int | None = None):
         if isinstance(usable_fraction, bool) or not isinstance(usable_fraction, (int, float)) \
                 or not 0 < usable_fraction <= 1:
             raise ValueError(f"usable_fraction={usable_fraction!r} is invalid: give a number in (0, 1], "
                              f"e.g. 0.8 / (ranks per node)")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes <= 0):
+            raise ValueError(f"max_bytes={max_bytes!r} is invalid: give a positive number of bytes, or None "
+                             f"for {usable_fraction} of the host's memory")
         self.available_bytes = available_bytes
         self.usable_fraction = usable_fraction
-        # (dtype, capacity) -> [(buffer, event after the last queued copy reading it, or None)]
-        self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
-        self.bytes_allocated = 0
+        self.max_bytes = max_bytes if max_bytes is not None else int(usable_fraction * total_host_memory())
+        # free buffers, oldest given back first: (buffer, event after the last queued copy reading it, or None)
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        # buffers handed out, by address: (weak reference to the storage, bytes, bytes asked for)
+        self._taken: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        self.peak_request_bytes = 0  # the most bytes asked for by buffers out at once
+
+    @staticmethod
+    def _bytes(buffer: torch.Tensor) -> int:
+        return buffer.numel() * buffer.element_size()
+
+    def _live_taken(self) -> dict[int, tuple[StorageWeakRef, int, int]]:
+        """The handed-out buffers still alive (dropped ones are forgotten)."""
+        self._taken = {ptr: entry for ptr, entry in self._taken.items() if not entry[0].expired()}
+        return self._taken
 
     def take(self, numel: int, dtype: torch.dtype, pin: bool,
              stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Local. A buffer of at least ``numel`` elements that no one holds and no queued
-        copy still reads: a free one whose copies are done if there is one, else the
-        oldest free one with ``stream`` (the CUDA stream that will write it) made to wait
-        for its copies, or, with ``stream=None``, after waiting for them on the host."""
-        capacity = _capacity(numel)
-        free = self._free.get((dtype, capacity))
-        if free:
-            done = [i for i, (_, event) in enumerate(free) if event is None or event.query()]
-            buffer, event = free.pop(done[-1] if done else 0)
+        copy still reads: the best-fitting free one (one whose copies are done if there is
+        one, else the oldest, with ``stream`` (the CUDA stream that will write it) made to
+        wait for its copies, or, with ``stream=None``, after waiting for them on the host),
+        else a new one."""
+        fits = [i for i, (b, _) in enumerate(self._free)
+                if b.dtype == dtype and numel <= b.numel() <= self.REUSE_SLACK * max(numel, 1)]
+        if fits:
+            done = [i for i in fits if self._free[i][1] is None or self._free[i][1].query()]
+            i = min(done or fits, key=lambda j: self._free[j][0].numel())
+            buffer, event = self._free.pop(i)
             if not done:
                 if stream is not None:
                     stream.wait_event(event)
                 else:
                     event.synchronize()
-            return buffer
-        buffer = torch.empty(capacity, dtype=dtype, pin_memory=pin)
-        self.bytes_allocated += buffer.numel() * buffer.element_size()
+        else:
+            capacity = _capacity(numel)
+            self._release(self.max_bytes - capacity * torch.empty((), dtype=dtype).element_size())
+            buffer = torch.empty(capacity, dtype=dtype, pin_memory=pin)
+        asked = numel * buffer.element_size()
+        self._taken[buffer.data_ptr()] = (StorageWeakRef(buffer.untyped_storage()), self._bytes(buffer), asked)
+        in_use = sum(entry[2] for entry in self._live_taken().values())
+        self.peak_request_bytes = max(self.peak_request_bytes, in_use)
+        self._release(int(self.REUSE_SLACK * self.peak_request_bytes))
         return buffer
+
+    def give_back(self, buffer: torch.Tensor, in_use_until: torch.cuda.Event | None = None) -> None:
+        """Local. Return ``buffer`` (one `take` handed out; anything else is ignored) for
+        reuse. in_use_until: a CUDA event recorded after the last queued copy that reads
+        ``buffer`` (None when no copy is pending)."""
+        if self._taken.pop(buffer.data_ptr(), None) is None:
+            return
+        self._free.append((buffer, in_use_until))
+        self._release(int(self.REUSE_SLACK * self.peak_request_bytes))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in a buffer this pool handed out and not yet got back."""
+        return tensor.untyped_storage().data_ptr() in self._live_taken()
+
+    def _release(self, limit: int) -> None:
+        """Drop free buffers, oldest given back first, until the pool holds at most
+        ``limit`` bytes or none is free. (A pinned buffer goes back to torch's pinned-memory
+        cache, which keeps it until any copy recorded against it is done.)"""
+        held = self.bytes_held
+        while self._free and held > limit:
+            buffer, _ = self._free.pop(0)
+            held -= self._bytes(buffer)
 
     def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]]) -> int:
         """Bytes the pool would allocate to serve ``requests`` ((numel, dtype) pairs) now,
-        after reusing its free buffers."""
-        free = {key: len(entries) for key, entries in self._free.items()}
+        after reusing its free buffers (best fit, as `take`)."""
+        free = [(b.dtype, b.numel()) for b, _ in self._free]
         grow = 0
-        for numel, dtype in requests:
-            key = (dtype, _capacity(numel))
-            if free.get(key, 0):
-                free[key] -= 1
+        for numel, dtype in sorted(requests, key=lambda r: -r[0]):
+            fits = [i for i, (d, size) in enumerate(free) if d == dtype and numel <= size <= self.REUSE_SLACK * numel]
+            if fits:
+                free.pop(min(fits, key=lambda i: free[i][1]))
             else:
-                grow += key[1] * torch.empty((), dtype=dtype).element_size()
+                grow += _capacity(numel) * torch.empty((), dtype=dtype).element_size()
         return grow
 
     def usable_bytes(self) -> int:
-        """Host bytes this pool may still take now: ``usable_fraction`` of what is available."""
-        return int(self.available_bytes() * self.usable_fraction)
-
-    def give_back(self, buffer: torch.Tensor, in_use_until: torch.cuda.Event | None = None) -> None:
-        """Local. Return ``buffer`` for reuse. in_use_until: a CUDA event recorded after the
-        last queued copy that reads ``buffer`` (None when no copy is pending)."""
-        self._free.setdefault((buffer.dtype, buffer.numel()), []).append((buffer, in_use_until))
+        """Host bytes this pool may still take now: ``usable_fraction`` of what is available,
+        and no more than ``max_bytes`` less what is handed out (free buffers can be released)."""
+        return max(0, min(int(self.available_bytes() * self.usable_fraction), self.max_bytes - self.bytes_in_use))
 
     @property
     def free_buffers(self) -> int:
-        return sum(len(entries) for entries in self._free.values())
+        return len(self._free)
 
     @property
     def bytes_free(self) -> int:
         """Bytes of the buffers given back and not taken again (all of them between steps)."""
-        return sum(b.numel() * b.element_size() for entries in self._free.values() for b, _ in entries)
+        return sum(self._bytes(b) for b, _ in self._free)
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the buffers handed out and alive."""
+        return sum(entry[1] for entry in self._live_taken().values())
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes the pool holds now, handed out and free: the figure to log per layer
+        (or per pool, when layers share one)."""
+        return self.bytes_in_use + self.bytes_free
+
+    @property
+    def bytes_allocated(self) -> int:
+        """The same as `bytes_held` (the name earlier code reads)."""
+        return self.bytes_held
 
 
 # -- memory model (docs/design.md §5; derivation in docs/engine.md) ---------------------------

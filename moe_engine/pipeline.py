@@ -54,7 +54,8 @@ class PipelineRun:
 @dataclass
 class Saved:
     """What backward has of one partition's T_DI or A (a list of tensors): device
-    tensors, or host copies (and the pool buffers behind them)."""
+    tensors, or host copies (and the buffers behind them: the pool's, given back after
+    backward; the pool ignores any other)."""
 
     device: list | None = None
     host: list | None = None
@@ -346,16 +347,20 @@ class PipelinedExperts(torch.autograd.Function):
         save = any(ctx.needs_input_grad)
         y_RD, saved_inputs, saved_preacts, saved_acts = pipelined_forward(x_TD, run, save)
         ctx.run, ctx.tokens = run, x_TD.shape[0]
-        # Device tensors go through save_for_backward (visible to saved-tensor hooks);
-        # host copies are plain attributes.
-        device_lists = [s.device for s in saved_inputs + saved_preacts] + [
+        # Everything backward needs goes through save_for_backward, device tensors and host
+        # copies alike, and nothing else holds them: saved-tensor hooks see all of it, so a
+        # user's activation checkpointing (torch.utils.checkpoint) drops it after forward
+        # and has it recomputed, as for any layer. (Host copies kept as ctx attributes
+        # outlived a checkpointed forward; the pool forgets a buffer so dropped.)
+        saved = saved_inputs + saved_preacts
+        ctx.on_host = [s.device is None and s.host is not None for s in saved]
+        lists = [s.host if on_host else s.device for s, on_host in zip(saved, ctx.on_host)] + [
             None if a is None else [a] for a in saved_acts]
-        ctx.layout = [0 if tensors is None else len(tensors) for tensors in device_lists]
-        device_tensors = [t for tensors in device_lists if tensors is not None for t in tensors]
+        ctx.layout = [0 if tensors is None else len(tensors) for tensors in lists]
+        tensors = [t for ts in lists if ts is not None for t in ts]
         if save and run.policy.needs_layer_input:
-            device_tensors.append(x_TD)
-        ctx.save_for_backward(*device_tensors)
-        ctx.saved_host = [Saved(host=s.host, host_bases=s.host_bases) for s in saved_inputs + saved_preacts]
+            tensors.append(x_TD)
+        ctx.save_for_backward(*tensors)
         return y_RD
 
     @staticmethod
@@ -366,10 +371,9 @@ class PipelinedExperts(torch.autograd.Function):
         for count in ctx.layout:
             restored.append(tensors[:count] if count else None)
             tensors = tensors[count:]
-        n = len(ctx.saved_host) // 2
-        saved = ctx.saved_host
-        for s, device in zip(saved, restored[:2 * n]):
-            s.device = device
+        n = len(ctx.on_host) // 2
+        saved = [Saved(host=ts, host_bases=[t if t._base is None else t._base for t in ts]) if on_host
+                 else Saved(device=ts) for ts, on_host in zip(restored, ctx.on_host)]
         acts = [None if a is None else a[0] for a in restored[2 * n:]]
         dx_TD, grads = pipelined_backward(dy_RD, x_TD, ctx.run, saved[:n], saved[n:], acts, ctx.tokens)
         experts = ctx.run.experts

@@ -171,7 +171,8 @@ class Planner:
         tokens = agreed.stats.max_tokens
         if self.partitions == "auto":
             n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
-                                   min_partitions=self._fewest_partitions_within_budget(tokens, agreed.param_dtype))
+                                   min_partitions=self._fewest_partitions_within_budget(
+                                       tokens, agreed.param_dtype, agreed.stats.skew_bucket))
         else:
             n = self.partitions
         strategy = self.strategy
@@ -190,14 +191,22 @@ class Planner:
         return self.profile.agreed(self.config, max(agreed.stats.max_tokens, 1), self.group, agreed.device,
                                    agreed.dtype, agreed.profile_missing, agreed.profile_differs)
 
-    def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype) -> int:
+    def _fewest_partitions_within_budget(self, tokens: int, dtype: torch.dtype, skew_bucket: int = 0) -> int:
         """With a memory budget, the smallest candidate n whose leanest strategy fits
-        (the memory model shrinks as n grows); 1 without a budget."""
+        (the memory model shrinks as n grows); 1 without a budget. Under skewed routing the
+        busiest rank receives more than k·T rows: the agreed skew bucket b (max expert load
+        over mean, 2^b within a factor √2, on the busiest sender) bounds them by
+        k·T·min(W, 2^(b+1/2)) (a source sends one rank at most L experts' rows, each at most
+        2^(b+1/2) times the mean k·T/E), and the fit is checked on that bound."""
         if self.memory_budget is None:
             return 1
+        world = self.group.size
+        received = None
+        if skew_bucket > 0 and world > 1:
+            received = math.ceil(self.config.top_k * tokens * min(world, 2 ** (skew_bucket + 0.5)))
         for n in self.search.candidates:
-            leanest = min(predict_memory(self.config, tokens, self.group.size, n, s, dtype=dtype).peak_bytes
-                          for s in STRATEGIES)
+            leanest = min(predict_memory(self.config, tokens, world, n, s, dtype=dtype,
+                                         rows_received=received).peak_bytes for s in STRATEGIES)
             if leanest <= self.memory_budget:
                 return n
         return self.search.candidates[-1]

@@ -260,7 +260,8 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
     torch.manual_seed(seed + rank)
 
     # Model, optimizer, data ------------------------------------------------------------
-    # Offload buffers may take a fair share of the node's free host memory (else S4).
+    # Offload buffers may take a fair share of the node's free host memory (else S4); the
+    # pool's cap defaults to the same share of the node's installed memory.
     host_pool = HostBufferPool(usable_fraction=0.8 / max(1, context.get_local_world_size()))
     trainer = Trainer(config, rank, world_size, device, host_pool)
 
@@ -313,6 +314,7 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             **model_flops_metrics(tokens_per_step / step_time / world_size, trainer.preset, device, config.dtype),
             "step_time_s": step_time,
             "peak_memory_bytes": int(peak),
+            "host_pool_bytes": host_pool.bytes_held,  # pinned host buffers of the MoE layers (shared pool)
             "tokens_seen": step * tokens_per_step,
             "epoch": trainer.epoch_of(step),
             "attempt": attempt,

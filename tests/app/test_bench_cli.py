@@ -40,6 +40,10 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
         twin = [r for r in records if r["chosen_by"] == "grid" and
                 (r["partitions"], r["strategy"]) == (auto["partitions"], auto["strategy"])]
         assert auto.get("host_probe_ms") == (twin[0]["host_probe_ms"] if twin else None)
+    # the memory prediction is made on the rows the pass moved: under skew not the balanced k·T
+    skewed = [r for r in result["records"] if r["routing"] == "skewed" and r["engine"] != "dense-floor"]
+    assert all("rows_received" in r for r in skewed)
+    assert any(r["rows_received"] != r["top_k"] * r["tokens"] for r in skewed)
     summaries = {s["routing"]: s for s in result["summaries"]}
     assert summaries["skewed"]["hot_expert_share"] > 0.25 > summaries["uniform"]["hot_expert_share"]
     for s in summaries.values():

@@ -379,3 +379,46 @@ def test_trainer_on_cuda_keeps_float32_master_weights_under_bf16_compute(tmp_pat
     metrics = model_flops_metrics(1e5, preset, device, "bfloat16")
     if any(part in torch.cuda.get_device_name(device) for part in ("H100", "H200", "A100")):
         assert 0 < metrics["mfu"] < 1
+
+
+@pytest.mark.parametrize("strategy", ["none", "S1", "S2", "S3", "S4"])
+def test_training_step_captured_in_a_cuda_graph_replays_eager_or_is_refused(strategy):
+    """One rank, n = 2: forward + backward captured in one CUDA graph replays the eager
+    output and gradients on new inputs (none, S4); an offloading strategy (S1–S3) is refused
+    with an error naming why, before it touches host memory."""
+    config = MoEConfig(d_model=64, d_hidden=128, num_experts=8, top_k=2, activation="swiglu")
+    torch.manual_seed(0)
+    layer = MPipeMoE(config, partitions=2, strategy=strategy).cuda().to(torch.bfloat16)
+    params = list(layer.parameters())
+    static_x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step(x, dy):
+        y, aux = layer(x)
+        return (y, *torch.autograd.grad([y, aux], [x] + params, [dy, torch.ones_like(aux)]))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_x, static_dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    if strategy in ("S1", "S2", "S3"):
+        with pytest.raises(RuntimeError, match=f"strategy {strategy} cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                step(static_x, static_dy)
+        return
+    with torch.cuda.graph(graph):
+        static_out = step(static_x, static_dy)
+    for seed in (1, 2):
+        g = torch.Generator("cuda").manual_seed(seed)
+        new_x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        new_dy = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            static_x.copy_(new_x)
+            static_dy.copy_(new_dy)
+        graph.replay()
+        eager = step(new_x.requires_grad_(True), new_dy)
+        for got, want in zip(static_out, eager):
+            torch.testing.assert_close(got, want)

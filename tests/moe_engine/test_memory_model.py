@@ -7,15 +7,17 @@ from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.memory import predict_memory
 
 
-def saved_bytes(layer, x) -> int:
-    """Bytes of distinct storages autograd keeps for backward, parameters excluded."""
+def saved_bytes(layer, x, host: bool = False) -> int:
+    """Bytes of distinct storages autograd keeps for backward, parameters excluded: the
+    device's (`host=False`), or the host copies in the layer's pool (`host=True`)."""
     parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    pool = getattr(layer, "host_pool", None)
     storages = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameters and host == bool(pool and pool.owns(t)):
+            storages[storage.data_ptr()] = t.numel() * t.element_size() if host else storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -42,6 +44,7 @@ def test_saved_bytes_match_model(engine, partitions, strategy, activation, top_k
     predicted = predict_memory(config, tokens, world_size=1, partitions=partitions, strategy=strategy,
                                engine=engine, dtype=dtype)
     assert saved_bytes(layer, x) == predicted.saved_bytes
+    assert saved_bytes(layer, x, host=True) == predicted.host_bytes
 
 
 def test_sharing_saves_the_expert_activations():

@@ -269,3 +269,22 @@ def test_ranks_with_different_local_profiles_adopt_rank_0s_and_choose_alike():
     figures, warnings = results[0]["get_or_measure"]
     assert results[1]["get_or_measure"] == (figures, warnings) and warnings == 1
     assert figures == OFFLOAD_FRIENDLY.figures()
+
+
+def test_the_budget_fit_check_bounds_the_busiest_ranks_rows_under_skew():
+    """Under a budget, the fewest partitions that fit are chosen on the busiest rank's rows:
+    with an agreed skew bucket of 2 on 4 ranks a rank may receive up to 4·k·T rows, so more
+    partitions are needed than balanced routing suggests, and the bound's peak fits."""
+    from moe_engine.memory import predict_memory
+
+    group = ExpertGroup(None)
+    group.size = 4  # the planner's arithmetic for a 4-rank group (no collective runs here)
+    config = MoEConfig(d_model=256, d_hidden=1024, num_experts=8, top_k=2)
+    search = GranularitySearch(candidates=(1, 2, 4, 8, 16))
+    budget = predict_memory(config, 4096, 4, 2, "S4", dtype=torch.float32).peak_bytes
+    planner = Planner(config, group, partitions="auto", strategy="S4", search=search, memory_budget=budget)
+    balanced = planner._fewest_partitions_within_budget(4096, torch.float32, skew_bucket=0)
+    skewed = planner._fewest_partitions_within_budget(4096, torch.float32, skew_bucket=2)
+    assert balanced <= 2 < skewed
+    busiest = predict_memory(config, 4096, 4, skewed, "S4", dtype=torch.float32, rows_received=4 * 2 * 4096)
+    assert busiest.peak_bytes <= budget

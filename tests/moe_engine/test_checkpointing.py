@@ -1,0 +1,144 @@
+"""Tier 1: a user's activation checkpointing (`torch.utils.checkpoint`, non-reentrant) around
+a block holding our layer cuts what the block keeps between forward and backward as it does
+for a plain PyTorch layer, and the gradients stay those of the un-checkpointed block.
+
+What a forward keeps is counted as the bytes of every storage the forward's operations
+created that is still alive when it returns (output excluded): saved tensors, and anything
+else holding tensors (autograd-node attributes, plans, host copies) alike.
+"""
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from moe_engine import MoEConfig, MPipeMoE
+
+CONFIG = MoEConfig(d_model=32, d_hidden=128, num_experts=4, top_k=2, activation="swiglu")
+TOKENS = 512
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage the operations run under it create (weakly referenced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+
+def kept_bytes(block, x) -> tuple[int, torch.Tensor]:
+    """(bytes the forward of `block` keeps alive besides its output, the output)."""
+    allocations = _Allocations()
+    with allocations:
+        y = block(x)
+    gc.collect()
+    skip = {y.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
+    return sum(size for ptr, (ref, size) in allocations.storages.items()
+               if ptr not in skip and not ref.expired()), y
+
+
+class PlainSwiGLU(nn.Module):
+    """A dense SwiGLU FFN of the same widths, in plain PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w13 = nn.Linear(CONFIG.d_model, 2 * CONFIG.d_hidden)
+        self.w2 = nn.Linear(CONFIG.d_hidden, CONFIG.d_model)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up), x.new_zeros(())
+
+
+def residual(layer):
+    def block(x):
+        y, aux = layer(x)
+        return x + y + aux
+    return block
+
+
+def checkpointed(layer):
+    return lambda x: checkpoint(residual(layer), x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("partitions, strategy", [(1, "none"), (3, "S1"), (3, "S3"), (3, "S4")])
+def test_checkpointing_our_layer_keeps_as_little_as_a_plain_layer(partitions, strategy):
+    x = torch.randn(TOKENS, CONFIG.d_model, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    plain_kept, _ = kept_bytes(checkpointed(PlainSwiGLU()), x)
+    torch.manual_seed(0)
+    layer = MPipeMoE(CONFIG, partitions=partitions, strategy=strategy)
+    full_kept, y_full = kept_bytes(residual(layer), x)
+    (y_full.square().sum()).backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    held_before = layer.host_pool.bytes_held
+    ours_kept, y = kept_bytes(checkpointed(layer), x)
+    # What remains: the plan's row indices (a few int64 per routed row), no activations.
+    index_bytes = 8 * 8 * CONFIG.top_k * TOKENS
+    assert ours_kept <= plain_kept + index_bytes, (ours_kept, plain_kept)
+    if strategy != "S4":  # S4 keeps only the layer input (recommunication + recomputation)
+        assert full_kept > 4 * ours_kept  # without checkpointing the layer does keep activations
+    (y.square().sum()).backward()
+    got = [x.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # The host copies of the discarded forward and of the recomputation are not held on to.
+    assert layer.host_pool.bytes_held <= held_before
+
+
+def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
+    """partitions="auto" moves n on from pass to pass while it searches; the recomputation
+    inside backward must run the n (and strategy) of the forward it repeats, or checkpoint
+    finds other tensors saved. Gradients equal those of the same n without checkpointing."""
+    from moe_engine.granularity import GranularitySearch
+
+    torch.manual_seed(0)
+    layer = MPipeMoE(CONFIG, partitions="auto", strategy="S1",
+                     search=GranularitySearch(candidates=(1, 2), warmup=0, repeats=1, give_up_slower=None))
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(3):
+        x = torch.randn(32, CONFIG.d_model, generator=g, requires_grad=True)
+        checkpointed(layer)(x).square().sum().backward()
+        n = layer.last_partitions
+        seen.append(n)
+        got = [x.grad] + [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        fixed = MPipeMoE(CONFIG, partitions=n, strategy="S1")
+        fixed.load_state_dict(layer.state_dict())
+        x_again = x.detach().clone().requires_grad_(True)
+        residual(fixed)(x_again).square().sum().backward()
+        for a, b in zip(got, [x_again.grad] + [p.grad for p in fixed.parameters()]):
+            torch.testing.assert_close(a, b)
+    assert len(set(seen)) > 1  # the search did move n between passes
+
+
+def test_a_reentrant_checkpoint_runs_and_leaves_no_plan_behind():
+    """use_reentrant=True: the first forward runs without grad (nothing to replay), the
+    recomputation decides afresh and records nothing; gradients equal the plain block's."""
+    torch.manual_seed(0)
+    layer = MPipeMoE(CONFIG, partitions=2, strategy="S1")
+    x = torch.randn(32, CONFIG.d_model, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    residual(layer)(x).square().sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    layer._recorded_plans.clear()
+    checkpoint(residual(layer), x, use_reentrant=True).square().sum().backward()
+    assert not layer._recorded_plans
+    for a, b in zip([x.grad] + [p.grad for p in layer.parameters()], want):
+        torch.testing.assert_close(a, b)
