@@ -112,6 +112,14 @@ def test_the_search_stops_where_the_memory_cap_is_reached():
     assert any(t["batch_size"] == largest + 1 and not t["fits"] for t in trials.trials)
 
 
+def test_the_search_stops_where_the_memory_cap_is_reached_cpu_twin():
+    """The same trials in bf16 on CPU, where nothing caps the memory: the search reaches its limit."""
+    limit = 6
+    trials = _tiny_trials("mpipemoe", torch.device("cpu"), torch.bfloat16, windows=limit)
+    assert largest_fitting(trials.fits, 2, limit) == limit
+    assert all(trial["fits"] for trial in trials.trials) and trials.trials[-1]["batch_size"] == limit
+
+
 def test_report_section_tabulates_the_logged_h200_search(tmp_path):
     """The committed H200 record, logged to a fresh MLflow store, read back for `mpipemoe report`."""
     pytest.importorskip("mlflow")
