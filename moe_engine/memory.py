@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .config import ENGINES, STRATEGIES
+from .config import ENGINES, STRATEGIES, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ class HostBufferPool:
             done = [i for i, (_, event) in enumerate(free) if event is None or event.query()]
             buffer, event = free.pop(done[-1] if done else 0)
             if not done:
+                assert event is not None  # no free buffer is done, so each has a pending copy
                 if stream is not None:
                     stream.wait_event(event)
                 else:
@@ -192,7 +193,7 @@ class MemoryEstimate:
         return self.saved_bytes + max(self.forward_working_bytes, self.backward_working_bytes)
 
 
-def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
+def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
                    rows_sent: int | None = None, rows_received: int | None = None) -> MemoryEstimate:
     """Predict the layer's activation memory per rank (derivation in docs/engine.md).
