@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
 from workers.config import WorkerConfig
 
-TRIAL_SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
+TRIAL_SETTINGS: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
 
 
 @pytest.mark.parametrize("start, limit", [(1, 1), (1, 2), (1, 7), (3, 7), (1, 64), (8, 64), (3, 100), (8, 100)])

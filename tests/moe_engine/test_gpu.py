@@ -265,6 +265,7 @@ def _reference_run(spec, scenario, problem, device, dtype=torch.bfloat16, group=
     `stream`, or with `group` as its expert group); returns (y, dx, w1.grad, w2.grad, layer)."""
     config = scenario.config
     kind, *args = spec.split(":")
+    layer: torch.nn.Module
     if kind == "fastmoe":
         layer = FastMoE(config, group, dtype=dtype)
     elif kind == "fastermoe":
