@@ -114,9 +114,9 @@ def test_the_search_stops_where_the_memory_cap_is_reached():
 
 
 def test_the_search_stops_where_the_memory_cap_is_reached_cpu_twin():
-    """The same trials in bf16 on CPU, where nothing caps the memory: the search reaches its limit."""
-    limit = 6
-    trials = _tiny_trials("mpipemoe", torch.device("cpu"), torch.bfloat16, windows=limit)
+    """The same trials on CPU, where nothing caps the memory: the search reaches its limit."""
+    limit = 4
+    trials = _tiny_trials("mpipemoe", torch.device("cpu"), torch.float32, windows=limit)
     assert largest_fitting(trials.fits, 2, limit) == limit
     assert all(trial["fits"] for trial in trials.trials) and trials.trials[-1]["batch_size"] == limit
 
