@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.config import STRATEGIES
@@ -29,12 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _engines(args) -> list[tuple[str, callable]]:
+def _engines(args: argparse.Namespace) -> list[tuple[str, Callable[[MoEConfig], nn.Module]]]:
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    engines = [("FastMoE", lambda c: FastMoE(c, dtype=torch.float64))]
-    engines += [(f"MPipeMoE(n={args.partitions}, {s})",
-                 lambda c, s=s: MPipeMoE(c, partitions=args.partitions, strategy=s, dtype=torch.float64))
-                for s in strategies]
+
+    def mpipemoe(strategy: str) -> Callable[[MoEConfig], nn.Module]:
+        return lambda c: MPipeMoE(c, partitions=args.partitions, strategy=strategy, dtype=torch.float64)
+
+    engines: list[tuple[str, Callable[[MoEConfig], nn.Module]]] = [("FastMoE", lambda c: FastMoE(c, dtype=torch.float64))]
+    engines += [(f"MPipeMoE(n={args.partitions}, {s})", mpipemoe(s)) for s in strategies]
     engines.append(("FasterMoE", lambda c: FasterMoE(c, dtype=torch.float64)))
     return engines
 

@@ -44,7 +44,7 @@ def _latest(rows: list[dict]) -> dict:
     """One summary per (network, cluster, model, routing, tokens): the last logged."""
     latest = {}
     for row in sorted(rows, key=lambda r: r["start_time"]):
-        latest[(*_key(row), int(row["tokens"]))] = row
+        latest[_key(row) + (int(row["tokens"]),)] = row  # (mypy 2.4 misreads `(*a, b)` in a subscript)
     return latest
 
 
@@ -118,7 +118,7 @@ def memory_time_points(records: list[dict]) -> dict:
     fastmoe = {}
     for r in records:
         if r["engine"] == "fastmoe" and r.get("peak_memory_bytes"):
-            fastmoe[(*_key(r), int(r["tokens"]))] = r
+            fastmoe[_key(r) + (int(r["tokens"]),)] = r
     points = defaultdict(lambda: defaultdict(list))
     for r in records:
         base = fastmoe.get((*_key(r), int(r["tokens"])))

@@ -20,12 +20,14 @@ clear message instead of a hang.
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .streams import Pending, StreamSet
+
+T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
@@ -86,7 +88,7 @@ class ExpertGroup:
         """Whether collectives go through the process group."""
         return self.group is not None and (self.size > 1 or self.always_communicate)
 
-    def _run(self, what: str, collective: Callable):
+    def _run(self, what: str, collective: Callable[[], T]) -> T:
         """``collective()``, with a failure re-raised as a `CollectiveError` naming it."""
         try:
             return collective()
@@ -161,20 +163,20 @@ class ExpertGroup:
         packed = torch.tensor(list(values), dtype=torch.int64, device=device)
         return self.all_reduce_max(packed).tolist()
 
-    def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
+    def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         if not self.distributed:
             return values
         out = values.clone()
         self._run("all-reduce", lambda: dist.all_reduce(out, op=op, group=self.group))
         return out
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj: T) -> T:
         """Collective. Rank 0's Python object on every rank."""
         if not self.distributed:
             return obj
         holder = [obj]
         self._run("broadcast", lambda: dist.broadcast_object_list(
-            holder, src=dist.get_global_rank(self.group, 0), group=self.group))
+            holder, src=dist.get_global_rank(self.group, 0), group=self.group))  # type: ignore[arg-type]  # (distributed: a group)
         return holder[0]
 
 
@@ -182,14 +184,15 @@ class _AllToAllFunction(torch.autograd.Function):
     """All-to-All whose backward is the All-to-All with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, input, group: ExpertGroup, output_splits, input_splits):
+    def forward(ctx: Any, input: torch.Tensor, group: ExpertGroup, output_splits: list[int],
+                input_splits: list[int]) -> torch.Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
         group.all_to_all(output, input.contiguous(), output_splits, input_splits)
         return output
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad_input = grad_output.new_empty((sum(ctx.input_splits),) + tuple(grad_output.shape[1:]))
         ctx.group.all_to_all(grad_input, grad_output.contiguous(), ctx.input_splits, ctx.output_splits)
         return grad_input, None, None, None
@@ -198,4 +201,5 @@ class _AllToAllFunction(torch.autograd.Function):
 def all_to_all_with_grad(group: ExpertGroup, input: torch.Tensor,
                          output_splits: Sequence[int], input_splits: Sequence[int]) -> torch.Tensor:
     """Collective, blocking, tracked by autograd (used by the keep-everything baselines)."""
-    return _AllToAllFunction.apply(input, group, list(output_splits), list(input_splits))
+    return _AllToAllFunction.apply(  # type: ignore[no-untyped-call, no-any-return]  # (Function.apply is untyped)
+        input, group, list(output_splits), list(input_splits))

@@ -6,6 +6,7 @@ setting fails before any tensor is allocated or any collective is called.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 # The one definition of the engines and strategies; every other module imports these.
@@ -14,7 +15,7 @@ STRATEGIES = ("none", "S1", "S2", "S3", "S4")   # mpipemoe's memory strategies (
 STRATEGY_CHOICES = ("auto", *STRATEGIES)        # what a user may ask for: "auto" lets the planner choose
 
 
-def _fail(field: str, value, fix: str) -> None:
+def _fail(field: str, value: object, fix: str) -> NoReturn:
     raise ValueError(f"MoEConfig.{field}={value!r} is invalid: {fix}")
 
 

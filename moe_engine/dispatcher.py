@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -122,7 +122,7 @@ class DispatchPlan:
 
 
 # -- chunk assignment (local) ---------------------------------------------------------
-def chunk_by_tokens(tokens: int, top_k: int, chunks: int, device) -> torch.Tensor:
+def chunk_by_tokens(tokens: int, top_k: int, chunks: int, device: torch.device | str | None) -> torch.Tensor:
     """Local. Chunk of each (token, choice) pair: token t is in chunk t * C // T. For n
     dividing C, partition t * n // T is chunk // (C / n)."""
     token_T = torch.arange(tokens, device=device)
@@ -140,7 +140,7 @@ def chunk_by_peers(expert_ids_TK: torch.Tensor, experts_per_rank: int, rank: int
 
 def tokens_of_partition(tokens: int, partitions: int, i: int) -> int:
     """Local, host arithmetic. Tokens t with t * n // T == i."""
-    def first(j):
+    def first(j: int) -> int:
         return -(-j * tokens // partitions)
     return first(i + 1) - first(i)
 
@@ -334,7 +334,8 @@ class _WeightedCombine(torch.autograd.Function):
     index_select backwards that scatter into zeroed buffers)."""
 
     @staticmethod
-    def forward(ctx, y_RD, weights_TK, row_of_pair_P, pair_index_R, tokens, top_k):
+    def forward(ctx: Any, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor,
+                pair_index_R: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
         y_TKD = y_RD.index_select(0, row_of_pair_P).view(tokens, top_k, -1)
         weights_TK1 = weights_TK.unsqueeze(-1)
         y_TD = y_TKD[:, 0] * weights_TK1[:, 0]
@@ -345,7 +346,7 @@ class _WeightedCombine(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    def backward(ctx, dy_TD):
+    def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y_TKD, weights_TK, pair_index_R = ctx.saved_tensors
         dy_TD = dy_TD.unsqueeze(1)
         d_rows = d_weights = None
@@ -374,4 +375,5 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
         # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
         # runs collectives that the other ranks wait for.
         return y_RD.new_zeros(tokens, D) + (y_RD.sum() + weights_TK.sum()) * 0
-    return _WeightedCombine.apply(y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k)
+    return _WeightedCombine.apply(  # type: ignore[no-untyped-call, no-any-return]  # (Function.apply is untyped)
+        y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k)

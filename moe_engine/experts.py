@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from .config import MoEConfig
 
-PreActivation = list  # [A] or [gate, up]; each N × H
+PreActivation = list[torch.Tensor]  # [A] or [gate, up]; each N × H
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class ExpertSegments:
     counts: list[int] | None = None
 
     @classmethod
-    def from_counts(cls, counts: list[int], device) -> "ExpertSegments":
+    def from_counts(cls, counts: list[int], device: torch.device | str | None) -> "ExpertSegments":
         """Local. Segments of known sizes (benchmarks, calibration, tests)."""
         counts_L = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
         return cls(sum(counts), counts_L.cumsum(0).to(torch.int32), counts_L, list(counts))
@@ -93,7 +95,7 @@ def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def _segments(counts: list[int]):
+def _segments(counts: list[int]) -> Iterator[slice]:
     start = 0
     for count in counts:
         yield slice(start, start + count)
@@ -211,7 +213,7 @@ class ExpertGrads:
     b2: torch.Tensor | None = None
     w3: torch.Tensor | None = None
 
-    def for_parameters(self, experts: "Experts") -> list:
+    def for_parameters(self, experts: "Experts") -> list[torch.Tensor | None]:
         """[w1, b1, w2, b2, w3] gradients, zeros for a present parameter no row reached."""
         out = []
         for name in ("w1", "b1", "w2", "b2", "w3"):
@@ -236,12 +238,13 @@ class Experts(nn.Module):
 
     master_dtype: torch.dtype | None = None  # a `cast` view: its parameters' dtype
 
-    def __init__(self, config: MoEConfig, local_experts: int, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, local_experts: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
         self.local_experts = local_experts
         L, D, H = local_experts, config.d_model, config.d_hidden
-        factory = dict(device=device, dtype=dtype)
+        factory: dict[str, Any] = dict(device=device, dtype=dtype)
         self.w1 = nn.Parameter(torch.empty(L, D, H, **factory))
         self.w2 = nn.Parameter(torch.empty(L, H, D, **factory))
         self.w3 = nn.Parameter(torch.empty(L, D, H, **factory)) if config.gated else None
@@ -353,7 +356,7 @@ def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str
     """dA from dh for ReLU / GELU, computed in place into dh_NH (returned)."""
     if activation == "relu":
         return dh_NH.masked_fill_(A_NH <= 0, 0)
-    return torch.ops.aten.gelu_backward.grad_input(dh_NH, A_NH, grad_input=dh_NH)
+    return torch.ops.aten.gelu_backward.grad_input(dh_NH, A_NH, grad_input=dh_NH)  # type: ignore[no-any-return]  # (torch.ops is untyped)
 
 
 def swiglu_backward(dh_NH: torch.Tensor, gate_NH: torch.Tensor, up_NH: torch.Tensor

@@ -9,10 +9,12 @@ A spec is "fastmoe", "fastermoe[:group_size]" or "mpipemoe[:partitions[:strategy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from .config import ENGINES, STRATEGY_CHOICES
+from .comm import ExpertGroup
+from .config import ENGINES, STRATEGY_CHOICES, MoEConfig
 from .layers import FastMoE, FasterMoE, MPipeMoE
 
 # Options only one engine takes; the others ignore them, so one call serves every engine
@@ -51,13 +53,14 @@ class EngineSpec:
                              f"{', '.join(STRATEGY_CHOICES)}")
         return cls(engine, partitions=partitions, strategy=strategy)
 
-    def options(self) -> dict:
+    def options(self) -> dict[str, int | str]:
         """The settings the spec names, as ``build_layer`` options."""
         return {name: value for name, value in (("partitions", self.partitions), ("strategy", self.strategy),
                                                 ("group_size", self.group_size)) if value is not None}
 
 
-def build_layer(engine: str | EngineSpec, config, group=None, **engine_options) -> nn.Module:
+def build_layer(engine: str | EngineSpec, config: MoEConfig, group: ExpertGroup | None = None,
+                **engine_options: Any) -> nn.Module:
     """One MoE layer of ``engine`` (a name or a spec) over ``group``. ``engine_options`` are
     the layer's keyword arguments (device, dtype; MPIPEMOE_OPTIONS, FASTERMOE_OPTIONS); a
     setting named by both the spec and an option must agree."""

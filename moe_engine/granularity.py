@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -70,7 +71,7 @@ class ActiveSearch:
     reason: str
     calls_per_candidate: int
     call: int = 0
-    samples: dict = field(default_factory=dict)   # n -> [PassTiming]
+    samples: dict[int, list[PassTiming]] = field(default_factory=dict)
     checked_after: int = 0                        # candidates timed when last checked for a cut
     device: torch.device | None = None            # the timed passes' data device (set by timing_for_pass)
 
@@ -98,7 +99,7 @@ class GranularitySearch:
     """Chooses n for each pass of one MPipeMoE layer. Call `choose` (or, with the timings
     agreed elsewhere, `decide`) once per forward."""
 
-    def __init__(self, candidates=DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
+    def __init__(self, candidates: Sequence[int] = DEFAULT_CANDIDATES, warmup: int = 1, repeats: int = 2,
                  recheck_every: int = 100, tolerance: float = 0.05, skew_shift: int = 2,
                  give_up_slower: float | None = 0.5):
         if not candidates or any((not isinstance(c, int)) or c < 1 for c in candidates):
@@ -115,7 +116,7 @@ class GranularitySearch:
         self.cache: list[CacheEntry] = []
         self.active: ActiveSearch | None = None
         self._floor = 1
-        self.decisions: list[dict] = []
+        self.decisions: list[dict[str, Any]] = []
 
     # -- the decision for one pass ----------------------------------------------------------
     def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool,
@@ -169,8 +170,7 @@ class GranularitySearch:
         samples = self.active.samples if self.active is not None else {}
         means = []
         for n in self.candidates:
-            seconds = [t.seconds() for t in samples.get(n, [])]
-            seconds = [s for s in seconds if s is not None]
+            seconds = [s for t in samples.get(n, []) if (s := t.seconds()) is not None]
             means.append(sum(seconds) / len(seconds) if seconds else math.inf)
         return means
 
@@ -269,6 +269,7 @@ class GranularitySearch:
         """At the start of a candidate (the same pass on every rank): stop timing larger n
         when the last one timed got slower and is `give_up_slower` behind the fastest."""
         search = self.active
+        assert search is not None  # called during a search
         timed = search.call // search.calls_per_candidate
         if self.give_up_slower is None or search.call % search.calls_per_candidate or timed < 2 \
                 or timed >= len(search.candidates) or timed == search.checked_after:
@@ -288,6 +289,7 @@ class GranularitySearch:
 
     def _finish(self, agreed_seconds: dict[int, float] | None) -> None:
         search, self.active = self.active, None
+        assert search is not None  # called during a search
         agreed = self._times(agreed_seconds, search.candidates)
         times = {n: t for n, t in zip(search.candidates, agreed)}
         # More partitions mean smaller shared buffers: among the n within `tolerance`
@@ -312,7 +314,7 @@ class GranularitySearch:
                              reason=f"{violation[0]} tokens -> n={violation[1]} but "
                                     f"{violation[2]} tokens -> n={violation[3]}")
 
-    def _decide(self, event: str, tokens: int, partitions: int | None, **details) -> None:
+    def _decide(self, event: str, tokens: int, partitions: int | None, **details: Any) -> None:
         record = {"event": event, "tokens": tokens, "partitions": partitions, **details}
         self.decisions.append(record)
         log.info("granularity: %s", record)

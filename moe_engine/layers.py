@@ -203,7 +203,7 @@ class MoELayerBase(nn.Module):
                           keep_activation=self.keep_activation,
                           reserved_sms=self.group.comm_sms if overlaps else 0)
         e = self.experts
-        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)
+        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)
@@ -280,7 +280,7 @@ class MPipeMoE(MoELayerBase):
         self.partitions, self.strategy, self.memory_budget = partitions, strategy, memory_budget
         self.search = self.planner.search
         self.last_partitions: int | None = None
-        self.last_strategy: str | None = None
+        self.last_strategy: str | None = None  # type: ignore[assignment]  # (None until the first pass)
 
     def _chunk_pairs(self, routing, chunks):
         tokens = routing.expert_ids_TK.shape[0]

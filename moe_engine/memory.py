@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .config import ENGINES, STRATEGIES
+from .config import ENGINES, STRATEGIES, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,11 @@ class HostBufferPool:
         fits = [i for i, (b, _) in enumerate(self._free)
                 if b.dtype == dtype and numel <= b.numel() <= self.REUSE_SLACK * max(numel, 1)]
         if fits:
-            done = [i for i in fits if self._free[i][1] is None or self._free[i][1].query()]
+            done = [i for i in fits if (event := self._free[i][1]) is None or event.query()]
             i = min(done or fits, key=lambda j: self._free[j][0].numel())
             buffer, event = self._free.pop(i)
             if not done:
+                assert event is not None  # no free buffer is done, so each has a pending copy
                 if stream is not None:
                     stream.wait_event(event)
                 else:
@@ -275,7 +276,7 @@ class MemoryEstimate:
         return self.saved_bytes + max(self.forward_working_bytes, self.backward_working_bytes)
 
 
-def predict_memory(config, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
+def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
                    rows_sent: int | None = None, rows_received: int | None = None) -> MemoryEstimate:
     """Predict the layer's activation memory per rank (derivation in docs/engine.md).

@@ -40,7 +40,9 @@ import logging
 import os
 import time
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +76,7 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     partition_overhead_s: float  # launch / bookkeeping cost per partition and pass
-    slowdown: dict = field(default_factory=dict)  # e.g. {"compute|comm": 1.1, "comm|compute": 1.2, ...}
+    slowdown: dict[str, float] = field(default_factory=dict)  # e.g. {"compute|comm": 1.1, "comm|compute": 1.2, ...}
     measured_at: str = ""
     torch_version: str = ""
 
@@ -90,11 +92,12 @@ class HardwareProfile:
         """Local. Every number the model reads: the FIGURES, then the SLOWDOWN_PAIRS' factors."""
         return [float(getattr(self, name)) for name in FIGURES] + [self.factor(*pair) for pair in SLOWDOWN_PAIRS]
 
-    def with_figures(self, figures) -> "HardwareProfile":
+    def with_figures(self, figures: Sequence[float]) -> "HardwareProfile":
         """Local. This profile (device, dtype, ...) with the numbers of ``figures()`` replaced."""
         figures = [float(f) for f in figures]
         slowdown = {f"{victim}|{other}": f for (victim, other), f in zip(SLOWDOWN_PAIRS, figures[len(FIGURES):])}
-        return replace(self, **dict(zip(FIGURES, figures)), slowdown=slowdown)
+        changes: dict[str, Any] = dict(zip(FIGURES, figures), slowdown=slowdown)
+        return replace(self, **changes)
 
     def digest(self) -> int:
         """Local. A 63-bit hash of ``figures()``: equal digests, equal choices. Ranks compare
@@ -102,11 +105,11 @@ class HardwareProfile:
         raw = np.asarray(self.figures(), dtype=np.float64).tobytes()
         return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "HardwareProfile":
+    def from_json(cls, data: dict[str, Any]) -> "HardwareProfile":
         return cls(**data)
 
 
@@ -124,11 +127,12 @@ class ProfileStore:
     def __init__(self, path: str):
         self.path = path
 
-    def _read(self) -> dict:
+    def _read(self) -> dict[str, Any]:
         if not os.path.exists(self.path):
             return {}
         with open(self.path) as f:
-            return json.load(f)
+            profiles: dict[str, Any] = json.load(f)
+            return profiles
 
     def get(self, key: str) -> HardwareProfile | None:
         data = self._read().get(key)
@@ -241,13 +245,13 @@ def _measure(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.d
     A_NA = torch.empty(rows, experts.pre_activation_width, device=device, dtype=dtype)
     streams = StreamSet(device)
 
-    def ffn():
+    def ffn() -> None:
         experts(x_ND, segments)
 
     flops = 2 * rows * config.d_model * (experts.pre_activation_width + config.d_hidden)
     gemm_s = time_fn(ffn, device, warmup=2, repeats=repeats).mean_s
 
-    def a2a_fn(n_rows):
+    def a2a_fn(n_rows: int) -> tuple[Callable[[], object], int]:
         per_rank = max(1, n_rows // group.size)
         send = torch.randn(per_rank * group.size, config.d_model, device=device, dtype=dtype)
         recv = torch.empty_like(send)
@@ -270,8 +274,8 @@ def _measure(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.d
     # Every rank adopts the slowest rank's figures (times: max; so rates: min).
     times = torch.tensor([gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *slowdown.values()],
                          dtype=torch.float64, device=device if group.distributed and device.type == "cuda" else "cpu")
-    times = group.all_reduce_max(times).cpu().tolist()
-    gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *factors = times
+    measured = group.all_reduce_max(times).cpu().tolist()
+    gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *factors = measured
     return HardwareProfile(
         device=device_name(device), dtype=str(dtype).replace("torch.", ""), world_size=group.size,
         gemm_flops=flops / gemm_s,
@@ -283,20 +287,22 @@ def _measure(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.d
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch_version=torch.__version__)
 
 
-def _partition_overhead(experts, config, device, dtype, repeats) -> float:
+def _partition_overhead(experts: Experts, config: MoEConfig, device: torch.device, dtype: torch.dtype,
+                        repeats: int) -> float:
     """Cost of one more partition: the FFN on a handful of rows (launches, bookkeeping)."""
     L = experts.local_experts
     x = torch.randn(L, config.d_model, device=device, dtype=dtype)
     segments = ExpertSegments.from_counts([1] * L, device)
     index = torch.arange(L, device=device)
 
-    def tiny():
+    def tiny() -> None:
         experts(x.index_select(0, index), segments)
 
     return time_fn(tiny, device, repeats=repeats).mean_s
 
 
-def _slowdowns(compute_fn, comm_fn, copy_fn, streams: StreamSet, group: ExpertGroup, alone: dict) -> dict:
+def _slowdowns(compute_fn: Callable[[], object], comm_fn: Callable[[], object], copy_fn: Callable[[], object],
+               streams: StreamSet, group: ExpertGroup, alone: dict[str, float]) -> dict[str, float]:
     """Time each pair of activities side by side; slowdown = concurrent / alone."""
     activities = {"compute": (compute_fn, "compute"), "comm": (comm_fn, "comm"), "copy": (copy_fn, "copy")}
     result = {}
@@ -306,14 +312,16 @@ def _slowdowns(compute_fn, comm_fn, copy_fn, streams: StreamSet, group: ExpertGr
     return result
 
 
-def _time_beside(victim, other, streams: StreamSet, group: ExpertGroup, rounds: int = 3) -> float:
+def _time_beside(victim: tuple[Callable[[], object], str], other: tuple[Callable[[], object], str], streams: StreamSet,
+                 group: ExpertGroup, rounds: int = 3) -> float:
     """Mean time of `victim` while `other` runs continuously beside it."""
     victim_fn, victim_stream = victim
     other_fn, other_stream = other
     device = streams.device
     if streams.is_cuda:
         synchronize(device)
-        enter = {"compute": streams.on_compute, "comm": streams.on_comm, "copy": streams.on_copy}
+        enter: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+            "compute": streams.on_compute, "comm": streams.on_comm, "copy": streams.on_copy}
         with enter[other_stream]():
             for _ in range(rounds + 2):
                 other_fn()
@@ -331,7 +339,7 @@ def _time_beside(victim, other, streams: StreamSet, group: ExpertGroup, rounds: 
 
     stop = threading.Event()
 
-    def background():
+    def background() -> None:
         while not stop.is_set():
             other_fn()
 
@@ -370,7 +378,7 @@ class Prediction:
         return self.forward_s + self.backward_s
 
 
-def _partition_counts(policy: RestorePolicy) -> tuple[Counter, Counter]:
+def _partition_counts(policy: RestorePolicy) -> tuple[Counter[str], Counter[str]]:
     """Operations of one partition of the forward and of the backward schedule, by name
     (absent names count 0), and under COMM its All-to-Alls."""
     counts = []
@@ -426,7 +434,7 @@ class PerformanceModel:
         return Prediction(partitions, strategy, forward, backward, peak)
 
     def choose(self, config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype,
-               partitions: list[int], strategies=SHARED_STRATEGIES, memory_budget: int | None = None) -> Prediction:
+               partitions: list[int], strategies: Sequence[str] = SHARED_STRATEGIES, memory_budget: int | None = None) -> Prediction:
         """The (n, strategy) to run.
 
         Without a budget: the fastest predicted of the given restore strategies among

@@ -82,9 +82,9 @@ def _offload(run: PipelineRun, op: Op, tensors: list) -> Saved:
 def _fetch_from_host(run: PipelineRun, op: Op, saved: Saved) -> tuple[list, Pending]:
     """Copy stream. Start copying host copies back into new device tensors."""
     device = run.streams.device
-    outs = [torch.empty(h.shape, dtype=h.dtype, device=device) for h in saved.host]
+    outs = [torch.empty(h.shape, dtype=h.dtype, device=device) for h in saved.host]  # type: ignore[union-attr]  # (saved.host is set when offloaded)
     with run.streams.on_copy():
-        for out, host in zip(outs, saved.host):
+        for out, host in zip(outs, saved.host):  # type: ignore[arg-type]  # (saved.host is set when offloaded)
             out.copy_(host, non_blocking=True)
     run.issued(op, COPY)
     return outs, run.streams.record_copy()
@@ -168,7 +168,7 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
 
     def combine(op: Op) -> Pending:                                                    # 4. combine
         i, p = op.partition, parts[op.partition]
-        pending = group.all_to_all_async(y_RD[offsets[i]:offsets[i + 1]], kept["output"],
+        pending = group.all_to_all_async(y_RD[offsets[i]:offsets[i + 1]], kept["output"],  # type: ignore[index]  # (y_RD exists unless plan.single)
                                          p.send_splits, p.recv_splits, streams)
         run.issued(op, COMM)
         return pending
@@ -211,7 +211,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     # summed per token at the end (DispatchPlan.sum_rows_per_token).
     dx_RD = None if plan.single and n == 1 else dy_RD.new_empty(offsets[-1] + (0 if plan.single else 1), D)
     if not plan.single:
-        dx_RD[-1].zero_()
+        dx_RD[-1].zero_()  # type: ignore[index]  # (dx_RD exists for n > 1)
 
     # Per partition, from its fetch to its compute:
     dy_received: list = [None] * n
@@ -232,12 +232,12 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         return pending
 
     def regather(op: Op) -> None:
-        sent[op.partition] = x_TD.index_select(0, parts[op.partition].token_index_R)
+        sent[op.partition] = x_TD.index_select(0, parts[op.partition].token_index_R)  # type: ignore[union-attr]  # (x_TD is given when not plan.single)
         run.issued(op, COMPUTE)
 
     def redispatch(op: Op) -> Pending:
         i, p = op.partition, parts[op.partition]
-        inputs_fetched[i] = x_TD.new_empty(p.rows_received, D)
+        inputs_fetched[i] = x_TD.new_empty(p.rows_received, D)  # type: ignore[union-attr]  # (x_TD is given when not plan.single)
         pending = group.all_to_all_async(inputs_fetched[i], sent[i], p.recv_splits, p.send_splits, streams)
         run.issued(op, COMM)
         return pending
@@ -256,9 +256,9 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         i, p = op.partition, parts[op.partition]
         sent[i] = None
         if saved_inputs[i].device is not None:
-            (x_ND,) = saved_inputs[i].device
+            (x_ND,) = saved_inputs[i].device  # type: ignore[misc]  # (the slot holds the inputs here)
         elif policy.recommunicate_input and plan.single:
-            x_ND = x_TD.index_select(0, p.token_index_R)
+            x_ND = x_TD.index_select(0, p.token_index_R)  # type: ignore[union-attr]  # (x_TD is given when not plan.single)
         elif policy.recommunicate_input:
             x_ND = to_expert_major(inputs_fetched[i], p.expert_order_N)
         else:
@@ -293,12 +293,12 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         if plan.single and n == 1:
             dx_RD = dx_received_ND
         elif plan.single:
-            dx_RD[offsets[i]:offsets[i + 1]].copy_(dx_received_ND)
+            dx_RD[offsets[i]:offsets[i + 1]].copy_(dx_received_ND)  # type: ignore[index]  # (dx_RD exists for n > 1)
         if plan.single:
             run.issued(op, COMPUTE)
             return None
         in_flight[op.slot] = None  # the dx of two steps earlier has arrived
-        pending = group.all_to_all_async(dx_RD[offsets[i]:offsets[i + 1]], dx_received_ND,
+        pending = group.all_to_all_async(dx_RD[offsets[i]:offsets[i + 1]], dx_received_ND,  # type: ignore[index]  # (dx_RD exists for n > 1)
                                          p.send_splits, p.recv_splits, streams)
         run.issued(op, COMM)
         in_flight[op.slot] = [dx_received_ND]
@@ -324,7 +324,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
             if op.name == "return_dx":
                 pending.wait()
         streams.join()
-        dx_TD = plan.sum_rows_per_token(dx_RD) if n else dy_RD.new_zeros(tokens, D)
+        dx_TD = plan.sum_rows_per_token(dx_RD) if n else dy_RD.new_zeros(tokens, D)  # type: ignore[arg-type]  # (dx_RD exists when n > 0)
     in_flight.clear()  # drop what side streams read: every stream has been joined
     if run.timing is not None:
         run.timing.backward.stop()
@@ -372,8 +372,8 @@ class PipelinedExperts(torch.autograd.Function):
             restored.append(tensors[:count] if count else None)
             tensors = tensors[count:]
         n = len(ctx.on_host) // 2
-        saved = [Saved(host=ts, host_bases=[t if t._base is None else t._base for t in ts]) if on_host
-                 else Saved(device=ts) for ts, on_host in zip(restored, ctx.on_host)]
+        saved = [Saved(host=ts, host_bases=[t if t._base is None else t._base for t in ts])
+                 if on_host and ts is not None else Saved(device=ts) for ts, on_host in zip(restored, ctx.on_host)]
         acts = [None if a is None else a[0] for a in restored[2 * n:]]
         dx_TD, grads = pipelined_backward(dy_RD, x_TD, ctx.run, saved[:n], saved[n:], acts, ctx.tokens)
         experts = ctx.run.experts

@@ -121,7 +121,7 @@ class Planner:
     def count_chunks(self) -> int:
         """Chunks the counts are exchanged in: n when fixed; with the online search, a
         multiple of every candidate n (n is chosen only once the agreed values arrive)."""
-        return self.partitions if self.partitions != "auto" else math.lcm(*self.search.candidates)
+        return self.partitions if self.partitions != "auto" else math.lcm(*self.search.candidates)  # type: ignore[return-value]  # (partitions is an int unless "auto")
 
     @property
     def wants_skew(self) -> bool:
@@ -174,7 +174,7 @@ class Planner:
                                    min_partitions=self._fewest_partitions_within_budget(
                                        tokens, agreed.param_dtype, agreed.stats.skew_bucket))
         else:
-            n = self.partitions
+            n = self.partitions  # type: ignore[assignment]  # (partitions is an int unless "auto")
         strategy = self.strategy
         if strategy == "auto":
             model = PerformanceModel(self._profile(agreed))

@@ -9,9 +9,13 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
+from .config import MoEConfig
 
 
-def expert_ffn(x_D, e, w1, b1, w2, b2, w3, activation):
+def expert_ffn(x_D: Tensor, e: int, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+               w3: Tensor | None, activation: str) -> Tensor:
     """FFN of global expert e on one token."""
     pre = x_D @ w1[e] + (b1[e] if b1 is not None else 0)
     if activation == "relu":
@@ -19,11 +23,13 @@ def expert_ffn(x_D, e, w1, b1, w2, b2, w3, activation):
     elif activation == "gelu":
         h = F.gelu(pre)
     else:
+        assert w3 is not None, "swiglu needs w3"
         h = F.silu(pre) * (x_D @ w3[e])
     return h @ w2[e] + (b2[e] if b2 is not None else 0)
 
 
-def reference_moe(x_TD, router_weight, w1, b1, w2, b2, w3, config):
+def reference_moe(x_TD: Tensor, router_weight: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
+                  b2: Tensor | None, w3: Tensor | None, config: MoEConfig) -> tuple[Tensor, Tensor]:
     """Returns (y_TD, aux_loss) for one rank's tokens."""
     T, E, K = x_TD.shape[0], config.num_experts, config.top_k
     wide = torch.promote_types(x_TD.dtype, torch.float32)
@@ -62,5 +68,5 @@ def reference_moe(x_TD, router_weight, w1, b1, w2, b2, w3, config):
     else:
         f = [sum(1 for t in range(T) if choices[t][0] == e) / T for e in range(E)]
         mean_p = torch.stack(probs).mean(0)
-        aux = E * sum(f[e] * mean_p[e] for e in range(E))
+        aux = E * sum((f[e] * mean_p[e] for e in range(E)), mean_p.new_zeros(()))
     return y_TD, aux

@@ -66,7 +66,7 @@ def capacity_mask(expert_ids_TK: torch.Tensor, num_experts: int, capacity: int |
 class Router(nn.Module):
     """logits = x @ weightᵀ, weight [E, D] (replicated on every rank)."""
 
-    def __init__(self, config: MoEConfig, device=None, dtype=None):
+    def __init__(self, config: MoEConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model, device=device, dtype=dtype))

@@ -55,6 +55,7 @@ operation.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .memory import RestorePolicy
@@ -76,18 +77,18 @@ class Op:
     name: str
     partition: int
     stream: str
-    after: tuple = ()
+    after: tuple[int, ...] = ()
     slot: int = 0
 
 
 class _Builder:
     """Appends ops and finds earlier ones by (name, partition)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ops: list[Op] = []
         self.index: dict[tuple[str, int], int] = {}
 
-    def add(self, name: str, partition: int, stream: str, after, slot: int) -> None:
+    def add(self, name: str, partition: int, stream: str, after: Iterable[tuple[str, int]], slot: int) -> None:
         found = tuple(sorted({self.index[key] for key in after if key in self.index}))
         self.index[(name, partition)] = len(self.ops)
         self.ops.append(Op(name, partition, stream, found, slot))
@@ -152,7 +153,7 @@ def backward_schedule(partitions: int, policy: RestorePolicy, several: bool) -> 
     return build.ops
 
 
-def _one_ahead(steps: int, communicate, compute) -> None:
+def _one_ahead(steps: int, communicate: Callable[[int], None], compute: Callable[[int], None]) -> None:
     """The pipeline's order: step s+1's communication is issued before step s computes."""
     if steps:
         communicate(0)

@@ -59,7 +59,7 @@ class StreamSet:
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
-            high_priority = torch.cuda.Stream.priority_range()[1]
+            high_priority = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # (torch stubs it as a method; it is static)
             self.comm = torch.cuda.Stream(device, priority=high_priority)
             self.copy = torch.cuda.Stream(device)
         self._used: set[str] = set()  # side streams given work since the last join

@@ -50,7 +50,7 @@ class Stopwatch:
         """Seconds between start and stop (waits for the device on CUDA)."""
         if self.device.type == "cuda":
             self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1e3
+            return float(self._start.elapsed_time(self._end)) / 1e3
         return self._t1 - self._t0
 
 
@@ -75,14 +75,14 @@ class RoundsTiming:
 
     median_s: float
     spread_s: float
-    round_means_s: tuple
+    round_means_s: tuple[float, ...]
 
     @property
     def median_ms(self) -> float:
         return self.median_s * 1e3
 
 
-def time_interleaved(fns: list, device: torch.device, rounds: int = 5, warmup: int = 1,
+def time_interleaved(fns: list[Callable[[], object]], device: torch.device, rounds: int = 5, warmup: int = 1,
                      repeats: int = 3) -> list[RoundsTiming]:
     """Times every function in `fns` round after round — each round warms each one up
     and then times `repeats` calls of it — so a slow spell of the machine (another
@@ -91,7 +91,7 @@ def time_interleaved(fns: list, device: torch.device, rounds: int = 5, warmup: i
     if rounds < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"time_interleaved needs rounds >= 1, repeats >= 1, warmup >= 0; "
                          f"got rounds={rounds}, repeats={repeats}, warmup={warmup}")
-    means = [[] for _ in fns]
+    means: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             means[i].append(time_fn(fn, device, warmup=warmup, repeats=repeats).mean_s)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from lm.data import BatchSampler, open_rank_stream
@@ -71,8 +73,8 @@ class BatchTrials:
     peak is known), and the engine's choices (partitions, strategy).
     """
 
-    def __init__(self, model: MoETransformer, tokens, device: torch.device, world_size: int, rank: int,
-                 config: WorkerConfig, on_trial: Callable[[dict], None] | None = None):
+    def __init__(self, model: MoETransformer, tokens: np.ndarray[Any, Any], device: torch.device, world_size: int,
+                 rank: int, config: WorkerConfig, on_trial: Callable[[dict[str, Any]], None] | None = None):
         self.model, self.tokens, self.device = model, tokens, device
         self.world_size, self.rank, self.config, self.on_trial = world_size, rank, config, on_trial
         self.preset = model.preset
@@ -83,7 +85,7 @@ class BatchTrials:
                                       timeout_s=config.collective_timeout_s)
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.trials: list[dict] = []
+        self.trials: list[dict[str, Any]] = []
 
     def _train_step(self, sampler: BatchSampler, index: int) -> None:
         window_BS = torch.from_numpy(sampler.batch(index)).to(self.device)
@@ -107,7 +109,7 @@ class BatchTrials:
         out_of_memory, times = False, []
         try:
             sampler = BatchSampler(self.tokens, batch_size, self.window, self.config.seed, self.rank)
-            for index in range(self.config.steps_per_trial):
+            for index in range(self.config.search_setting("steps_per_trial")):
                 started = time.perf_counter()
                 self._train_step(sampler, index)
                 if cuda:
@@ -159,6 +161,6 @@ def capacity_fn_per_worker(config: WorkerConfig) -> None:
     queue = config.metrics_queue if rank == 0 else None
     trials = BatchTrials(model, open_rank_stream(config.data_dir, rank, world_size), device, world_size,
                          rank, config, on_trial=queue.put if queue is not None else None)
-    largest = largest_fitting(trials.fits, config.start_batch, config.max_batch)
+    largest = largest_fitting(trials.fits, config.search_setting("start_batch"), config.search_setting("max_batch"))
     if queue is not None:
         queue.put({"largest_batch_size": largest})

@@ -26,12 +26,14 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from workers.distributed import expert_param_names
+from workers.distributed import DenseParallel, expert_param_names
 
 META = "meta.json"
 DAMAGED = "damaged"            # incomplete checkpoints are moved here (never deleted)
@@ -46,13 +48,14 @@ def checkpoint_name(step: int) -> str:
 
 # ---- collective: save and load --------------------------------------------------------------
 
-def _state(parallel, optimizer, rank: int, world_size: int) -> dict:
+def _state(parallel: DenseParallel, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> dict[str, Any]:
     """Collective when W > 1 (DeviceMesh). The DCP state dict: model and optimizer by fully
     qualified name, expert tensors as ``Shard(0)`` DTensors of the global expert tensor (DCP
     would otherwise keep one rank's copy of a name), and this rank's RNG state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(parallel.model, optimizer)
+    # (DCP types the values as a union of every state kind; these are nested dicts of tensors)
+    model_sd, optim_sd = cast(tuple[dict[str, Any], dict[str, Any]], get_state_dict(parallel.model, optimizer))
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -70,7 +73,7 @@ def _state(parallel, optimizer, rank: int, world_size: int) -> dict:
     return {"model": model_sd, "optim": optim_sd, f"rng_rank{rank:05d}": rng}
 
 
-def _unshard_experts(state: dict, parallel) -> tuple[dict, dict]:
+def _unshard_experts(state: dict[str, Any], parallel: DenseParallel) -> tuple[dict[str, Any], dict[str, Any]]:
     """Local. The model and optimizer state dicts of ``_state`` with the expert DTensors
     made local again (FSDP2's own DTensors stay as they are)."""
     from torch.distributed.tensor import DTensor
@@ -86,7 +89,8 @@ def _unshard_experts(state: dict, parallel) -> tuple[dict, dict]:
     return model_sd, optim_sd
 
 
-def save(directory: str | Path, rank: int, world_size: int, parallel, optimizer, meta: dict) -> None:
+def save(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel, optimizer: torch.optim.Optimizer,
+         meta: dict[str, Any]) -> None:
     """Collective: every rank writes its shard into its ``directory`` (a local folder that
     Ray Train merges into the run's checkpoint); rank 0 then writes ``meta.json`` listing
     all ranks' files with their sizes."""
@@ -96,28 +100,31 @@ def save(directory: str | Path, rank: int, world_size: int, parallel, optimizer,
     write_meta(directory, rank, world_size, meta)
 
 
-def save_async(directory: str | Path, rank: int, world_size: int, parallel, optimizer, group=None):
+def save_async(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel,
+               optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None) -> Future[Any]:
     """Collective: copies this rank's state to host memory now (training may go on at once)
     and writes the shards in a background thread, whose collectives run on ``group`` (a
     gloo group of its own: the training collectives must not interleave with them).
     Returns the future; after ``future.result()`` call ``write_meta`` (collective)."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(_state(parallel, optimizer, rank, world_size),
-                          storage_writer=dcp.FileSystemWriter(directory), process_group=group)
+    # (a Future without the staging options that make it return an AsyncSaveResponse)
+    return cast("Future[Any]", dcp.async_save(_state(parallel, optimizer, rank, world_size),
+                                              storage_writer=dcp.FileSystemWriter(directory),
+                                              process_group=group))
 
 
-def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict) -> None:
+def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict[str, Any]) -> None:
     """Collective: gathers every rank's file sizes; rank 0 writes ``meta.json`` (the
     completeness marker) under a temporary name, then renames it."""
     directory = Path(directory)
     mine = {name: (directory / name).stat().st_size for name in sorted(os.listdir(directory))}
-    every = [mine]
+    every: list[Any] = [mine]
     if world_size > 1:
         every = [None] * world_size
         dist.all_gather_object(every, mine)
     if rank == 0:
-        files = {}
+        files: dict[str, int] = {}
         for listing in every:
             files.update(listing)
         temporary = directory / (META + ".tmp")
@@ -125,8 +132,8 @@ def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict) ->
         os.replace(temporary, directory / META)
 
 
-def load(directory: str | Path, rank: int, world_size: int, parallel, optimizer,
-         preset: dict | None = None) -> dict:
+def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel, optimizer: torch.optim.Optimizer,
+         preset: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: restore this rank's state from ``directory``; returns its meta dict.
 
     ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
@@ -139,7 +146,7 @@ def load(directory: str | Path, rank: int, world_size: int, parallel, optimizer,
     if problem:
         raise ValueError(f"checkpoint {directory} is incomplete: {problem}; resume picks the newest "
                          f"complete checkpoint (mpipemoe train --resume NAME)")
-    meta = json.loads((directory / META).read_text())
+    meta: dict[str, Any] = json.loads((directory / META).read_text())
     if preset is not None and meta.get("preset") != preset:
         changed = sorted(k for k in preset if meta.get("preset", {}).get(k) != preset[k])
         raise ValueError(f"checkpoint in {directory} was written for another model ({', '.join(changed)} "

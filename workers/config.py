@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from lm.data import MASK_ID
 from lm.model import ModelPreset
@@ -21,11 +22,11 @@ RUN_SPECIFIC = ("resume_from", "fault", "memory_cap_bytes", "start_batch", "max_
 HANDLES = ("metrics_queue", "stop_flag")  # Ray actor handles, not settings
 
 
-def _fail(field: str, value, fix: str) -> None:
+def _fail(field: str, value: object, fix: str) -> NoReturn:
     raise ValueError(f"WorkerConfig.{field}={value!r} is invalid: {fix}")
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -78,10 +79,10 @@ class WorkerConfig:
     async_checkpoint: bool = False
     collective_timeout_s: float | None = None
     mask_id: int = MASK_ID
-    metrics_queue: object | None = None
-    stop_flag: object | None = None
+    metrics_queue: Any = None  # (Ray actor handles: typed by Ray as Any)
+    stop_flag: Any = None
     resume_from: str | None = None
-    fault: dict | None = None
+    fault: dict[str, Any] | None = None
     memory_cap_bytes: int | None = None
     start_batch: int | None = None
     max_batch: int | None = None
@@ -98,7 +99,8 @@ class WorkerConfig:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
         if self.strategy not in STRATEGY_CHOICES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
-        if self.partitions != "auto" and not (_is_int(self.partitions) and self.partitions >= 1):
+        if self.partitions != "auto" and not (isinstance(self.partitions, int) and _is_int(self.partitions)
+                                               and self.partitions >= 1):
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')
         if not isinstance(self.data_dir, str) or not self.data_dir:
             _fail("data_dir", self.data_dir, "give the prepared dataset's directory (mpipemoe data)")
@@ -118,15 +120,23 @@ class WorkerConfig:
             if value is not None and not (_is_int(value) and value >= 1):
                 _fail(name, value, "give an integer >= 1, or None outside the capacity search")
 
-    def replace(self, **changes) -> WorkerConfig:
+    def search_setting(self, name: str) -> int:
+        """The capacity-search setting ``name`` (start_batch, max_batch or steps_per_trial),
+        which the search needs set."""
+        value = getattr(self, name)
+        if value is None:
+            _fail(name, value, "the capacity search needs it (app/capacity.py CapacitySearch sets it)")
+        return int(value)
+
+    def replace(self, **changes: Any) -> WorkerConfig:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def preset_dict(self) -> dict:
+    def preset_dict(self) -> dict[str, Any]:
         """The model preset as checkpoints store it (``meta.json``'s "preset")."""
         return dataclasses.asdict(self.preset)
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         """The resolved settings as MLflow logs them: every field but the preset (logged as
         the model) and the actor handles; the run-specific ones only when set."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)

@@ -13,12 +13,13 @@ without the ``ray`` extra.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 
 class StopFlag:
     """Set once by the driver; ``wait`` returns when it is set."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._event = asyncio.Event()
 
     async def request(self) -> None:
@@ -29,7 +30,7 @@ class StopFlag:
         return True
 
 
-def new_stop_flag():
+def new_stop_flag() -> Any:
     """A StopFlag actor that needs no CPU (it only waits)."""
     import ray
 
@@ -39,7 +40,7 @@ def new_stop_flag():
 class StopPoller:
     """Rank 0's view of a StopFlag: one pending ``wait`` call, checked without blocking."""
 
-    def __init__(self, flag):
+    def __init__(self, flag: Any) -> None:  # a StopFlag actor handle, or None
         self._pending = flag.wait.remote() if flag is not None else None
 
     def requested(self) -> bool:

@@ -30,7 +30,9 @@ here) and DDP runs need not pay.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,9 +51,10 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def split_params(model: torch.nn.Module) -> tuple[list, list]:
+def split_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(dense, expert) parameter lists, in a fixed order (same on every rank)."""
-    dense, expert = [], []
+    dense: list[torch.nn.Parameter] = []
+    expert: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         (expert if is_expert_param(name) else dense).append(param)
     return dense, expert
@@ -61,10 +64,12 @@ def expert_param_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters() if is_expert_param(name)]
 
 
-def new_group(timeout_s: float | None = None, backend: str | None = None):
+def new_group(timeout_s: float | None = None, backend: str | None = None) -> dist.ProcessGroup:
     """Collective: a process group of all ranks, with ``timeout_s`` (None: torch's default)."""
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
-    return dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout, backend=backend)
+    group: dist.ProcessGroup = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout,
+                                              backend=backend)
+    return group
 
 
 class DenseParallel:
@@ -101,25 +106,26 @@ class DenseParallel:
             mesh = DeviceMesh.from_group(group, device.type)
             policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                           reduce_dtype=torch.float32)
-            for block in model.blocks:  # one all-gather / reduce-scatter unit per block
+            for block in model.blocks:  # type: ignore[union-attr]  # (an MoETransformer) one all-gather / reduce-scatter unit per block
                 fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=set(split_params(block)[1]))
             fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=set(self.expert))
             self.dense, self.expert = split_params(model)  # the sharded (DTensor) parameters
 
-    def autocast(self):
+    def autocast(self) -> AbstractContextManager[Any]:
         """Local. The forward's mixed-precision context (a no-op for float32)."""
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def sync(self, last_micro_batch: bool):
+    def sync(self, last_micro_batch: bool) -> AbstractContextManager[Any]:
         """Local. Around a micro-batch's forward and backward: the dense gradients are reduced
         only in the last micro-batch of a step (earlier ones accumulate locally)."""
         if self.world_size == 1:
             return contextlib.nullcontext()
         if self.mode == "ddp":
+            assert isinstance(self.module, DDP)
             return contextlib.nullcontext() if last_micro_batch else self.module.no_sync()
-        self.model.set_requires_gradient_sync(last_micro_batch)
+        self.model.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]  # (FSDP2 added it)
         return contextlib.nullcontext()
 
     def finish_gradients(self) -> None:
@@ -138,13 +144,14 @@ class DenseParallel:
         return clip_grad_norm(self.dense, self.expert, max_norm, self.world_size)
 
 
-def _square_sum(grads: list, device) -> torch.Tensor:
+def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
 
 
-def clip_grad_norm(dense: list, expert: list, max_norm: float, world_size: int) -> float:
+def clip_grad_norm(dense: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], max_norm: float,
+                   world_size: int) -> float:
     """Collective: global gradient norm (expert shards and FSDP2-sharded dense grads summed
     over ranks, replicated dense grads counted once); clips to ``max_norm``.
 
@@ -167,7 +174,7 @@ def clip_grad_norm(dense: list, expert: list, max_norm: float, world_size: int) 
     return norm
 
 
-def reduce_sum(values: list[float], device, world_size: int) -> list[float]:
+def reduce_sum(values: list[float], device: torch.device, world_size: int) -> list[float]:
     """Collective: element-wise sum over ranks (float64)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if world_size > 1:
@@ -175,7 +182,7 @@ def reduce_sum(values: list[float], device, world_size: int) -> list[float]:
     return tensor.tolist()
 
 
-def reduce_max(values: list[float], device, world_size: int) -> list[float]:
+def reduce_max(values: list[float], device: torch.device, world_size: int) -> list[float]:
     """Collective: element-wise max over ranks (float64)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if world_size > 1:

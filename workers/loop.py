@@ -49,6 +49,8 @@ import resource
 import tempfile
 import time
 import uuid
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -88,8 +90,9 @@ def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str
 def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size: int) -> bool:
     """Fault-injection tests: whether ``config.fault`` asks for ``kind`` here and now."""
     fault = config.fault
-    return bool(fault) and fault["kind"] == kind and fault["step"] == step \
-        and rank == fault.get("rank", world_size - 1)
+    if not fault:
+        return False
+    return bool(fault["kind"] == kind and fault["step"] == step and rank == fault.get("rank", world_size - 1))
 
 
 def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
@@ -125,7 +128,7 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     return next((peaks.get(dtype) for part, peaks in PEAK_FLOPS if part in name), None)
 
 
-def model_flops_metrics(tokens_per_s: float, preset: ModelPreset, device: torch.device, dtype: str) -> dict:
+def model_flops_metrics(tokens_per_s: float, preset: ModelPreset, device: torch.device, dtype: str) -> dict[str, float]:
     """``model_tflops_per_s`` of one worker training ``tokens_per_s`` tokens per second, and
     ``mfu`` (that over the device's dense peak at the compute dtype) where the peak is known."""
     flops_per_s = tokens_per_s * model_flops_per_token(preset)
@@ -157,7 +160,8 @@ class Trainer:
     buffers (taken per forward, given back by its backward) are reused across them.
     """
 
-    def __init__(self, config: WorkerConfig, rank: int, world_size: int, device: torch.device, host_pool=None):
+    def __init__(self, config: WorkerConfig, rank: int, world_size: int, device: torch.device,
+                 host_pool: HostBufferPool | None = None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
         self.preset.check_world_size(world_size)
@@ -173,6 +177,7 @@ class Trainer:
                                       timeout_s=config.collective_timeout_s)
         self.model = model
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
+        assert config.seq_len is not None  # WorkerConfig sets it from the preset
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
@@ -183,13 +188,13 @@ class Trainer:
     def epoch_of(self, step: int) -> int:
         return self.sampler.epoch_of((step - 1) * self.grad_accum)
 
-    def _micro_batch(self, step: int, micro: int):
+    def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         window_BS = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
         seed = self.config.seed * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
         return lm_batch(self.preset.kind, window_BS, self.config.mask_id, self.preset.vocab_size,
                         torch.Generator().manual_seed(seed))
 
-    def step(self, step: int, nan_loss: bool = False) -> dict:
+    def step(self, step: int, nan_loss: bool = False) -> dict[str, Any]:
         """Collective: one optimizer step. Returns mean lm/aux loss over ranks and
         micro-batches, grad_norm (NaN when skipped), lr, skipped."""
         config, rank, K = self.config, self.rank, self.grad_accum
@@ -343,15 +348,16 @@ class CheckpointSaver:
         self.asynchronous = config.async_checkpoint
         self.group = new_group(config.collective_timeout_s, backend="gloo") \
             if self.asynchronous and world_size > 1 else None
-        self.pending = None  # (future, temporary directory, step, meta, metrics)
+        # (future, temporary directory, step, metrics) of the checkpoint being written
+        self.pending: tuple[Future[Any], tempfile.TemporaryDirectory[str], int, dict[str, Any]] | None = None
 
-    def _meta(self, step: int) -> dict:
+    def _meta(self, step: int) -> dict[str, Any]:
         config = self.config
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
                 "shard_dense": config.shard_dense}
 
-    def start(self, step: int, metrics: dict) -> None:
+    def start(self, step: int, metrics: dict[str, Any]) -> None:
         directory = tempfile.TemporaryDirectory()
         parallel, optimizer = self.trainer.parallel, self.trainer.optimizer
         if self.asynchronous:
@@ -373,7 +379,7 @@ class CheckpointSaver:
             self._report(directory.name, step, metrics)
 
     @staticmethod
-    def _report(directory: str, step: int, metrics: dict) -> None:
+    def _report(directory: str, step: int, metrics: dict[str, Any]) -> None:
         import ray.train
 
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),

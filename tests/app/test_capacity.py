@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
 from workers.config import WorkerConfig
 
-TRIAL_SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
+TRIAL_SETTINGS: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1, "seed": 0, "aux_loss_weight": 0.01, "steps_per_trial": 2}
 
 
 @pytest.mark.parametrize("start, limit", [(1, 1), (1, 2), (1, 7), (3, 7), (1, 64), (8, 64), (3, 100), (8, 100)])
@@ -110,6 +111,14 @@ def test_the_search_stops_where_the_memory_cap_is_reached():
         if trial["fits"]:
             assert trial["peak_memory_bytes"] <= base + headroom
     assert any(t["batch_size"] == largest + 1 and not t["fits"] for t in trials.trials)
+
+
+def test_the_search_stops_where_the_memory_cap_is_reached_cpu_twin():
+    """The same trials on CPU, where nothing caps the memory: the search reaches its limit."""
+    limit = 4
+    trials = _tiny_trials("mpipemoe", torch.device("cpu"), torch.float32, windows=limit)
+    assert largest_fitting(trials.fits, 2, limit) == limit
+    assert all(trial["fits"] for trial in trials.trials) and trials.trials[-1]["batch_size"] == limit
 
 
 def test_report_section_tabulates_the_logged_h200_search(tmp_path):

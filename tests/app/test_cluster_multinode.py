@@ -73,7 +73,7 @@ def main(out_dir: str) -> dict:
         result = trainer.fit()
         ranks = [json.loads(p.read_text()) for p in sorted((out / "placement").glob("rank*.json"))]
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        return {"nodes": len(nodes), "head": cluster.head_node.node_id,
+        return {"nodes": len(nodes), "head": cluster.head_node.node_id,  # type: ignore[attr-defined]  # (Cluster(initialize_head=True) has a head)
                 "fake_gpu_nodes": sorted(i for i, r in nodes.items() if r.get("fake_gpu") == 1),
                 "ranks": ranks, "error": repr(result.error) if result.error else None,
                 "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}}

@@ -7,6 +7,7 @@ import torch
 
 _spec = importlib.util.spec_from_file_location(
     "stacked_layers", Path(__file__).resolve().parents[2] / "tools" / "stacked_layers.py")
+assert _spec is not None and _spec.loader is not None
 stacked = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(stacked)
 

@@ -4,6 +4,7 @@ what is available and fall back to S4 (no host memory) on every rank, with a log
 The available-memory source is injected (``HostBufferPool(available_bytes=...)``), so the
 tests force the fallback without touching the machine's memory.
 """
+import contextlib
 import logging
 import random
 
@@ -199,37 +200,39 @@ def test_the_pool_never_hands_out_a_pending_buffer_unordered():
     assert pool.bytes_allocated == 6 * 128 * 4   # every take reused a free buffer
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("taker", ["stream", "host"])
-def test_a_queued_restore_reads_the_data_it_was_given(taker):
-    """Stream A restores a pooled pinned buffer to the device behind a long kernel; the
-    buffer goes back with an event and is taken again at once, then overwritten (on stream
-    B, or by the host). The restore must still read the original data."""
-    device = torch.device("cuda")
-    numel = 1 << 20
+def _restore_then_reuse(device: torch.device, taker: str, numel: int) -> None:
+    """Restore a pooled host buffer to ``device`` (on CUDA: on stream A behind a long
+    kernel), give it back with the copy's event, take it again at once and overwrite it (on
+    stream B, or by the host). The restore must still read the original data."""
+    cuda = device.type == "cuda"
     pool = HostBufferPool()
     original = torch.arange(numel, dtype=torch.float32)
-    host = pool.take(numel, torch.float32, pin=True)
+    host = pool.take(numel, torch.float32, pin=cuda)
     host.copy_(original)
     restored = torch.empty(numel, device=device)
     newer = torch.full((numel,), -1.0, device=device)
-    a, b = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    a.wait_stream(torch.cuda.current_stream(device))
-    b.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(a):
-        torch.cuda._sleep(50_000_000)             # the restore queues behind ~tens of ms of work
-        restored.copy_(host, non_blocking=True)
-        restore_done = a.record_event()
+    a, b = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+    restore_done = None
+    if a is not None and b is not None:
+        a.wait_stream(torch.cuda.current_stream(device))
+        b.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(50_000_000)             # the restore queues behind ~tens of ms of work
+            restored.copy_(host, non_blocking=True)
+            restore_done = a.record_event()
+    else:
+        restored.copy_(host)
     pool.give_back(host, in_use_until=restore_done)
     if taker == "stream":
-        reused = pool.take(numel, torch.float32, pin=True, stream=b)
-        with torch.cuda.stream(b):
+        reused = pool.take(numel, torch.float32, pin=cuda, stream=b)
+        with torch.cuda.stream(b) if b is not None else contextlib.nullcontext():
             reused.copy_(newer, non_blocking=True)  # the next offload
     else:
-        reused = pool.take(numel, torch.float32, pin=True)
+        reused = pool.take(numel, torch.float32, pin=cuda)
         reused.fill_(-1.0)
     assert reused.data_ptr() == host.data_ptr()
-    torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
     assert torch.equal(restored.cpu(), original), "the restore read data written after the buffer went back"
     assert torch.equal(reused, torch.full((numel,), -1.0))
 
@@ -272,3 +275,14 @@ def test_an_offloading_layer_holds_what_its_passes_need():
         (y.square().sum() + aux).backward()
         held.append(layer.host_pool.bytes_held)
     assert max(held) <= 1.25 * max(needs), (max(held), max(needs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("taker", ["stream", "host"])
+def test_a_queued_restore_reads_the_data_it_was_given(taker):
+    _restore_then_reuse(torch.device("cuda"), taker, 1 << 20)
+
+
+def test_a_queued_restore_reads_the_data_it_was_given_cpu_twin():
+    for taker in ("stream", "host"):
+        _restore_then_reuse(torch.device("cpu"), taker, 1 << 10)  # a pool capacity (a power of two)

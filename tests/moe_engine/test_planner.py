@@ -180,18 +180,28 @@ def test_under_autocast_the_profile_is_keyed_timed_and_priced_in_the_experts_dty
     assert list(plain.profiles) == ["cpu|float32|ws1"] and priced[-1] == torch.float32
 
 
-@pytest.mark.gpu
-def test_under_cuda_autocast_the_profile_is_measured_and_keyed_in_bf16():
-    """The trainer's setting on a GPU: float32 parameters and input under bf16 autocast."""
-    device = torch.device("cuda", torch.cuda.current_device())
+def _bf16_autocast_profile(device, tokens):
+    """The trainer's setting: float32 parameters and input under bf16 autocast on ``device``;
+    the one profile measured (its key and itself) and the output's dtype."""
     cache = ProfileCache()
     layer = MPipeMoE(CONFIG, ExpertGroup(None), 2, "auto", profile=cache, device=device)
-    x = torch.randn(256, CONFIG.d_model, device=device, requires_grad=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    x = torch.randn(tokens, CONFIG.d_model, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         y, aux = layer(x)
     (y.float().square().sum() + aux).backward()
     (key, profile), = cache.profiles.items()
-    assert key.endswith("|bfloat16|ws1") and profile.dtype == "bfloat16" and y.dtype == torch.float32
+    return key, profile, y.dtype
+
+
+@pytest.mark.gpu
+def test_under_cuda_autocast_the_profile_is_measured_and_keyed_in_bf16():
+    key, profile, out_dtype = _bf16_autocast_profile(torch.device("cuda", torch.cuda.current_device()), 256)
+    assert key.endswith("|bfloat16|ws1") and profile.dtype == "bfloat16" and out_dtype == torch.float32
+
+
+def test_under_cuda_autocast_the_profile_is_measured_and_keyed_in_bf16_cpu_twin():
+    key, profile, out_dtype = _bf16_autocast_profile(torch.device("cpu"), 24)
+    assert key == "cpu|bfloat16|ws1" and profile.dtype == "bfloat16" and out_dtype == torch.float32
 
 
 def test_under_autocast_the_host_check_prices_the_bf16_buffers_the_offloads_take():

@@ -12,7 +12,7 @@ CPU = torch.device("cpu")
 def test_every_function_runs_once_per_round_in_turn():
     calls = []
     fns = [lambda name=name: calls.append(name) for name in "abc"]
-    timings = time_interleaved(fns, CPU, rounds=3, warmup=1, repeats=2)
+    timings = time_interleaved(fns, CPU, rounds=3, warmup=1, repeats=2)  # type: ignore[arg-type]  # (default-bound lambdas)
     # each round: a warm-up and two timed calls of a, then of b, then of c
     assert calls == (["a"] * 3 + ["b"] * 3 + ["c"] * 3) * 3
     assert [len(t.round_means_s) for t in timings] == [3, 3, 3]

@@ -82,7 +82,7 @@ def _forward_backward(layer) -> None:
     dy = torch.randn(TOKENS, CONFIG.d_model)
     y, aux = layer(x)
     torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
-    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert x.grad is not None and torch.isfinite(y).all() and torch.isfinite(x.grad).all()
 
 
 def _real_calls(rank: int, world_size: int, engines: list) -> list:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ PARTS = "results/sim-parts-h200.json"
 
 
 def profile(**changes) -> HardwareProfile:
-    values = dict(device="test", dtype="bfloat16", world_size=1, gemm_flops=600e12, a2a_latency_s=0.0,
+    values: dict[str, Any] = dict(device="test", dtype="bfloat16", world_size=1, gemm_flops=600e12, a2a_latency_s=0.0,
                   a2a_bytes_per_s=2e12, d2h_bytes_per_s=50e9, h2d_bytes_per_s=50e9, partition_overhead_s=0.0,
                   slowdown={"compute|comm": 1.1, "comm|compute": 1.2, "compute|copy": 1.05, "copy|compute": 1.1})
     values.update(changes)
@@ -251,7 +252,7 @@ def test_hierarchical_all_to_all_pays_once_messages_dominate():
     for nodes in (2, 64):
         layout = ClusterLayout(nodes, 8)
         traffic = all_to_all_traffic(layout, uniform_load(layout.ranks))
-        flat_small, hier_small = (f(network, *args, traffic, small) for f, args in
+        flat_small, hier_small = (f(network, *args, traffic, small) for f, args in  # type: ignore[call-arg]  # (each f takes its own args)
                                   ((flat_all_to_all_s, ()), (hierarchical_all_to_all_s, (layout,))))
         flat_large = flat_all_to_all_s(network, traffic, large)
         hier_large = hierarchical_all_to_all_s(network, layout, traffic, large)
@@ -460,7 +461,7 @@ def _grouped_parts(**changes) -> GpuParts:
            "input_grad_s": [2e-5, 0.8e-3]}
     eight = {"rows": [64, 4096], "forward_s": [5e-5, 7e-3], "backward_s": [1e-4, 1.4e-2], "input_grad_s": [5e-5, 6e-3]}
     line = {"partitions": [1, 2], "forward_s": [1e-3, 1.2e-3], "backward_s": [1e-3, 1.3e-3], "prelude_s": [4e-4] * 2}
-    values = dict(device="test", dtype="bfloat16", ffn={"1024x4096-gelu": {**one, "by_experts": {"8": eight}}},
+    values: dict[str, Any] = dict(device="test", dtype="bfloat16", ffn={"1024x4096-gelu": {**one, "by_experts": {"8": eight}}},
                   rows={}, shell={}, host_copy={}, slowdown={}, ffn_kernels="grouped",
                   host={"8": {"mpipemoe|none": line},
                         "2": {"mpipemoe|none": {**line, "forward_s": [0.9e-3, 1.1e-3]}}})

@@ -62,6 +62,15 @@ def test_worker_config_resolves_device_dtype_and_preset(tmp_path):
     assert worker_config(job, use_gpu=True).dtype == "bfloat16"
 
 
+def test_a_capacity_search_setting_that_is_missing_is_named():
+    from workers.config import WorkerConfig
+
+    config = WorkerConfig(get_preset("tiny-gpt"), "mpipemoe", data_dir="(tokens given)", steps_per_trial=2)
+    assert config.search_setting("steps_per_trial") == 2
+    with pytest.raises(ValueError, match=r"WorkerConfig.start_batch=None is invalid: the capacity search needs it"):
+        config.search_setting("start_batch")
+
+
 def test_cli_arguments_build_the_job(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _config(data_dir: str, **change) -> WorkerConfig:
     preset = get_preset("tiny-gpt").replace(vocab_size=259)
     import dataclasses
 
-    config = {"preset": dataclasses.asdict(preset), "engine": "mpipemoe", "partitions": 2, "strategy": "S1",
+    config: dict[str, Any] = {"preset": dataclasses.asdict(preset), "engine": "mpipemoe", "partitions": 2, "strategy": "S1",
               "seed": 3, "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 1.0,
               "aux_loss_weight": 0.01, "steps": N, "batch_size": 4, "seq_len": preset.seq_len,
               "data_dir": data_dir, "dtype": "float32", "shard_dense": False, "grad_accum": 1}
