@@ -649,9 +649,10 @@ STOP_GRACE_S = 60
 def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
     """``trainer.fit()`` in a thread, so that Ctrl-C reaches us (not Ray Train's own SIGINT
     handler, which aborts the workers mid-step and mid-checkpoint). Returns (result, error,
-    interrupted, abandoned): on Ctrl-C the workers are asked to stop after their current step
-    with a checkpoint; a second Ctrl-C or STOP_GRACE_S without an answer abandons them
-    (the caller then disconnects from Ray, which ends the job's actors)."""
+    interrupted, abandoned): on Ctrl-C or SIGTERM (``interrupted`` is that KeyboardInterrupt,
+    ``workers.control.Terminated`` for SIGTERM, else None) the workers are asked to stop after
+    their current step with a checkpoint; a second signal or STOP_GRACE_S without an answer
+    abandons them (the caller then disconnects from Ray, which ends the job's actors)."""
     outcome, finished = {}, threading.Event()
 
     def target():
@@ -953,6 +954,8 @@ def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=prin
     settings; the report reads it) and the tags ``engine``, ``partitions``, ``strategy`` of
     this segment. Returns the segments (unchanged when nothing changed)."""
     segments = run_segments(run.client.get_run(run.run_id).data.tags)
+    if not segments and not recorded:  # the previous settings are unknown (settings file gone)
+        return []
     if not segments:
         segments = [{"from_step": 1, **{k: recorded.get(k) for k in SEGMENT_FIELDS}}]
     current = {k: getattr(job, k) for k in SEGMENT_FIELDS}

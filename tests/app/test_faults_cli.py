@@ -326,3 +326,66 @@ def test_rays_token_is_written_private(tmp_path, monkeypatch):
     assert private_ray_token(create=False) == token and not token.exists()  # a cluster's token is not made up
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert private_ray_token(create=True) is None and not token.exists()
+
+
+# ---- SIGTERM: the same orderly stop as Ctrl-C ------------------------------------------------------------
+
+class _Trainer:
+    """Stands in for a TorchTrainer: ``fit`` trains until the stop flag is set, then returns."""
+
+    def __init__(self):
+        import threading
+
+        self.stopped = threading.Event()
+
+    def fit(self):
+        if not self.stopped.wait(30):
+            raise AssertionError("never asked to stop")
+        return type("Result", (), {"error": None, "checkpoint": None, "metrics": None})()
+
+
+class _Flag:
+    def __init__(self, trainer):
+        self.request = type("Remote", (), {"remote": staticmethod(trainer.stopped.set)})()
+
+
+def test_sigterm_asks_the_workers_to_stop_as_ctrl_c_does():
+    import signal
+    import threading
+
+    from app.jobs import _fit_interruptibly
+    from workers.control import SIGTERM_EXIT_CODE, Terminated
+
+    trainer, lines = _Trainer(), []
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    before = signal.getsignal(signal.SIGTERM)
+    result, error, interrupted, abandoned = _fit_interruptibly(trainer, _Flag(trainer), lines.append)
+    assert isinstance(interrupted, Terminated) and interrupted.exit_code == SIGTERM_EXIT_CODE == 143
+    assert error is None and not abandoned and result is not None
+    assert lines == ["[mpipemoe] SIGTERM: stopping the workers after their current step, with a checkpoint "
+                     "(SIGTERM again to abandon them at once)"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
+
+
+def test_sigterm_ends_a_command_with_its_own_status_and_line(monkeypatch, capsys):
+    import signal
+
+    from app import report
+    from app.jobs import TrainingInterrupted
+
+    def stopped(args):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the command runs
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    monkeypatch.setattr(report, "run", stopped)
+    assert cli.main(["report"]) == 143
+    assert capsys.readouterr().err.strip() == "mpipemoe report: terminated (SIGTERM)"
+
+    def job_stopped(args):
+        raise TrainingInterrupted("r stopped after step 3 of 50; resume with: mpipemoe train --resume r", 143)
+
+    monkeypatch.setattr(report, "run", job_stopped)
+    assert cli.main(["report"]) == 143
+    assert capsys.readouterr().err.strip() == ("mpipemoe report: terminated (SIGTERM): r stopped after step 3 of 50; "
+                                               "resume with: mpipemoe train --resume r")
