@@ -37,8 +37,8 @@ import torch
 from app.offline import PENDING_FILE, is_remote
 from app.run_kinds import SEGMENTS_TAG, TRAIN, kind_tags, run_segments
 from app.runlock import RunLock
-from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, client, find_run, metric_history,
-                          resolve_tracking_uri)
+from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, check_store_form, client, find_run,
+                          metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
 from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes,
@@ -185,6 +185,7 @@ class TrainJob:
         self.data_dir = str(Path(self.data_dir).expanduser().resolve()) if self.data_dir \
             else str(data_lib.default_data_dir())
         self.tracking_uri = resolve_tracking_uri(self.tracking_uri)
+        check_store_form(self.tracking_uri)  # before anything is prepared or written
         if self.name is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.name = f"{self.preset}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
@@ -910,7 +911,7 @@ def failure_message(job: TrainJob, error: BaseException) -> str:
     except OSError:
         chosen = None
     hint = (f"; resume from {chosen.name} with: {resume_command(job)}" if chosen is not None
-            else "; no checkpoint was written, so start it again" if job.checkpoint_every else "")
+            else " (no checkpoint was written yet)" if job.checkpoint_every else "")
     return f"training job {job.name} failed: {cause}{hint}"
 
 

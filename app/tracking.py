@@ -54,6 +54,18 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri
 
 
+def check_store_form(tracking_uri: str) -> None:
+    """Local, no I/O but a stat. Raise ValueError naming ``sqlite:///PATH`` for a plain path or
+    ``file://`` (MLflow's file store: MLflow 3 refuses to write it unless told to, in a
+    deprecation text cut mid-URL on our one-line errors)."""
+    if tracking_uri != NO_TRACKING and (tracking_uri.startswith("file:") or "://" not in tracking_uri):
+        path = Path(tracking_uri.removeprefix("file://").removeprefix("file:")).expanduser().resolve()
+        store = path if path.suffix == ".db" or path.is_file() else path / "mlflow.db"
+        raise ValueError(f"--tracking-uri {tracking_uri}: a plain path or file:// is MLflow's file store, which "
+                         f"MLflow 3 no longer writes by default: use sqlite:///{store} (a SQLite store; "
+                         f"'{NO_TRACKING}': no MLflow)")
+
+
 STORE_CHECK_TIMEOUT_S = 5  # an MLflow server answers /health in milliseconds; MLflow's own
                            # client retries a dead address for about 4 minutes (7 retries, backoff 2)
 
@@ -74,11 +86,7 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
     if tracking_uri == NO_TRACKING:
         return
     flag = f"--tracking-uri {tracking_uri}"
-    if tracking_uri.startswith("file:") or "://" not in tracking_uri:
-        path = Path(tracking_uri.removeprefix("file://").removeprefix("file:")).expanduser().resolve()
-        store = path if path.suffix == ".db" or path.is_file() else path / "mlflow.db"
-        raise ValueError(f"{flag}: a plain path or file:// is MLflow's file store, which MLflow 3 no longer "
-                         f"writes by default: use sqlite:///{store} (a SQLite store; '{NO_TRACKING}': no MLflow)")
+    check_store_form(tracking_uri)
     if tracking_uri.startswith("sqlite:///"):
         path = Path(tracking_uri[len("sqlite:///"):])
         if not path.parent.is_dir():

@@ -507,7 +507,8 @@ def killed_then_resumed(env, interrupted):
     newest = max(int(p.name.split("_")[1]) for p in (env["storage"] / "faulty").glob("checkpoint_*")
                  if (p / "meta.json").exists())
     target = max(last, newest) + 3
-    e = _Driver(resume + ["--steps", str(target)], env["root"], "e")
+    # resumed with another strategy: a new segment of the run, recorded in MLflow (issue 28)
+    e = _Driver(resume + ["--steps", str(target), "--strategy", "S2"], env["root"], "e")
     return {"stopped": stopped, "c": c, "reached": reached, "last": last, "lock": lock, "e": e, "gone": gone,
             "status": e.wait(180), "target": target, "newest": newest}
 
@@ -529,6 +530,17 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
     # died (up to the checkpoint the resume continued from) were never reported to any driver
     assert set(range(1, r["last"] + 1)) | set(range(r["newest"] + 1, r["target"] + 1)) <= set(steps)
     assert max(steps) == r["target"]
+    # the strategy switch: printed, a segment in the MLflow run, credited to S2 by the report
+    assert f"[mpipemoe] from step {r['newest'] + 1} faulty trains with strategy S1 -> S2 (segment 2, recorded " \
+        f"in MLflow)" in out
+    data = client(env["uri"]).get_run(run.info.run_id).data
+    assert data.params["strategy"] == "S1" and data.params["segment.2.strategy"] == "S2"
+    assert [(s["from_step"], s["strategy"]) for s in json.loads(data.tags["mpipemoe.segments"])] == \
+        [(1, "S1"), (r["newest"] + 1, "S2")]
+    from app.report import load_records
+
+    (record,) = [rec for rec in load_records(env["uri"], ["faults"]) if rec.run_id == run.info.run_id]
+    assert record.strategy == "S2" and f"from step {r['newest'] + 1}: strategy S2" in record.segments
 
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):

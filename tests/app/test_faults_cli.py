@@ -254,7 +254,7 @@ def test_a_dead_worker_is_said_as_such_with_the_resume_command(tmp_path):
     assert failure_message(job, gloo) == (
         "training job w failed: a worker process ended or lost its connection (killed, out of memory, or its node "
         "went away): RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-        "[127.0.0.1]:4242; no checkpoint was written, so start it again")
+        "[127.0.0.1]:4242 (no checkpoint was written yet)")
     folder = job.run_dir / "checkpoint_000003"
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(b"x")

@@ -157,3 +157,13 @@ def test_a_full_disk_on_another_rank_inside_dcps_exception_is_named():
                                         "left on device): free space there")
     with pytest.raises(ValueError, match="not a disk problem"), ckpt.write_errors_explained(12):
         raise ValueError("not a disk problem")  # other errors pass unchanged
+
+
+def test_checkpoints_above_the_checksum_budget_are_checked_by_size(tmp_path, monkeypatch):
+    """The driver does not read a huge checkpoint through before Ray starts; the workers' load does."""
+    folder = _checkpoint(tmp_path, 1)
+    _corrupt_in_place(folder / "__0_0.distcp")
+    monkeypatch.setattr(ckpt, "CHECKSUM_MAX_BYTES", 4096)  # below this checkpoint's 4,111 bytes
+    assert ckpt.validate(folder, checksums=True) is None
+    monkeypatch.setattr(ckpt, "CHECKSUM_MAX_BYTES", 4111)
+    assert ckpt.validate(folder, checksums=True).endswith("CRC-32 mismatch)")
