@@ -14,7 +14,8 @@
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their subcommand runs, so ``mpipemoe --help`` is fast.
 A user error (see USER_ERRORS) prints one line and exits 1; ``--debug`` (anywhere on
-the line) prints the traceback too.
+the line) prints the traceback too. Ctrl-C exits 130 and SIGTERM 143, both after an orderly
+stop (a training job checkpoints its step and prints the resume command).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import argparse
 import importlib
 import sys
 import traceback
+
+from workers.control import SIGTERM_EXIT_CODE, sigterm_as_interrupt
 
 SUBCOMMANDS = {
     "train": ("app.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
@@ -72,17 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
     try:
-        return int(module.run(args) or 0)
+        with sigterm_as_interrupt():  # a job stops on SIGTERM as on Ctrl-C (app/jobs.py)
+            return int(module.run(args) or 0)
     except USER_ERRORS as error:
         if debug:
             traceback.print_exc()
         hint = "" if debug else " (--debug shows the traceback)"
         print(f"mpipemoe {known.command}: error: {_one_line(error)}{hint}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as interrupt:
-        detail = _one_line(interrupt)
-        print(f"mpipemoe {known.command}: interrupted{': ' + detail if detail else ''}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: 130; SIGTERM: SIGTERM_EXIT_CODE (143)
+        detail = _one_line(interrupt) if str(interrupt) != "SIGTERM" else ""
+        code = getattr(interrupt, "exit_code", 130)
+        how = "terminated (SIGTERM)" if code == SIGTERM_EXIT_CODE else "interrupted"
+        print(f"mpipemoe {known.command}: {how}{': ' + detail if detail else ''}", file=sys.stderr)
+        return code
 
 
 def _one_line(error: BaseException) -> str:

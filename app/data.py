@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from lm.data import DEFAULT_MAX_BYTES, DEFAULT_ROW_LEN, MANIFEST, default_data_dir, prepare_dataset, \
-    skipped_binary_files
+    skipped_binary_files, skipped_empty_texts
 from lm.errors import invocation
 from lm.tokenizer import TokenizerSpec
 
@@ -61,5 +61,9 @@ def run(args: argparse.Namespace) -> int:
     skipped, examples = skipped_binary_files(out)
     if skipped:
         print(f"skipped {skipped} binary file(s), not text (e.g. {', '.join(Path(e).name for e in examples[:3])})")
+    empty, by_file = skipped_empty_texts(out)
+    if empty:
+        print(f"skipped {empty} null or empty text(s) (" + ", ".join(f"{Path(path).name}: {count}" for path, count
+                                                                    in list(by_file.items())[:3]) + ")")
     print(f"train on it with: {invocation()} train --data-dir {out}")
     return 0

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import queue as queue_lib
+import secrets
 import statistics
 import threading
 import time
@@ -34,17 +35,17 @@ from pathlib import Path
 import torch
 
 from app.offline import PENDING_FILE, is_remote
-from app.run_kinds import TRAIN, kind_tags
+from app.run_kinds import SEGMENTS_TAG, TRAIN, kind_tags, run_segments
 from app.runlock import RunLock
-from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, client, find_run, metric_history,
-                          resolve_tracking_uri)
+from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, check_store_form, client, find_run,
+                          metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (MoETransformer, estimate_step_flops, estimate_worker_bytes,
+from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes,
                       get_preset, param_counts)
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
-from workers.control import new_stop_flag
+from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import training_state_bytes
 from workers.config import NONFINITE_POLICIES, WorkerConfig
 from workers.loop import train_fn_per_worker
@@ -56,6 +57,34 @@ PARAM_DTYPES = ("float32", "bfloat16")
 
 def _fail(field: str, value, fix: str) -> None:
     raise ValueError(f"TrainJob.{field}={value!r} is invalid: {fix}")
+
+
+MAX_NAME_CHARS = 200  # a folder name (255 bytes on most file systems) with room for ".lock"
+
+
+def run_name_problem(name) -> str | None:
+    """Local. What makes ``name`` unusable as a run name, or None. A run name is one folder
+    inside the storage path (its checkpoints, job file and lock are named after it; pruning
+    deletes inside it): never a path that leaves it, nor a hidden name beside our lock folder."""
+    if not isinstance(name, str) or not name.strip():
+        return "it is empty"
+    if name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
+        return "it is a path, not one folder name (no '/', not '.' or '..')"
+    if name.startswith("."):
+        return "it starts with '.' (hidden names are mpipemoe's own folders)"
+    if not name.isprintable():
+        return "it holds control characters"
+    if len(name) > MAX_NAME_CHARS:
+        return f"it has {len(name)} characters, more than {MAX_NAME_CHARS}"
+    return None
+
+
+def check_run_name(name, flag: str = "--name") -> None:
+    """Raise ValueError naming the flag, the value and the fix unless ``name`` is a run name."""
+    problem = run_name_problem(name)
+    if problem:
+        raise ValueError(f"{flag} {name!r} is not a run name: {problem}; give one folder name such as "
+                         f"my-run-1 (it is created inside --storage-path)")
 
 
 @dataclass
@@ -156,9 +185,23 @@ class TrainJob:
         self.data_dir = str(Path(self.data_dir).expanduser().resolve()) if self.data_dir \
             else str(data_lib.default_data_dir())
         self.tracking_uri = resolve_tracking_uri(self.tracking_uri)
+        check_store_form(self.tracking_uri)  # before anything is prepared or written
         if self.name is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.name = f"{self.preset}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
+        if (problem := run_name_problem(self.name)) is not None:
+            _fail("name", self.name, f"{problem}: give one folder name such as my-run-1 (--name; it is "
+                  f"created inside --storage-path)")
+        if not isinstance(self.experiment, str) or not self.experiment.strip():
+            _fail("experiment", self.experiment, f"give an MLflow experiment name (--experiment; default "
+                  f"{DEFAULT_EXPERIMENT})")
+        if isinstance(self.partitions, int):
+            tokens = self.batch_size * self.model_preset().seq_len
+            if self.partitions > tokens:
+                _fail("partitions", self.partitions,
+                      f"a worker's micro-batch has {tokens} tokens (--batch-size {self.batch_size} x seq_len "
+                      f"{tokens // self.batch_size}) and each partition needs at least one: use --partitions "
+                      f"{min(tokens, 8)} (at most {tokens}) or auto, or a larger --batch-size")
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
@@ -295,12 +338,56 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
 RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers", "num_workers")
 
 
+def checkpoint_settings(run_dir: str | Path) -> dict | None:
+    """Local. The run-bound settings (``RUN_BOUND_FIELDS``) that the newest complete checkpoint
+    of ``run_dir`` was written with, read from its ``meta.json``, plus "checkpoint" (its folder
+    name); None when the run has no complete checkpoint. "preset" is None when no preset has
+    that model's shape."""
+    chosen, _ = ckpt.choose(run_dir)
+    if chosen is None:
+        return None
+    meta = json.loads((chosen / ckpt.META).read_text())
+    model = meta.get("preset") or {}
+    shape = {k: v for k, v in model.items() if k not in ("seq_len", "num_experts", "num_layers", "vocab_size")}
+    preset = next((name for name, candidate in PRESETS.items()
+                   if {k: v for k, v in dataclasses.asdict(candidate).items() if k in shape} == shape), None)
+    return {"preset": preset, "seq_len": model.get("seq_len"), "num_experts": model.get("num_experts"),
+            "num_layers": model.get("num_layers"), "num_workers": meta.get("world_size"),
+            "checkpoint": chosen.name}
+
+
+def continue_command(name: str, storage_path: str, settings: dict) -> str:
+    """``mpipemoe train --name NAME`` with the run-bound ``settings`` (``checkpoint_settings``):
+    how to continue a run whose settings file is gone."""
+    flags = "".join(f" --{k.replace('_', '-')} {settings[k]}" for k in RUN_BOUND_FIELDS if settings.get(k) is not None)
+    storage = "" if Path(storage_path) == Path("ray_results").resolve() else f" --storage-path {storage_path}"
+    return f"{invocation()} train --name {name}{flags}{storage}"
+
+
 def check_continues(job: TrainJob) -> None:
     """When ``job.name`` is an existing run (``--resume``, or ``--name`` of a recorded run),
-    refuse, before anything is written, settings its checkpoints cannot continue with."""
+    refuse, before anything is written, settings its checkpoints cannot continue with: those
+    recorded in its settings file, or, where that file is gone, those of its newest complete
+    checkpoint (so that no attempt rewrites the settings of a run it cannot continue)."""
     path = job.run_dir / JOB_FILE
+    new = job.model_preset()
+    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
+             "num_layers": new.num_layers, "num_workers": job.num_workers}
     if not path.exists():
-        return
+        try:
+            was = checkpoint_settings(job.run_dir)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the newest checkpoint of run {job.name} in {job.run_dir} "
+                             f"({type(error).__name__}: {error}): choose another --name") from None
+        if was is None or all(was[k] == asked[k] for k in RUN_BOUND_FIELDS):
+            return
+        changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]]
+        flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (its {was['checkpoint']} has {was[k]})"
+                          for k in changed)
+        raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
+                         f"its workers (its {JOB_FILE} is missing); continue it with `"
+                         f"{continue_command(job.name, job.storage_path, was)}`, or start a new run with another "
+                         f"--name. Nothing was changed")
     try:
         recorded = json.loads(path.read_text())
         old = get_preset(recorded["preset"]).replace(seq_len=recorded.get("seq_len"),
@@ -309,11 +396,8 @@ def check_continues(job: TrainJob) -> None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None
-    new = job.model_preset()
     was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
            "num_layers": old.num_layers, "num_workers": recorded.get("num_workers")}
-    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
-             "num_layers": new.num_layers, "num_workers": job.num_workers}
     if dataclasses.asdict(old) == dataclasses.asdict(new) and was["num_workers"] == asked["num_workers"]:
         return
     changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]] or ["preset"]
@@ -379,6 +463,7 @@ def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -
 
     if ray.is_initialized():
         return False
+    private_ray_token(create=not address)
     # Ray's start-up warnings (e.g. that token authentication is on) are not the user's
     # business on a quiet run: the only stderr line is ours; --verbose shows them.
     level = "WARNING" if verbose else "ERROR"
@@ -390,6 +475,35 @@ def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -
                  include_dashboard=False, dashboard_host="127.0.0.1",
                  object_store_memory=300 * 2**20, logging_level=level, log_to_driver=verbose)
     return True
+
+
+def private_ray_token(create: bool) -> Path | None:
+    """Keep Ray's token private. Ray 2.60 turns token authentication on for a new local
+    cluster and, when no token exists, writes ``~/.ray/auth_token`` with the process umask
+    (0644 in a 0755 folder: any local user could read the credential of the cluster). So,
+    with ``create`` (embedded Ray) and no token yet, write it ourselves first: the folder 0700
+    when we create it, the file 0600 (a random 256-bit hex token, as Ray makes). A token file
+    of ours that others may read is made 0600. Nothing is done where the token comes from
+    elsewhere (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) or authentication is off
+    (``RAY_AUTH_MODE``). Returns the token file, or None."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" \
+            or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    folder = Path.home() / ".ray"
+    token = folder / "auth_token"
+    try:
+        if create and not token.exists():
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_hex(32))
+        elif token.is_file() and token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
+            token.chmod(0o600)
+    except FileExistsError:  # another job wrote it first
+        pass
+    except OSError:  # a read-only home: Ray says what it needs
+        return None
+    return token
 
 
 def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
@@ -475,7 +589,8 @@ def summarize(history: list[dict]) -> dict:
     trained = [m for m in history if not m.get("skipped")] or history
     last = trained[-1]
     summary = {
-        "steps": history[-1]["step"], "first_loss": trained[0]["loss"], "final_loss": last["loss"],
+        "steps": history[-1]["step"], "first_step": history[0]["step"],  # a resumed run starts past 1
+        "first_loss": trained[0]["loss"], "final_loss": last["loss"],
         "final_lm_loss": last["lm_loss"], "final_aux_loss": last["aux_loss"],
         "skipped_steps": [m["step"] for m in history if m.get("skipped")],
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
@@ -519,7 +634,12 @@ def _run_params(job: TrainJob, config: WorkerConfig) -> dict:
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a job; the message says where it stopped and how to continue."""
+    """Ctrl-C or SIGTERM stopped a job; the message says where it stopped and how to continue;
+    ``exit_code`` is the command's status (130 after Ctrl-C, ``SIGTERM_EXIT_CODE`` after SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 # After Ctrl-C the workers finish their step and write a checkpoint; a step plus a checkpoint
@@ -530,9 +650,10 @@ STOP_GRACE_S = 60
 def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
     """``trainer.fit()`` in a thread, so that Ctrl-C reaches us (not Ray Train's own SIGINT
     handler, which aborts the workers mid-step and mid-checkpoint). Returns (result, error,
-    interrupted, abandoned): on Ctrl-C the workers are asked to stop after their current step
-    with a checkpoint; a second Ctrl-C or STOP_GRACE_S without an answer abandons them
-    (the caller then disconnects from Ray, which ends the job's actors)."""
+    interrupted, abandoned): on Ctrl-C or SIGTERM (``interrupted`` is that KeyboardInterrupt,
+    ``workers.control.Terminated`` for SIGTERM, else None) the workers are asked to stop after
+    their current step with a checkpoint; a second signal or STOP_GRACE_S without an answer
+    abandons them (the caller then disconnects from Ray, which ends the job's actors)."""
     outcome, finished = {}, threading.Event()
 
     def target():
@@ -546,25 +667,27 @@ def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
     # An Event, not Thread.join(timeout): a KeyboardInterrupt inside join() can leave the
     # thread marked as ended while it still runs (CPython bpo-45274).
     threading.Thread(target=target, name="mpipemoe-fit", daemon=True).start()
-    interrupted = abandoned = False
+    interrupted, abandoned = None, False
     deadline = None
-    while not finished.is_set():
-        try:
-            finished.wait(0.2)
-            if deadline is not None and time.monotonic() > deadline and not finished.is_set():
-                echo(f"[mpipemoe] the workers did not stop within {STOP_GRACE_S} s: abandoning them")
-                abandoned = True
-                break
-        except KeyboardInterrupt:
-            if interrupted:
-                echo("[mpipemoe] second Ctrl-C: abandoning the workers now")
-                abandoned = True
-                break
-            interrupted = True
-            deadline = time.monotonic() + STOP_GRACE_S
-            echo("[mpipemoe] Ctrl-C: stopping the workers after their current step, with a checkpoint "
-                 "(Ctrl-C again to abandon them at once)")
-            stop_flag.request.remote()
+    with sigterm_as_interrupt():  # SIGTERM (schedulers, docker stop) stops the workers as Ctrl-C does
+        while not finished.is_set():
+            try:
+                finished.wait(0.2)
+                if deadline is not None and time.monotonic() > deadline and not finished.is_set():
+                    echo(f"[mpipemoe] the workers did not stop within {STOP_GRACE_S} s: abandoning them")
+                    abandoned = True
+                    break
+            except KeyboardInterrupt as caught:
+                how = "SIGTERM" if isinstance(caught, Terminated) else "Ctrl-C"
+                if interrupted:
+                    echo(f"[mpipemoe] second {how}: abandoning the workers now")
+                    abandoned = True
+                    break
+                interrupted = caught
+                deadline = time.monotonic() + STOP_GRACE_S
+                echo(f"[mpipemoe] {how}: stopping the workers after their current step, with a checkpoint "
+                     f"({how} again to abandon them at once)")
+                stop_flag.request.remote()
     result = outcome.get("result")
     return result, outcome.get("error") or getattr(result, "error", None), interrupted, abandoned
 
@@ -636,7 +759,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if resuming:  # before MLflow is touched: a run that cannot resume keeps its status
             # the workers read the trainer's config when it fits
             trainer.train_loop_config = config = config.replace(resume_from=choose_checkpoint(job, echo))
-        save_job(job)
+        recorded = _read_job(job)  # the previous segment's settings ({} for a new run)
         logged_through, previous_status = 0, None
         try:
             if job.tracking_uri == NO_TRACKING:
@@ -646,6 +769,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                 logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
                 run = RunLogger.resume(job.tracking_uri, previous)
                 echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
+                if config.resume_from:
+                    record_segment(run, job, recorded, _checkpoint_step(config.resume_from) + 1, echo)
             else:
                 run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
                                       parent_run_id=job.parent_run_id,
@@ -657,6 +782,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             lines = str(error).strip().splitlines()
             raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
                                f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
+        save_job(job)  # only now: a start refused or failed above leaves the run's settings as they were
         lock.update(mlflow_run_id=run.run_id)
         if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
@@ -690,15 +816,15 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                      "the newest complete checkpoint is kept")
             killed = f"MLflow run {run.run_id} marked KILLED; " if run.run_id else ""
             raise TrainingInterrupted(f"{job.name} stopped {where}; {saved}; {killed}resume with: "
-                                      f"{resume_command(job)}")
+                                      f"{resume_command(job)}", getattr(interrupted, "exit_code", 130))
         if error is not None:
             run.set_tags({"error": _root_cause(error)})
             # A resume that failed before its first step leaves the run as it was (e.g. FINISHED).
             run.finish(previous_status if previous_status and not pump.history else "FAILED")
-            raise RuntimeError(f"training job {job.name} failed: {_root_cause(error)}") from error
+            raise RuntimeError(failure_message(job, error)) from error
         trained = bool(pump.history)
         if not trained and config.resume_from:  # nothing left: the chosen checkpoint's step
-            reached = json.loads((Path(config.resume_from) / "meta.json").read_text()).get("step")
+            reached = _checkpoint_step(config.resume_from)
         summary = summarize(pump.history or ([result.metrics] if result.metrics else _recorded_last_step(run)))
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
@@ -748,19 +874,45 @@ def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
     present = ckpt.listed(job.run_dir)
     if not present and not ckpt.referenced_by_ray(job.run_dir):
         return None
-    chosen, skipped = ckpt.choose(job.run_dir)
+    chosen, skipped = ckpt.choose(job.run_dir, checksums=True)  # before Ray: a damaged shard is found here
     if chosen is None:
         found = "; ".join(f"{name}: {why}" for name, why in skipped)
         raise ValueError(f"--resume {job.name}: no complete checkpoint in {job.run_dir} ({found}), so the run "
                          f"cannot continue; start a new run (another --name); nothing was deleted")
     for name, why in skipped:
-        moved = ckpt.set_aside(job.run_dir, name)
+        try:
+            moved = ckpt.set_aside(job.run_dir, name)
+        except OSError as error:
+            raise os_error(error, f"--resume {job.name}: {name} is damaged ({why}) and cannot be moved out of "
+                                  f"{job.run_dir}", f"move it away yourself and resume again; {chosen.name} is "
+                                                    f"intact") from error
         where = f"; moved to {moved.relative_to(job.run_dir)}/" if moved else ""
         echo(f"[mpipemoe] skipped {name}: {why}{where}; resuming from {chosen.name}")
     snapshot = job.run_dir / ckpt.RAY_SNAPSHOT
     if snapshot.exists():
         os.replace(snapshot, snapshot.with_name(snapshot.name + ".previous"))
     return str(chosen)
+
+
+# How gloo, NCCL and Ray word a worker that died (killed, out of memory, its node gone).
+_LOST_WORKER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ActorDiedError",
+                "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError", "died unexpectedly",
+                "exited unexpectedly", "NCCL communicator was aborted")
+
+
+def failure_message(job: TrainJob, error: BaseException) -> str:
+    """The one line a failed job ends with: the root cause (a dead worker said as such, not in
+    gloo's words) and, when the run has a complete checkpoint, the command that resumes it."""
+    cause = _root_cause(error)
+    if any(marker in cause for marker in _LOST_WORKER):
+        cause = f"a worker process ended or lost its connection (killed, out of memory, or its node went away): {cause}"
+    try:
+        chosen, _ = ckpt.choose(job.run_dir)
+    except OSError:
+        chosen = None
+    hint = (f"; resume from {chosen.name} with: {resume_command(job)}" if chosen is not None
+            else " (no checkpoint was written yet)" if job.checkpoint_every else "")
+    return f"training job {job.name} failed: {cause}{hint}"
 
 
 def _root_cause(error: BaseException) -> str:
@@ -776,6 +928,49 @@ def _root_cause(error: BaseException) -> str:
 
 
 JOB_FILE = "mpipemoe_job.json"
+
+
+def _read_job(job: TrainJob) -> dict:
+    """The settings recorded in ``job``'s run directory ({} when there are none)."""
+    try:
+        return json.loads((job.run_dir / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _checkpoint_step(directory: str | Path) -> int:
+    return json.loads((Path(directory) / ckpt.META).read_text()).get("step") or 0
+
+
+# Settings a resumed run may change (its checkpoints load into any of them); each stretch of
+# steps trained with one choice of them is a segment, recorded in the MLflow run.
+SEGMENT_FIELDS = ("engine", "partitions", "strategy", "batch_size", "grad_accum", "lr", "dtype", "param_dtype",
+                  "shard_dense", "use_gpu")
+
+
+def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:
+    """A resume of ``job`` from step ``from_step`` whose ``SEGMENT_FIELDS`` differ from the
+    previous segment's (``recorded``, its settings file): MLflow params ``segment.<n>.<field>``
+    for this segment, the tag ``mpipemoe.segments`` (JSON: every segment's first step and
+    settings; the report reads it) and the tags ``engine``, ``partitions``, ``strategy`` of
+    this segment. Returns the segments (unchanged when nothing changed)."""
+    segments = run_segments(run.client.get_run(run.run_id).data.tags)
+    if not segments and not recorded:  # the previous settings are unknown (settings file gone)
+        return []
+    if not segments:
+        segments = [{"from_step": 1, **{k: recorded.get(k) for k in SEGMENT_FIELDS}}]
+    current = {k: getattr(job, k) for k in SEGMENT_FIELDS}
+    previous = {k: segments[-1].get(k) for k in SEGMENT_FIELDS}
+    if current == previous:
+        return segments
+    segments.append({"from_step": from_step, **current})
+    changed = ", ".join(f"{k} {previous[k]} -> {current[k]}" for k in SEGMENT_FIELDS if previous[k] != current[k])
+    run.log_params({f"segment.{len(segments)}": {k: v for k, v in current.items() if v is not None}})
+    run.set_tags({SEGMENTS_TAG: json.dumps(segments), "engine": job.engine, "partitions": job.partitions,
+                  "strategy": job.strategy})
+    echo(f"[mpipemoe] from step {from_step} {job.name} trains with {changed} (segment {len(segments)}, "
+         f"recorded in MLflow)")
+    return segments
 
 
 def save_job(job: TrainJob) -> None:

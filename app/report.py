@@ -40,10 +40,10 @@ from pathlib import Path
 
 from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
-from app.run_kinds import BENCH, TRAIN, run_kind
+from app.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.simulate_report import load_simulations, section_simulations
 from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
-from lm.errors import invocation
+from lm.errors import invocation, os_error
 
 ENGINE = "mpipemoe"
 BASELINES = ("fastmoe", "fastermoe")
@@ -71,6 +71,7 @@ class Record:
     time_ms: float | None
     peak_memory_bytes: float | None
     predicted_memory_bytes: float | None
+    segments: str = ""             # a resumed training run whose settings changed: its segments
 
     @property
     def config_key(self) -> tuple:
@@ -101,6 +102,9 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
         return None
     kind = run_kind(tags) or \
         ("bench" if "fwd_bwd_ms" in metrics else "train" if "preset" in params else "")
+    segments = run_segments(tags) if kind == TRAIN else []
+    if segments:  # resumed with other settings: the summary metrics are those of the last segment
+        params = {**params, **{k: str(v) for k, v in segments[-1].items() if k != "from_step" and v is not None}}
     engine = params.get("engine")
     if kind not in (BENCH, TRAIN) or not engine:
         return None
@@ -139,7 +143,25 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
                   partitions=partitions, strategy=strategy, auto_partitions=auto_partitions,
                   auto_strategy=auto_strategy, time_ms=time_ms, peak_memory_bytes=peak,
                   predicted_memory_bytes=_float(metrics.get("predicted_memory_bytes",
-                                                            params.get("predicted_memory_bytes"))))
+                                                            params.get("predicted_memory_bytes"))),
+                  segments=describe_segments(segments))
+
+
+def describe_segments(segments: list[dict]) -> str:
+    """``steps 1-25: engine mpipemoe, partitions 2; from step 26: engine fastmoe`` (the
+    settings that differ from the segment before), "" for a run of one segment."""
+    if len(segments) < 2:
+        return ""
+    parts = []
+    for index, segment in enumerate(segments):
+        before = segments[index - 1] if index else {}
+        changed = ", ".join(f"{k} {v}" for k, v in segment.items()
+                            if k != "from_step" and (not index and k in ("engine", "partitions", "strategy")
+                                                     or index and before.get(k) != v))
+        end = segments[index + 1]["from_step"] - 1 if index + 1 < len(segments) else None
+        span = f"steps {segment['from_step']}-{end}" if end is not None else f"from step {segment['from_step']}"
+        parts.append(f"{span}: {changed}")
+    return "; ".join(parts)
 
 
 def load_records(tracking_uri: str, experiments: list[str] | None = None) -> list[Record]:
@@ -562,6 +584,10 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
              "Time is the layer's forward+backward in ms for benchmarks (`bench`) and ms per 1000 tokens "
              "for training runs (`train`); the two kinds are never compared with each other. Where one "
              "configuration was measured several times, the fastest measurement counts.", ""]
+    resumed = [r for r in records if r.segments]
+    if resumed:  # their numbers are of their last segment, credited to its settings
+        lines += ["Resumed with other settings (the numbers below are those of each run's last segment):", ""]
+        lines += [f"- run `{r.run_id[:8]}` ({r.experiment}): {r.segments}" for r in resumed] + [""]
     for section in (section_baselines, section_strategies, section_best_n, section_memory):
         lines += section(records, out)
     if simulations:  # section 5 only where `mpipemoe simulate` logged something
@@ -583,14 +609,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
 
 
+def check_out(out: str | os.PathLike) -> None:
+    """Raise ValueError naming ``--out`` and the fix unless the report can be written there:
+    a folder (or a path whose nearest existing folder) this process may write."""
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: {path} is a file, not a folder: give a folder (the report writes "
+                         f"report.md and its figures into it)")
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a folder: give another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: folder {existing} is not writable (read-only or not yours): give a "
+                         f"writable folder, e.g. --out {DEFAULT_OUT}")
+
+
+def _write(records: list[Record], out: str, **sources) -> Path:
+    """``write_report`` with a failing write (full disk, permissions) said in one line."""
+    try:
+        return write_report(records, out, **sources)
+    except OSError as error:
+        raise os_error(error, f"cannot write the report to {out}", "free space there or give another --out") from error
+
+
 def run(args: argparse.Namespace) -> int:
+    check_out(args.out)  # before the store is read: nothing is done for a report that cannot be written
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     check_store(tracking_uri, write=False)  # a typo'd folder is an error, never a new empty store
     store = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
     if store is not None and not store.exists():  # nothing recorded yet: an empty report, no new store
         print(f"note: no MLflow store at {store} yet: train or sweep first, or check --tracking-uri",
               file=sys.stderr)
-        path = write_report([], args.out, source=tracking_uri)
+        path = _write([], args.out, source=tracking_uri)
         print(f"Wrote {path.resolve()} (0 run(s), figures: none)")
         return 0
     known = {e.name for e in client(tracking_uri).search_experiments()}
@@ -599,10 +649,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
     records = load_records(tracking_uri, args.experiment)
-    path = write_report(records, args.out, source=tracking_uri,
-                        simulations=load_simulations(tracking_uri, args.experiment),
-                        capacities=load_capacity_runs(tracking_uri, args.experiment),
-                        emulated=load_emulated(tracking_uri, args.experiment))
+    path = _write(records, args.out, source=tracking_uri,
+                  simulations=load_simulations(tracking_uri, args.experiment),
+                  capacities=load_capacity_runs(tracking_uri, args.experiment),
+                  emulated=load_emulated(tracking_uri, args.experiment))
     left_out = unfinished_runs(tracking_uri, args.experiment)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))

@@ -33,3 +33,21 @@ def kind_filters(kind: str) -> tuple[str, str]:
     """MLflow filters for runs of ``kind`` under the tag and under the old one (MLflow
     filters have no OR, so a reader runs both: ``app.tracking.finished_runs_of_kind``)."""
     return f"tags.`{KIND_TAG}` = '{kind}'", f"tags.{OLD_KIND_TAG} = '{kind}'"
+
+
+# A training run resumed with other settings (engine, partitions, strategy, ...): the tag holds
+# JSON, one object per segment: {"from_step": first step, the segment's settings}; written
+# by app/jobs.py (record_segment), read by the report.
+SEGMENTS_TAG = "mpipemoe.segments"
+
+
+def run_segments(tags: dict) -> list[dict]:
+    """The segments of a training run (``SEGMENTS_TAG``), [] for a run of one segment."""
+    import json
+
+    try:
+        segments = json.loads(tags.get(SEGMENTS_TAG) or "[]")
+    except ValueError:
+        return []
+    return [s for s in segments if isinstance(s, dict)] if isinstance(segments, list) else []
+

@@ -17,6 +17,7 @@ it costs about a second.
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import sqlite3
@@ -53,6 +54,18 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri
 
 
+def check_store_form(tracking_uri: str) -> None:
+    """Local, no I/O but a stat. Raise ValueError naming ``sqlite:///PATH`` for a plain path or
+    ``file://`` (MLflow's file store: MLflow 3 refuses to write it unless told to, in a
+    deprecation text cut mid-URL on our one-line errors)."""
+    if tracking_uri != NO_TRACKING and (tracking_uri.startswith("file:") or "://" not in tracking_uri):
+        path = Path(tracking_uri.removeprefix("file://").removeprefix("file:")).expanduser().resolve()
+        store = path if path.suffix == ".db" or path.is_file() else path / "mlflow.db"
+        raise ValueError(f"--tracking-uri {tracking_uri}: a plain path or file:// is MLflow's file store, which "
+                         f"MLflow 3 no longer writes by default: use sqlite:///{store} (a SQLite store; "
+                         f"'{NO_TRACKING}': no MLflow)")
+
+
 STORE_CHECK_TIMEOUT_S = 5  # an MLflow server answers /health in milliseconds; MLflow's own
                            # client retries a dead address for about 4 minutes (7 retries, backoff 2)
 
@@ -64,13 +77,16 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
     - ``sqlite:///PATH``: PATH's folder must exist (it is never created: a typo would
       otherwise give an empty store nobody finds); for ``write``, PATH (or, for a new
       store, its folder) must take a write; for reading, an existing PATH must open. The probe
-      opens a write transaction and rolls it back, so nothing changes.
+      opens a write transaction and rolls it back, so nothing changes. For ``write``, a new
+      store is created here, one process at a time (``_create_sqlite_store``).
+    - A plain path or ``file://`` (MLflow's file store): refused, naming ``sqlite:///PATH``.
     - ``http(s)://``: the server must answer ``GET /health``.
     - ``"none"`` and other schemes are not checked.
     """
     if tracking_uri == NO_TRACKING:
         return
     flag = f"--tracking-uri {tracking_uri}"
+    check_store_form(tracking_uri)
     if tracking_uri.startswith("sqlite:///"):
         path = Path(tracking_uri[len("sqlite:///"):])
         if not path.parent.is_dir():
@@ -78,6 +94,8 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
                              f"or fix the path")
         if not path.exists() and not os.access(path.parent, os.W_OK):
             raise ValueError(f"{flag}: folder {path.parent} is not writable: choose a writable location")
+        if write and not _sqlite_store_ready(path):
+            _create_sqlite_store(path, tracking_uri)
         if path.exists():
             try:
                 connection = sqlite3.connect(f"file:{path}?mode={'rw' if write else 'ro'}", uri=True, timeout=5)
@@ -107,6 +125,36 @@ def check_store(tracking_uri: str, *, write: bool = True) -> None:
             reason = getattr(error, "reason", error)
             raise ValueError(f"{flag}: no MLflow server answers at {tracking_uri} ({reason}): start it "
                              f"(`{invocation()} ui`, or `mlflow server`), fix the address, or use --tracking-uri none") from None
+
+
+def _sqlite_store_ready(path: Path) -> bool:
+    """Whether the SQLite file at ``path`` is an MLflow store whose creation has finished (its
+    schema version stamped and the Default experiment present; read-only, no waiting)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    try:
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=0.1)
+        try:
+            stamped = connection.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
+            default = connection.execute("SELECT count(*) FROM experiments WHERE experiment_id = 0").fetchone()[0]
+        finally:
+            connection.close()
+    except sqlite3.Error:
+        return False
+    return bool(stamped and default)
+
+
+def _create_sqlite_store(path: Path, tracking_uri: str) -> None:
+    """Create the MLflow store at ``path`` under an exclusive lock on its folder: MLflow's own
+    creation is not guarded, and two jobs starting at once on a new store failed, one of them
+    with ``table ... already exists`` (issue 28). The second job waits, then finds it ready."""
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not _sqlite_store_ready(path):
+            client(tracking_uri).search_experiments(max_results=1)  # creates the tables and Default
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def client(tracking_uri: str):

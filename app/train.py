@@ -20,7 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-from app.jobs import COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, resume_command, run_job
+from app.jobs import (COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, check_run_name, checkpoint_settings,
+                      continue_command, resume_command, run_job)
 from app.records import record_meta
 from app.run_kinds import COMPARE, kind_tags
 from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
@@ -174,8 +175,15 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
         raise ValueError(f"--resume {args.resume} and --engines cannot be combined: a run has one engine; "
                          f"resume each engine's run by its name (<name>-<engine>)")
     if args.resume:
+        check_run_name(args.resume, "--resume")
         run_dir = Path(given.get("storage_path") or "ray_results").expanduser().resolve() / args.resume
         if not (run_dir / JOB_FILE).exists():
+            found = checkpoint_settings(run_dir)
+            if found is not None:  # the settings file is gone, the checkpoints are not
+                raise ValueError(f"--resume {args.resume}: {JOB_FILE} (its settings) is missing in {run_dir}, but "
+                                 f"{found['checkpoint']} is there: continue it with `"
+                                 f"{continue_command(args.resume, str(run_dir.parent), found)}` and its other "
+                                 f"options (--batch-size, --data-dir, ...)")
             raise ValueError(f"--resume {args.resume}: no run recorded at {run_dir} ({JOB_FILE} missing); "
                              f"check the name and --storage-path")
         recorded = json.loads((run_dir / JOB_FILE).read_text())
@@ -205,6 +213,15 @@ def write_summary_json(path: str, summary: dict, job: TrainJob) -> None:
     Path(path).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str) + "\n")
 
 
+def steps_done(summary: dict) -> str:
+    """``50 steps``, or for a resumed run ``steps 301-312 (12 in this run, 312 in all)``: the
+    losses and speeds beside it are those of the steps this run trained."""
+    first, last = summary.get("first_step", 1), summary["steps"]
+    if first <= 1:
+        return f"{last} steps"
+    return f"steps {first}-{last} ({summary.get('steps_run', last - first + 1)} in this run, {last} in all)"
+
+
 def run(args: argparse.Namespace) -> int:
     """Errors (bad options, data, resources; a failed job) propagate to ``app.cli.main``,
     which prints them as one line (the traceback with ``--debug``)."""
@@ -224,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[mpipemoe] {job.name} had already reached step {summary.get('steps', job.steps)} of "
                   f"--steps {job.steps}: nothing to train; to continue it: {resume_command(job, job.steps * 2)}")
             return 0
-        print(f"[mpipemoe] done: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
+        print(f"[mpipemoe] done: {steps_done(summary)}, loss {summary['first_loss']:.3f} -> "
               f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
               f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB"
               + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))

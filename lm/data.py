@@ -170,16 +170,25 @@ def _text_chunks(path: Path):
         yield carry
 
 
-def _pieces(sources: list[Path], vocab_size: int, skipped: list[Path] | None = None):
+def _pieces(sources: list[Path], vocab_size: int, skipped: list[Path] | None = None,
+            empty: dict[str, int] | None = None):
     """Yield ``(piece, end_of_document)`` in corpus order. A piece is text (str or bytes) or,
     from a Parquet ``tokens`` column, an array of token ids. Memory: one piece at a time.
-    Binary files are not text: they are left out and appended to ``skipped``."""
+    Binary files are not text: they are left out and appended to ``skipped``. Null or empty
+    texts (a Parquet/JSONL/dataset row, a 0-byte file) make no document: they are left out
+    and counted in ``empty`` (path -> count), so that the caller can say so."""
     import pyarrow.parquet as pq
+
+    def texts(path, values):
+        for text in values:
+            if text:
+                yield text, True
+            elif empty is not None:
+                empty[str(path)] = empty.get(str(path), 0) + 1
 
     for path in sources:
         if path.is_dir():  # a Hugging Face dataset (see _expand_source)
-            for text in _hf_texts(path):
-                yield text or "", True
+            yield from texts(path, _hf_texts(path))
         elif path.suffix == ".parquet":
             parquet = pq.ParquetFile(path)
             names = parquet.schema_arrow.names
@@ -188,18 +197,17 @@ def _pieces(sources: list[Path], vocab_size: int, skipped: list[Path] | None = N
                 raise ValueError(f"{path}: a Parquet source needs a 'text' or a 'tokens' column; "
                                  f"it has {names}")
             for batch in parquet.iter_batches(batch_size=256, columns=[column]):
+                if column == "text":
+                    yield from texts(path, batch.column(0).to_pylist())
+                    continue
                 for row in batch.column(0).to_pylist():
-                    if column == "text":
-                        yield row or "", True
-                        continue
                     ids = np.asarray(row, dtype=np.int64)
                     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size}); "
                                          f"found {ids.min()}..{ids.max()}")
                     yield ids, True
         elif path.suffix == ".jsonl":
-            for text in _jsonl_texts(path):
-                yield text or "", True
+            yield from texts(path, _jsonl_texts(path))
         else:
             chunks = _text_chunks(path)
             previous = next(chunks, b"")
@@ -207,10 +215,24 @@ def _pieces(sources: list[Path], vocab_size: int, skipped: list[Path] | None = N
                 if skipped is not None:
                     skipped.append(path)
                 continue
+            if not previous:  # a 0-byte file
+                yield from texts(path, [previous])
+                continue
             for chunk in chunks:
                 yield previous, False
                 previous = chunk
             yield previous, True
+
+
+def _left_out(skipped: list[Path], empty: dict[str, int]) -> str:
+    """What ``_pieces`` left out, as a phrase: binary files, null or empty texts."""
+    parts = []
+    if skipped:
+        parts.append(f"{len(skipped)} binary file(s) (e.g. {skipped[0].name})")
+    if empty:
+        examples = ", ".join(f"{Path(path).name}: {count}" for path, count in list(empty.items())[:3])
+        parts.append(f"{sum(empty.values())} null or empty text(s) (0-byte files, null 'text' values; {examples})")
+    return " and ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -410,7 +432,7 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     shard_tokens = rows_per_shard * row_len
     limit = max_bytes if max_bytes else None
     eos = np.array([tok.eos_id], dtype=dtype)
-    pending, buffered, written, documents, shards, skipped = [], 0, 0, 0, [], []
+    pending, buffered, written, documents, shards, skipped, empty = [], 0, 0, 0, [], [], {}
     path = out_dir / TOKEN_FILE  # the file being written, for the error message
 
     def write(count: int) -> None:
@@ -431,7 +453,7 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
 
     try:
         with (out_dir / TOKEN_FILE).open("wb") as token_out:
-            for ids, end in _encoded(_pieces(paths, tok.vocab_size, skipped), tok, meter):
+            for ids, end in _encoded(_pieces(paths, tok.vocab_size, skipped, empty), tok, meter):
                 pending.append(ids.astype(dtype, copy=False))
                 buffered += ids.size
                 if end:
@@ -443,9 +465,12 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
                 meter.update("tokenizing", 0, written + buffered)
                 if limit is not None and written + buffered >= limit:
                     break
-            if documents == 0 and skipped:
+            if documents == 0 and skipped and not empty:
                 raise ValueError(f"no text in {source_desc}: all {len(skipped)} file(s) are binary "
                                  f"(e.g. {skipped[0].name}); give text files, or Parquet with a 'text' column")
+            if documents == 0:
+                raise ValueError(f"no text in {source_desc}: it holds only {_left_out(skipped, empty)}; give "
+                                 f"files with text, or Parquet/JSONL whose 'text' column has values")
             total = written + buffered
             left = buffered if limit is None else min(buffered, limit - written)
             if left >= row_len:
@@ -463,7 +488,8 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
                             tokenizer_file=tokenizer_file, eos_id=tok.eos_id, mask_id=tok.mask_id,
                             pad_id=tok.pad_id)
         payload = dict(dataclasses.asdict(manifest), num_files=len(paths) - len(skipped),
-                       skipped_binary_files=len(skipped), skipped_examples=[str(p) for p in skipped[:5]])
+                       skipped_binary_files=len(skipped), skipped_examples=[str(p) for p in skipped[:5]],
+                       skipped_empty_texts=sum(empty.values()), skipped_empty_by_file=dict(list(empty.items())[:20]))
         path = out_dir / MANIFEST
         path.write_text(json.dumps(payload, indent=1) + "\n")
     except BaseException as error:  # a full disk, a quota, no text: keep nothing half-written
@@ -481,6 +507,13 @@ def skipped_binary_files(data_dir: str | Path) -> tuple[int, list[str]]:
     """(count, a few paths) of the binary files ``prepare_dataset`` left out of ``data_dir``."""
     payload = json.loads((Path(data_dir) / MANIFEST).read_text())
     return payload.get("skipped_binary_files", 0), payload.get("skipped_examples", [])
+
+
+def skipped_empty_texts(data_dir: str | Path) -> tuple[int, dict[str, int]]:
+    """(count, {path: count} for up to 20 files) of the null or empty texts ``prepare_dataset``
+    left out of ``data_dir`` (null Parquet/JSONL 'text' values, 0-byte files)."""
+    payload = json.loads((Path(data_dir) / MANIFEST).read_text())
+    return payload.get("skipped_empty_texts", 0), payload.get("skipped_empty_by_file", {})
 
 
 def ensure_default_data(data_dir: str | Path | None = None, echo=print) -> Path:

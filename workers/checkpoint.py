@@ -8,11 +8,12 @@ A checkpoint directory ``checkpoint_NNNNNN/`` holds, merged by Ray Train from ev
 - ``.metadata`` (rank 0): DCP's index of the tensors in the shards;
 - ``meta.json`` (rank 0), the completeness marker, written last (write, then rename):
   step, data position, world size, engine, preset, seed, and every file of the checkpoint
-  with its size in bytes, gathered from all ranks after they wrote.
+  with its size in bytes and its CRC-32, gathered from all ranks after they wrote.
 
 ``validate`` checks a directory against its ``meta.json`` (plain file I/O, no collectives):
-a checkpoint whose marker is missing, empty or unreadable, or one of whose files is missing
-or shorter/longer than recorded, is incomplete; ``choose`` picks the newest complete one.
+a checkpoint whose marker is missing, empty or unreadable, or one of whose files is missing,
+unreadable or shorter/longer than recorded (with ``checksums``: or whose bytes changed), is
+incomplete; ``choose`` picks the newest complete one.
 A checkpoint loads only with the world size that wrote it (the data shards are split by
 rank); it loads into any engine and either dense mode, since DCP reshards.
 
@@ -22,10 +23,14 @@ this module to choose a checkpoint) and runs without checkpoints need not pay.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +38,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from lm.errors import os_error
 from workers.distributed import DenseParallel, expert_param_names
 
 META = "meta.json"
@@ -114,22 +120,80 @@ def save_async(directory: str | Path, rank: int, world_size: int, parallel: Dens
                                               process_group=group))
 
 
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``error``: itself, its causes and contexts, or one
+    of DCP's per-rank failures (``CheckpointException.failures``: rank -> (error, trace))."""
+    todo: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while todo:
+        found = todo.pop(0)
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, OSError) and found.errno:
+            return found
+        todo += [found.__cause__, found.__context__]
+        failures = getattr(found, "failures", None)
+        if isinstance(failures, dict):
+            todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+    return None
+
+
+@contextlib.contextmanager
+def write_errors_explained(step: int) -> Iterator[None]:
+    """Local (wraps collective saves): an OSError while checkpoint ``step`` is written (a full
+    disk, a quota, a read-only folder; also inside DCP's ``CheckpointException``) becomes one
+    line naming the checkpoint, the file and the fix. Other errors pass unchanged."""
+    try:
+        yield
+    except BaseException as error:
+        found = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else _os_error_in(error)
+        if found is None:
+            raise
+        where = "there" if found.filename else \
+            f"in the workers' temporary folder ({tempfile.gettempdir()}) and the storage path"
+        at = f" at {found.filename}" if found.filename else ""
+        raise os_error(found, f"cannot write {checkpoint_name(step)}{at}",
+                       f"free space {where} (or lower --keep-checkpoints) and resume: the run continues from its "
+                       f"newest complete checkpoint") from None
+
+
 def write_meta(directory: str | Path, rank: int, world_size: int, meta: dict[str, Any]) -> None:
     """Collective: gathers every rank's file sizes; rank 0 writes ``meta.json`` (the
     completeness marker) under a temporary name, then renames it."""
     directory = Path(directory)
-    mine = {name: (directory / name).stat().st_size for name in sorted(os.listdir(directory))}
+    names = sorted(os.listdir(directory))
+    mine = ({name: (directory / name).stat().st_size for name in names},
+            {name: file_crc32(directory / name) for name in names})  # read back from the page cache
     every: list[Any] = [mine]
     if world_size > 1:
         every = [None] * world_size
         dist.all_gather_object(every, mine)
     if rank == 0:
         files: dict[str, int] = {}
-        for listing in every:
-            files.update(listing)
+        crc32: dict[str, str] = {}
+        for sizes, sums in every:
+            files.update(sizes)
+            crc32.update(sums)
         temporary = directory / (META + ".tmp")
-        temporary.write_text(json.dumps({**meta, "files": files}, indent=1, sort_keys=True) + "\n")
+        temporary.write_text(json.dumps({**meta, "files": files, "crc32": crc32}, indent=1, sort_keys=True) + "\n")
         os.replace(temporary, directory / META)
+
+
+CRC_BLOCK = 8 * 2**20
+# The driver reads a checkpoint this large in seconds: zlib's CRC-32 ran at 0.45-0.6 GB/s on
+# the 2-core CI machine while a test suite loaded it (load average 26), about 8 s for 4 GiB;
+# larger checkpoints are left to the workers' load, which names a damaged one.
+CHECKSUM_MAX_BYTES = 4 * 2**30
+
+
+def file_crc32(path: str | Path) -> str:
+    """Local. The CRC-32 of a file's bytes as 8 hex digits (see CHECKSUM_MAX_BYTES for its speed)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
 def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel, optimizer: torch.optim.Optimizer,
@@ -139,6 +203,7 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
     ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
     Raises ValueError naming the file and the fix for an incomplete checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     directory = Path(directory)
@@ -155,7 +220,14 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
         raise ValueError(f"checkpoint in {directory} was written by {meta['world_size']} workers "
                          f"(the data shards are split by rank): resume with --num-workers {meta['world_size']}")
     state = _state(parallel, optimizer, rank, world_size)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except (Exception, CheckpointException) as error:  # DCP's own words (e.g. miniz's) name no file, no fix
+        lines = str(error).strip().splitlines()
+        raise ValueError(f"checkpoint {directory} cannot be read ({type(error).__name__}: "
+                         f"{lines[-1][:200] if lines else ''}): it is damaged; move it out of the run folder and "
+                         f"resume (mpipemoe train --resume NAME), which continues from the newest intact "
+                         f"checkpoint") from None
     model_sd, optim_sd = _unshard_experts(state, parallel)
     set_state_dict(parallel.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rng = state[f"rng_rank{rank:05d}"]
@@ -167,8 +239,15 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
 
 # ---- local: validation, choice, pruning ------------------------------------------------------
 
-def validate(directory: str | Path) -> str | None:
-    """Local. None if ``directory`` is a complete checkpoint, else what is wrong (one phrase)."""
+def _unreadable(error: OSError) -> str:
+    return os.strerror(error.errno) if error.errno else type(error).__name__
+
+
+def validate(directory: str | Path, checksums: bool = False) -> str | None:
+    """Local. None if ``directory`` is a complete checkpoint, else what is wrong (one phrase).
+    ``checksums``: also read every file and compare its CRC-32 with ``meta.json``'s (a
+    same-size corruption), for checkpoints up to ``CHECKSUM_MAX_BYTES``; larger ones and those
+    written before checksums are checked by size only."""
     directory = Path(directory)
     if not directory.is_dir():
         return "its folder is missing"
@@ -176,6 +255,9 @@ def validate(directory: str | Path) -> str | None:
         text = (directory / META).read_text()
     except FileNotFoundError:
         return f"{META} (the completeness marker, written last) is missing: the save did not finish"
+    except (OSError, UnicodeDecodeError) as error:  # no permission, a folder, bytes that are no text
+        why = _unreadable(error) if isinstance(error, OSError) else "not text"
+        return f"{META} cannot be read ({why})"
     try:
         meta = json.loads(text)
     except json.JSONDecodeError:
@@ -183,13 +265,21 @@ def validate(directory: str | Path) -> str | None:
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or not files:
         return f"{META} lists no files (written before sharded checkpoints, or damaged)"
+    sums = meta.get("crc32") if checksums and isinstance(meta.get("crc32"), dict) else {}
+    if sum(size for size in files.values() if isinstance(size, int)) > CHECKSUM_MAX_BYTES:
+        sums = {}  # reading it all would hold the resume up; the workers' load names a damaged file
     for name, size in sorted(files.items()):
         path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        actual = path.stat().st_size
-        if actual != size:
-            return f"{name} is {'truncated' if actual < size else 'damaged'} ({actual:,} of {size:,} bytes)"
+        try:
+            if not path.is_file():
+                return f"{name} is missing"
+            actual = path.stat().st_size
+            if actual != size:
+                return f"{name} is {'truncated' if actual < size else 'damaged'} ({actual:,} of {size:,} bytes)"
+            if name in sums and file_crc32(path) != sums[name]:
+                return f"{name} is damaged (its bytes differ from those written: CRC-32 mismatch)"
+        except OSError as error:
+            return f"{name} cannot be read ({_unreadable(error)})"
     return None
 
 
@@ -209,15 +299,16 @@ def referenced_by_ray(run_dir: str | Path) -> set[str]:
         return set()
 
 
-def choose(run_dir: str | Path) -> tuple[Path | None, list[tuple[str, str]]]:
+def choose(run_dir: str | Path, checksums: bool = False) -> tuple[Path | None, list[tuple[str, str]]]:
     """Local. The newest complete checkpoint of ``run_dir`` (None if there is none) and the
     newer ones skipped, as (folder name, what is wrong): incomplete folders, and folders Ray
-    Train's snapshot names that are gone."""
+    Train's snapshot names that are gone. ``checksums``: see ``validate`` (reads the files of
+    the checkpoints it looks at, newest first, until one is intact)."""
     present = listed(run_dir)
     names = {path.name for _, path in present}
     skipped = [(name, "its folder is missing") for name in sorted(referenced_by_ray(run_dir) - names, reverse=True)]
     for step, path in present:
-        problem = validate(path)
+        problem = validate(path, checksums)
         if problem is None:
             newest = step
             skipped = [(n, why) for n, why in skipped if _NAME.match(n) and int(n[11:]) > newest]
@@ -238,7 +329,11 @@ def set_aside(run_dir: str | Path, name: str) -> Path | None:
         target = Path(run_dir) / DAMAGED / f"{name}.{suffix}"
         suffix += 1
     target.parent.mkdir(exist_ok=True)
-    os.replace(source, target)
+    try:
+        os.replace(source, target)
+    except PermissionError:  # moving a folder we may not write (its ".." entry) to another parent
+        target = Path(run_dir) / f"{DAMAGED}-{target.name}"  # a rename in place needs no such right
+        os.replace(source, target)
     return target
 
 

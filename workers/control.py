@@ -1,4 +1,4 @@
-"""The driver's stop request to the workers (Ctrl-C): a tiny async Ray actor.
+"""The driver's stop request to the workers (Ctrl-C, SIGTERM): a tiny async Ray actor.
 
     flag = new_stop_flag()           # driver; goes to the workers in their config
     flag.request.remote()            # driver, on Ctrl-C
@@ -13,7 +13,40 @@ without the ``ray`` extra.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
+
+# Exit status of a command stopped by SIGTERM (128 + 15, as shells report it); Ctrl-C gives 130.
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, systemd, ``docker stop``), raised in the main thread so that it
+    stops a job the way Ctrl-C does."""
+
+    exit_code = SIGTERM_EXIT_CODE
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread (elsewhere: no
+    change); the previous handler (Ray's ``ray.init`` installs one that exits at once,
+    leaving the workers mid-step) is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopFlag:

@@ -358,22 +358,23 @@ class CheckpointSaver:
                 "shard_dense": config.shard_dense}
 
     def start(self, step: int, metrics: dict[str, Any]) -> None:
-        directory = tempfile.TemporaryDirectory()
-        parallel, optimizer = self.trainer.parallel, self.trainer.optimizer
-        if self.asynchronous:
-            future = ckpt.save_async(directory.name, self.rank, self.world_size, parallel, optimizer, self.group)
-            self.pending = (future, directory, step, metrics)
-            return
-        with directory:
-            ckpt.save(directory.name, self.rank, self.world_size, parallel, optimizer, self._meta(step))
-            self._report(directory.name, step, metrics)
+        with ckpt.write_errors_explained(step):  # a full disk: one line naming the file and the fix
+            directory = tempfile.TemporaryDirectory()
+            parallel, optimizer = self.trainer.parallel, self.trainer.optimizer
+            if self.asynchronous:
+                future = ckpt.save_async(directory.name, self.rank, self.world_size, parallel, optimizer, self.group)
+                self.pending = (future, directory, step, metrics)
+                return
+            with directory:
+                ckpt.save(directory.name, self.rank, self.world_size, parallel, optimizer, self._meta(step))
+                self._report(directory.name, step, metrics)
 
     def finish(self) -> None:
         if self.pending is None:
             return
         future, directory, step, metrics = self.pending
         self.pending = None
-        with directory:
+        with ckpt.write_errors_explained(step), directory:
             future.result()
             ckpt.write_meta(directory.name, self.rank, self.world_size, self._meta(step))
             self._report(directory.name, step, metrics)

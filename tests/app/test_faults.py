@@ -14,6 +14,9 @@ signal reaches it as Ctrl-C from a terminal would), one after the other on one r
 2. the printed resume command continues A; its driver is SIGKILLed mid-run;
 3. the resume again: the dead driver's lock is taken over, the run finishes, and MLflow
    holds every step exactly once.
+
+A fourth run (its own name) gets SIGTERM, as a scheduler, systemd or ``docker stop`` sends
+it: the same orderly stop as Ctrl-C, with exit status 143.
 """
 from __future__ import annotations
 
@@ -504,7 +507,8 @@ def killed_then_resumed(env, interrupted):
     newest = max(int(p.name.split("_")[1]) for p in (env["storage"] / "faulty").glob("checkpoint_*")
                  if (p / "meta.json").exists())
     target = max(last, newest) + 3
-    e = _Driver(resume + ["--steps", str(target)], env["root"], "e")
+    # resumed with another strategy: a new segment of the run, recorded in MLflow (issue 28)
+    e = _Driver(resume + ["--steps", str(target), "--strategy", "S2"], env["root"], "e")
     return {"stopped": stopped, "c": c, "reached": reached, "last": last, "lock": lock, "e": e, "gone": gone,
             "status": e.wait(180), "target": target, "newest": newest}
 
@@ -526,6 +530,17 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
     # died (up to the checkpoint the resume continued from) were never reported to any driver
     assert set(range(1, r["last"] + 1)) | set(range(r["newest"] + 1, r["target"] + 1)) <= set(steps)
     assert max(steps) == r["target"]
+    # the strategy switch: printed, a segment in the MLflow run, credited to S2 by the report
+    assert f"[mpipemoe] from step {r['newest'] + 1} faulty trains with strategy S1 -> S2 (segment 2, recorded " \
+        f"in MLflow)" in out
+    data = client(env["uri"]).get_run(run.info.run_id).data
+    assert data.params["strategy"] == "S1" and data.params["segment.2.strategy"] == "S2"
+    assert [(s["from_step"], s["strategy"]) for s in json.loads(data.tags["mpipemoe.segments"])] == \
+        [(1, "S1"), (r["newest"] + 1, "S2")]
+    from app.report import load_records
+
+    (record,) = [rec for rec in load_records(env["uri"], ["faults"]) if rec.run_id == run.info.run_id]
+    assert record.strategy == "S2" and f"from step {r['newest'] + 1}: strategy S2" in record.segments
 
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
@@ -546,3 +561,33 @@ def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, r
     assert math.isfinite(trial_metrics(summary)["tokens_per_s"])
     assert len(client(env["uri"]).get_metric_history(run.info.run_id, "loss")) == points
     assert client(env["uri"]).get_run(run.info.run_id).info.status == "FINISHED"
+
+
+@pytest.fixture(scope="module")
+def terminated(env):
+    """A run stopped by SIGTERM to its driver alone (``kill PID``, ``docker stop``)."""
+    t = _Driver(_train(env, "--name", "term", "--steps", str(LONG), "--checkpoint-every", "5", "--log-every", "1"),
+                env["root"], "t")
+    t.wait_for_step(3)
+    os.kill(t.proc.pid, signal.SIGTERM)
+    sent = time.perf_counter()
+    return {"t": t, "status": t.wait(120), "stop_seconds": time.perf_counter() - sent}
+
+
+def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated):
+    t = terminated["t"]
+    assert terminated["status"] == 143 and terminated["stop_seconds"] < 60, t.err.read_text()[-3000:]
+    stopped = max(t.steps())
+    lines = t.err.read_text().strip().splitlines()
+    (run,) = _train_runs(env["uri"], "term")
+    assert len(lines) == 1 and re.fullmatch(
+        rf"mpipemoe train: terminated \(SIGTERM\): term stopped after step {stopped} of {LONG}; checkpoint "
+        rf"{re.escape(str(env['storage']))}/term/checkpoint_{stopped:06d}; MLflow run {run.info.run_id} marked "
+        rf"KILLED; resume with: \S+ -m app\.cli train --resume term --storage-path {re.escape(str(env['storage']))}",
+        lines[0]), lines
+    assert "SIGTERM: stopping the workers after their current step" in t.out.read_text()
+    meta = json.loads((env["storage"] / "term" / f"checkpoint_{stopped:06d}" / "meta.json").read_text())
+    assert meta["step"] == stopped
+    assert run.info.status == "KILLED"
+    assert t.group_gone()  # Ray and the workers ended with the driver
+

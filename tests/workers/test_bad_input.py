@@ -103,9 +103,12 @@ def test_empty_sources_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no input files found"):
         prepare_dataset(tmp_path / "out", [tmp_path / "empty"])
-    (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="gives 1 tokens, fewer than one row of 8192"):
+    (tmp_path / "empty.txt").write_text("")  # issue 28: said as empty, not as "1 tokens"
+    with pytest.raises(ValueError, match=r"no text in .*empty\.txt: it holds only 1 null or empty text\(s\)"):
         prepare_dataset(tmp_path / "out", [tmp_path / "empty.txt"])
+    (tmp_path / "short.txt").write_text("abc")
+    with pytest.raises(ValueError, match="gives 4 tokens, fewer than one row of 8192"):
+        prepare_dataset(tmp_path / "out", [tmp_path / "short.txt"])
 
 
 def test_too_little_data_for_the_workers_fails_before_ray_starts(data_dir, tmp_path):
