@@ -46,7 +46,7 @@ from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import new_stop_flag
 from workers.distributed import training_state_bytes
-from workers.config import NONFINITE_POLICIES, WorkerConfig
+from workers.config import NONFINITE_POLICIES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
@@ -102,7 +102,12 @@ class TrainJob:
     max_failures: int = 0              # Ray Train restarts from the last checkpoint
     collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
     on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
-    log_every: int = 10                # progress line every N steps
+    log_every: int = 10                # progress line (and per-expert load metrics) every N steps
+    lr_schedule: str = "constant"      # after warm-up: constant | cosine | linear | wsd (decay to min_lr)
+    min_lr: float = 0.0                # where cosine / linear / wsd end, at the last step
+    optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
+    eval_every: int = 25               # validation loss every N steps and at the end; 0: never
+    eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -143,12 +148,11 @@ class TrainJob:
                 _fail(field, getattr(self, field), "give True or False")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
-        for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
+        check_optimisation(self, _fail)
+        for field, least in (("eval_every", 0), ("eval_batches", 1)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0 or (field == "lr" and value == 0):
-                _fail(field, value, "give a finite number > 0, e.g. 1e-3" if field == "lr"
-                      else "give a finite number >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                _fail(field, value, f"give an integer >= {least}" + (" (0: no validation)" if not least else ""))
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
         self.model_preset().check_world_size(self.num_workers)
@@ -198,6 +202,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
         collective_timeout_s=job.collective_timeout_s,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
+        lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
+        eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 
 
@@ -210,6 +216,15 @@ def ensure_data(job: TrainJob, echo=print) -> None:
     preset = job.model_preset(vocab_size=manifest.vocab_size)
     window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
     manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
+    if job.eval_every and not manifest.has_validation:
+        echo(f"[mpipemoe] note: {job.data_dir} has no validation split (prepared before there was one, or with "
+             f"--val-fraction 0), so no validation loss is reported; to get one, run its `{invocation()} data "
+             f"prepare ... --out {job.data_dir}` again (it holds out --val-fraction {data_lib.DEFAULT_VAL_FRACTION} "
+             f"of the rows by default)")
+    elif job.eval_every and manifest.val_rows * manifest.row_len // window < job.num_workers:
+        echo(f"[mpipemoe] note: the validation split of {job.data_dir} holds fewer windows of {window} tokens "
+             f"than the {job.num_workers} workers, so no validation loss is reported; prepare it with a larger "
+             f"--val-fraction")
 
 
 # Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
@@ -394,7 +409,7 @@ def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -
 
 def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
     line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
-            f"aux {m['aux_loss']:.3f}  tok/s {m['tokens_per_s']:>9,.0f}  "
+            f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
             + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
@@ -460,6 +475,9 @@ class _MetricsPump:
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
             self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
             self.run.flush()
+        if "val_loss" in metrics:
+            self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
+                      f"val loss {metrics['val_loss']:.4f} ppl {metrics['val_ppl']:.2f}")
         if self.on_step is not None:
             self.on_step(metrics)
 
@@ -490,6 +508,10 @@ def summarize(history: list[dict]) -> dict:
     for key in ("partitions", "strategy"):
         if key in history[-1]:
             summary[key] = history[-1][key]
+    evaluated = [m for m in history if "val_loss" in m]
+    if evaluated:  # the last evaluation: at the last step (or the step a stopped run reached)
+        summary.update(final_val_loss=evaluated[-1]["val_loss"], final_val_ppl=evaluated[-1]["val_ppl"],
+                       first_val_loss=evaluated[0]["val_loss"])
     return summary
 
 
@@ -710,7 +732,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if trained:  # a run that had already reached job.steps keeps its recorded summary
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
-                                      "training_state_bytes", "model_tflops_per_s", "mfu")},
+                                      "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
+                                      "final_val_ppl")},
                             step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})
