@@ -666,14 +666,14 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
                 previous_status = client(job.tracking_uri).get_run(previous).info.status
                 logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
-                run = RunLogger.resume(job.tracking_uri, previous)
+                run = RunLogger.resume(job.tracking_uri, previous, system_metrics=True)
                 echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
             else:
                 run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
                                       parent_run_id=job.parent_run_id,
                                       tags={"ray_train_name": job.name, "engine": job.engine,
                                             "preset": job.preset, **kind_tags(TRAIN),
-                                            "run_dir": str(job.run_dir)})
+                                            "run_dir": str(job.run_dir)}, system_metrics=True)
                 run.log_params(_run_params(job, config))
         except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)
             lines = str(error).strip().splitlines()
