@@ -117,13 +117,20 @@ def client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+# MLflow 3.17's UI opens in its GenAI view (traces, evaluations); our runs are model training.
+# An experiment tagged with this kind opens in the training layout (runs, charts), and the
+# UI's workflow switch reads ``workflowType`` from the address (docs/training.md §2).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+TRAINING_VIEW = "#/experiments?workflowType=machine_learning"
+
+
 def experiment_id(mlflow_client, name: str) -> str:
-    """Id of experiment ``name``, created if missing (race-safe)."""
+    """Id of experiment ``name``, created if missing (race-safe), as a model-training experiment."""
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return mlflow_client.create_experiment(name)
+        return mlflow_client.create_experiment(name, tags=EXPERIMENT_KIND)
     except Exception:  # created concurrently by another process
         found = mlflow_client.get_experiment_by_name(name)
         if found is None:
