@@ -125,3 +125,25 @@ def test_load_metrics_count_every_routed_pair_and_the_dropped_ones(data_dir):
     # at most ceil(0.5 * 2 * 128 / 4) = 32 pairs per expert of 256 kept: at least 1/2 dropped
     assert 0.5 <= load["moe_load/l0/dropped_fraction"] < 1
     assert load["moe_load/imbalance_max"] >= load["moe_load/l1/imbalance"]
+
+
+def test_the_options_reach_the_workers_and_bad_ones_fail_before_ray(data_dir, tmp_path):
+    import argparse
+
+    from app.jobs import TrainJob, worker_config
+    from app.train import add_arguments, job_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--steps", "40", "--lr-schedule", "wsd", "--warmup-steps", "4", "--min-lr", "1e-5",
+                              "--weight-decay", "0.05", "--grad-clip", "0", "--aux-loss-weight", "0.02",
+                              "--optimizer-impl", "for-loop", "--eval-every", "10", "--eval-batches", "2",
+                              "--log-every", "5", "--data-dir", data_dir, "--storage-path", str(tmp_path)])
+    config = worker_config(job_from_args(args), use_gpu=False)
+    assert (config.lr_schedule, config.warmup_steps, config.min_lr, config.weight_decay, config.grad_clip,
+            config.aux_loss_weight, config.optimizer_impl, config.eval_every, config.eval_batches,
+            config.log_every) == ("wsd", 4, 1e-5, 0.05, 0.0, 0.02, "for-loop", 10, 2, 5)
+    with pytest.raises(ValueError, match=r"TrainJob\.min_lr=0\.1 is invalid: give at most the peak --lr 0\.001"):
+        TrainJob(min_lr=0.1, storage_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"TrainJob\.eval_batches=0 is invalid: give an integer >= 1"):
+        TrainJob(eval_batches=0, storage_path=str(tmp_path))
