@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from lm.data import DEFAULT_MAX_BYTES, DEFAULT_ROW_LEN, MANIFEST, default_data_dir, prepare_dataset, \
-    skipped_binary_files, skipped_empty_texts
+from lm.data import DEFAULT_MAX_BYTES, DEFAULT_ROW_LEN, DEFAULT_VAL_FRACTION, MANIFEST, default_data_dir, \
+    prepare_dataset, skipped_binary_files, skipped_empty_texts
 from lm.errors import invocation
 from lm.tokenizer import TokenizerSpec
 
@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"stop after this many tokens, 0 = all (default {DEFAULT_MAX_BYTES}); a BPE "
                            f"trains on this many bytes of text")
     prep.add_argument("--row-len", type=int, default=DEFAULT_ROW_LEN, help="tokens per Parquet row")
+    prep.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                      help=f"rows held out for the validation loss: every round(1/F)-th row, the first "
+                           f"included (default {DEFAULT_VAL_FRACTION}; 0: no validation split)")
     info = sub.add_parser("info", help="print the manifest of a prepared directory")
     info.add_argument("--data-dir", default=None, help="prepared directory (default ./data/stdlib-bytes)")
 
@@ -52,9 +55,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve() if args.out else default_data_dir()
     start = time.perf_counter()
     manifest = prepare_dataset(out, args.source, max_bytes=args.max_bytes or None, row_len=args.row_len,
-                               tokenizer=args.tokenizer, progress=lambda line: print(line, file=sys.stderr))
+                               tokenizer=args.tokenizer, progress=lambda line: print(line, file=sys.stderr),
+                               val_fraction=args.val_fraction)
     print(f"prepared {manifest.num_tokens:,} tokens ({manifest.num_rows} rows x {manifest.row_len}) "
           f"in {len(manifest.shards)} shard(s) at {out} in {time.perf_counter() - start:.1f} s")
+    print(f"validation: {manifest.val_rows * manifest.row_len:,} tokens ({manifest.val_rows} rows, "
+          f"--val-fraction {args.val_fraction:g}) in {out / str(manifest.val_token_file)}" if manifest.has_validation
+          else "validation: none (--val-fraction 0, or too few rows): training reports no validation loss")
     print(f"tokenizer: {manifest.tokenizer}, vocabulary {manifest.vocab_size:,}"
           + (f" ({out / manifest.tokenizer_file})" if manifest.tokenizer_file else ""))
     print(f"source: {manifest.source}")

@@ -47,7 +47,7 @@ from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import training_state_bytes
-from workers.config import NONFINITE_POLICIES, WorkerConfig
+from workers.config import NONFINITE_POLICIES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
@@ -131,7 +131,12 @@ class TrainJob:
     max_failures: int = 0              # Ray Train restarts from the last checkpoint
     collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
     on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
-    log_every: int = 10                # progress line every N steps
+    log_every: int = 10                # progress line (and per-expert load metrics) every N steps
+    lr_schedule: str = "constant"      # after warm-up: constant | cosine | linear | wsd (decay to min_lr)
+    min_lr: float = 0.0                # where cosine / linear / wsd end, at the last step
+    optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
+    eval_every: int = 25               # validation loss every N steps and at the end; 0: never
+    eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -172,12 +177,11 @@ class TrainJob:
                 _fail(field, getattr(self, field), "give True or False")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
-        for field in ("lr", "weight_decay", "grad_clip", "aux_loss_weight"):
+        check_optimisation(self, _fail)
+        for field, least in (("eval_every", 0), ("eval_batches", 1)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0 or (field == "lr" and value == 0):
-                _fail(field, value, "give a finite number > 0, e.g. 1e-3" if field == "lr"
-                      else "give a finite number >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                _fail(field, value, f"give an integer >= {least}" + (" (0: no validation)" if not least else ""))
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
         self.model_preset().check_world_size(self.num_workers)
@@ -241,6 +245,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
         collective_timeout_s=job.collective_timeout_s,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
+        lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
+        eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 
 
@@ -253,6 +259,15 @@ def ensure_data(job: TrainJob, echo=print) -> None:
     preset = job.model_preset(vocab_size=manifest.vocab_size)
     window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
     manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
+    if job.eval_every and not manifest.has_validation:
+        echo(f"[mpipemoe] note: {job.data_dir} has no validation split (prepared before there was one, or with "
+             f"--val-fraction 0), so no validation loss is reported; to get one, run its `{invocation()} data "
+             f"prepare ... --out {job.data_dir}` again (it holds out --val-fraction {data_lib.DEFAULT_VAL_FRACTION} "
+             f"of the rows by default)")
+    elif job.eval_every and manifest.val_rows * manifest.row_len // window < job.num_workers:
+        echo(f"[mpipemoe] note: the validation split of {job.data_dir} holds fewer windows of {window} tokens "
+             f"than the {job.num_workers} workers, so no validation loss is reported; prepare it with a larger "
+             f"--val-fraction")
 
 
 # Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
@@ -508,7 +523,7 @@ def private_ray_token(create: bool) -> Path | None:
 
 def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
     line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
-            f"aux {m['aux_loss']:.3f}  tok/s {m['tokens_per_s']:>9,.0f}  "
+            f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
             + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
@@ -574,6 +589,9 @@ class _MetricsPump:
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
             self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
             self.run.flush()
+        if "val_loss" in metrics:
+            self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
+                      f"val loss {metrics['val_loss']:.4f} ppl {metrics['val_ppl']:.2f}")
         if self.on_step is not None:
             self.on_step(metrics)
 
@@ -605,6 +623,10 @@ def summarize(history: list[dict]) -> dict:
     for key in ("partitions", "strategy"):
         if key in history[-1]:
             summary[key] = history[-1][key]
+    evaluated = [m for m in history if "val_loss" in m]
+    if evaluated:  # the last evaluation: at the last step (or the step a stopped run reached)
+        summary.update(final_val_loss=evaluated[-1]["val_loss"], final_val_ppl=evaluated[-1]["val_ppl"],
+                       first_val_loss=evaluated[0]["val_loss"])
     return summary
 
 
@@ -767,7 +789,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
                 previous_status = client(job.tracking_uri).get_run(previous).info.status
                 logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
-                run = RunLogger.resume(job.tracking_uri, previous)
+                run = RunLogger.resume(job.tracking_uri, previous, system_metrics=True)
                 echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
                 if config.resume_from:
                     record_segment(run, job, recorded, _checkpoint_step(config.resume_from) + 1, echo)
@@ -776,7 +798,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                                       parent_run_id=job.parent_run_id,
                                       tags={"ray_train_name": job.name, "engine": job.engine,
                                             "preset": job.preset, **kind_tags(TRAIN),
-                                            "run_dir": str(job.run_dir)})
+                                            "run_dir": str(job.run_dir)}, system_metrics=True)
                 run.log_params(_run_params(job, config))
         except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)
             lines = str(error).strip().splitlines()
@@ -836,7 +858,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if trained:  # a run that had already reached job.steps keeps its recorded summary
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
-                                      "training_state_bytes", "model_tflops_per_s", "mfu")},
+                                      "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
+                                      "final_val_ppl")},
                             step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
                       if summary.get(k) is not None})

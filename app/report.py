@@ -18,6 +18,7 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity_report.py).
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
    app/emulated_report.py). Emulated runs never enter sections 1–4.
+8. training runs' validation loss and per-expert load over steps (app/training_report.py).
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -43,6 +44,7 @@ from app.emulated_report import load_emulated, section_emulated
 from app.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.simulate_report import load_simulations, section_simulations
 from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
+from app.training_report import load_training_curves, section_training
 from lm.errors import invocation, os_error
 
 ENGINE = "mpipemoe"
@@ -562,12 +564,13 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
                  simulations: list[dict] | None = None, capacities: list[dict] | None = None,
-                 emulated: tuple[list[dict], list[dict]] | None = None) -> Path:
+                 emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.simulate_report.load_simulations`` (section 5 when there are any);
     ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
     ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
-    when there are any)."""
+    when there are any); ``training``: rows of ``app.training_report.load_training_curves``
+    (section 8 when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -596,6 +599,8 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
         lines += section_capacity(capacities)
     if emulated and emulated[0]:  # section 7 only where `mpipemoe bench --emulate` logged something
         lines += section_emulated(*emulated, out)
+    if training:  # section 8 only where training runs logged a validation loss or load metrics
+        lines += section_training(training, out)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -652,7 +657,8 @@ def run(args: argparse.Namespace) -> int:
     path = _write(records, args.out, source=tracking_uri,
                   simulations=load_simulations(tracking_uri, args.experiment),
                   capacities=load_capacity_runs(tracking_uri, args.experiment),
-                  emulated=load_emulated(tracking_uri, args.experiment))
+                  emulated=load_emulated(tracking_uri, args.experiment),
+                  training=load_training_curves(tracking_uri, args.experiment))
     left_out = unfinished_runs(tracking_uri, args.experiment)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))

@@ -233,7 +233,7 @@ def format_results(results) -> str:
     lines = [header]
     for config, metrics, error in rows:
         peak = metrics.get("peak_memory_bytes")
-        loss = metrics.get("final_loss", metrics.get("loss"))
+        loss = metrics.get(tune_spaces.VAL_METRIC, metrics.get("final_loss", metrics.get("loss")))  # val where present
         lines.append([str(config.get(k)) for k in varying] + [
             f"{metrics.get(tune_spaces.METRIC, float('nan')):.0f}",
             f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",

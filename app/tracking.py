@@ -18,9 +18,11 @@ it costs about a second.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import math
 import os
 import sqlite3
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -163,13 +165,20 @@ def client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+# MLflow 3.17's UI opens in its GenAI view (traces, evaluations); our runs are model training.
+# An experiment tagged with this kind opens in the training layout (runs, charts), and the
+# UI's workflow switch reads ``workflowType`` from the address (docs/training.md §2).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+TRAINING_VIEW = "#/experiments?workflowType=machine_learning"
+
+
 def experiment_id(mlflow_client, name: str) -> str:
-    """Id of experiment ``name``, created if missing (race-safe)."""
+    """Id of experiment ``name``, created if missing (race-safe), as a model-training experiment."""
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return mlflow_client.create_experiment(name)
+        return mlflow_client.create_experiment(name, tags=EXPERIMENT_KIND)
     except Exception:  # created concurrently by another process
         found = mlflow_client.get_experiment_by_name(name)
         if found is None:
@@ -189,8 +198,51 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
+CHECKOUT = Path(__file__).resolve().parent.parent  # this code's folder: a git checkout, or an installed copy
+
+
+def git_tags(root: str | Path = CHECKOUT) -> dict[str, str]:
+    """The commit the code runs from and whether the checkout has uncommitted changes to
+    tracked files, as run tags: ``mlflow.source.git.commit`` (the UI shows it), ``git_commit``
+    and ``git_dirty`` ("true"/"false"). Empty when ``root`` is not the top of a git checkout
+    (an installed copy inside some other repository counts as none) or git is missing."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(root).resolve():
+        return {}
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    if not commit or status is None:
+        return {}
+    return {"mlflow.source.git.commit": commit, "git_commit": commit, "git_dirty": str(bool(status)).lower()}
+
+
+SYSTEM_METRICS_INTERVAL_S = 10  # MLflow's default sampling period
+
+
+def system_metrics_monitor(tracking_uri: str, run_id: str, resume: bool = False):
+    """MLflow's ``SystemMetricsMonitor`` for ``run_id``, started: this machine's CPU, memory,
+    disk and network every SYSTEM_METRICS_INTERVAL_S as ``system/...`` metrics, and its GPUs
+    where ``pynvml`` (nvidia-ml-py) is importable. None when ``psutil`` is not (the monitor
+    needs it: ``pip install psutil``); ``stop()`` it with ``.finish()``."""
+    if importlib.util.find_spec("psutil") is None:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, resume_logging=resume,
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
 class RunLogger:
-    """One MLflow run, written through an explicit client; metrics are buffered."""
+    """One MLflow run, written through an explicit client; metrics are buffered. Every run
+    started or resumed here carries ``git_tags()``."""
 
     def __init__(self, tracking_uri: str, run_id: str):
         self.tracking_uri = tracking_uri
@@ -198,6 +250,7 @@ class RunLogger:
         self.client = client(tracking_uri)
         self._pending = []
         self.spool = None  # a MetricSpool (app/offline.py) once keep_offline() is called
+        self.monitor = None  # a started SystemMetricsMonitor (system_metrics=True), stopped by finish()
 
     def keep_offline(self, path: str | Path, echo=None, retry_every_s: float = 30.0) -> None:
         """If the (HTTP) tracking server stops answering, keep metrics, tags and the final
@@ -211,21 +264,29 @@ class RunLogger:
 
     @classmethod
     def start(cls, tracking_uri: str, experiment: str, run_name: str | None = None,
-              parent_run_id: str | None = None, tags: dict | None = None) -> "RunLogger":
-        """Create a run in ``experiment`` (nested under ``parent_run_id`` when given)."""
+              parent_run_id: str | None = None, tags: dict | None = None,
+              system_metrics: bool = False) -> "RunLogger":
+        """Create a run in ``experiment`` (nested under ``parent_run_id`` when given);
+        ``system_metrics``: log this machine's load to it while it runs (``system_metrics_monitor``)."""
         mlflow_client = client(tracking_uri)
-        all_tags = {k: str(v) for k, v in (tags or {}).items()}
+        all_tags = {**git_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
         if parent_run_id:
             all_tags[PARENT_TAG] = parent_run_id
         run = mlflow_client.create_run(experiment_id(mlflow_client, experiment),
                                        run_name=run_name, tags=all_tags)
-        return cls(tracking_uri, run.info.run_id)
+        logger = cls(tracking_uri, run.info.run_id)
+        if system_metrics:
+            logger.monitor = system_metrics_monitor(tracking_uri, logger.run_id)
+        return logger
 
     @classmethod
-    def resume(cls, tracking_uri: str, run_id: str) -> "RunLogger":
-        """Reopen an existing run (status RUNNING again)."""
+    def resume(cls, tracking_uri: str, run_id: str, system_metrics: bool = False) -> "RunLogger":
+        """Reopen an existing run (status RUNNING again; the git tags of the code now running)."""
         logger = cls(tracking_uri, run_id)
         logger.client.update_run(run_id, status="RUNNING")
+        logger.set_tags(git_tags())
+        if system_metrics:
+            logger.monitor = system_metrics_monitor(tracking_uri, run_id, resume=True)
         return logger
 
     def log_params(self, params: dict) -> None:
@@ -293,6 +354,9 @@ class RunLogger:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Flush and close the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        if self.monitor is not None:
+            self.monitor.finish()
+            self.monitor = None
         self.flush(final=True)
         if self.spool is not None and self.spool.waiting:
             self.spool.keep(status=status)

@@ -28,7 +28,7 @@ from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import PRESETS
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
-from workers.config import NONFINITE_POLICIES
+from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS
 
 PRESET_NAMES = tuple(PRESETS)
 
@@ -127,6 +127,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--strategy", "mpipemoe memory strategy", choices=STRATEGY_CHOICES)
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
+    add("--lr-schedule", "learning rate after the warm-up: constant, or a decay to --min-lr at --steps "
+        "(cosine, linear; wsd: stable, then linear over the last 20%%)", choices=LR_SCHEDULES)
+    add("--warmup-steps", "linear warm-up steps from 0 to --lr", type=int)
+    add("--min-lr", "where cosine / linear / wsd end, at the last step", type=float)
+    add("--weight-decay", "AdamW weight decay of matrices (not biases or norms)", type=float)
+    add("--grad-clip", "clip the global gradient norm to this; 0 = off", type=float)
+    add("--aux-loss-weight", "loss = lm loss + this x the MoE load-balance loss", type=float)
+    add("--optimizer-impl", "AdamW kernels: auto = fused on CUDA, foreach on CPU", choices=OPTIMIZER_IMPLS)
+    add("--eval-every", "validation loss every N steps and at the end; 0 = never", type=int)
+    add("--eval-batches", "fixed validation batches (of --batch-size sequences) per worker", type=int)
     add("--checkpoint-every", "steps between checkpoints, also written at the last step; "
         "0 writes none (benchmarks of large models, where each checkpoint is gigabytes)", type=int)
     add("--name", "run name (default: generated; an existing name continues that run)")
@@ -154,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--collective-timeout-s", "a dead or stalled worker ends the job after this many seconds", type=int)
     add("--on-nonfinite-loss", "NaN/Inf loss: halt the job, or skip that step's update",
         choices=NONFINITE_POLICIES)
-    add("--log-every", "progress line every N steps", type=int)
+    add("--log-every", "progress line, and per-expert load metrics to MLflow, every N steps", type=int)
     parser.add_argument("--summary-json", default=None, metavar="PATH",
                         help="also write the summary (with per-step history) as JSON")
     parser.add_argument("--verbose", action="store_true",
@@ -241,8 +251,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"[mpipemoe] {job.name} had already reached step {summary.get('steps', job.steps)} of "
                   f"--steps {job.steps}: nothing to train; to continue it: {resume_command(job, job.steps * 2)}")
             return 0
+        val = f", val loss {summary['final_val_loss']:.3f} (ppl {summary['final_val_ppl']:.2f})" \
+            if "final_val_loss" in summary else ""
         print(f"[mpipemoe] done: {steps_done(summary)}, loss {summary['first_loss']:.3f} -> "
-              f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
+              f"{summary['final_loss']:.3f}{val}, {summary['tokens_per_s']:,.0f} tokens/s, peak "
               f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB"
               + (f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""))
         if summary["checkpoint_path"] is None:

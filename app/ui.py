@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 
-from app.tracking import resolve_tracking_uri
+from app.tracking import TRAINING_VIEW, resolve_tracking_uri
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     process = subprocess.Popen(server_command(uri, args.port, args.host))
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated `mpipemoe ui` stops its server too
-    print(f"MLflow UI for {uri}\n  open http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    print(f"MLflow UI for {uri}\n  open http://{args.host}:{args.port}/{TRAINING_VIEW}  (the model-training view; "
+          f"Ctrl-C stops it)", flush=True)
     try:
         return process.wait()
     except KeyboardInterrupt:

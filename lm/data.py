@@ -49,6 +49,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,9 @@ VOCAB_SIZE = 259
 TOKENIZER = "bytes-v1"
 MANIFEST = "manifest.json"
 TOKEN_FILE = "tokens.bin"
+VAL_TOKEN_FILE = "val.bin"      # the held-out rows, like tokens.bin
+VAL_SHARD = "val.parquet"       # ... and as Parquet rows
+DEFAULT_VAL_FRACTION = 0.01     # `data prepare`: 1 row in 100 held out (80k tokens of the default data)
 READ_CHUNK = 2**20              # bytes of a text file read (and tokenized) at a time
 DEFAULT_MAX_BYTES = 8 * 2**20   # 8 MiB of stdlib sources: ~8M tokens, prepared in ~1 s
 DEFAULT_ROW_LEN = 8192          # tokens per Parquet row
@@ -252,6 +256,13 @@ class Manifest:
     eos_id: int = EOS_ID
     mask_id: int = MASK_ID
     pad_id: int = PAD_ID
+    val_fraction: float = 0.0          # asked for; 0: no validation split (or prepared before it existed)
+    val_rows: int = 0                  # held-out rows of row_len tokens in val_token_file
+    val_token_file: str | None = None  # val.bin (None: no validation split)
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.val_token_file) and self.val_rows > 0
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "Manifest":
@@ -293,6 +304,14 @@ class Manifest:
             if size != expected:
                 raise ValueError(f"data file {path} is {'missing' if size is None else f'{size} bytes'}, its "
                                  f"manifest says {expected} bytes: prepare the data again with "
+                                 f"`{invocation()} data prepare --out {data_dir}`")
+        if self.has_validation:
+            path = Path(data_dir) / self.val_token_file
+            expected = self.val_rows * self.row_len * np.dtype(self.token_dtype).itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                raise ValueError(f"validation file {path} is {'missing' if size is None else f'{size} bytes'}, "
+                                 f"its manifest says {expected} bytes: prepare the data again with "
                                  f"`{invocation()} data prepare --out {data_dir}`")
         windows = self.num_rows // world_size * self.row_len // window
         if windows < batch_size:
@@ -393,11 +412,13 @@ def make_tokenizer(spec: TokenizerSpec, paths: list[Path], max_bytes: int | None
 def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None,
                     max_bytes: int | None = DEFAULT_MAX_BYTES, row_len: int = DEFAULT_ROW_LEN,
                     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, tokenizer: str = "bytes",
-                    progress=None) -> Manifest:
+                    progress=None, val_fraction: float = 0.0) -> Manifest:
     """Tokenize ``sources`` (default: stdlib sources) into ``tokens.bin`` and Parquet shards.
 
     ``tokenizer``: "bytes", "bpe[:VOCAB]" or a tokenizer.json path (see lm/tokenizer.py).
     Documents are joined with EOS; the stream stops after ``max_bytes`` tokens (None: all).
+    ``val_fraction`` in [0, 0.5]: rows 0, k, 2k, ... (k = round(1 / val_fraction)) go to the
+    validation split (``val.bin``, ``val.parquet``) instead; 0: none.
     Streams: holds at most one shard of tokens (plus one read chunk) in memory.
     ``progress``: called with a line of text every few seconds (None: silent).
     Writes the data first and the manifest last, so a directory with a manifest is complete.
@@ -405,6 +426,11 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
+            or not 0 <= val_fraction <= 0.5:
+        raise ValueError(f"--val-fraction {val_fraction!r} is invalid: give a number in [0, 0.5], e.g. "
+                         f"{DEFAULT_VAL_FRACTION} (0: no validation split)")
+    val_every = round(1 / val_fraction) if val_fraction else 0  # row i is held out when i % val_every == 0
     out_dir = Path(out_dir).resolve()
     spec = TokenizerSpec.parse(tokenizer)
     if sources:
@@ -425,34 +451,57 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     # 2. a clean output directory (only files this function writes are removed)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    for stale in out_dir.glob("shard-*.parquet"):
-        stale.unlink()
+    for stale in [*out_dir.glob("shard-*.parquet"), out_dir / VAL_TOKEN_FILE, out_dir / VAL_SHARD]:
+        stale.unlink(missing_ok=True)
 
     # 3. tokenize and write a shard at a time: Parquet rows + the flat memory-mappable array
     shard_tokens = rows_per_shard * row_len
     limit = max_bytes if max_bytes else None
     eos = np.array([tok.eos_id], dtype=dtype)
-    pending, buffered, written, documents, shards, skipped, empty = [], 0, 0, 0, [], [], {}
+    pending, buffered, written, documents, skipped, empty = [], 0, 0, 0, [], {}
+    shards: list[dict[str, Any]] = []
+    val_rows, val_writer = 0, None
     path = out_dir / TOKEN_FILE  # the file being written, for the error message
 
+    def table_of(rows_RL: np.ndarray):
+        offsets = pa.array(np.arange(0, rows_RL.size + 1, row_len, dtype=np.int32))
+        return pa.table({"tokens": pa.ListArray.from_arrays(offsets, pa.array(rows_RL.reshape(-1), type=arrow_type))})
+
     def write(count: int) -> None:
-        nonlocal pending, buffered, written, path
+        """``count`` tokens (whole rows) out: training rows to a shard and tokens.bin,
+        held-out rows to val.bin and val.parquet."""
+        nonlocal pending, buffered, written, path, val_rows, val_writer
         flat = np.concatenate(pending) if len(pending) > 1 else pending[0]
         chunk, rest = flat[:count], flat[count:]
         pending, buffered = ([rest] if rest.size else []), rest.size
-        name = f"shard-{len(shards):05d}.parquet"
-        offsets = pa.array(np.arange(0, count + 1, row_len, dtype=np.int32))
-        column = pa.ListArray.from_arrays(offsets, pa.array(chunk, type=arrow_type))
-        path = out_dir / name
-        pq.write_table(pa.table({"tokens": column}), path)
-        path = out_dir / TOKEN_FILE
-        token_out.write(chunk.astype(dtype).tobytes())
-        token_out.flush()
-        shards.append({"file": name, "rows": count // row_len})
+        rows_RL = chunk.astype(dtype, copy=False).reshape(-1, row_len)
+        first = written // row_len  # index of this chunk's first row in the whole stream
+        held_R = (np.arange(first, first + len(rows_RL)) % val_every == 0) if val_every \
+            else np.zeros(len(rows_RL), dtype=bool)
+        train_RL, val_RL = rows_RL[~held_R], rows_RL[held_R]
         written += count
+        if len(val_RL):
+            path = out_dir / VAL_SHARD
+            if val_writer is None:
+                val_writer = pq.ParquetWriter(path, table_of(val_RL).schema)
+            val_writer.write_table(table_of(val_RL))
+            path = out_dir / VAL_TOKEN_FILE
+            val_out.write(val_RL.tobytes())
+            val_out.flush()
+            val_rows += len(val_RL)
+        if not len(train_RL):
+            return
+        name = f"shard-{len(shards):05d}.parquet"
+        path = out_dir / name
+        pq.write_table(table_of(train_RL), path)
+        path = out_dir / TOKEN_FILE
+        token_out.write(train_RL.tobytes())
+        token_out.flush()
+        shards.append({"file": name, "rows": len(train_RL)})
 
     try:
-        with (out_dir / TOKEN_FILE).open("wb") as token_out:
+        with (out_dir / TOKEN_FILE).open("wb") as token_out, \
+                (out_dir / VAL_TOKEN_FILE).open("wb") as val_out:
             for ids, end in _encoded(_pieces(paths, tok.vocab_size, skipped, empty), tok, meter):
                 pending.append(ids.astype(dtype, copy=False))
                 buffered += ids.size
@@ -475,18 +524,25 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
             left = buffered if limit is None else min(buffered, limit - written)
             if left >= row_len:
                 write(left // row_len * row_len)
-        num_rows = written // row_len
+            if val_writer is not None:
+                val_writer.close()
+        num_rows = sum(int(shard["rows"]) for shard in shards)
         if num_rows == 0:
-            raise ValueError(f"{source_desc} gives {total} tokens, fewer than one row of "
-                             f"{row_len}; add text or lower --row-len")
+            raise ValueError(f"{source_desc} gives {total} tokens, "
+                             + (f"fewer than one row of {row_len}; add text or lower --row-len" if not val_rows else
+                                f"{val_rows} row(s) of {row_len}, all held out for validation: add text, or "
+                                f"lower --row-len or --val-fraction"))
+        if not val_rows:
+            (out_dir / VAL_TOKEN_FILE).unlink(missing_ok=True)
         path = out_dir / TOKENIZER_FILE
         tokenizer_file = tok.save(out_dir)
         meter.update("done", 0, written, force=True)
         manifest = Manifest(tokenizer=tok.name, vocab_size=tok.vocab_size, row_len=row_len,
-                            num_rows=num_rows, num_tokens=written, shards=shards, source=source_desc,
+                            num_rows=num_rows, num_tokens=num_rows * row_len, shards=shards, source=source_desc,
                             token_file=TOKEN_FILE, token_dtype=np.dtype(dtype).name,
                             tokenizer_file=tokenizer_file, eos_id=tok.eos_id, mask_id=tok.mask_id,
-                            pad_id=tok.pad_id)
+                            pad_id=tok.pad_id, val_fraction=float(val_fraction), val_rows=val_rows,
+                            val_token_file=VAL_TOKEN_FILE if val_rows else None)
         payload = dict(dataclasses.asdict(manifest), num_files=len(paths) - len(skipped),
                        skipped_binary_files=len(skipped), skipped_examples=[str(p) for p in skipped[:5]],
                        skipped_empty_texts=sum(empty.values()), skipped_empty_by_file=dict(list(empty.items())[:20]))
@@ -494,7 +550,7 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
         path.write_text(json.dumps(payload, indent=1) + "\n")
     except BaseException as error:  # a full disk, a quota, no text: keep nothing half-written
         for name in [s["file"] for s in shards] + [f"shard-{len(shards):05d}.parquet", TOKEN_FILE,
-                                                    TOKENIZER_FILE, MANIFEST]:
+                                                    TOKENIZER_FILE, MANIFEST, VAL_TOKEN_FILE, VAL_SHARD]:
             (out_dir / name).unlink(missing_ok=True)
         if isinstance(error, OSError):
             raise os_error(error, f"cannot write {path}", "free space there or choose another --out; "
@@ -525,7 +581,7 @@ def ensure_default_data(data_dir: str | Path | None = None, echo=print) -> Path:
         echo(f"[mpipemoe] no training data at {data_dir}: preparing it from this Python's "
              f"standard library sources (runs once)...")
         start = time.perf_counter()
-        manifest = prepare_dataset(data_dir)
+        manifest = prepare_dataset(data_dir, val_fraction=DEFAULT_VAL_FRACTION)
         echo(f"[mpipemoe] prepared {manifest.num_tokens:,} tokens in {len(manifest.shards)} "
              f"Parquet shard(s) in {time.perf_counter() - start:.1f} s")
     return data_dir
@@ -640,3 +696,50 @@ class BatchSampler:
             rows.append(int(self._order[offset]))
         w = self.window
         return np.stack([self.tokens[r * w:(r + 1) * w] for r in rows]).astype(np.int64)
+
+
+VAL_ORDER_SEED = 0  # the validation windows' order: fixed, so every run (any --seed) sees the same set
+
+
+def open_val_stream(data_dir: str | Path) -> RankStream | None:
+    """The held-out rows of ``data_dir`` as one memory-mapped stream (every rank reads the
+    same one), or None when it has no validation split (prepared with ``val_fraction`` 0,
+    or before the split existed)."""
+    manifest = Manifest.load(data_dir)
+    if not manifest.has_validation:
+        return None
+    mapped = np.memmap(Path(data_dir) / str(manifest.val_token_file), dtype=np.dtype(manifest.token_dtype), mode="r",
+                       shape=(manifest.val_rows, manifest.row_len))
+    return RankStream(mapped)
+
+
+class ValidationBatches:
+    """One rank's fixed validation batches: the same windows at every evaluation.
+
+    The held-out stream is cut into windows of ``window`` tokens, put in one fixed order
+    (``VAL_ORDER_SEED``, not the run's seed); the first ``world_size * per_rank`` of them
+    are the validation set, with ``per_rank = min(batches * batch_size, windows // world_size)``,
+    and rank r takes windows r, r+W, ... of it, in batches of up to ``batch_size``. So every
+    rank has the same number of batches (the MoE layers' All-to-Alls need every rank in each
+    forward), and the set depends only on the data, ``window``, ``batches * batch_size`` and W.
+    """
+
+    def __init__(self, stream, batch_size: int, window: int, batches: int, rank: int, world_size: int):
+        self.stream, self.window = stream, window
+        windows = len(stream) // window
+        per_rank = min(batches * batch_size, windows // world_size)
+        if per_rank < 1:
+            raise ValueError(f"the validation split holds {windows} windows of {window} tokens, fewer than "
+                             f"the {world_size} workers: prepare the data with a larger --val-fraction")
+        chosen = np.random.default_rng(VAL_ORDER_SEED).permutation(windows)[: per_rank * world_size]
+        mine = chosen[rank::world_size]
+        self.batches = [mine[start:start + batch_size] for start in range(0, per_rank, batch_size)]
+        self.sequences = per_rank
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def batch(self, index: int) -> np.ndarray:
+        """Validation batch ``index`` as an int64 array (sequences, window)."""
+        w = self.window
+        return np.stack([self.stream[int(r) * w:(int(r) + 1) * w] for r in self.batches[index]]).astype(np.int64)

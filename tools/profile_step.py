@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lm.data import prepare_dataset
 from lm.model import get_preset, model_flops_per_token
-from workers.config import WorkerConfig
+from workers.config import OPTIMIZER_IMPLS, WorkerConfig
 from workers.loop import Trainer, peak_flops
 
 # Kernel kinds by name fragment, first match wins (names of cuBLAS/cuDNN/Triton/ATen kernels).
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--engine", default="mpipemoe")
+    parser.add_argument("--optimizer-impl", default="auto", choices=OPTIMIZER_IMPLS,
+                        help="AdamW kernels (auto: fused on CUDA)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -48,7 +50,8 @@ def main() -> None:
     config = WorkerConfig(preset=preset, engine=args.engine, partitions=1, strategy="none",
                           seed=0, lr=3e-4, weight_decay=0.1, warmup_steps=5, grad_clip=1.0,
                           aux_loss_weight=0.01, steps=100, batch_size=args.batch_size, seq_len=preset.seq_len,
-                          data_dir=f"{work}/data", dtype="bfloat16", shard_dense=False, grad_accum=1)
+                          data_dir=f"{work}/data", dtype="bfloat16", shard_dense=False, grad_accum=1,
+                          optimizer_impl=args.optimizer_impl)
     dist.init_process_group("nccl", init_method=f"file://{work}/init", rank=0, world_size=1, device_id=device)
     trainer = Trainer(config, 0, 1, device)
     for step in range(1, 4):
@@ -70,7 +73,8 @@ def main() -> None:
     tokens = args.batch_size * preset.seq_len
     flops = tokens * model_flops_per_token(preset)
     result = {"preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
-              "engine": args.engine, "device": torch.cuda.get_device_name(device), "step_s": wall,
+              "engine": args.engine, "optimizer_impl": args.optimizer_impl,
+              "device": torch.cuda.get_device_name(device), "step_s": wall,
               "kernel_s": sum(kinds.values()), "kernel_s_by_kind": kinds, "mfu": flops / wall / peak_flops(device, "bfloat16"),
               # the bound the GEMMs alone set: model FLOPs over the GEMM kernels' time
               "mfu_if_only_gemms": flops / kinds["gemm"] / peak_flops(device, "bfloat16") if kinds.get("gemm") else None,

@@ -28,6 +28,10 @@ STUDIES = ("smoke", "granularity", "strategy", "engines")
 # Every study ranks trials by training throughput (reported by app.jobs.run_job).
 METRIC = "tokens_per_s"
 MODE = "max"
+# A study of model quality ranks them by the validation loss at the trial's last step
+# (run_job's summary, when the data has a validation split: docs/training.md).
+VAL_METRIC = "final_val_loss"
+VAL_MODE = "min"
 
 
 def load(name: str) -> ModuleType:

@@ -83,7 +83,7 @@ class BatchTrials:
                                       world_size=world_size, device=device,
                                       compute_dtype=getattr(torch, config.dtype),
                                       timeout_s=config.collective_timeout_s)
-        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
+        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.trials: list[dict[str, Any]] = []
 

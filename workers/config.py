@@ -8,14 +8,17 @@ workers like any value. Tests build one directly, with the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from lm.data import MASK_ID
 from lm.model import ModelPreset
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 
 NONFINITE_POLICIES = ("halt", "skip")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields only some runs set; logged to MLflow only when set (app/jobs.py ``_run_params``).
 RUN_SPECIFIC = ("resume_from", "fault", "memory_cap_bytes", "start_batch", "max_batch", "steps_per_trial")
@@ -30,6 +33,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_optimisation(settings: Any, fail: Callable[[str, object, str], NoReturn]) -> None:
+    """The optimisation settings of ``settings`` (a WorkerConfig or an app.jobs.TrainJob):
+    ``fail(field, value, fix)`` raises for the first bad one."""
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "aux_loss_weight"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < 0 or (name == "lr" and value == 0):
+            fail(name, value, "give a finite number > 0, e.g. 1e-3" if name == "lr" else
+                 "give a finite number >= 0" + (" (0 turns clipping off)" if name == "grad_clip" else ""))
+    if settings.lr_schedule not in LR_SCHEDULES:
+        fail("lr_schedule", settings.lr_schedule, f"choose one of {', '.join(LR_SCHEDULES)}")
+    if settings.min_lr > settings.lr:
+        fail("min_lr", settings.min_lr, f"give at most the peak --lr {settings.lr:g} (the schedule decays to it)")
+    if settings.lr_schedule != "constant" and settings.warmup_steps >= settings.steps:
+        fail("warmup_steps", settings.warmup_steps, f"a {settings.lr_schedule} schedule decays after the warm-up: "
+             f"give fewer than --steps {settings.steps} warm-up steps, or --lr-schedule constant")
+    if settings.optimizer_impl not in OPTIMIZER_IMPLS:
+        fail("optimizer_impl", settings.optimizer_impl, f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Settings of one training (or capacity-search) worker.
@@ -37,6 +60,12 @@ class WorkerConfig:
     preset:              the model (a ``ModelPreset``; its dict, as checkpoints store it, is accepted).
     engine, partitions, strategy: the MoE engine and its pipeline settings (lm.model).
     seed, lr, weight_decay, warmup_steps, grad_clip, aux_loss_weight: the optimisation.
+    lr_schedule, min_lr: the learning rate after warm-up (workers/loop.py ``learning_rate``).
+    optimizer_impl:      AdamW's kernels: "auto" (fused on CUDA, foreach elsewhere), "fused",
+                         "foreach" or "for-loop" (workers/loop.py ``build_optimizer``).
+    eval_every, eval_batches: validation loss every N steps and at the end (0: never), over
+                         this many fixed batches per worker (lm.data ``ValidationBatches``).
+    log_every:           steps between the per-expert load metrics (and the driver's lines).
     steps, batch_size, seq_len, grad_accum: the run's length and each worker's batch.
     checkpoint_every:    steps between checkpoints (0: none); async_checkpoint writes them
                          while the next step trains.
@@ -87,6 +116,12 @@ class WorkerConfig:
     start_batch: int | None = None
     max_batch: int | None = None
     steps_per_trial: int | None = None
+    lr_schedule: str = "constant"
+    min_lr: float = 0.0
+    optimizer_impl: str = "auto"
+    eval_every: int = 0
+    eval_batches: int = 4
+    log_every: int = 10
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it
@@ -104,10 +139,10 @@ class WorkerConfig:
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')
         if not isinstance(self.data_dir, str) or not self.data_dir:
             _fail("data_dir", self.data_dir, "give the prepared dataset's directory (mpipemoe data)")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "torch_threads"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "torch_threads", "eval_batches", "log_every"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 _fail(name, getattr(self, name), "give an integer >= 1")
-        for name in ("seed", "warmup_steps", "checkpoint_every", "mask_id"):
+        for name in ("seed", "warmup_steps", "checkpoint_every", "mask_id", "eval_every"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
                 _fail(name, getattr(self, name), "give an integer >= 0")
         for name in ("dtype", "param_dtype"):
@@ -115,6 +150,7 @@ class WorkerConfig:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(DTYPES)}")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose one of {', '.join(NONFINITE_POLICIES)}")
+        check_optimisation(self, _fail)
         for name in ("start_batch", "max_batch", "steps_per_trial"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):

@@ -182,6 +182,14 @@ def reduce_sum(values: list[float], device: torch.device, world_size: int) -> li
     return tensor.tolist()
 
 
+def all_reduce_sum_(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Collective: ``tensor`` summed over ranks, in place (on its own device: NCCL rejects
+    CPU tensors); nothing with one rank."""
+    if world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def reduce_max(values: list[float], device: torch.device, world_size: int) -> list[float]:
     """Collective: element-wise max over ranks (float64)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)

@@ -16,10 +16,14 @@ the forward under autocast at ``config.dtype``. One step (numbers match the code
   4. backward of loss / K (the MoE layers run their own All-to-Alls; DDP/FSDP2 reduce the
      dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
   5. expert grads / W
-  6. collective: exact global grad norm (dense + every expert shard), clip; AdamW step
+  6. collective: exact global grad norm (dense + every expert shard), clip; AdamW step; the
+     learning-rate scheduler (``build_scheduler``) steps
   7. collective: max step time and peak memory over ranks, and whether the driver asked to
      stop (Ctrl-C; rank 0 polls the stop flag, the max carries its answer to every rank)
-  8. rank 0 puts the step's metrics on the driver's queue (live progress, MLflow); every
+  8. every ``log_every`` steps and at the end: collective, the per-expert load since the last
+     time (workers/load.py); every ``eval_every`` steps and at the end, with a validation
+     split: collective, the validation loss (``Trainer.evaluate``);
+     rank 0 puts the step's metrics on the driver's queue (live progress, MLflow); every
      ``checkpoint_every`` steps, at the end and when stopping, every rank writes its shard
      of a sharded checkpoint (``workers.checkpoint``) and ``ray.train.report``s it; after a
      stop, all ranks return.
@@ -49,19 +53,24 @@ import resource
 import tempfile
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from lm.data import BatchSampler, open_rank_stream
-from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
+import torch.nn.functional as F
+
+from lm.data import BatchSampler, ValidationBatches, open_rank_stream, open_val_stream
+from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss,
+                      model_flops_per_token)
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
 from workers.config import WorkerConfig
 from workers.control import StopPoller
 from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
+from workers.load import ExpertLoad
 
 
 class StepError(RuntimeError):
@@ -95,12 +104,43 @@ def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size
     return bool(fault["kind"] == kind and fault["step"] == step and rank == fault.get("rank", world_size - 1))
 
 
-def learning_rate(step: int, lr: float, warmup_steps: int) -> float:
-    """Linear warm-up over ``warmup_steps``, then constant (independent of the run length,
-    so a run resumed with a larger ``steps`` follows the same schedule)."""
+WSD_DECAY_FRACTION = 0.2  # "wsd": the decay takes the last 20% of the steps after warm-up
+
+
+def learning_rate(step: int, lr: float, warmup_steps: int, schedule: str = "constant", steps: int = 1,
+                  min_lr: float = 0.0) -> float:
+    """The learning rate of step ``step`` (1-based): linear warm-up to ``lr`` over
+    ``warmup_steps``, then by ``schedule``:
+
+    - "constant": ``lr`` (independent of the run length, so a run resumed with a larger
+      ``steps`` follows the same schedule);
+    - "cosine":   half a cosine from ``lr`` down to ``min_lr`` at step ``steps``;
+    - "linear":   a straight line from ``lr`` down to ``min_lr`` at step ``steps``;
+    - "wsd":      warm-up, stable at ``lr``, then a linear decay to ``min_lr`` over the last
+      WSD_DECAY_FRACTION of the steps after warm-up.
+    The decaying ones end at ``steps``: resuming with a larger ``steps`` stretches the rest."""
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
-    return lr
+    if schedule == "constant":
+        return lr
+    if schedule == "wsd":
+        decay = max(1, round(WSD_DECAY_FRACTION * (steps - warmup_steps)))
+        progress = (step - (steps - decay)) / decay
+    else:
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    progress = min(1.0, max(0.0, progress))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_lr + (lr - min_lr) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: WorkerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """``torch.optim.lr_scheduler.LambdaLR`` following ``learning_rate``: its epoch e (0 at
+    construction, +1 per ``step()``) sets the rate of training step e + 1, for every group."""
+    def factor(epoch: int) -> float:
+        return learning_rate(epoch + 1, config.lr, config.warmup_steps, config.lr_schedule, config.steps,
+                             config.min_lr) / config.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -136,17 +176,29 @@ def model_flops_metrics(tokens_per_s: float, preset: ModelPreset, device: torch.
     return {"model_tflops_per_s": flops_per_s / 1e12, **({"mfu": flops_per_s / peak} if peak else {})}
 
 
-def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def optimizer_kernels(impl: str, device: torch.device) -> dict[str, Any]:
+    """AdamW's implementation keywords for ``impl`` (WorkerConfig.optimizer_impl): "auto" is
+    the fused kernel on CUDA (one launch per group, the whole update in one pass over the
+    state) and foreach elsewhere (a few multi-tensor kernels; CPU AdamW's default is the
+    per-parameter loop)."""
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True},
+            "for-loop": {"foreach": False, "fused": False}}[impl]
+
+
+def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float, impl: str = "auto") -> torch.optim.AdamW:
     """AdamW over the float32 master parameters; weight decay on matrices (incl. expert
     weights), not on biases/norms. Dense and expert parameters sit in separate groups (under
-    FSDP2 the dense ones are DTensors, which foreach kernels do not mix with plain tensors)."""
+    FSDP2 the dense ones are DTensors, which foreach kernels do not mix with plain tensors).
+    ``impl``: see ``optimizer_kernels``."""
     groups = []
     for params in (parallel.dense, parallel.expert):
         for decay, wanted in ((weight_decay, True), (0.0, False)):
             chosen = [p for p in params if (p.dim() >= 2) == wanted]
             if chosen:
                 groups.append({"params": chosen, "weight_decay": decay})
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **optimizer_kernels(impl, parallel.device))
 
 
 class Trainer:
@@ -176,14 +228,66 @@ class Trainer:
                                       compute_dtype=getattr(torch, config.dtype),
                                       timeout_s=config.collective_timeout_s)
         self.model = model
-        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay)
+        self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
+        self.scheduler = build_scheduler(self.optimizer, config)
         assert config.seq_len is not None  # WorkerConfig sets it from the preset
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
         self.sampler = BatchSampler(open_rank_stream(config.data_dir, rank, world_size),
                                     config.batch_size, window, config.seed, rank)
+        # the fixed validation batches; None without a split, or one too small for every rank (the
+        # driver says so: app/jobs.py ensure_data)
+        val_stream = open_val_stream(config.data_dir) if config.eval_every else None
+        self.validation = None if val_stream is None or len(val_stream) // window < world_size else \
+            ValidationBatches(val_stream, config.batch_size, window, config.eval_batches, rank, world_size)
+        self.load = ExpertLoad(model.moe_layers(), device)
         self.nonfinite_in_a_row = 0
+
+    def schedule_state(self) -> dict[str, Any]:
+        """The learning-rate scheduler's state, as a checkpoint's meta.json keeps it."""
+        return self.scheduler.state_dict()
+
+    def restore_schedule(self, meta: dict[str, Any]) -> None:
+        """Local. Continue the schedule after the checkpoint ``meta`` (its scheduler state, or
+        its step for checkpoints written before the state was saved). The rates themselves
+        follow this run's settings (``--lr``, ``--lr-schedule``, ... may change on resume)."""
+        state = meta.get("lr_scheduler") or {"last_epoch": meta["step"], "_step_count": meta["step"] + 1}
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state,
+                                        "base_lrs": self.scheduler.base_lrs})
+        rates = [base * factor(self.scheduler.last_epoch)
+                 for base, factor in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        self.scheduler._last_lr = rates
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Collective: the validation loss, the exact mean over the tokens of every rank's
+        fixed validation batches (summed on the device, one all-reduce at the end), and its
+        perplexity. The model runs in eval mode without gradients (the MoE layers then keep
+        nothing for backward) and is back in training mode afterwards."""
+        config, validation = self.config, self.validation
+        assert validation is not None  # evaluate runs only with a validation split
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        targets = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.model.eval()
+        try:
+            for index in range(len(validation)):
+                window_BS = torch.from_numpy(validation.batch(index)).to(self.device)
+                generator = torch.Generator().manual_seed(7_919 * self.rank + index)  # BERT masks: fixed
+                inputs_BS, targets_BS = lm_batch(self.preset.kind, window_BS, config.mask_id,
+                                                 self.preset.vocab_size, generator)
+                with self.parallel.autocast():
+                    logits_BSV, _ = self.model(inputs_BS)
+                loss_sum += F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(),
+                                            ignore_index=IGNORE_INDEX, reduction="sum").double()
+                targets += (targets_BS != IGNORE_INDEX).sum()
+        finally:
+            self.model.train()
+        total, count = reduce_sum(torch.stack([loss_sum, targets.double()]).tolist(), self.device, self.world_size)
+        loss = total / count
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
     def epoch_of(self, step: int) -> int:
         return self.sampler.epoch_of((step - 1) * self.grad_accum)
@@ -238,16 +342,17 @@ class Trainer:
         if skip:
             check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
                                  self.nonfinite_in_a_row, config)
-        grad_norm, lr = math.nan, learning_rate(step, config.lr, config.warmup_steps)
+        grad_norm, lr = math.nan, self.optimizer.param_groups[0]["lr"]  # the scheduler's rate for this step
         if not skip:
             # 5. expert grads / W (dense ones were averaged by DDP/FSDP2)
             self.parallel.finish_gradients()
-            # 6. global clip, update
+            # 6. global clip, update; the schedule advances on skipped steps too (rate = f(step))
             grad_norm = self.parallel.clip_grad_norm(config.grad_clip)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip)}
 
 
@@ -277,9 +382,11 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         with checkpoint.as_directory() as directory:
             meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
         start_step = meta["step"]
+        trainer.restore_schedule(meta)
     elif resume_from:
         meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
         start_step = meta["step"]
+        trainer.restore_schedule(meta)
 
     tokens_per_step = world_size * config.batch_size * trainer.grad_accum * config.seq_len
     # --async-checkpoint: a checkpoint's shards are written while the next step trains,
@@ -325,6 +432,13 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             "attempt": attempt,
             **trainer.model.engine_choices(),
         }
+        # 8a. collective, at log steps only: per-expert load since the last one (workers/load.py)
+        last = step == config.steps or stopping
+        if step % config.log_every == 0 or last:
+            metrics.update(trainer.load.read(world_size))
+        # 8b. collective, every eval_every steps and at the end: validation loss
+        if trainer.validation is not None and (step % config.eval_every == 0 or last):
+            metrics.update(trainer.evaluate())
         if queue is not None:
             queue.put(metrics)
         saver.finish()  # the previous step's async checkpoint, if any
@@ -348,14 +462,15 @@ class CheckpointSaver:
         self.asynchronous = config.async_checkpoint
         self.group = new_group(config.collective_timeout_s, backend="gloo") \
             if self.asynchronous and world_size > 1 else None
-        # (future, temporary directory, step, metrics) of the checkpoint being written
-        self.pending: tuple[Future[Any], tempfile.TemporaryDirectory[str], int, dict[str, Any]] | None = None
+        # (future, temporary directory, step, metrics, meta) of the checkpoint being written
+        self.pending: tuple[Future[Any], tempfile.TemporaryDirectory[str], int, dict[str, Any], dict[str, Any]] | None = None
 
     def _meta(self, step: int) -> dict[str, Any]:
+        """Taken when the save starts (the learning-rate scheduler moves on with the next step)."""
         config = self.config
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
-                "shard_dense": config.shard_dense}
+                "shard_dense": config.shard_dense, "lr_scheduler": self.trainer.schedule_state()}
 
     def start(self, step: int, metrics: dict[str, Any]) -> None:
         with ckpt.write_errors_explained(step):  # a full disk: one line naming the file and the fix
@@ -363,7 +478,7 @@ class CheckpointSaver:
             parallel, optimizer = self.trainer.parallel, self.trainer.optimizer
             if self.asynchronous:
                 future = ckpt.save_async(directory.name, self.rank, self.world_size, parallel, optimizer, self.group)
-                self.pending = (future, directory, step, metrics)
+                self.pending = (future, directory, step, metrics, self._meta(step))
                 return
             with directory:
                 ckpt.save(directory.name, self.rank, self.world_size, parallel, optimizer, self._meta(step))
@@ -372,11 +487,11 @@ class CheckpointSaver:
     def finish(self) -> None:
         if self.pending is None:
             return
-        future, directory, step, metrics = self.pending
+        future, directory, step, metrics, meta = self.pending
         self.pending = None
         with ckpt.write_errors_explained(step), directory:
             future.result()
-            ckpt.write_meta(directory.name, self.rank, self.world_size, self._meta(step))
+            ckpt.write_meta(directory.name, self.rank, self.world_size, meta)
             self._report(directory.name, step, metrics)
 
     @staticmethod

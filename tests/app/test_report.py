@@ -52,12 +52,15 @@ def store(tmp_path, monkeypatch):
     RunLogger.start(uri, "bench-synthetic", tags={"kind": "study"}).finish()
     # one training run as app.jobs.run_job logs it: tokens = batch_size * resolved seq_len,
     # summary_* (median tokens/s, max peak) win over the last step's values
-    run = RunLogger.start(uri, "smoke", tags={"mpipemoe.kind": "train", "strategy": "S2"})
+    run = RunLogger.start(uri, "smoke", run_name="smoke-run", tags={"mpipemoe.kind": "train", "strategy": "S2"})
     run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "num_workers": 2,
                     "partitions": 2, "strategy": "auto",
                     "resolved": {"seq_len": 64, "use_gpu": False, "dtype": "float32"}})
     run.log_metrics({"tokens_per_s": 1000.0, "summary_tokens_per_s": 2000.0, "peak_memory_bytes": 100 * MIB,
                      "summary_peak_memory_bytes": 120 * MIB})
+    for step, (val, imbalance) in ((2, (3.5, 1.8)), (4, (3.0, 1.4))):  # section 8: every 2 steps
+        run.log_metrics({"val_loss": val, "moe_load/imbalance_max": imbalance, "moe_load/l0/imbalance": imbalance,
+                         "moe_load/l0/dropped_fraction": 0.2 / step}, step=step)
     run.finish()
     return uri
 
@@ -110,7 +113,8 @@ def test_report_files(store, tmp_path, capsys):
     assert report.run(args) == 0
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
-    pngs = ["speedup_memory.png", "strategies.png", "best_n.png", "memory_prediction.png"]
+    pngs = ["speedup_memory.png", "strategies.png", "best_n.png", "memory_prediction.png", "val_loss.png",
+            "imbalance.png"]
     for name in pngs:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
@@ -120,6 +124,8 @@ def test_report_files(store, tmp_path, capsys):
     assert "2.50x" in text and "0.60" in text
     # predicted against measured: 580 vs 600 (-3.3%) and 760 vs 800 three times (-5.0%)
     assert "largest error 5.0%, 4 within 10%" in text
+    # section 8: the training run's validation loss and load, first and last logged
+    assert "| smoke-run | tiny-gpt | mpipemoe | 3.500 (step 2) | 3.000 (20.1) at step 4 | 1.40 | 5.0% |" in text
 
 
 def test_empty_store_says_no_data(tmp_path, monkeypatch):

@@ -71,6 +71,18 @@ def test_unknown_study_names_the_choices():
         tune_spaces.load("nope")
 
 
+def test_results_table_shows_the_validation_loss_where_trials_have_one():
+    from types import SimpleNamespace
+
+    from app.sweep import format_results
+
+    results = [SimpleNamespace(config={"lr": lr}, metrics=metrics, error=None) for lr, metrics in (
+        (1e-3, {"tokens_per_s": 10.0, "final_loss": 3.0, "final_val_loss": 2.5}),
+        (3e-3, {"tokens_per_s": 20.0, "final_loss": 2.0}))]  # data without a validation split
+    rows = [line.split() for line in format_results(results).splitlines()[1:]]
+    assert [row[2] for row in rows] == ["2.5000", "2.0000"]
+
+
 # ---------------------------------------------------------------- tier 3: local Ray
 
 @pytest.fixture

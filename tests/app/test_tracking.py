@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import time
+
+import pytest
 
 from app.tracking import RunLogger, client, find_run, flatten, metric_history, resolve_tracking_uri
 
@@ -42,6 +45,55 @@ def test_run_logger_params_metrics_nesting_and_resume(tmp_path, monkeypatch):
     assert client(uri).get_run(run.run_id).info.status == "RUNNING"
     again.finish("FAILED")
     assert client(uri).get_run(run.run_id).info.status == "FAILED"
+
+
+def test_runs_carry_the_git_commit_and_dirty_flag_of_a_checkout_and_nothing_elsewhere(tmp_path):
+    import subprocess
+
+    from app.tracking import CHECKOUT, git_tags
+
+    assert git_tags(tmp_path) == {}  # not a checkout
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "sub").mkdir()
+    assert git_tags(tmp_path / "sub") == {}  # inside one, but not its top (an installed copy)
+    assert git_tags(tmp_path) == {}  # a checkout without a commit
+    (tmp_path / "f.txt").write_text("a")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert git_tags(tmp_path) == {"mlflow.source.git.commit": head, "git_commit": head, "git_dirty": "false"}
+    (tmp_path / "f.txt").write_text("b")
+    assert git_tags(tmp_path)["git_dirty"] == "true"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = RunLogger.start(uri, "exp", run_name="tagged")
+    assert {k: v for k, v in client(uri).get_run(run.run_id).data.tags.items() if "git" in k} == git_tags(CHECKOUT)
+
+
+def test_system_metrics_are_logged_where_psutil_is_and_off_cleanly_where_not(tmp_path, monkeypatch):
+    import importlib.util
+
+    from app import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else real(name, *a))
+    run = RunLogger.start(uri, "exp", run_name="bare", system_metrics=True)
+    assert run.monitor is None
+    run.finish()
+    monkeypatch.undo()
+    if real("psutil") is None:
+        pytest.skip("psutil is not installed: system metrics are off (the case above)")
+    monkeypatch.setattr(tracking, "SYSTEM_METRICS_INTERVAL_S", 0.2)
+    run = RunLogger.start(uri, "exp", run_name="monitored", system_metrics=True)
+    assert run.monitor is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(run.monitor.mlflow_logger.data) + \
+            len(client(uri).get_run(run.run_id).data.metrics) == 0:
+        time.sleep(0.2)
+    run.finish()
+    metrics = client(uri).get_run(run.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics and run.monitor is None
 
 
 def test_ui_serves_the_store_on_localhost_only():

@@ -87,3 +87,43 @@ def test_batch_sampler_is_addressable_and_reshuffles_per_epoch(stdlib_data):
     assert not np.array_equal(unique.batch(0), unique.batch(10))       # epoch 1 reshuffles
     with pytest.raises(ValueError, match="fewer than batch_size=8"):
         BatchSampler(tokens[:500], batch_size=8, window=65, seed=0)
+
+
+def test_validation_split_holds_out_every_kth_row(stdlib_data, tmp_path):
+    """--val-fraction 0.1 on the same 300 rows: rows 0, 10, ..., 290 go to val.bin/val.parquet,
+    the other 270 train; together they are the stream without a split, row for row."""
+    from lm.data import VAL_SHARD, open_val_stream
+
+    manifest = prepare_dataset(tmp_path / "split", max_bytes=300_000, row_len=1000, rows_per_shard=64,
+                               val_fraction=0.1)
+    assert (manifest.num_rows, manifest.val_rows, manifest.num_tokens) == (270, 30, 270_000)
+    assert manifest.has_validation and sum(s["rows"] for s in manifest.shards) == 270
+    whole_RL = load_rank_tokens(stdlib_data, 0, 1).reshape(-1, 1000)
+    held = np.arange(300) % 10 == 0
+    assert np.array_equal(load_rank_tokens(tmp_path / "split", 0, 1).reshape(-1, 1000), whole_RL[~held])
+    val_RL = open_val_stream(tmp_path / "split").rows_RL
+    assert np.array_equal(val_RL, whole_RL[held])
+    parquet_RL = np.stack(pq.read_table(tmp_path / "split" / VAL_SHARD).column("tokens").to_pylist())
+    assert np.array_equal(parquet_RL, val_RL)
+    # no split: data prepared with --val-fraction 0, or before the split existed (no such fields)
+    assert open_val_stream(stdlib_data) is None and not Manifest.load(stdlib_data).has_validation
+    with pytest.raises(ValueError, match=r"--val-fraction 0.9 is invalid: give a number in \[0, 0.5\]"):
+        prepare_dataset(tmp_path / "bad", max_bytes=10_000, row_len=1000, val_fraction=0.9)
+    with pytest.raises(ValueError, match="all held out for validation"):
+        prepare_dataset(tmp_path / "one", max_bytes=1000, row_len=1000, val_fraction=0.5)
+
+
+def test_validation_batches_are_fixed_disjoint_and_the_same_for_every_seed(tmp_path):
+    from lm.data import ValidationBatches
+
+    stream = np.arange(65 * 100)  # 100 distinct windows of 65 tokens
+    ranks = [ValidationBatches(stream, batch_size=4, window=65, batches=3, rank=r, world_size=2) for r in (0, 1)]
+    assert [len(v) for v in ranks] == [3, 3] and ranks[0].batch(2).shape == (4, 65)
+    first = {int(w[0]) // 65 for v in ranks for i in range(3) for w in v.batch(i)}
+    assert len(first) == 24  # 2 ranks x 3 batches x 4 windows, none twice
+    again = ValidationBatches(stream, batch_size=4, window=65, batches=3, rank=0, world_size=2)
+    assert all(np.array_equal(again.batch(i), ranks[0].batch(i)) for i in range(3))
+    few = ValidationBatches(stream[:65 * 9], batch_size=4, window=65, batches=3, rank=1, world_size=2)
+    assert few.sequences == 4 and [len(b) for b in few.batches] == [4]  # 9 windows: 4 per rank
+    with pytest.raises(ValueError, match="fewer than the 2 workers"):
+        ValidationBatches(stream[:65], batch_size=4, window=65, batches=1, rank=0, world_size=2)

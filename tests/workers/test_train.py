@@ -199,6 +199,6 @@ def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
     pump = _MetricsPump(None, NullRun(), TrainJob(steps=4, log_every=1), lines.append, None)
     for step, loss in ((1, 4.0), (2, 3.0), (3, 2.9), (2, 3.0), (3, 2.5), (4, 2.0)):
         pump._handle({"step": step, "loss": loss, "lm_loss": loss, "aux_loss": 1.0, "tokens_per_s": 1.0,
-                      "step_time_s": 1.0, "peak_memory_bytes": 1})
+                      "step_time_s": 1.0, "peak_memory_bytes": 1, "lr": 1e-3, "grad_norm": 1.0})
     assert [(m["step"], m["loss"]) for m in pump.history] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0)]
     assert any("restarted" in line for line in lines)

@@ -1,0 +1,149 @@
+"""The optimisation settings of a run (tier 1: one process, no process group, no Ray):
+learning-rate schedules, their state across a checkpoint, AdamW's kernels, the validation
+loss and the per-expert load metrics of the worker's ``Trainer``."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lm.data import prepare_dataset
+from lm.model import get_preset
+from workers.config import WorkerConfig
+from workers.loop import Trainer, learning_rate, optimizer_kernels
+
+N, K = 6, 3
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def test_schedules_warm_up_then_decay_to_min_lr_at_the_last_step():
+    def rates(schedule):
+        return [learning_rate(s, 1.0, 2, schedule, steps=12, min_lr=0.1) for s in range(1, 13)]
+
+    for schedule in ("constant", "cosine", "linear", "wsd"):
+        assert rates(schedule)[:2] == [0.5, 1.0]  # warm-up
+    assert rates("constant")[2:] == [1.0] * 10
+    cosine, linear, wsd = rates("cosine"), rates("linear"), rates("wsd")
+    assert cosine[-1] == pytest.approx(0.1) and linear[-1] == pytest.approx(0.1) and wsd[-1] == pytest.approx(0.1)
+    assert cosine[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # step 7: half-way
+    assert linear[6] == pytest.approx(0.55)
+    assert wsd[:10] == [0.5] + [1.0] * 9 and wsd[10] == pytest.approx(0.55)  # decay: the last 2 of 10 steps
+    assert all(a >= b for a, b in zip(cosine[1:], cosine[2:]))
+
+
+@pytest.mark.parametrize("change, field, fix", [
+    ({"lr_schedule": "step"}, "lr_schedule", "choose one of constant, cosine, linear, wsd"),
+    ({"min_lr": 1.0}, "min_lr", "give at most the peak --lr"),
+    ({"lr_schedule": "cosine", "warmup_steps": 6}, "warmup_steps", "a cosine schedule decays after the warm-up: give fewer than --steps 6"),
+    ({"grad_clip": -1.0}, "grad_clip", r"give a finite number >= 0 \(0 turns clipping off\)"),
+    ({"weight_decay": math.nan}, "weight_decay", "give a finite number >= 0"),
+    ({"optimizer_impl": "apex"}, "optimizer_impl", "choose one of auto, fused, foreach, for-loop"),
+    ({"eval_every": -1}, "eval_every", "give an integer >= 0"),
+])
+def test_bad_optimisation_settings_name_the_field_and_the_fix(change, field, fix):
+    with pytest.raises(ValueError, match=rf"WorkerConfig\.{field}=.* is invalid: {fix}"):
+        WorkerConfig(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="d", steps=N, **change)
+
+
+def test_adamw_kernels_auto_is_fused_on_cuda_and_foreach_elsewhere():
+    assert optimizer_kernels("auto", torch.device("cuda", 0)) == {"fused": True}
+    assert optimizer_kernels("auto", torch.device("cpu")) == {"foreach": True}
+    assert optimizer_kernels("for-loop", torch.device("cuda", 0)) == {"foreach": False, "fused": False}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(out, max_bytes=2**17, row_len=1024, val_fraction=0.05)
+    return str(out)
+
+
+def _config(data_dir, **change) -> WorkerConfig:
+    settings = dict(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir=data_dir, steps=N, batch_size=2,
+                    lr=3e-3, warmup_steps=2, lr_schedule="cosine", min_lr=3e-4, partitions=1, strategy="none",
+                    eval_every=3)
+    return WorkerConfig(**{**settings, **change})
+
+
+def _steps(trainer, steps):
+    return [(result["lm_loss"], result["lr"]) for result in map(trainer.step, steps)]
+
+
+def test_k_steps_and_a_resume_equal_n_steps_straight_with_the_learning_rate(data_dir, tmp_path):
+    from workers import checkpoint as ckpt
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    straight = _steps(Trainer(_config(data_dir), 0, 1, cpu), range(1, N + 1))
+    assert straight[-1][1] == pytest.approx(3e-4) and straight[1][1] == 3e-3  # min_lr at the end, after warm-up
+    torch.manual_seed(0)
+    first = Trainer(_config(data_dir), 0, 1, cpu)
+    before = _steps(first, range(1, K + 1))
+    ckpt.save(tmp_path, 0, 1, first.parallel, first.optimizer,
+              {"step": K, "world_size": 1, "preset": first.config.preset_dict(), "lr_scheduler": first.schedule_state()})
+    torch.manual_seed(1)  # the checkpoint's RNG state must win
+    second = Trainer(_config(data_dir), 0, 1, cpu)
+    second.restore_schedule(ckpt.load(tmp_path, 0, 1, second.parallel, second.optimizer))
+    assert before + _steps(second, range(K + 1, N + 1)) == straight  # exactly, losses and rates
+    # a checkpoint written before the scheduler state was kept: the step alone places the schedule
+    third = Trainer(_config(data_dir), 0, 1, cpu)
+    third.restore_schedule({"step": K})
+    assert third.optimizer.param_groups[0]["lr"] == straight[K][1]
+
+
+def test_validation_loss_is_fixed_and_leaves_the_model_training(data_dir):
+    trainer = Trainer(_config(data_dir), 0, 1, torch.device("cpu"))
+    first = trainer.evaluate()
+    assert trainer.model.training and first == trainer.evaluate()  # the same batches, no update
+    assert first["val_ppl"] == pytest.approx(math.exp(first["val_loss"]))
+    assert math.log(trainer.preset.vocab_size) - 0.5 < first["val_loss"] < math.log(trainer.preset.vocab_size) + 0.5
+    assert not trainer.load.read(1)  # validation passes are not counted as load
+    _steps(trainer, range(1, N + 1))
+    assert trainer.evaluate()["val_loss"] < first["val_loss"]
+    no_split = Trainer(_config(data_dir, eval_every=0), 0, 1, torch.device("cpu"))
+    assert no_split.validation is None
+
+
+def test_load_metrics_count_every_routed_pair_and_the_dropped_ones(data_dir):
+    preset = get_preset("tiny-gpt")
+    trainer = Trainer(_config(data_dir), 0, 1, torch.device("cpu"))
+    _steps(trainer, range(1, 3))
+    load = trainer.load.read(1)
+    pairs = 2 * 2 * preset.seq_len * preset.top_k  # steps x sequences x tokens x choices
+    for layer in range(preset.num_layers):
+        tokens = [load[f"moe_load/l{layer}/tokens_e{e}"] for e in range(preset.num_experts)]
+        assert sum(tokens) == pairs
+        assert load[f"moe_load/l{layer}/imbalance"] == max(tokens) / (pairs / preset.num_experts)
+    assert "moe_load/l0/dropped_fraction" not in load  # dropless
+    assert trainer.load.read(1) == {}  # read once: the counts start afresh
+    capped = dataclasses.replace(preset, capacity_factor=0.5)
+    trainer = Trainer(_config(data_dir, preset=capped), 0, 1, torch.device("cpu"))
+    _steps(trainer, [1])
+    load = trainer.load.read(1)
+    # at most ceil(0.5 * 2 * 128 / 4) = 32 pairs per expert of 256 kept: at least 1/2 dropped
+    assert 0.5 <= load["moe_load/l0/dropped_fraction"] < 1
+    assert load["moe_load/imbalance_max"] >= load["moe_load/l1/imbalance"]
+
+
+def test_the_options_reach_the_workers_and_bad_ones_fail_before_ray(data_dir, tmp_path):
+    import argparse
+
+    from app.jobs import TrainJob, worker_config
+    from app.train import add_arguments, job_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--steps", "40", "--lr-schedule", "wsd", "--warmup-steps", "4", "--min-lr", "1e-5",
+                              "--weight-decay", "0.05", "--grad-clip", "0", "--aux-loss-weight", "0.02",
+                              "--optimizer-impl", "for-loop", "--eval-every", "10", "--eval-batches", "2",
+                              "--log-every", "5", "--data-dir", data_dir, "--storage-path", str(tmp_path)])
+    config = worker_config(job_from_args(args), use_gpu=False)
+    assert (config.lr_schedule, config.warmup_steps, config.min_lr, config.weight_decay, config.grad_clip,
+            config.aux_loss_weight, config.optimizer_impl, config.eval_every, config.eval_batches,
+            config.log_every) == ("wsd", 4, 1e-5, 0.05, 0.0, 0.02, "for-loop", 10, 2, 5)
+    with pytest.raises(ValueError, match=r"TrainJob\.min_lr=0\.1 is invalid: give at most the peak --lr 0\.001"):
+        TrainJob(min_lr=0.1, storage_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"TrainJob\.eval_batches=0 is invalid: give an integer >= 1"):
+        TrainJob(eval_batches=0, storage_path=str(tmp_path))
