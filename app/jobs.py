@@ -48,6 +48,7 @@ from workers.control import new_stop_flag
 from workers.distributed import training_state_bytes
 from workers.config import NONFINITE_POLICIES, WorkerConfig
 from workers.loop import train_fn_per_worker
+from workers.reshard import check_worker_count
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -103,6 +104,8 @@ class TrainJob:
     collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
     on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
     log_every: int = 10                # progress line every N steps
+    data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
+                                       # resumed on another worker count keeps its first; workers/reshard.py)
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -112,7 +115,7 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(field, value, "give an integer >= 1")
-        for field in ("seq_len", "num_experts", "num_layers"):
+        for field in ("seq_len", "num_experts", "num_layers", "data_shards"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
@@ -196,7 +199,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
         on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
-        collective_timeout_s=job.collective_timeout_s,
+        collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
     )
 
@@ -209,7 +212,8 @@ def ensure_data(job: TrainJob, echo=print) -> None:
     manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
     preset = job.model_preset(vocab_size=manifest.vocab_size)
     window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
-    manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
+    streams = job.data_shards or job.num_workers  # a resharded run reads its first layout
+    manifest.check_fits(job.data_dir, streams, job.batch_size * job.num_workers // streams, window)
 
 
 # Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
@@ -290,9 +294,10 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
           f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")
 
 
-# Settings a run's checkpoints are tied to: the model's shape (its parameters, positions
-# and expert shards) and the number of workers that split the experts.
-RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers", "num_workers")
+# Settings a run's checkpoints are tied to: the model's shape (its parameters and positions).
+# The number of workers may change where each keeps whole experts and the data layout and
+# global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
+RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
 
 
 def check_continues(job: TrainJob) -> None:
@@ -311,16 +316,34 @@ def check_continues(job: TrainJob) -> None:
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None
     new = job.model_preset()
     was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
-           "num_layers": old.num_layers, "num_workers": recorded.get("num_workers")}
+           "num_layers": old.num_layers}
     asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
-             "num_layers": new.num_layers, "num_workers": job.num_workers}
-    if dataclasses.asdict(old) == dataclasses.asdict(new) and was["num_workers"] == asked["num_workers"]:
+             "num_layers": new.num_layers}
+    if dataclasses.asdict(old) == dataclasses.asdict(new):
+        check_data_continues(job, recorded)
         return
     changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]] or ["preset"]
     flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (the run has {was[k]})" for k in changed)
     raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
                      f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
                      f"another --name. Nothing was changed")
+
+
+def check_data_continues(job: TrainJob, recorded: dict) -> None:
+    """Refuse a worker count, data layout or global batch that would not continue the run
+    ``recorded`` at the same global sample (``--resume`` derives them; ``--name`` of a
+    recorded run with other options may not)."""
+    workers, layout = recorded.get("num_workers", 2), recorded.get("data_shards") or recorded.get("num_workers", 2)
+    if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
+        return
+    check_worker_count(job.model_preset().num_experts, recorded.get("batch_size", 8) * workers, job.num_workers,
+                       f"run {job.name} (trained on {workers} workers)")
+    global_batch = recorded.get("batch_size", 8) * workers
+    if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
+        raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
+                         f"{job.batch_size}: its data continues at the same global sample only with its global "
+                         f"batch ({global_batch} sequences) read as {layout} rank stream(s); continue it with "
+                         f"`{resume_command(job)} --num-workers {job.num_workers}`. Nothing was changed")
 
 
 def check_resources(scaling_config, nodes: list[dict]) -> None:

@@ -52,12 +52,12 @@ import uuid
 
 import torch
 
-from lm.data import BatchSampler, open_rank_stream
 from lm.model import ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss, model_flops_per_token
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
 from workers.config import WorkerConfig
+from workers.reshard import rank_batches
 from workers.control import StopPoller
 from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
 
@@ -176,8 +176,9 @@ class Trainer:
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
-        self.sampler = BatchSampler(open_rank_stream(config.data_dir, rank, world_size),
-                                    config.batch_size, window, config.seed, rank)
+        # (a run resumed on another worker count reads its slice of the same global batch)
+        self.sampler = rank_batches(config.data_dir, rank, world_size, config.data_shards, config.batch_size,
+                                    window, config.seed)
         self.nonfinite_in_a_row = 0
 
     def epoch_of(self, step: int) -> int:
@@ -269,10 +270,12 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
     resume_from = config.resume_from  # a resumed run: the newest complete one (driver's choice)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
+            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
+                             config.data_shards)
         start_step = meta["step"]
     elif resume_from:
-        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
+        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
+                         config.data_shards)
         start_step = meta["step"]
 
     tokens_per_step = world_size * config.batch_size * trainer.grad_accum * config.seq_len
@@ -347,7 +350,8 @@ class CheckpointSaver:
         config = self.config
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
-                "shard_dense": config.shard_dense}
+                "shard_dense": config.shard_dense, "data_shards": config.data_shards or self.world_size,
+                "batch_size": config.batch_size}
 
     def start(self, step: int, metrics: dict) -> None:
         directory = tempfile.TemporaryDirectory()
