@@ -622,7 +622,8 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     step_time_s (median), peak_memory_bytes (max over ranks and steps), partitions/strategy
     when the engine exposes them, restarts, skipped_steps, mlflow_run_id, checkpoint_path,
     run_dir, history (the per-step metrics). ``on_step(metrics)`` is called from a driver
-    thread per step; ``extra_config`` goes to the workers (see ``build_trainer``).
+    thread per step; when it returns STOP_JOB the workers stop after their current step;
+    ``extra_config`` goes to the workers (see ``build_trainer``).
 
     Before Ray starts (within seconds, writing nothing): the data, the sizes against this
     machine, the MLflow store, the run name's lock (one live job per name) and, for an
@@ -699,7 +700,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if run.run_id:
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
-        with _MetricsPump(metrics_queue, run, job, echo, on_step, logged_through) as pump:
+        with _MetricsPump(metrics_queue, run, job, echo, _stopping_hook(on_step, stop_flag), logged_through) as pump:
             result, error, interrupted, abandoned = _fit_interruptibly(trainer, stop_flag, echo)
         done = pump.history[-1]["step"] if pump.history else None
         if interrupted and (abandoned or error is not None or done != job.steps):
@@ -759,6 +760,22 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             metrics_queue.shutdown()
             if started_ray:
                 ray.shutdown()
+
+
+STOP_JOB = "stop"  # ``on_step`` returns it to stop the job after the current step (a pruned sweep trial)
+
+
+def _stopping_hook(on_step, stop_flag):
+    """``on_step`` for the metrics pump: a return of STOP_JOB asks the workers to stop after
+    their current step (as Ctrl-C does: with a checkpoint where the job writes them), so the
+    job ends and frees its workers' resources instead of being abandoned."""
+    if on_step is None:
+        return None
+
+    def hook(metrics: dict) -> None:
+        if on_step(metrics) == STOP_JOB:
+            stop_flag.request.remote()
+    return hook
 
 
 def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
