@@ -333,12 +333,12 @@ def check_data_continues(job: TrainJob, recorded: dict) -> None:
     """Refuse a worker count, data layout or global batch that would not continue the run
     ``recorded`` at the same global sample (``--resume`` derives them; ``--name`` of a
     recorded run with other options may not)."""
-    workers, layout = recorded.get("num_workers", 2), recorded.get("data_shards") or recorded.get("num_workers", 2)
+    workers, global_batch = recorded["num_workers"], recorded["batch_size"] * recorded["num_workers"]
+    layout = recorded.get("data_shards") or workers  # data_shards: recorded since runs reshard
     if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
         return
-    check_worker_count(job.model_preset().num_experts, recorded.get("batch_size", 8) * workers, job.num_workers,
+    check_worker_count(job.model_preset().num_experts, global_batch, job.num_workers,
                        f"run {job.name} (trained on {workers} workers)")
-    global_batch = recorded.get("batch_size", 8) * workers
     if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
         raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
                          f"{job.batch_size}: its data continues at the same global sample only with its global "

@@ -60,11 +60,11 @@ def resumed_settings(recorded: dict, given: dict, name: str) -> dict:
     per-worker ``batch_size`` becomes ``global / num_workers``. Raises ValueError naming the
     fix when the experts or the batch do not split, or ``given`` changes the global batch."""
     merged = {**recorded, **given}
-    old_workers, new_workers = recorded.get("num_workers", 2), merged.get("num_workers", 2)
+    old_workers, new_workers = recorded["num_workers"], merged["num_workers"]
     if new_workers == old_workers:
         return merged
-    global_batch = recorded.get("batch_size", 8) * old_workers
-    experts = given.get("num_experts") or recorded.get("num_experts") or _preset_experts(merged)
+    global_batch = recorded["batch_size"] * old_workers
+    experts = merged.get("num_experts") or _preset_experts(merged["preset"])
     where = f"run {name} (trained on {old_workers} workers)"
     check_worker_count(experts, global_batch, new_workers, where)
     per_worker = global_batch // new_workers
@@ -77,10 +77,10 @@ def resumed_settings(recorded: dict, given: dict, name: str) -> dict:
             "data_shards": recorded.get("data_shards") or old_workers}
 
 
-def _preset_experts(settings: dict) -> int:
+def _preset_experts(preset: str) -> int:
     from lm.model import get_preset
 
-    return get_preset(settings.get("preset", "tiny-gpt")).num_experts
+    return get_preset(preset).num_experts
 
 
 def check_checkpoint_layout(meta: dict, world_size: int, data_shards: int | None, directory) -> None:

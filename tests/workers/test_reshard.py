@@ -151,3 +151,18 @@ def test_resumed_settings_keep_the_global_batch_and_the_data_layout():
     with pytest.raises(ValueError, match=r"cannot continue with --batch-size 4 on 1 workers: .* same global batch "
                                          r"\(8 sequences, --batch-size 8\)"):
         resumed_settings(recorded, {"num_workers": 1, "batch_size": 4}, "r")
+
+
+def test_a_recorded_run_under_another_worker_count_needs_its_layout(tmp_path):
+    """``--name`` of a recorded run (not ``--resume``) with another --num-workers: the job
+    keeps the per-worker batch, so the data would not continue; refused, naming --resume."""
+    from app.jobs import TrainJob, check_continues, save_job
+
+    common = dict(preset="tiny-gpt", name="base", storage_path=str(tmp_path), data_dir=str(tmp_path),
+                  tracking_uri="none")
+    save_job(TrainJob(**common, num_workers=2, batch_size=4))
+    check_continues(TrainJob(**common, num_workers=1, batch_size=8, data_shards=2))  # what --resume derives
+    with pytest.raises(ValueError, match=r"^run base cannot continue with --num-workers 1 and --batch-size 4: .* "
+                                         r"global batch \(8 sequences\) read as 2 rank stream\(s\); continue it "
+                                         r"with `mpipemoe train --resume base --storage-path .* --num-workers 1`"):
+        check_continues(TrainJob(**common, num_workers=1, batch_size=4))
