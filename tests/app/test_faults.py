@@ -360,7 +360,7 @@ def test_sweep_trial_metrics_are_never_nan():
     from app.sweep import trial_metrics
 
     assert trial_metrics({"name": "t", "tokens_per_s": 12.5, "steps": 3, "status": "FINISHED"}) == \
-        {"tokens_per_s": 12.5, "steps": 3}
+        {"tokens_per_s": 12.5, "steps": 3, "step": 3}  # step: the schedulers' time axis
     with pytest.raises(RuntimeError, match="training run t reported no tokens_per_s: see its MLflow run r1"):
         trial_metrics({"name": "t", "mlflow_run_id": "r1"})
 
