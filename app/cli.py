@@ -9,6 +9,8 @@
     mpipemoe check            # the engine on 2 gloo processes against the reference
     mpipemoe capacity         # the largest batch each engine trains with under a memory cap
     mpipemoe simulate         # predict a cluster's MoE layer and training step from measured parts
+    mpipemoe generate         # continue a prompt with a trained run (greedy or top-k sampling)
+    mpipemoe export           # a trained run as model.safetensors + config.json + tokenizer.json
     mpipemoe tracking import  # send metrics kept while the MLflow tracking server was unreachable
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -37,6 +39,8 @@ SUBCOMMANDS = {
     "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
     "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
     "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
+    "generate": ("app.generate", "continue a prompt with a trained run's newest checkpoint"),
+    "export": ("app.export", "write a trained run as model.safetensors, config.json and tokenizer.json"),
     "tracking": ("app.tracking_import", "send metrics a run kept while its MLflow tracking server was unreachable"),
 }
 

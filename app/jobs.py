@@ -49,6 +49,7 @@ from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import training_state_bytes
 from workers.config import NONFINITE_POLICIES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
+from workers.reshard import check_worker_count
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -137,6 +138,8 @@ class TrainJob:
     optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
     eval_every: int = 25               # validation loss every N steps and at the end; 0: never
     eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
+    data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
+                                       # resumed on another worker count keeps its first; workers/reshard.py)
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -146,7 +149,7 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(field, value, "give an integer >= 1")
-        for field in ("seq_len", "num_experts", "num_layers"):
+        for field in ("seq_len", "num_experts", "num_layers", "data_shards"):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
@@ -243,7 +246,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
         on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
-        collective_timeout_s=job.collective_timeout_s,
+        collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
         eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
@@ -258,7 +261,8 @@ def ensure_data(job: TrainJob, echo=print) -> None:
     manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
     preset = job.model_preset(vocab_size=manifest.vocab_size)
     window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
-    manifest.check_fits(job.data_dir, job.num_workers, job.batch_size, window)
+    streams = job.data_shards or job.num_workers  # a resharded run reads its first layout
+    manifest.check_fits(job.data_dir, streams, job.batch_size * job.num_workers // streams, window)
     if job.eval_every and not manifest.has_validation:
         echo(f"[mpipemoe] note: {job.data_dir} has no validation split (prepared before there was one, or with "
              f"--val-fraction 0), so no validation loss is reported; to get one, run its `{invocation()} data "
@@ -348,9 +352,10 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
           f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")
 
 
-# Settings a run's checkpoints are tied to: the model's shape (its parameters, positions
-# and expert shards) and the number of workers that split the experts.
-RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers", "num_workers")
+# Settings a run's checkpoints are tied to: the model's shape (its parameters and positions).
+# The number of workers may change where each keeps whole experts and the data layout and
+# global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
+RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
 
 
 def checkpoint_settings(run_dir: str | Path) -> dict | None:
@@ -412,14 +417,32 @@ def check_continues(job: TrainJob) -> None:
         raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None
     was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
-           "num_layers": old.num_layers, "num_workers": recorded.get("num_workers")}
-    if dataclasses.asdict(old) == dataclasses.asdict(new) and was["num_workers"] == asked["num_workers"]:
+           "num_layers": old.num_layers}
+    if dataclasses.asdict(old) == dataclasses.asdict(new):
+        check_data_continues(job, recorded)
         return
     changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]] or ["preset"]
     flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (the run has {was[k]})" for k in changed)
     raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
                      f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
                      f"another --name. Nothing was changed")
+
+
+def check_data_continues(job: TrainJob, recorded: dict) -> None:
+    """Refuse a worker count, data layout or global batch that would not continue the run
+    ``recorded`` at the same global sample (``--resume`` derives them; ``--name`` of a
+    recorded run with other options may not)."""
+    workers, global_batch = recorded["num_workers"], recorded["batch_size"] * recorded["num_workers"]
+    layout = recorded.get("data_shards") or workers  # data_shards: recorded since runs reshard
+    if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
+        return
+    check_worker_count(job.model_preset().num_experts, global_batch, job.num_workers,
+                       f"run {job.name} (trained on {workers} workers)")
+    if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
+        raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
+                         f"{job.batch_size}: its data continues at the same global sample only with its global "
+                         f"batch ({global_batch} sequences) read as {layout} rank stream(s); continue it with "
+                         f"`{resume_command(job)} --num-workers {job.num_workers}`. Nothing was changed")
 
 
 def check_resources(scaling_config, nodes: list[dict]) -> None:
@@ -744,7 +767,8 @@ def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
     step_time_s (median), peak_memory_bytes (max over ranks and steps), partitions/strategy
     when the engine exposes them, restarts, skipped_steps, mlflow_run_id, checkpoint_path,
     run_dir, history (the per-step metrics). ``on_step(metrics)`` is called from a driver
-    thread per step; ``extra_config`` goes to the workers (see ``build_trainer``).
+    thread per step; when it returns STOP_JOB the workers stop after their current step;
+    ``extra_config`` goes to the workers (see ``build_trainer``).
 
     Before Ray starts (within seconds, writing nothing): the data, the sizes against this
     machine, the MLflow store, the run name's lock (one live job per name) and, for an
@@ -824,7 +848,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if run.run_id:
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
-        with _MetricsPump(metrics_queue, run, job, echo, on_step, logged_through) as pump:
+        with _MetricsPump(metrics_queue, run, job, echo, _stopping_hook(on_step, stop_flag), logged_through) as pump:
             result, error, interrupted, abandoned = _fit_interruptibly(trainer, stop_flag, echo)
         done = pump.history[-1]["step"] if pump.history else None
         if interrupted and (abandoned or error is not None or done != job.steps):
@@ -885,6 +909,22 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             metrics_queue.shutdown()
             if started_ray:
                 ray.shutdown()
+
+
+STOP_JOB = "stop"  # ``on_step`` returns it to stop the job after the current step (a pruned sweep trial)
+
+
+def _stopping_hook(on_step, stop_flag):
+    """``on_step`` for the metrics pump: a return of STOP_JOB asks the workers to stop after
+    their current step (as Ctrl-C does: with a checkpoint where the job writes them), so the
+    job ends and frees its workers' resources instead of being abandoned."""
+    if on_step is None:
+        return None
+
+    def hook(metrics: dict) -> None:
+        if on_step(metrics) == STOP_JOB:
+            stop_flag.request.remote()
+    return hook
 
 
 def choose_checkpoint(job: TrainJob, echo=print) -> str | None:

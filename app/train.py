@@ -29,6 +29,7 @@ from lm.errors import invocation
 from lm.model import PRESETS
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS
+from workers.reshard import resumed_settings
 
 PRESET_NAMES = tuple(PRESETS)
 
@@ -200,7 +201,9 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
         if recorded.get("checkpoint_every") == 0:
             raise ValueError(f"--resume {args.resume}: that run wrote no checkpoints (--checkpoint-every 0), "
                              f"so there is nothing to continue from; start a new run")
-        given = {**recorded, **given, "name": args.resume, "parent_run_id": recorded.get("parent_run_id")}
+        # another --num-workers: the same global batch and data layout (workers/reshard.py)
+        given = {**resumed_settings(recorded, given, args.resume), "name": args.resume,
+                 "parent_run_id": recorded.get("parent_run_id")}
     elif getattr(args, "engines", None) and not args.name:  # siblings get "<name>-<engine>"
         preset = given.get("preset", TrainJob.preset)
         given["name"] = f"{preset}-compare-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"

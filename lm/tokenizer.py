@@ -185,3 +185,29 @@ def load_prepared(data_dir: str | Path, tokenizer_file: str | None):
     if not tokenizer_file:
         return ByteTokenizer()
     return HFTokenizer.load(Path(data_dir) / tokenizer_file)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable character for each byte, which byte-level ``tokenizers`` files use."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for byte in range(BYTE_VOCAB):
+        if byte not in chars:
+            chars[byte] = chr(BYTE_VOCAB + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer_as_hf() -> HFTokenizer:
+    """``ByteTokenizer`` as a Hugging Face ``tokenizers`` file (``mpipemoe export``): byte-level,
+    no merges, so byte b is id b, and ``<eos>``, ``<mask>``, ``<pad>`` are 256, 257, 258."""
+    _import_tokenizers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIALS))
+    return HFTokenizer(tokenizer, ByteTokenizer.name)

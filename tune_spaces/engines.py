@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from ray import tune
 
-import tune_spaces
-
 DESCRIPTION = "engine {mpipemoe, fastmoe, fastermoe} x tokens/GPU {4k..32k} x {gpt-s, gpt-xl, bert-l}, 8 GPUs per trial"
 
 
-def param_space() -> dict:
+def param_space(search: str = "grid") -> dict:
     return {
         "engine": tune.grid_search(["mpipemoe", "fastmoe", "fastermoe"]),
         "preset": tune.grid_search(["gpt-s", "gpt-xl", "bert-l"]),
@@ -27,6 +25,3 @@ def param_space() -> dict:
         "use_gpu": True,
     }
 
-
-def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = None):
-    return tune_spaces.tune_config(num_samples=num_samples, max_concurrent_trials=max_concurrent_trials)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from ray import tune
 
-import tune_spaces
-
 DESCRIPTION = "tiny-gpt, 2 workers, 4 steps: mpipemoe vs fastmoe vs fastermoe (CPU-sized)"
 
 
-def param_space() -> dict:
+def param_space(search: str = "grid") -> dict:
     return {
         "engine": tune.grid_search(["mpipemoe", "fastmoe", "fastermoe"]),
         "preset": "tiny-gpt",
@@ -26,6 +24,3 @@ def param_space() -> dict:
         "strategy": "auto",
     }
 
-
-def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = None):
-    return tune_spaces.tune_config(num_samples=num_samples, max_concurrent_trials=max_concurrent_trials)

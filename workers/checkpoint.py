@@ -14,8 +14,9 @@ A checkpoint directory ``checkpoint_NNNNNN/`` holds, merged by Ray Train from ev
 a checkpoint whose marker is missing, empty or unreadable, or one of whose files is missing,
 unreadable or shorter/longer than recorded (with ``checksums``: or whose bytes changed), is
 incomplete; ``choose`` picks the newest complete one.
-A checkpoint loads only with the world size that wrote it (the data shards are split by
-rank); it loads into any engine and either dense mode, since DCP reshards.
+A checkpoint loads on another world size that keeps whole experts per rank, and into any
+engine and either dense mode, since DCP reshards (workers/reshard.py: the rules, and how the
+data continues at the same global sample).
 
 DCP and DTensor (``torch.distributed.checkpoint``, ``.tensor``) are imported where a
 checkpoint is saved or loaded: importing them costs about 0.5 s, which the driver (it reads
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from lm.errors import os_error
 from workers.distributed import DenseParallel, expert_param_names
+from workers.reshard import check_checkpoint_layout
 
 META = "meta.json"
 DAMAGED = "damaged"            # incomplete checkpoints are moved here (never deleted)
@@ -197,10 +199,13 @@ def file_crc32(path: str | Path) -> str:
 
 
 def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel, optimizer: torch.optim.Optimizer,
-         preset: dict[str, Any] | None = None) -> dict[str, Any]:
+         preset: dict[str, Any] | None = None, data_shards: int | None = None) -> dict[str, Any]:
     """Collective: restore this rank's state from ``directory``; returns its meta dict.
 
     ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
+    ``world_size`` may differ from the checkpoint's when every rank keeps whole experts;
+    ``data_shards`` (the run's data layout, None: one stream per rank) must be the
+    checkpoint's (workers/reshard.py). Resharded, the RNG state starts afresh (it was per rank).
     Raises ValueError naming the file and the fix for an incomplete checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -216,10 +221,11 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
         changed = sorted(k for k in preset if meta.get("preset", {}).get(k) != preset[k])
         raise ValueError(f"checkpoint in {directory} was written for another model ({', '.join(changed)} "
                          f"differ): resume with the model settings of that run")
-    if meta["world_size"] != world_size:
-        raise ValueError(f"checkpoint in {directory} was written by {meta['world_size']} workers "
-                         f"(the data shards are split by rank): resume with --num-workers {meta['world_size']}")
+    check_checkpoint_layout(meta, world_size, data_shards, directory)
     state = _state(parallel, optimizer, rank, world_size)
+    resharding = meta["world_size"] != world_size
+    if resharding:  # DCP cuts the global tensors for W ranks; the RNG states were per rank
+        state = {key: value for key, value in state.items() if not key.startswith("rng_rank")}
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except (Exception, CheckpointException) as error:  # DCP's own words (e.g. miniz's) name no file, no fix
@@ -230,10 +236,11 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
                          f"checkpoint") from None
     model_sd, optim_sd = _unshard_experts(state, parallel)
     set_state_dict(parallel.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng = state[f"rng_rank{rank:05d}"]
-    torch.set_rng_state(rng["torch"].cpu())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    if not resharding:
+        rng = state[f"rng_rank{rank:05d}"]
+        torch.set_rng_state(rng["torch"].cpu())
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
     return meta
 
 

@@ -21,7 +21,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields only some runs set; logged to MLflow only when set (app/jobs.py ``_run_params``).
-RUN_SPECIFIC = ("resume_from", "fault", "memory_cap_bytes", "start_batch", "max_batch", "steps_per_trial")
+RUN_SPECIFIC = ("resume_from", "data_shards", "fault", "memory_cap_bytes", "start_batch", "max_batch", "steps_per_trial")
 HANDLES = ("metrics_queue", "stop_flag")  # Ray actor handles, not settings
 
 
@@ -77,6 +77,8 @@ class WorkerConfig:
     collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
     metrics_queue, stop_flag: Ray actor handles (the driver's queue and Ctrl-C flag) or None.
     resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
+    data_shards:         rank streams the data is read as (None: one per worker); a run resumed on
+                         another worker count keeps its first count (workers/reshard.py).
     fault:               fault-injection tests only (workers/loop.py ``fault_here``).
     memory_cap_bytes, start_batch, max_batch, steps_per_trial: the capacity search only
                          (app/capacity.py ``CapacitySearch``).
@@ -111,6 +113,7 @@ class WorkerConfig:
     metrics_queue: Any = None  # (Ray actor handles: typed by Ray as Any)
     stop_flag: Any = None
     resume_from: str | None = None
+    data_shards: int | None = None
     fault: dict[str, Any] | None = None
     memory_cap_bytes: int | None = None
     start_batch: int | None = None
@@ -151,6 +154,8 @@ class WorkerConfig:
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose one of {', '.join(NONFINITE_POLICIES)}")
         check_optimisation(self, _fail)
+        if self.data_shards is not None and not (_is_int(self.data_shards) and self.data_shards >= 1):
+            _fail("data_shards", self.data_shards, "give an integer >= 1, or None (one rank stream per worker)")
         for name in ("start_batch", "max_batch", "steps_per_trial"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):

@@ -61,13 +61,14 @@ import torch
 
 import torch.nn.functional as F
 
-from lm.data import BatchSampler, ValidationBatches, open_rank_stream, open_val_stream
+from lm.data import ValidationBatches, open_val_stream
 from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss,
                       model_flops_per_token)
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
 from workers.config import WorkerConfig
+from workers.reshard import rank_batches
 from workers.control import StopPoller
 from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
 from workers.load import ExpertLoad
@@ -234,8 +235,9 @@ class Trainer:
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
-        self.sampler = BatchSampler(open_rank_stream(config.data_dir, rank, world_size),
-                                    config.batch_size, window, config.seed, rank)
+        # (a run resumed on another worker count reads its slice of the same global batch)
+        self.sampler = rank_batches(config.data_dir, rank, world_size, config.data_shards, config.batch_size,
+                                    window, config.seed)
         # the fixed validation batches; None without a split, or one too small for every rank (the
         # driver says so: app/jobs.py ensure_data)
         val_stream = open_val_stream(config.data_dir) if config.eval_every else None
@@ -380,11 +382,13 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
     resume_from = config.resume_from  # a resumed run: the newest complete one (driver's choice)
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
+            meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
+                             config.data_shards)
         start_step = meta["step"]
         trainer.restore_schedule(meta)
     elif resume_from:
-        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict())
+        meta = ckpt.load(resume_from, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
+                         config.data_shards)
         start_step = meta["step"]
         trainer.restore_schedule(meta)
 
@@ -470,7 +474,8 @@ class CheckpointSaver:
         config = self.config
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
-                "shard_dense": config.shard_dense, "lr_scheduler": self.trainer.schedule_state()}
+                "shard_dense": config.shard_dense, "lr_scheduler": self.trainer.schedule_state(),
+                "data_shards": config.data_shards or self.world_size, "batch_size": config.batch_size}
 
     def start(self, step: int, metrics: dict[str, Any]) -> None:
         with ckpt.write_errors_explained(step):  # a full disk: one line naming the file and the fix

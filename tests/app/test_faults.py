@@ -186,7 +186,6 @@ def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
                       data_dir=str(env["data"])))
     before = {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()}
     for flags, said in ((["--preset", "tiny-bert"], "--preset tiny-bert (the run has tiny-gpt)"),
-                        (["--num-workers", "1"], "--num-workers 1 (the run has 2)"),
                         (["--seq-len", "48"], "--seq-len 48 (the run has 32)")):
         status, line, _, seconds = _cli(["train", "--resume", "base", "--storage-path", str(storage), *flags], capsys)
         assert status == 1 and seconds < 20
@@ -196,6 +195,14 @@ def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
                         f"(--debug shows the traceback)")
         after = {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()}
         assert after == before  # the recorded settings are intact: the printed command still works
+    # another worker count continues the run where each keeps whole experts (workers/reshard.py)
+    status, line, _, _ = _cli(["train", "--resume", "base", "--storage-path", str(storage), "--num-workers", "3"],
+                              capsys)
+    assert status == 1
+    assert line == ("mpipemoe train: error: run base (trained on 2 workers) cannot continue on 3 workers: its 4 "
+                    "experts per MoE layer do not split into whole experts per worker; use --num-workers 1, 2, 4 "
+                    "(each keeps whole experts and an equal share of the batch) (--debug shows the traceback)")
+    assert {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()} == before
     recorded = json.loads((storage / "base" / JOB_FILE).read_text())
     assert recorded["preset"] == "tiny-gpt" and recorded["seq_len"] == 32
 
@@ -356,7 +363,7 @@ def test_sweep_trial_metrics_are_never_nan():
     from app.sweep import trial_metrics
 
     assert trial_metrics({"name": "t", "tokens_per_s": 12.5, "steps": 3, "status": "FINISHED"}) == \
-        {"tokens_per_s": 12.5, "steps": 3}
+        {"tokens_per_s": 12.5, "steps": 3, "step": 3}  # step: the schedulers' time axis
     with pytest.raises(RuntimeError, match="training run t reported no tokens_per_s: see its MLflow run r1"):
         trial_metrics({"name": "t", "mlflow_run_id": "r1"})
 

@@ -56,18 +56,18 @@ def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION
-    config = module.tune_config(num_samples=1, max_concurrent_trials=2)
-    assert (config.metric, config.mode, config.max_concurrent_trials) == ("tokens_per_s", "max", 2)
+    metric, mode = tune_spaces.ranking(module, module.param_space())
+    assert (metric, mode) == (("loss", "min") if study == "lr" else ("tokens_per_s", "max"))
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     points = list(_grid_points(module.param_space()))
-    assert len(points) == {"smoke": 3, "granularity": 60, "strategy": 72, "engines": 36}[study]
+    assert len(points) == {"smoke": 3, "lr": 7, "granularity": 60, "strategy": 72, "engines": 36}[study]
     for point in points:
         assert set(point) <= fields
         TrainJob(**point, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="sqlite:////x.db")
 
 
 def test_unknown_study_names_the_choices():
-    with pytest.raises(ValueError, match="choose one of smoke, granularity, strategy, engines"):
+    with pytest.raises(ValueError, match="choose one of smoke, lr, granularity, strategy, engines"):
         tune_spaces.load("nope")
 
 
@@ -79,8 +79,119 @@ def test_results_table_shows_the_validation_loss_where_trials_have_one():
     results = [SimpleNamespace(config={"lr": lr}, metrics=metrics, error=None) for lr, metrics in (
         (1e-3, {"tokens_per_s": 10.0, "final_loss": 3.0, "final_val_loss": 2.5}),
         (3e-3, {"tokens_per_s": 20.0, "final_loss": 2.0}))]  # data without a validation split
-    rows = [line.split() for line in format_results(results).splitlines()[1:]]
-    assert [row[2] for row in rows] == ["2.5000", "2.0000"]
+    header, *rows = [line.split() for line in format_results(results).splitlines()]
+    assert header[:4] == ["lr", "final_val_loss", "tokens/s", "loss"]
+    assert [row[1:4] for row in rows] == [["2.5000", "10", "3.0000"], ["-", "20", "2.0000"]]
+
+
+def test_optuna_search_and_asha_on_the_lr_study():
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    module = tune_spaces.load("lr")
+    space = module.param_space("optuna")
+    assert space["lr"].lower == 1e-4 and space["lr"].upper == 1e-1  # a log-uniform distribution, not a grid
+    config = tune_spaces.tune_config(num_samples=12, max_concurrent_trials=2, metric="loss", mode="min",
+                                     search="optuna", scheduler="asha", steps=space["steps"])
+    assert isinstance(config.search_alg, OptunaSearch) and isinstance(config.scheduler, ASHAScheduler)
+    assert (config.metric, config.mode, config.num_samples) == ("loss", "min", 12)
+    assert [t for t, _ in config.scheduler._brackets[0]._rungs] == [30, 10]  # steps where ASHA may stop a trial
+    plain = tune_spaces.tune_config()
+    assert plain.search_alg is None and plain.scheduler is None and plain.metric == "tokens_per_s"
+
+
+def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
+    with pytest.raises(ValueError, match=r"--search optuna: study 'smoke' supports grid, random \(its space is a "
+                                         r"grid of categorical choices\)"):
+        sweep.run_study("smoke", storage_path=str(tmp_path), tracking_uri="none", search="optuna")
+    with pytest.raises(ValueError, match="scheduler='x' is invalid: choose one of fifo, asha"):
+        tune_spaces.tune_config(scheduler="x")
+
+
+def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
+    assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"   # TrainJob evaluates by default
+    assert tune_spaces.loss_metric({"eval_every": 10}) == "val_loss"
+    assert tune_spaces.loss_metric({"eval_every": 0}) == tune_spaces.TRAIN_LOSS == "loss"
+    assert tune_spaces.ranking(tune_spaces.load("lr"), tune_spaces.load("lr").param_space()) == ("val_loss", "min")
+
+
+def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pruned(tmp_path, monkeypatch):
+    import ray.tune
+
+    from app.jobs import STOP_JOB, TrainJob
+
+    job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
+    settings = sweep.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
+                                   data_dir=str(tmp_path), parent_run_id=None, use_gpu=False,
+                                   cpus_per_worker=None, metric="val_loss")
+    reported = []
+
+    def report(metrics):
+        if metrics["step"] == 4:
+            raise SystemExit(0)  # what Tune's report does once the scheduler stopped the trial
+        reported.append(metrics)
+
+    monkeypatch.setattr(ray.tune, "report", report)
+    reporter = sweep.StepReporter(settings, job)
+    assert reporter({"step": 1, "loss": 5.0, "attempt": "ab12"}) is None  # no val_loss at this step: not reported
+    assert reporter({"step": 2, "loss": 4.0, "val_loss": 4.5, "attempt": "ab12"}) is None
+    assert reported == [{"step": 2, "loss": 4.0, "val_loss": 4.5}] and reporter.pruned_tags() == {}
+    assert reporter({"step": 4, "loss": 3.0, "val_loss": 3.9}) == STOP_JOB  # the job stops after this step
+    assert reporter({"step": 5, "loss": 2.9, "val_loss": 3.8}) is None and len(reported) == 1  # nothing more
+    assert reporter.pruned_tags() == {"pruned_at_step": 2}  # the last step Tune saw
+    # the end-of-trial report: the summary, the newest val_loss, the steps as ASHA's time axis
+    final = sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "tokens_per_s": 9.0, "name": "x"}, "val_loss",
+                                {"step": 40, "val_loss": 3.3, "loss": 3.0})
+    assert (final["val_loss"], final["step"], final["final_loss"]) == (3.3, 40, 3.1)
+    assert sweep.trial_metrics({"steps": 40, "final_loss": 3.1}, "loss")["loss"] == 3.1
+    with pytest.raises(RuntimeError, match="reported no val_loss"):
+        sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "name": "x"}, "val_loss")
+
+
+def test_a_stopped_trial_waits_for_its_function_to_return():
+    """Tune's ``stop`` of a trial runs ``cleanup``: ours waits (up to the grace) for the trial
+    function, which stops its Train job, instead of letting the process exit under it."""
+    import threading
+
+    from ray.train._internal import session as train_session
+
+    ended = threading.Event()
+    cls = sweep.stopping_trainable(lambda config: None, stop_grace_s=5)
+
+    class Session:
+        def finish(self, timeout):
+            ended.wait(timeout)
+            self.waited = timeout
+
+        def _report_thread_runner_error(self):
+            pass
+
+    fake = Session()
+    threading.Timer(0.2, ended.set).start()
+    original = train_session.get_session
+    try:
+        train_session._session = fake
+        cls.cleanup(object.__new__(cls))
+    finally:
+        train_session._session = None
+    assert fake.waited == 5 and ended.is_set() and original() is None
+
+
+def test_pruned_trials_and_the_best_one_are_named(tmp_path):
+    from types import SimpleNamespace as Result
+
+    results = [Result(config={"lr": 1e-3, "steps": 40}, metrics={"step": 40, "steps": 40, "loss": 3.0}, error=None),
+               Result(config={"lr": 1e-1, "steps": 40}, metrics={"step": 10, "loss": 5.5}, error=None),
+               Result(config={"lr": 3e-3, "steps": 40}, metrics={"step": 40, "steps": 40, "loss": 2.5}, error=None),
+               Result(config={"lr": 3e-2, "steps": 40}, metrics={}, error=RuntimeError("x"))]
+    assert sweep.count_pruned(results, {"steps": 40}) == 1
+    assert sweep.best_trial(results, "loss", "min").config["lr"] == 3e-3
+    assert sweep.best_trial(results, "loss", "max").config["lr"] == 1e-1
+    assert sweep.count_trials(results, "loss") == (1, 3)
+    table = sweep.format_results(results, "loss", 40).splitlines()
+    assert table[0].split() == ["lr", "tokens/s", "loss", "peak", "MiB", "status"]
+    assert table[2].split()[0] == "0.1" and table[2].split()[-1] == "pruned@10"
+    assert table[3].split()[-1] == "ok" and table[4].split()[-1] == "ERROR"
 
 
 # ---------------------------------------------------------------- tier 3: local Ray
@@ -102,8 +213,8 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     from app import report
     from app.tracking import client
 
-    args = argparse.Namespace(space="smoke", address=None, num_samples=1, max_concurrent=None,
-                              verbose=False, **{k: sweep_dirs[k] for k in ("storage_path", "tracking_uri",
+    args = argparse.Namespace(space="smoke", address=None, num_samples=None, max_concurrent=None,
+                              verbose=False, search="grid", scheduler="fifo", max_failures=0, seed=0, **{k: sweep_dirs[k] for k in ("storage_path", "tracking_uri",
                                                                            "data_dir")})
     assert sweep.run(args) == 0
     table = capsys.readouterr().out
@@ -157,7 +268,8 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     log = tmp_path / "starts.txt"
     trial = _interrupting_trial(log, os.getpid())
     common = dict(storage_path=sweep_dirs["storage_path"], tracking_uri=sweep_dirs["tracking_uri"],
-                  data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=trial)
+                  data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=trial,
+                  stop_grace_s=0)  # a light trainable runs no Train job to wait for
 
     first = sweep.run_study("smoke", **common)
     assert sweep.count_trials(first) == (0, 1)  # only mpipemoe finished

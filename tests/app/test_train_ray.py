@@ -114,6 +114,28 @@ def test_resume_continues_step_count_and_data_position(compared, resumed, job):
     assert second["meta"]["hardware"].startswith("cpu") and second["meta"]["date"].startswith("20")
 
 
+def test_resume_on_one_worker_reshards_and_continues_the_data(resumed, job, tmp_path):
+    """``--resume NAME --num-workers 1`` of a 2-worker run: one worker holds all experts (DCP
+    reshards the checkpoint), reads both data streams' batches (global batch kept) and the loss
+    goes on from where the 2-worker run stopped (tests/workers/test_reshard.py checks the
+    losses against a run that never changed, on gloo without Ray)."""
+    first, second = resumed
+    summary_json = tmp_path / "summary.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--resume", "resume", "--storage-path", job.storage_path, "--steps", str(N + 1),
+                              "--num-workers", "1", "--summary-json", str(summary_json)])
+    assert run(args) == 0
+    third = json.loads(summary_json.read_text())
+    assert [m["step"] for m in third["history"]] == [N + 1]
+    assert third["meta"]["job"]["num_workers"] == 1 and third["meta"]["job"]["batch_size"] == 2 * job.batch_size
+    meta = json.loads((Path(third["checkpoint_path"]) / "meta.json").read_text())
+    assert (meta["world_size"], meta["data_shards"], meta["step"]) == (1, 2, N + 1)
+    before = _losses(second)
+    assert third["history"][0]["loss"] < before[-1] + 0.1 < _losses(first)[0]  # continues; a fresh model is far above
+    assert third["mlflow_run_id"] == first["mlflow_run_id"]
+
+
 def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
     bad = dataclasses.replace(job, name="nan", steps=4, lr=1e30, warmup_steps=0, grad_clip=0.0)
     with pytest.raises(RuntimeError, match=r"(non-finite loss at step [23]|StepError: step [23] failed)"):

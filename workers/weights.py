@@ -1,0 +1,97 @@
+"""A trained model in one process: from a sharded checkpoint, to and from an exported folder.
+
+    model, meta = load_checkpoint_model(checkpoint_dir)          # every expert in this process
+    export(model, out_dir, tokenizer, source={...})              # model.safetensors, config.json, tokenizer.json
+    model, config = load_exported(out_dir)                       # the same weights again
+
+A checkpoint (workers/checkpoint.py) holds the global ``[E, ...]`` expert tensors as slices
+written by each rank; DCP loads them whole into a model built for one process, whatever
+the number of workers that trained it. Only the model's tensors are read (not AdamW's).
+
+The exported folder:
+- ``model.safetensors``: every tensor of the model's ``state_dict`` by its name (float32,
+  experts whole: ``blocks.L.moe.experts.w1`` is ``[E, d_model, d_hidden]``; the LM head
+  is ``tok_embed.weight``, tied), with the format ``{"format": "pt"}`` in its metadata;
+- ``config.json``: Hugging Face-style names (``hidden_size``, ``num_local_experts``,
+  ``num_experts_per_tok`` ...), the ``mpipemoe_preset`` that rebuilds the model exactly, the
+  special token ids and where the weights came from;
+- ``tokenizer.json``: the run's tokenizer as a Hugging Face ``tokenizers`` file (the byte
+  tokenizer too: byte-level, no merges).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm.model import ModelPreset, MoETransformer
+from lm.tokenizer import TOKENIZER_FILE, ByteTokenizer, byte_tokenizer_as_hf
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# One process, no pipelining to tune: the engine's plainest setting (any engine loads any
+# checkpoint: they share the parameter layout, docs/engine.md).
+INFERENCE_ENGINE: dict[str, Any] = {"engine": "mpipemoe", "partitions": 1, "strategy": "none"}
+
+
+def build_model(preset: ModelPreset) -> MoETransformer:
+    """Local. An untrained single-process model of ``preset`` in eval mode."""
+    return MoETransformer(preset, group=None, **INFERENCE_ENGINE).eval()
+
+
+def load_checkpoint_model(directory: str | Path) -> tuple[MoETransformer, dict[str, Any]]:
+    """Local (no process group needed). The model in checkpoint ``directory`` with all its
+    experts, and the checkpoint's meta dict (step, preset, world size ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    meta = json.loads((directory / "meta.json").read_text())
+    model = build_model(ModelPreset(**meta["preset"]))
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model, meta
+
+
+def model_config(model: MoETransformer, tokenizer: Any, source: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of an exported ``model``."""
+    preset = model.preset
+    return {
+        "architectures": ["MoETransformer"], "model_type": "mpipemoe",
+        "is_decoder": preset.kind == "gpt", "vocab_size": preset.vocab_size, "hidden_size": preset.d_model,
+        "intermediate_size": preset.d_hidden, "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_heads, "num_local_experts": preset.num_experts,
+        "num_experts_per_tok": preset.top_k, "max_position_embeddings": preset.seq_len,
+        "hidden_act": preset.activation, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "eos_token_id": tokenizer.eos_id, "mask_token_id": tokenizer.mask_id, "pad_token_id": tokenizer.pad_id,
+        "mpipemoe_preset": dataclasses.asdict(preset), "mpipemoe_source": source,
+    }
+
+
+def export(model: MoETransformer, out_dir: str | Path, tokenizer: Any, source: dict[str, Any]) -> dict[str, int]:
+    """Local. Write ``model`` (its ``state_dict``), its config and ``tokenizer`` (a
+    ``lm.tokenizer`` tokenizer) to ``out_dir``; returns {file name: bytes}."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous()
+               for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(model_config(model, tokenizer, source), indent=1) + "\n")
+    (byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer).save(out_dir)
+    return {name: (out_dir / name).stat().st_size for name in (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)}
+
+
+def load_exported(out_dir: str | Path) -> tuple[MoETransformer, dict[str, Any]]:
+    """Local. The model of an exported folder (every tensor must be there, none extra) and its config."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir)
+    config = json.loads((out_dir / CONFIG_FILE).read_text())
+    model = build_model(ModelPreset(**config["mpipemoe_preset"]))
+    model.load_state_dict(load_file(str(out_dir / WEIGHTS_FILE)), strict=True)
+    return model, config
