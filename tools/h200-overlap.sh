@@ -7,7 +7,7 @@
 # Writes under $OUT (default ./out): bench-h200-emulated-8x8-<network>.json/.md, sim-parts-h200.json,
 # bench-h200-overlap-traces.json/.md and two of its timelines, bench-h200-peers.json/.md, logs.
 set -u
-[ $# -gt 0 ] || { echo "give stages: wait-tests gpu-tests parts grid-h200 grid-a100 traces trace-xl32k peers"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: wait-tests gpu-tests parts grid-h200 grid-a100 targets-h200 targets-a100 traces trace-xl32k peers"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -18,6 +18,8 @@ fi
 # A over PCIe and are 2.5-3x slower: left out to fit a device call); gpt-xl and 32k first.
 GRID="--emulate 8x8 --experts 64 --tokens 32768,16384,8192,4096 --routing uniform,skewed --partitions 1,2,4,8
       --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none"
+GRID_AT="--emulate 8x8 --experts 64 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4
+         --rounds 2 --repeats 2 --tracking-uri none"
 for stage in "$@"; do case $stage in
 wait-tests)  # the emulated link's wall-clock wait and the emulated All-to-All on the GPU
   step wait-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py -k "emulated" ;;
@@ -31,6 +33,14 @@ grid-h200)
 grid-a100)
   step grid-a100 ${A100_LIMIT:-300} python3 -m app.cli bench $GRID --model gpt-xl,bert-l,gpt-s --network dgx-a100 \
       --out "$OUT/bench-h200-emulated-8x8-dgx-a100.json" ;;
+targets-h200)  # the issue's target points first (a device call holds ~9 min): gpt-xl 32k-8k, bert-l and gpt-s 32k
+  step targets-h200-xl 330 python3 -m app.cli bench $GRID_AT --model gpt-xl --tokens 32768,16384,8192 \
+      --network dgx-h200 --out "$OUT/bench-h200-emulated-8x8-dgx-h200.json"
+  step targets-h200-small 160 python3 -m app.cli bench $GRID_AT --model bert-l,gpt-s --tokens 32768 \
+      --network dgx-h200 --out "$OUT/bench-h200-emulated-8x8-dgx-h200-32k.json" ;;
+targets-a100)  # gpt-xl at 8k-32k on the DGX-A100 network (its target: auto near the bound from 8k up)
+  step targets-a100 330 python3 -m app.cli bench $GRID_AT --model gpt-xl --tokens 32768,16384,8192 \
+      --network dgx-a100 --out "$OUT/bench-h200-emulated-8x8-dgx-a100.json" ;;
 traces)  # two representative points' timelines: gpt-xl 16k FastMoE and 4/none on the H200-class network
   step traces 120 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
       --tokens 16384 --partitions 4 --strategies none --rounds 2 --repeats 2 --tracking-uri none \
