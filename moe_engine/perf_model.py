@@ -56,6 +56,12 @@ from .streams import StreamSet
 from .timing import Stopwatch, synchronize, time_fn
 
 SHARED_STRATEGIES = ("S1", "S2", "S3", "S4")
+# Without a memory budget, `strategy="auto"` takes a restore strategy (S1-S4: shared buffers,
+# less memory) only where it is predicted within this share of the fastest choice; otherwise
+# the fastest, usually "none" (issue 26: on the emulated 8x8 H200 cluster S3 cost 10-14% at
+# gpt-xl 8k-32k, so the memory-first rule left auto 5-20% behind the best setting). Give
+# `memory_budget` to trade time for memory.
+SAVING_SLACK = 0.03
 # The rates and costs the model reads, and the concurrent pairs it reads slowdowns of.
 FIGURES = ("gemm_flops", "a2a_latency_s", "a2a_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
            "partition_overhead_s")
@@ -434,21 +440,25 @@ class PerformanceModel:
         return Prediction(partitions, strategy, forward, backward, peak)
 
     def choose(self, config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype,
-               partitions: list[int], strategies: Sequence[str] = SHARED_STRATEGIES, memory_budget: int | None = None) -> Prediction:
+               partitions: list[int], strategies: Sequence[str] = SHARED_STRATEGIES, memory_budget: int | None = None,
+               saving_slack: float = SAVING_SLACK) -> Prediction:
         """The (n, strategy) to run.
 
-        Without a budget: the fastest predicted of the given restore strategies among
-        those that lower the predicted peak below keeping everything ("none") at the
-        same n; where none does (one partition: nothing to share), "none" itself.
+        Without a budget: the fastest predicted choice, "none" (keep everything) included,
+        unless one of the given restore strategies lowers the predicted peak below "none"'s at
+        the same n for at most ``saving_slack`` more time than the fastest: then the fastest
+        such (memory saved for almost nothing). One partition has nothing to share: "none".
         With a budget: the fastest predicted choice, "none" included, that fits;
         a ValueError names the smallest need when nothing fits.
         """
         options = [self.predict(config, tokens, world_size, n, s, dtype)
                    for n in partitions for s in ("none", *[s for s in strategies if s != "none"])]
         if memory_budget is None:
+            fastest = min(options, key=lambda o: o.total_s)
             keep = {o.partitions: o.peak_bytes for o in options if o.strategy == "none"}
-            saving = [o for o in options if o.strategy != "none" and o.peak_bytes < keep[o.partitions]]
-            return min(saving or [o for o in options if o.strategy == "none"], key=lambda o: o.total_s)
+            saving = [o for o in options if o.strategy != "none" and o.peak_bytes < keep[o.partitions]
+                      and o.total_s <= (1 + saving_slack) * fastest.total_s]
+            return min(saving, key=lambda o: o.total_s) if saving else fastest
         fitting = [o for o in options if o.peak_bytes <= memory_budget]
         if not fitting:
             smallest = min(options, key=lambda o: o.peak_bytes)

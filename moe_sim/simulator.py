@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 
 from moe_engine.config import ENGINES, STRATEGIES, MoEConfig
 from moe_engine.memory import RestorePolicy, predict_memory
+from moe_engine.perf_model import SAVING_SLACK
 from moe_engine.schedule import COMPUTE, backward_schedule, forward_schedule
 
 from .network import (ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
@@ -747,8 +748,8 @@ class EngineChoice:
     fastmoe: LayerResult
     fastermoe: LayerResult
     fastest: LayerResult          # MPipeMoE: the fastest (n, strategy), "none" included
-    chosen: LayerResult           # MPipeMoE as "auto" runs it: fastest n, then the fastest restore
-                                  # strategy that lowers the peak below keeping everything
+    chosen: LayerResult           # MPipeMoE as "auto" runs it: fastest n, then the fastest choice,
+                                  # or a restore strategy that lowers the peak for <= SAVING_SLACK more
     grid: tuple                   # every MPipeMoE (n, strategy) simulated
 
 
@@ -764,8 +765,10 @@ def compare_engines(shape: LayerShape, cluster: Cluster, parts, partitions=PARTI
     for n in partitions:
         options = [r for r in grid if r.partitions == n]
         keep = next(r for r in options if r.strategy == "none")
-        saving = [r for r in options if r.strategy != "none" and r.peak_bytes < keep.peak_bytes]
-        by_n[n] = min(saving or [keep], key=lambda r: r.total_s)
+        quickest = min(options, key=lambda r: r.total_s)
+        saving = [r for r in options if r.strategy != "none" and r.peak_bytes < keep.peak_bytes
+                  and r.total_s <= (1 + SAVING_SLACK) * quickest.total_s]
+        by_n[n] = min(saving, key=lambda r: r.total_s) if saving else quickest
     best_time = min(r.total_s for r in by_n.values())
     chosen = by_n[max(n for n, r in by_n.items() if r.total_s <= best_time * (1 + tolerance))]
     return EngineChoice(simulate_layer("fastmoe", shape, cluster, parts),

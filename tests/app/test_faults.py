@@ -334,7 +334,7 @@ def test_full_disk(env, tmp_path, capsys):
         (status, line), (train_status, train_line) = results
         assert status == 1
         assert re.match(rf"mpipemoe data: error: cannot write {re.escape(str(where / 'data'))}"
-                        r"/shard-00000\.parquet \((No space left on device|File too large)\): free space there or "
+                        r"/(shard-00000|val)\.parquet \((No space left on device|File too large)\): free space there or "
                         r"choose another --out; no partial data was kept", line), line
         assert _listing(where / "data") == []  # no shard, no manifest: nothing looks prepared
         assert train_status == 1
