@@ -54,6 +54,10 @@ from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, Pr
 log = logging.getLogger(__name__)
 
 
+# Strategy choices a planner remembers before it starts afresh (token counts seen in training are few).
+MAX_REMEMBERED_CHOICES = 256
+
+
 @dataclass(frozen=True)
 class AgreedValues:
     """The values of one pass that every rank holds alike: the max over ranks of each rank's
@@ -116,6 +120,9 @@ class Planner:
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.host_fallback_reason: str | None = None  # why the last host check chose S4 over an offload
         self._host_check: tuple | None = None         # (pass shape, AgreedHeadroom) of the last host check
+        # (tokens, n, dtype, memory budget) -> (profile, strategy): the model's choice, remembered (the
+        # same for the same agreed values and profile; pricing it costs the host ~0.3 ms a pass)
+        self._strategy_choices: dict[tuple[int, int, torch.dtype, int | None], tuple[HardwareProfile, str]] = {}
 
     @property
     def count_chunks(self) -> int:
@@ -177,10 +184,23 @@ class Planner:
             n = self.partitions  # type: ignore[assignment]  # (partitions is an int unless "auto")
         strategy = self.strategy
         if strategy == "auto":
-            model = PerformanceModel(self._profile(agreed))
-            strategy = model.choose(self.config, tokens, self.group.size, agreed.dtype, [n], SHARED_STRATEGIES,
-                                    self.memory_budget).strategy
+            strategy = self._model_strategy(agreed, tokens, n)
         return PassPlan(n, strategy)
+
+    def _model_strategy(self, agreed: AgreedValues, tokens: int, n: int) -> str:
+        """The performance model's strategy for ``tokens`` at ``n`` (agreed values and the
+        agreed profile: the same on every rank), remembered per (tokens, n, dtype, budget)."""
+        profile = self._profile(agreed)
+        key = (tokens, n, agreed.dtype, self.memory_budget)
+        known = self._strategy_choices.get(key)
+        if known is not None and known[0] is profile:
+            return known[1]
+        strategy = PerformanceModel(profile).choose(self.config, tokens, self.group.size, agreed.dtype, [n],
+                                                    SHARED_STRATEGIES, self.memory_budget).strategy
+        if len(self._strategy_choices) >= MAX_REMEMBERED_CHOICES:
+            self._strategy_choices.clear()
+        self._strategy_choices[key] = (profile, strategy)
+        return strategy
 
     def _profile(self, agreed: AgreedValues) -> HardwareProfile:
         """The profile every rank holds alike (collective when the agreed flags say so)."""

@@ -60,6 +60,20 @@ def test_the_strategy_is_the_performance_models_choice():
     assert shared.strategy == "S4"
 
 
+def test_the_strategy_is_priced_once_per_pass_shape_and_profile(monkeypatch):
+    priced = []
+    choose = PerformanceModel.choose
+    monkeypatch.setattr(PerformanceModel, "choose", lambda self, *a, **k: priced.append(a[1]) or choose(self, *a, **k))
+    planner = Planner(CONFIG, ExpertGroup(None), partitions=4, strategy="auto", profile=OFFLOAD_FRIENDLY)
+    plans = [planner.decide(agreed(tokens)) for tokens in (64, 64, 64, 32, 64, 32)]
+    assert [p.strategy for p in plans] == ["S1"] * 6 and priced == [64, 32]   # each token count priced once
+    planner.profile = SLOW_COPIES   # another profile (as adopting rank 0's would give): priced again
+    assert planner.decide(agreed(64)).strategy == "none" and priced == [64, 32, 64]
+    planner.memory_budget = 10 ** 12  # another budget: priced again
+    planner.decide(agreed(64))
+    assert priced == [64, 32, 64, 64]
+
+
 def test_the_host_check_falls_back_when_the_agreed_headroom_is_short():
     plan = PassPlan(2, "S1")
     assert Planner.decide_host(plan, AgreedHeadroom(0)) == plan
