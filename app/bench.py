@@ -374,6 +374,9 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         layer = build()
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
+        # The rows this rank sent and received in the measured pass (the host probe's
+        # passes below, at 64 tokens, would overwrite `last_rows`).
+        memories[-1]["rows"] = getattr(layer, "last_rows", None)
         layers.append(layer)
     # Peers (app/peers.py) copy the source's weights into their own layout themselves.
     for peer in settings.peers:
@@ -396,15 +399,17 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         strategy = getattr(layer, "last_strategy", None) or "none"
         # The model on the rows this rank actually sent and received in the layer's last pass
         # (under skew the busiest rank's, which an emulated rank 0 is), not the balanced k·T.
-        rows_sent, rows_received = getattr(layer, "last_rows", None) or (None, None)
+        rows_sent, rows_received, largest_partition = memory.pop("rows", None) or (None, None, None)
         predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
             config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
-            dtype=dtype, rows_sent=rows_sent, rows_received=rows_received).peak_bytes
+            dtype=dtype, rows_sent=rows_sent, rows_received=rows_received,
+            largest_partition_received=largest_partition).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
-                  **({"rows_sent": rows_sent, "rows_received": rows_received} if rows_sent is not None else {}),
+                  **({"rows_sent": rows_sent, "rows_received": rows_received,
+                      "largest_partition_received": largest_partition} if rows_sent is not None else {}),
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
                   "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
                   **group_fields(group)}

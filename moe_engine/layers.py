@@ -73,7 +73,8 @@ class MoELayerBase(nn.Module):
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.planner = Planner(config, self.group, host_pool=self.host_pool)  # one partition, keep everything
         self._streams: dict[torch.device, StreamSet] = {}
-        self.last_rows: tuple[int, int] | None = None  # (rows sent, rows received) of the last pass
+        # (rows sent, rows received, the most one partition received) of the last pass
+        self.last_rows: tuple[int, int, int] | None = None
         # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
         # forwards never recomputed fall off the far end)
         self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
@@ -183,7 +184,8 @@ class MoELayerBase(nn.Module):
                 f"none (forward-only capture under torch.no_grad offloads nothing and works)")
         # The pass's actual rows (this rank's), for the routing-aware memory model
         # (memory.predict_memory's rows_sent / rows_received).
-        self.last_rows = (plan.send_offsets[-1], sum(p.rows_received for p in plan.partitions))
+        received = [p.rows_received for p in plan.partitions]
+        self.last_rows = (plan.send_offsets[-1], sum(received), max(received, default=0))
         experts, out_dtype = self.experts, x_TD.dtype
         # Mixed precision (float32 master weights under autocast): the experts compute, and
         # the All-to-Alls move rows, in the autocast dtype, the one the planner priced. The

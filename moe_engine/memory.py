@@ -278,13 +278,17 @@ class MemoryEstimate:
 
 def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
-                   rows_sent: int | None = None, rows_received: int | None = None) -> MemoryEstimate:
+                   rows_sent: int | None = None, rows_received: int | None = None,
+                   largest_partition_received: int | None = None) -> MemoryEstimate:
     """Predict the layer's activation memory per rank (derivation in docs/engine.md).
 
     tokens: T on this rank. rows_sent / rows_received: R and N when known (e.g.
     measured; the busiest rank's N under skewed routing); by default R = N = k·T, exact
     for dropless routing on one rank (and for any routing there: one rank computes
     every pair) and the balanced-routing expectation on several.
+    largest_partition_received: the most rows one partition received (a pass's plan knows
+    it); by default ⌈N/n⌉. Under skewed routing partitions receive unevenly and the
+    per-partition buffers are as large as the fullest one.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: choose one of {', '.join(ENGINES)}")
@@ -301,7 +305,8 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     R = K * T if rows_sent is None or single else rows_sent
     N = K * T if rows_received is None or single else rows_received
     n = max(1, partitions)
-    Rn, Nn = -(-R // n), -(-N // n)
+    Rn = -(-R // n)
+    Nn = -(-N // n) if largest_partition_received is None or single else largest_partition_received
     keep_activation = engine == "fastmoe"
     reorder = not single and L > 1  # received rows are re-ordered by expert (a copy each way)
     bias = config.bias

@@ -15,13 +15,13 @@ from moe_engine.comm import ExpertGroup
 
 def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--tokens", "64", "--partitions", "1,2", "--strategies", "none,S3",
+    assert main(["bench", "--tokens", "96", "--partitions", "1,2", "--strategies", "none,S3",
                  "--routing", "uniform,skewed", "--warmup", "1", "--repeats", "1", "--world-size", "2",
                  "--tracking-uri", "none", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     meta = result["meta"]
     assert meta["world_size"] == 2 and meta["hardware"].startswith("cpu") and meta["date"]
-    assert meta["settings"]["tokens"] == [64] and meta["settings"]["routings"] == ["uniform", "skewed"]
+    assert meta["settings"]["tokens"] == [96] and meta["settings"]["routings"] == ["uniform", "skewed"]
     for routing in ("uniform", "skewed"):
         records = [r for r in result["records"] if r["routing"] == routing]
         chosen = sorted((r["engine"], r["chosen_by"]) for r in records if r["chosen_by"] != "grid")
@@ -43,6 +43,13 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     # the memory prediction is made on the rows the pass moved: under skew not the balanced k·T
     skewed = [r for r in result["records"] if r["routing"] == "skewed" and r["engine"] != "dense-floor"]
     assert all("rows_received" in r for r in skewed)
+    # ... of the measured pass, not the 64-token host probe's: every layer routes the same
+    # input with the same weights, so all moved the rows the (unprobed) auto layer moved
+    for routing in ("uniform", "skewed"):
+        records = [r for r in result["records"] if r["routing"] == routing and r["engine"] != "dense-floor"]
+        auto = next(r for r in records if r["chosen_by"] == "auto")
+        assert auto["rows_sent"] == auto["top_k"] * 96
+        assert {(r["rows_sent"], r["rows_received"]) for r in records} == {(auto["rows_sent"], auto["rows_received"])}
     assert any(r["rows_received"] != r["top_k"] * r["tokens"] for r in skewed)
     summaries = {s["routing"]: s for s in result["summaries"]}
     assert summaries["skewed"]["hot_expert_share"] > 0.25 > summaries["uniform"]["hot_expert_share"]
@@ -51,7 +58,7 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
             overlap_bound_ms(s["all_to_all_ms"], s["expert_ms"], s["auto_partitions"]))
     assert set(result["targets"]["best_n_by_tokens"]) == {"tiny/uniform", "tiny/skewed"}
     table = out.with_suffix(".md").read_text()
-    assert "| tiny | skewed | 64 |" in table and "## Targets" in table
+    assert "| tiny | skewed | 96 |" in table and "## Targets" in table
 
 
 def test_overlap_bound_is_the_longer_stage_plus_one_partition_of_the_shorter():

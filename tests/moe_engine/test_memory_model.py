@@ -57,3 +57,24 @@ def test_sharing_saves_the_expert_activations():
     # more partitions: smaller working buffers
     assert predict_memory(config, 16384, partitions=8, strategy="S4").peak_bytes < \
         predict_memory(config, 16384, partitions=2, strategy="S4").peak_bytes
+
+
+def test_the_fullest_partition_sizes_the_shared_buffers():
+    """Under skewed routing partitions receive unevenly: the model sized by the fullest one
+    predicts more than by an even split, the same for an even one, and n = 1 is unchanged."""
+    config = MoEConfig(d_model=64, d_hidden=256, num_experts=16, top_k=2)
+    rows = dict(rows_sent=2 * 4096, rows_received=4 * 2 * 4096)
+    even = predict_memory(config, 4096, 8, 4, "S4", **rows)
+    assert predict_memory(config, 4096, 8, 4, "S4", **rows, largest_partition_received=2 * 4096) == even
+    skewed = predict_memory(config, 4096, 8, 4, "S4", **rows, largest_partition_received=6 * 4096)
+    assert skewed.peak_bytes > even.peak_bytes
+    one = predict_memory(config, 4096, 8, 1, "none", **rows)
+    assert predict_memory(config, 4096, 8, 1, "none", **rows, largest_partition_received=8 * 4096) == one
+
+
+def test_a_layer_records_the_rows_of_its_last_pass():
+    config = MoEConfig(d_model=16, d_hidden=32, num_experts=4, top_k=2)
+    layer = MPipeMoE(config, None, 3, "none")
+    layer(torch.randn(50, 16))
+    sent, received, fullest = layer.last_rows
+    assert sent == received == 100 and 100 / 3 <= fullest <= 100   # one rank computes every pair
