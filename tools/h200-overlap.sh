@@ -7,7 +7,7 @@
 # Writes under $OUT (default ./out): bench-h200-emulated-8x8-<network>.json/.md, sim-parts-h200.json,
 # bench-h200-overlap-traces.json/.md and two of its timelines, bench-h200-peers.json/.md, logs.
 set -u
-[ $# -gt 0 ] || { echo "give stages: wait-tests gpu-tests parts grid-h200 grid-a100 targets-h200 targets-a100 traces trace-xl32k peers"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: wait-tests gpu-tests parts grid-h200 grid-a100 targets-h200 targets-a100 memory traces trace-xl32k peers"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -41,6 +41,10 @@ targets-h200)  # the issue's target points first (a device call holds ~9 min): g
 targets-a100)  # gpt-xl at 8k-32k on the DGX-A100 network (its target: auto near the bound from 8k up)
   step targets-a100 330 python3 -m app.cli bench $GRID_AT --model gpt-xl --tokens 32768,16384,8192 \
       --network dgx-a100 --out "$OUT/bench-h200-emulated-8x8-dgx-a100.json" ;;
+memory)  # the memory model against every setting's peak, uniform and skewed (one timing round: memory is the point)
+  step memory 200 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
+      --tokens 32768,16384,8192 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4 \
+      --rounds 1 --repeats 1 --tracking-uri none --out "$OUT/bench-h200-emulated-memory.json" ;;
 traces)  # two representative points' timelines: gpt-xl 16k FastMoE and 4/none on the H200-class network
   step traces 120 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
       --tokens 16384 --partitions 4 --strategies none --rounds 2 --repeats 2 --tracking-uri none \
