@@ -63,13 +63,15 @@ def test_the_fullest_partition_sizes_the_shared_buffers():
     """Under skewed routing partitions receive unevenly: the model sized by the fullest one
     predicts more than by an even split, the same for an even one, and n = 1 is unchanged."""
     config = MoEConfig(d_model=64, d_hidden=256, num_experts=16, top_k=2)
-    rows = dict(rows_sent=2 * 4096, rows_received=4 * 2 * 4096)
-    even = predict_memory(config, 4096, 8, 4, "S4", **rows)
-    assert predict_memory(config, 4096, 8, 4, "S4", **rows, largest_partition_received=2 * 4096) == even
-    skewed = predict_memory(config, 4096, 8, 4, "S4", **rows, largest_partition_received=6 * 4096)
-    assert skewed.peak_bytes > even.peak_bytes
-    one = predict_memory(config, 4096, 8, 1, "none", **rows)
-    assert predict_memory(config, 4096, 8, 1, "none", **rows, largest_partition_received=8 * 4096) == one
+
+    def predict(n, strategy, fullest=None):
+        return predict_memory(config, 4096, 8, n, strategy, rows_sent=2 * 4096, rows_received=4 * 2 * 4096,
+                              largest_partition_received=fullest)
+
+    even = predict(4, "S4")
+    assert predict(4, "S4", 2 * 4096) == even
+    assert predict(4, "S4", 6 * 4096).peak_bytes > even.peak_bytes
+    assert predict(1, "none", 8 * 4096) == predict(1, "none")
 
 
 def test_a_layer_records_the_rows_of_its_last_pass():
