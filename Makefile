@@ -34,7 +34,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 test: typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray"
