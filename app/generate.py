@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
         f"top-k {args.top_k or 'all'}, temperature {args.temperature:g}, seed {args.seed}"
     print(f"[mpipemoe] {args.run} at step {trained.meta.get('step')} ({trained.checkpoint.name}), "
           f"{len(prompt_ids)} prompt tokens, {how}", file=sys.stderr)
-    torch.set_grad_enabled(False)
-    new = generate(trained.model, prompt_ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                   temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed),
-                   stop_id=tokenizer.eos_id)
+    with torch.no_grad():  # (not torch.set_grad_enabled(False): the CLI may run inside a longer process)
+        new = generate(trained.model, prompt_ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                       temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed),
+                       stop_id=tokenizer.eos_id)
     print(args.prompt + tokenizer.decode(new))
     return 0

@@ -356,6 +356,10 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
 # The number of workers may change where each keeps whole experts and the data layout and
 # global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
 RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
+# A run whose settings file is gone keeps its worker count too: the file holds the batch and
+# data layout a resharded resume must keep (check_data_continues), so without it nothing
+# shows that another count would continue the data at the same global sample.
+ORPHAN_BOUND_FIELDS = RUN_BOUND_FIELDS + ("num_workers",)
 
 
 def checkpoint_settings(run_dir: str | Path) -> dict | None:
@@ -379,7 +383,8 @@ def checkpoint_settings(run_dir: str | Path) -> dict | None:
 def continue_command(name: str, storage_path: str, settings: dict) -> str:
     """``mpipemoe train --name NAME`` with the run-bound ``settings`` (``checkpoint_settings``):
     how to continue a run whose settings file is gone."""
-    flags = "".join(f" --{k.replace('_', '-')} {settings[k]}" for k in RUN_BOUND_FIELDS if settings.get(k) is not None)
+    flags = "".join(f" --{k.replace('_', '-')} {settings[k]}" for k in ORPHAN_BOUND_FIELDS
+                    if settings.get(k) is not None)
     storage = "" if Path(storage_path) == Path("ray_results").resolve() else f" --storage-path {storage_path}"
     return f"{invocation()} train --name {name}{flags}{storage}"
 
@@ -399,9 +404,9 @@ def check_continues(job: TrainJob) -> None:
         except (OSError, ValueError) as error:
             raise ValueError(f"cannot read the newest checkpoint of run {job.name} in {job.run_dir} "
                              f"({type(error).__name__}: {error}): choose another --name") from None
-        if was is None or all(was[k] == asked[k] for k in RUN_BOUND_FIELDS):
+        if was is None or all(was[k] == asked[k] for k in ORPHAN_BOUND_FIELDS):
             return
-        changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]]
+        changed = [k for k in ORPHAN_BOUND_FIELDS if was[k] != asked[k]]
         flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (its {was['checkpoint']} has {was[k]})"
                           for k in changed)
         raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "

@@ -47,3 +47,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_is_left_as_found():
+    """A test (or the code it calls in-process, such as a CLI command) that leaves autograd
+    switched off would fail every later test that needs gradients, far from the cause:
+    fail the test that did it instead, and restore the mode."""
+    import torch
+
+    before = torch.is_grad_enabled()
+    yield
+    after = torch.is_grad_enabled()
+    torch.set_grad_enabled(before)
+    assert after == before, f"the test left torch.is_grad_enabled() {after} (it was {before})"
