@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.generate import trained_run
+from app.trained import trained_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

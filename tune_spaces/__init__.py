@@ -57,14 +57,9 @@ def load(name: str) -> ModuleType:
 
 
 def loss_metric(job_fields: dict) -> str:
-    """The loss a study ranks by: VAL_LOSS when its training jobs evaluate (``TrainJob`` has
-    EVAL_FIELD and the study or its default sets it above 0), else TRAIN_LOSS."""
-    from app.jobs import TrainJob
-
-    fields = TrainJob.__dataclass_fields__
-    if EVAL_FIELD not in fields:
-        return TRAIN_LOSS
-    every = job_fields.get(EVAL_FIELD, fields[EVAL_FIELD].default)
+    """The loss a study ranks by: VAL_LOSS when its training jobs evaluate (EVAL_FIELD above
+    0, or not set: ``app.jobs.TrainJob`` evaluates by default), else TRAIN_LOSS."""
+    every = job_fields.get(EVAL_FIELD, 1)
     return VAL_LOSS if isinstance(every, int) and every > 0 else TRAIN_LOSS
 
 

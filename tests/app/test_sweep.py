@@ -109,7 +109,10 @@ def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
 
 
 def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
-    assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"   # TrainJob evaluates by default
+    from app.jobs import TrainJob
+
+    assert TrainJob().eval_every > 0   # what loss_metric assumes of a study that does not set it
+    assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"
     assert tune_spaces.loss_metric({"eval_every": 10}) == "val_loss"
     assert tune_spaces.loss_metric({"eval_every": 0}) == tune_spaces.TRAIN_LOSS == "loss"
     assert tune_spaces.ranking(tune_spaces.load("lr"), tune_spaces.load("lr").param_space()) == ("val_loss", "min")

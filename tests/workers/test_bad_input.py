@@ -169,7 +169,8 @@ class _RecordingRun:
 
 def _metrics(step, attempt, loss=3.0, skipped=0):
     return {"step": step, "loss": loss, "lm_loss": loss, "aux_loss": 1.0, "tokens_per_s": 1.0,
-            "step_time_s": 1.0, "peak_memory_bytes": 1, "skipped": skipped, "attempt": attempt}
+            "step_time_s": 1.0, "peak_memory_bytes": 1, "skipped": skipped, "attempt": attempt,
+            "lr": 1e-3, "grad_norm": 1.0}   # a worker's step metrics carry the lr and grad norm
 
 
 def test_driver_records_restarts_and_skipped_steps():
