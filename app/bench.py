@@ -369,14 +369,14 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                                                                        host_pool=host_pool, device=device,
                                                                        dtype=dtype))
                      for n in settings.partitions for s in settings.strategies]
-    layers, memories = [], []
+    # measured_rows: each layer's `last_rows` after its measured pass (the host probe's passes
+    # below, at 64 tokens, overwrite them); None for peers and the floor.
+    layers, memories, measured_rows = [], [], []
     for _, _, build in variants:
         layer = build()
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
-        # The rows this rank sent and received in the measured pass (the host probe's
-        # passes below, at 64 tokens, would overwrite `last_rows`).
-        memories[-1]["rows"] = getattr(layer, "last_rows", None)
+        measured_rows.append(getattr(layer, "last_rows", None))
         layers.append(layer)
     # Peers (app/peers.py) copy the source's weights into their own layout themselves.
     for peer in settings.peers:
@@ -394,12 +394,14 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     variants.append(("dense-floor", "floor", None))
     memories.append(floor_memory)
     records = []
-    for (engine, chosen_by, _), layer, memory, timing in zip(variants, layers + [None], memories, times):
+    measured_rows += [None] * (len(variants) - len(measured_rows))
+    for (engine, chosen_by, _), layer, memory, timing, rows in zip(variants, layers + [None], memories, times,
+                                                                   measured_rows):
         n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
         strategy = getattr(layer, "last_strategy", None) or "none"
-        # The model on the rows this rank actually sent and received in the layer's last pass
+        # The model on the rows this rank actually sent and received in the measured pass
         # (under skew the busiest rank's, which an emulated rank 0 is), not the balanced k·T.
-        rows_sent, rows_received, largest_partition = memory.pop("rows", None) or (None, None, None)
+        rows_sent, rows_received, largest_partition = rows or (None, None, None)
         predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
             config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
             dtype=dtype, rows_sent=rows_sent, rows_received=rows_received,
