@@ -74,3 +74,40 @@ class MoEConfig:
     def pre_activation_width(self) -> int:
         """Width of the pre-activation A per row: d_hidden, or 2·d_hidden when gated."""
         return 2 * self.d_hidden if self.gated else self.d_hidden
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Device bytes for the activations of ``layers`` MoE layers alike (a model's stack).
+
+    Each layer keeps its saved tensors from its forward to its backward, while the working
+    tensors of a pass come and go one layer at a time; so a choice (n, strategy) fits when
+    ``layers`` · saved + the larger working set <= ``bytes``. With layers=1 that is the
+    layer's own activation peak (what an int ``memory_budget`` means).
+
+        MPipeMoE(config, memory_budget=MemoryBudget(bytes=6 * 2**30, layers=8))
+    """
+
+    bytes: int
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("bytes", "layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MemoryBudget.{field}={value!r} is invalid: give an integer >= 1")
+
+    @classmethod
+    def of(cls, value: "int | MemoryBudget | None") -> "MemoryBudget | None":
+        """``value`` as a budget: an int is one layer's peak; None is no budget."""
+        if value is None or isinstance(value, MemoryBudget):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"memory_budget={value!r} is invalid: give a positive number of bytes, "
+                             "a MemoryBudget(bytes=..., layers=...) or None")
+        return cls(value)
+
+    def need(self, saved_bytes: int, working_bytes: int) -> int:
+        """Bytes the ``layers`` layers need when each saves ``saved_bytes`` and one pass
+        works in ``working_bytes`` (a MemoryEstimate's saved and larger working set)."""
+        return self.layers * saved_bytes + working_bytes

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from . import dispatcher
 from .comm import ExpertGroup
-from .config import MoEConfig
+from .config import MemoryBudget, MoEConfig
 from .dispatcher import STATS, DispatchPlan, PassStats
 from .experts import Experts, compute_dtype
 from .granularity import GranularitySearch, skew_bucket
@@ -265,6 +265,8 @@ class MPipeMoE(MoELayerBase):
                    Its key's dtype is the one the experts run in (autocast's under autocast).
     memory_budget: bytes the layer's activations may use; "auto" then picks the fastest
                    strategy that fits (and "none" may compete), or fails naming the need.
+                   For a model of L such layers give MemoryBudget(bytes=..., layers=L): each
+                   layer's saved tensors count L times, one working set once.
     search:        the GranularitySearch to use (candidates, re-check period, ...).
     host_pool:     pinned host buffers for offloads; share one between layers if you like.
                    An offloading strategy (S1–S3) whose buffers would not fit in the host
@@ -273,7 +275,8 @@ class MPipeMoE(MoELayerBase):
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
-                 profile: HardwareProfile | ProfileCache | None = None, memory_budget: int | None = None,
+                 profile: HardwareProfile | ProfileCache | None = None,
+                 memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
                  device=None, dtype=None):
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from .comm import ExpertGroup
-from .config import MoEConfig
+from .config import MemoryBudget, MoEConfig
 from .experts import Experts, ExpertSegments
 from .memory import RestorePolicy, predict_memory
 from .schedule import COMM, backward_schedule, forward_schedule
@@ -378,10 +378,15 @@ class Prediction:
     forward_s: float
     backward_s: float
     peak_bytes: int
+    saved_bytes: int = 0  # of peak_bytes, what the layer keeps from forward to backward
 
     @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    def need(self, budget: MemoryBudget) -> int:
+        """Bytes this choice needs under ``budget`` (its layers' saved tensors, one working set)."""
+        return budget.need(self.saved_bytes, self.peak_bytes - self.saved_bytes)
 
 
 def _partition_counts(policy: RestorePolicy) -> tuple[Counter[str], Counter[str]]:
@@ -436,20 +441,21 @@ class PerformanceModel:
             bwd[COMM] * a2a,
             (bwd["dgrad"] + bwd["wgrad"]) * (gemm1 + gemm2) + bwd["recompute"] * gemm1,
             restore / p.h2d_bytes_per_s, partitions)
-        peak = predict_memory(config, tokens, world_size, partitions, strategy, dtype=dtype).peak_bytes
-        return Prediction(partitions, strategy, forward, backward, peak)
+        memory = predict_memory(config, tokens, world_size, partitions, strategy, dtype=dtype)
+        return Prediction(partitions, strategy, forward, backward, memory.peak_bytes, memory.saved_bytes)
 
     def choose(self, config: MoEConfig, tokens: int, world_size: int, dtype: torch.dtype,
-               partitions: list[int], strategies: Sequence[str] = SHARED_STRATEGIES, memory_budget: int | None = None,
-               saving_slack: float = SAVING_SLACK) -> Prediction:
+               partitions: list[int], strategies: Sequence[str] = SHARED_STRATEGIES,
+               memory_budget: int | MemoryBudget | None = None, saving_slack: float = SAVING_SLACK) -> Prediction:
         """The (n, strategy) to run.
 
         Without a budget: the fastest predicted choice, "none" (keep everything) included,
         unless one of the given restore strategies lowers the predicted peak below "none"'s at
         the same n for at most ``saving_slack`` more time than the fastest: then the fastest
         such (memory saved for almost nothing). One partition has nothing to share: "none".
-        With a budget: the fastest predicted choice, "none" included, that fits;
-        a ValueError names the smallest need when nothing fits.
+        With a budget (an int: the layer's peak; a MemoryBudget: its layers' saved
+        tensors and one working set): the fastest predicted choice, "none" included, that
+        fits; a ValueError names the smallest need when nothing fits.
         """
         options = [self.predict(config, tokens, world_size, n, s, dtype)
                    for n in partitions for s in ("none", *[s for s in strategies if s != "none"])]
@@ -459,11 +465,14 @@ class PerformanceModel:
             saving = [o for o in options if o.strategy != "none" and o.peak_bytes < keep[o.partitions]
                       and o.total_s <= (1 + saving_slack) * fastest.total_s]
             return min(saving, key=lambda o: o.total_s) if saving else fastest
-        fitting = [o for o in options if o.peak_bytes <= memory_budget]
+        budget = MemoryBudget.of(memory_budget)
+        assert budget is not None
+        fitting = [o for o in options if o.need(budget) <= budget.bytes]
         if not fitting:
-            smallest = min(options, key=lambda o: o.peak_bytes)
+            smallest = min(options, key=lambda o: o.need(budget))
+            layers = f" for {budget.layers} layers" if budget.layers > 1 else ""
             raise ValueError(
-                f"memory_budget={memory_budget} bytes is too small: the leanest choice "
-                f"(n={smallest.partitions}, {smallest.strategy}) needs {smallest.peak_bytes} bytes for "
+                f"memory_budget={budget.bytes} bytes{layers} is too small: the leanest choice "
+                f"(n={smallest.partitions}, {smallest.strategy}) needs {smallest.need(budget)} bytes for "
                 f"{tokens} tokens; raise the budget, use fewer tokens per step, or more partitions")
         return min(fitting, key=lambda o: o.total_s)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .comm import ExpertGroup
-from .config import STRATEGIES, MoEConfig
+from .config import STRATEGIES, MemoryBudget, MoEConfig
 from .dispatcher import DispatchPlan, PassStats
 from .granularity import GranularitySearch, PassTiming
 from .memory import HostBufferPool, RestorePolicy, predict_memory
@@ -97,32 +97,32 @@ class Planner:
     partitions:    "auto" (online search) or an int >= 1.
     strategy:      "auto" (performance model), "none", "S1", "S2", "S3" or "S4".
     profile:       a HardwareProfile, or a ProfileCache (default: one of this planner's own).
-    memory_budget: bytes the layer's activations may use (None: no budget).
+    memory_budget: bytes the layer's activations may use, or a MemoryBudget shared by a
+                   stack of such layers (None: no budget).
     search:        the GranularitySearch for partitions="auto" (default: GranularitySearch()).
     host_pool:     the pool offloads take host buffers from (its headroom is checked).
     """
 
     def __init__(self, config: MoEConfig, group: ExpertGroup, partitions: int | str = 1, strategy: str = "none", *,
-                 profile: HardwareProfile | ProfileCache | None = None, memory_budget: int | None = None,
+                 profile: HardwareProfile | ProfileCache | None = None,
+                 memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None):
         if partitions != "auto" and (isinstance(partitions, bool) or not isinstance(partitions, int)
                                      or partitions < 1):
             raise ValueError(f"partitions={partitions!r} is invalid: give 'auto' or an integer >= 1")
         if strategy != "auto" and strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is invalid: give 'auto' or one of {', '.join(STRATEGIES)}")
-        if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-            raise ValueError(f"memory_budget={memory_budget!r} is invalid: give a positive number of bytes or None")
         self.config, self.group = config, group
         self.partitions, self.strategy = partitions, strategy
         self.profile = profile if profile is not None else ProfileCache()
-        self.memory_budget = memory_budget
+        self.memory_budget = MemoryBudget.of(memory_budget)
         self.search = search if search is not None else GranularitySearch()
         self.host_pool = host_pool if host_pool is not None else HostBufferPool()
         self.host_fallback_reason: str | None = None  # why the last host check chose S4 over an offload
         self._host_check: tuple | None = None         # (pass shape, AgreedHeadroom) of the last host check
         # (tokens, n, dtype, memory budget) -> (profile, strategy): the model's choice, remembered (the
         # same for the same agreed values and profile; pricing it costs the host ~0.3 ms a pass)
-        self._strategy_choices: dict[tuple[int, int, torch.dtype, int | None], tuple[HardwareProfile, str]] = {}
+        self._strategy_choices: dict[tuple[int, int, torch.dtype, MemoryBudget | None], tuple[HardwareProfile, str]] = {}
 
     @property
     def count_chunks(self) -> int:
@@ -224,10 +224,12 @@ class Planner:
         received = None
         if skew_bucket > 0 and world > 1:
             received = math.ceil(self.config.top_k * tokens * min(world, 2 ** (skew_bucket + 0.5)))
+        budget = self.memory_budget
         for n in self.search.candidates:
-            leanest = min(predict_memory(self.config, tokens, world, n, s, dtype=dtype,
-                                         rows_received=received).peak_bytes for s in STRATEGIES)
-            if leanest <= self.memory_budget:
+            estimates = [predict_memory(self.config, tokens, world, n, s, dtype=dtype, rows_received=received)
+                         for s in STRATEGIES]
+            leanest = min(budget.need(e.saved_bytes, e.peak_bytes - e.saved_bytes) for e in estimates)
+            if leanest <= budget.bytes:
                 return n
         return self.search.candidates[-1]
 

@@ -7,8 +7,8 @@ checkpointing (torch.utils.checkpoint, non-reentrant, around each layer); issue 
 Each setting is built, measured and freed in turn (8 gpt-xl layers hold 6.4 GiB of bf16
 weights each); "activation memory" is the peak of one forward+backward above what is
 allocated before it (weights, their gradients, the input). `auto@budget` is MPipeMoE with
-n and strategy "auto" under a memory budget of BUDGET_SHARE of torchtitan's activation
-memory per layer. Writes JSON records and a Markdown table (memory against time).
+n and strategy "auto" under MemoryBudget(BUDGET_SHARE of torchtitan's activation memory,
+layers=L): each layer's saved tensors count L times, one working set once. Writes JSON records and a Markdown table (memory against time).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.layer_shapes import DTYPES, LAYER_SHAPES  # noqa: E402
 from app.peers import build_peer  # noqa: E402
-from moe_engine import FastMoE, MoEConfig, build_layer  # noqa: E402
+from moe_engine import FastMoE, MemoryBudget, MoEConfig, build_layer  # noqa: E402
 from moe_engine.granularity import GranularitySearch  # noqa: E402
 
 BUDGET_SHARE = 0.15  # the target: <= 0.15x torchtitan's activation memory (issue 27)
@@ -49,7 +49,8 @@ class Stack(torch.nn.Module):
         return h
 
 
-def build_stack(setting: str, config: MoEConfig, layers: int, source, device, dtype, budget: int | None) -> Stack:
+def build_stack(setting: str, config: MoEConfig, layers: int, source, device, dtype,
+                budget: MemoryBudget | None) -> Stack:
     """The L layers of one setting (`engine spec[+ckpt]`, `torchtitan[+ckpt]` or
     `auto@budget`), every layer with `source`'s weights."""
     name, checkpointed = setting.removesuffix("+ckpt"), setting.endswith("+ckpt")
@@ -124,8 +125,8 @@ def run(model: str, tokens: int, layers: int, settings, device, dtype, warmup: i
         record = {"setting": setting, "model": model, "tokens": tokens, "layers": layers,
                   "dtype": str(dtype).removeprefix("torch."), **measure(stack, x, dy, device, warmup, repeats)}
         if setting == "torchtitan" and record["activation_bytes"]:
-            budget = int(BUDGET_SHARE * record["activation_bytes"] / layers)
-            record["budget_per_layer_bytes"] = budget
+            budget = MemoryBudget(int(BUDGET_SHARE * record["activation_bytes"]), layers)
+            record["budget_bytes"] = budget.bytes
         records.append(record)
         del stack
         x.grad = None

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_engine import MoEConfig
+from moe_engine import MemoryBudget, MoEConfig
 from moe_engine.comm import ExpertGroup
 from moe_engine.memory import predict_memory
 from moe_engine.perf_model import SAVING_SLACK, HardwareProfile, PerformanceModel, ProfileStore, calibrate
@@ -78,6 +78,35 @@ def test_memory_budget():
     assert tight.peak_bytes <= need_s4
     with pytest.raises(ValueError, match="memory_budget=1000 bytes is too small"):
         model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4], memory_budget=1000)
+
+
+def test_memory_budget_of_a_stack_counts_saved_tensors_per_layer():
+    model = PerformanceModel(profile())
+    choices = [(n, s) for n in (1, 2, 4, 8) for s in ("none", "S1", "S2", "S3", "S4")]
+    estimates = {c: predict_memory(GPT_XL, 16384, 8, *c) for c in choices}
+    layers = 8
+    stack_need = {c: layers * e.saved_bytes + e.peak_bytes - e.saved_bytes for c, e in estimates.items()}
+    # a budget for 8 layers that only the leaner choices meet
+    budget = MemoryBudget(bytes=sorted(stack_need.values())[3], layers=layers)
+    chosen = model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4, 8], memory_budget=budget)
+    assert stack_need[(chosen.partitions, chosen.strategy)] <= budget.bytes
+    assert chosen.need(budget) == stack_need[(chosen.partitions, chosen.strategy)]
+    # the same bytes as one layer's peak budget admit more (working sets do not add up)
+    one = model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4, 8], memory_budget=budget.bytes)
+    assert one.total_s <= chosen.total_s
+    assert model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4, 8],
+                        memory_budget=MemoryBudget(budget.bytes)) == one
+    with pytest.raises(ValueError, match=r"memory_budget=1000 bytes for 8 layers is too small: the leanest choice"):
+        model.choose(GPT_XL, 16384, 8, torch.bfloat16, [1, 2, 4, 8], memory_budget=MemoryBudget(1000, layers=8))
+
+
+@pytest.mark.parametrize("bad, field", [(dict(bytes=0), "bytes"), (dict(bytes=10, layers=0), "layers"),
+                                        (dict(bytes=1.5), "bytes"), (dict(bytes=10, layers=True), "layers")])
+def test_memory_budget_names_the_bad_field(bad, field):
+    with pytest.raises(ValueError, match=rf"MemoryBudget.{field}=.* is invalid: give an integer >= 1"):
+        MemoryBudget(**bad)
+    with pytest.raises(ValueError, match=r"memory_budget=-3 is invalid: give a positive number of bytes"):
+        MemoryBudget.of(-3)
 
 
 def test_profile_store_round_trip(tmp_path):
