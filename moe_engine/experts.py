@@ -340,6 +340,7 @@ class Experts(nn.Module):
         with torch.no_grad():
             if h_NH is None:
                 h_NH = done.h_NH if done.h_NH is not None else self.activate(A)
+            done.h_NH = None  # freed once w2's gradient has used it
             wide = grads.dtype
             grads.w2 = _accumulate(grads.w2, grouped_weight_grad(h_NH, dy_ND, seg, wide))
             del h_NH
@@ -361,10 +362,12 @@ def activation_backward(dh_NH: torch.Tensor, A_NH: torch.Tensor, activation: str
 
 def swiglu_backward(dh_NH: torch.Tensor, gate_NH: torch.Tensor, up_NH: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d gate, d up, h) of h = silu(gate) * up, in five elementwise passes (PyTorch's
-    fused silu_backward for d gate); d up reuses silu(gate)'s memory."""
+    """(d gate, d up, h) of h = silu(gate) * up, with three N·H tensors live at most:
+    d gate in a new one (PyTorch's fused silu_backward, in place), d up in dh's memory and
+    h in silu(gate)'s. The values are those of the plain formulas, bit for bit."""
+    dgate_NH = dh_NH * up_NH
+    torch.ops.aten.silu_backward.grad_input(dgate_NH, gate_NH, grad_input=dgate_NH)
     silu_NH = F.silu(gate_NH)
-    h_NH = silu_NH * up_NH
-    dgate_NH = torch.ops.aten.silu_backward(dh_NH * up_NH, gate_NH)
-    dup_NH = silu_NH.mul_(dh_NH)
+    dup_NH = dh_NH.mul_(silu_NH)
+    h_NH = silu_NH.mul_(up_NH)
     return dgate_NH, dup_NH, h_NH
