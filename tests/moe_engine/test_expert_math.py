@@ -44,6 +44,6 @@ def test_swiglu_backward_is_the_plain_formulas_in_three_hidden_tensors(dtype):
     # ... and they are autograd's gradients of h = silu(gate) * up
     g, u = gate.float().requires_grad_(), up.float().requires_grad_()
     (F.silu(g) * u).backward(dh.float())
-    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(dgate.float(), g.grad, **tolerance)
-    torch.testing.assert_close(dup.float(), u.grad, **tolerance)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(dgate.float(), g.grad, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(dup.float(), u.grad, rtol=tolerance, atol=tolerance)
