@@ -37,6 +37,10 @@ val-curve)  # the docs' recipe (docs/training.md §4a) at gpt-s: the validation 
     --lr 3e-4 --lr-schedule cosine --warmup-steps 30 --min-lr 3e-5 --eval-every 25 --log-every 25 \
     --summary-json "$OUT/train-gpt-s-bpe-h200-300.json" ;;
 mfu)  # writes profile-step-gpt-xl4-b{8,128}-mfu.json and train-gpt-xl4-b{8,128}-mfu.json
+  # whether this torch's grouped GEMM writes float32 (False: the expert weight gradients run per
+  # expert with host counts, and the bias gradients take the one-hot GEMM of experts.grouped_bias_grad)
+  python3 -c "from moe_engine.experts import _grouped_kernel_widens as w; print('grouped kernel widens:', w('cuda'))" \
+    | tee "$OUT/mfu-widens.txt"
   for batch in 8 128; do
     step "mfu-profile-b$batch" 150 python3 tools/profile_step.py --preset gpt-xl --num-layers 4 \
       --batch-size "$batch" --optimizer-impl fused --out "$OUT/profile-step-gpt-xl4-b$batch-mfu.json"
