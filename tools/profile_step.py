@@ -64,10 +64,12 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - started) / args.steps
     kinds: dict[str, float] = {}
+    launches = 0
     for event in prof.key_averages():
         if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
             kind = kind_of(event.key)
             kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e6 / args.steps
+            launches += event.count
     top = sorted(((e.self_device_time_total / 1e6 / args.steps, e.key[:90]) for e in prof.key_averages()
                   if e.device_type.name == "CUDA"), reverse=True)[:15]
     tokens = args.batch_size * preset.seq_len
@@ -78,6 +80,8 @@ def main() -> None:
               "kernel_s": sum(kinds.values()), "kernel_s_by_kind": kinds, "mfu": flops / wall / peak_flops(device, "bfloat16"),
               # the bound the GEMMs alone set: model FLOPs over the GEMM kernels' time
               "mfu_if_only_gemms": flops / kinds["gemm"] / peak_flops(device, "bfloat16") if kinds.get("gemm") else None,
+              # host-side bound: kernels per step, and the step's time the GPU ran no kernel
+              "kernels_per_step": launches / args.steps, "gpu_idle_s": wall - sum(kinds.values()),
               "top_kernels": [{"s": s, "name": n} for s, n in top]}
     dist.destroy_process_group()
     print(json.dumps(result, indent=1))

@@ -349,8 +349,19 @@ class Trainer:
             # 5. expert grads / W (dense ones were averaged by DDP/FSDP2)
             self.parallel.finish_gradients()
             # 6. global clip, update; the schedule advances on skipped steps too (rate = f(step))
-            grad_norm = self.parallel.clip_grad_norm(config.grad_clip)
-            self.optimizer.step()
+            if self.optimizer.defaults.get("fused") and config.grad_clip > 0:
+                # the fused AdamW divides the gradients by the clip's divisor as it reads them
+                # (one pass over them fewer), and the norm is read only once the update is queued
+                norm_t, divisor = self.parallel.clip_divisor(config.grad_clip)
+                self.optimizer.grad_scale = divisor  # type: ignore[attr-defined]  # (read by AdamW.step)
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale  # type: ignore[attr-defined]
+                grad_norm = float(norm_t)
+            else:
+                grad_norm = self.parallel.clip_grad_norm(config.grad_clip)
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)

@@ -141,7 +141,10 @@ def _grads_on_rank(rank: int, world_size: int, port: int, out: str, mode: str) -
         logits_BSV, _ = parallel.module(inputs_BS)
         lm_loss(logits_BSV, targets_BS).backward()
         parallel.finish_gradients()
+        divisor_norm, divisor = parallel.clip_divisor(1e-3)  # device-side: the same norm, no clipping yet
         norm = parallel.clip_grad_norm(0.0)
+        assert float(divisor_norm) == pytest.approx(norm, rel=1e-6)
+        assert float(divisor) == pytest.approx((norm + 1e-6) / 1e-3, rel=1e-6)
         grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                  for n, p in model.named_parameters()}
         torch.save({"norm": norm, "grads": grads}, Path(out) / f"rank{rank}.pt")
@@ -202,3 +205,32 @@ def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
                       "step_time_s": 1.0, "peak_memory_bytes": 1, "lr": 1e-3, "grad_norm": 1.0})
     assert [(m["step"], m["loss"]) for m in pump.history] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0)]
     assert any("restarted" in line for line in lines)
+
+
+def test_clip_divisor_in_fused_adamw_equals_clipping_then_stepping():
+    """Trainer.step with the fused AdamW divides the gradients by the clip's divisor inside the
+    update (``grad_scale``) instead of scaling them first: the same parameters up to float32
+    rounding, clipping or not, and the same norm."""
+    from workers.distributed import clip_divisor
+
+    torch.manual_seed(0)
+    for max_norm in (0.5, 1e6):
+        models = []
+        for _ in range(2):
+            torch.manual_seed(1)
+            dense = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(5))]
+            expert = [torch.nn.Parameter(torch.randn(4, 8, 8))]
+            torch.manual_seed(2)
+            for p in dense + expert:
+                p.grad = torch.randn_like(p)
+            models.append((dense, expert, torch.optim.AdamW(dense + expert, lr=1e-2, fused=True)))
+        (d1, e1, o1), (d2, e2, o2) = models
+        norm = clip_grad_norm(d1, e1, max_norm, 1)
+        o1.step()
+        norm_t, divisor = clip_divisor(d2, e2, max_norm, 1)
+        o2.grad_scale = divisor  # type: ignore[attr-defined]  # (read by AdamW.step)
+        o2.step()
+        assert float(norm_t) == pytest.approx(norm, rel=1e-6)
+        assert (float(divisor) == 1.0) == (norm <= max_norm)
+        for a, b in zip(d1 + e1, d2 + e2):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -59,7 +59,8 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
     results = {}
     for name, change in (("ddp", {}), ("fsdp2", {"shard_dense": True}), ("bf16", {"dtype": "bfloat16"}),
                          ("accum", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0}),
-                         ("whole", {"batch_size": 4, "aux_loss_weight": 0.0})):
+                         ("whole", {"batch_size": 4, "aux_loss_weight": 0.0}),
+                         ("fused", {"optimizer_impl": "fused"})):
         torch.manual_seed(rank)
         results[name] = _losses(Trainer(_config(data_dir, **change), rank, world_size, device), range(1, N + 1))
     torch.manual_seed(rank)
@@ -115,6 +116,15 @@ def test_ddp_and_fsdp2_give_the_same_losses(runs):
     assert results[0]["ddp"] == results[1]["ddp"]  # every rank reports the global mean
     assert results[0]["fsdp2"] == pytest.approx(results[0]["ddp"], rel=1e-5, abs=1e-6)
     assert results[0]["ddp"][-1] < results[0]["ddp"][0]
+
+
+@pytest.mark.gloo
+def test_fused_adamw_clipping_inside_the_update_matches_foreach(runs):
+    """The fused AdamW takes the global clip as its grad_scale (workers/loop.py step 6): the
+    same losses as clipping first and the foreach AdamW, up to float32 rounding."""
+    results, _ = runs
+    for rank in range(2):
+        assert results[rank]["fused"] == pytest.approx(results[rank]["ddp"], rel=1e-5)
 
 
 @pytest.mark.gloo

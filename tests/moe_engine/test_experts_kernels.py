@@ -1,0 +1,43 @@
+"""moe_engine/experts.py's memory-bound pieces in their cheaper form give the same numbers:
+the bias add as a one-hot GEMM (bf16: bitwise the repeat-and-add it replaced), the one-hot
+rows (the bias gradient's left operand on CUDA), the host counts read once per partition."""
+from __future__ import annotations
+
+import torch
+
+from moe_engine.experts import ExpertSegments, _add_bias, grouped_bias_grad
+
+
+def _segments(counts: list[int]) -> ExpertSegments:
+    counts_L = torch.tensor(counts, dtype=torch.int64)
+    return ExpertSegments(sum(counts), counts_L.cumsum(0).to(torch.int32), counts_L)  # counts unknown on host
+
+
+def test_bias_add_as_a_gemm_is_bitwise_the_repeated_add():
+    torch.manual_seed(0)
+    seg = _segments([5, 0, 17, 3, 1, 0, 9, 13])  # empty experts too
+    y_NO = torch.randn(seg.rows, 64).to(torch.bfloat16) * 10
+    b_LO = torch.randn(8, 64).to(torch.bfloat16)
+    expected = y_NO.clone().add_(b_LO.repeat_interleave(seg.counts_L, dim=0, output_size=seg.rows))
+    got = _add_bias(y_NO.clone(), b_LO, seg)
+    assert torch.equal(got, expected)
+    # float32/float64 keep the elementwise add
+    y64 = torch.randn(seg.rows, 8, dtype=torch.float64)
+    b64 = torch.randn(8, 8, dtype=torch.float64)
+    assert torch.equal(_add_bias(y64.clone(), b64, seg), y64 + b64.repeat_interleave(seg.counts_L, dim=0))
+
+
+def test_one_hot_rows_sum_each_experts_rows():
+    torch.manual_seed(1)
+    seg = _segments([4, 0, 7, 1])
+    one_hot_NL = seg.one_hot(torch.float64)
+    assert one_hot_NL.shape == (12, 4) and torch.equal(one_hot_NL.sum(1), torch.ones(12, dtype=torch.float64))
+    dy_NO = torch.randn(12, 16, dtype=torch.float64)
+    torch.testing.assert_close(one_hot_NL.t() @ dy_NO, grouped_bias_grad(dy_NO, seg), rtol=0, atol=1e-12)
+
+
+def test_host_counts_are_read_once_and_kept():
+    seg = _segments([2, 3])
+    assert seg.counts is None
+    assert seg.host_counts() == [2, 3]
+    assert seg.counts == [2, 3]  # kept: a second call reads nothing
