@@ -307,6 +307,11 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     n = max(1, partitions)
     Rn = -(-R // n)
     Nn = -(-N // n) if largest_partition_received is None or single else largest_partition_received
+    # Rows of the partitions beside the fullest one: the previous (or next) partition, and
+    # a third one (a middle step holds both). Under skewed routing the fullest partition
+    # can hold almost every row; its neighbours then hold the rest, not Nn each.
+    Nb = min(Nn, max(N - Nn, 0))
+    Nb2 = min(Nn, max(N - Nn - Nb, 0)) if n > 2 else 0
     keep_activation = engine == "fastmoe"
     reorder = not single and L > 1  # received rows are re-ordered by expert (a copy each way)
     bias = config.bias
@@ -319,62 +324,78 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     if not policy.share_buffers:
         saved += s * N * (D + A_width + (H if keep_activation else 0))
     host = s * N * ((D if policy.offload_input else 0) + (A_width if policy.offload_preactivation else 0))
-    held_input = D if policy.offload_input else 0            # kept until its copy is done
+    held_input = D if policy.offload_input else 0            # restored from the host in backward
     held_preact = A_width if policy.offload_preactivation else 0
 
-    # Forward (pipeline.pipelined_forward), at partition i's GEMM2, the last partition
-    # being the fullest: the outputs so far, this partition's T_DI, A, act(A), T_DO (and
-    # its bias rows), the previous partition's tensors still being copied to the host,
-    # and with several ranks the sends, receives and expert re-orders in flight.
-    current = Nn * (H + D + (D if bias else 0))
+    # Forward (pipeline.pipelined_forward), at partition i's GEMM2, the fullest partition
+    # sizing every buffer: the combined rows (several ranks: R·D, from the start; they are
+    # the saved (token, choice) rows) or the earlier partitions' outputs (one rank); the
+    # next partition's rows, gathered (and sent) ahead; this partition's T_DI and A (in
+    # `saved` when not shared), act(A), T_DO, the bias rows added into it, and T_DO in
+    # source order when rows are re-ordered; the previous partition's T_DO (several ranks:
+    # its combine may still read it) and, when shared, its T_DI and A (still referenced
+    # while their host copies or the combine run). One rank ends with the partitions'
+    # outputs and their concatenation.
+    current = Nn * (H + D + (D if bias else 0) + (D if reorder else 0))
     if policy.share_buffers:
         current += Nn * (D + A_width)
-    if n > 1:
-        current += Nn * (held_input + held_preact)
+    # The fullest partition beside its neighbours: the previous one holds Nb rows; the
+    # next one's, gathered ahead, Nb2 (with two partitions no step has both; the previous
+    # one's weigh more per row).
+    previous = Nb * ((D + A_width if policy.share_buffers else 0) + (0 if single else D))
     if single:
-        outputs = (n - 1) * Rn * D
+        outputs = (n - 1) * Rn * D + Nb2 * D
         finish = (2 if n > 1 else 1) * R * D  # the partitions' outputs and their concatenation
     else:
-        outputs = R * D + min(2, n) * Rn * D + (2 if n > 1 else 1) * Nn * D + (2 * Nn * D if reorder else 0)
+        outputs = R * D + ((Rn + Nb2) * D if n > 2 else 0)
         finish = R * D
-    forward_working = s * max(outputs + current - T * K * D, finish)
+    forward_working = s * max(outputs + current + (previous if n > 1 else 0) - T * K * D, finish)
 
-    # Backward (pipeline.pipelined_backward), per partition step: dy rows and dx rows
-    # (the saved (token, choice) rows are freed by then), the restored T_DI
-    # and A, the next partition's prefetched host copies, then two phases: the input
-    # gradient (Experts.input_grad: dh and the activation's temporaries, five N·H for
-    # SwiGLU) and the weight gradients (act(A) and dA beside the gradients, plus one
-    # weight-sized product while a later partition adds into them). The first step runs
-    # before any gradient exists; later ones hold all of them.
-    # dy rows, and dx of every row (written per partition; one partition on one rank
-    # hands its dx straight on), summed per token at the end.
+    # Backward (pipeline.pipelined_backward), per partition step, as live tensors (counted
+    # op by op on CPU: tests/moe_engine/test_memory_peak.py): the dy rows and, unless one
+    # partition on one rank hands its dx straight on, the dx rows (R·D each; the saved
+    # (token, choice) rows are freed by then); this partition's dy (received, several ranks;
+    # on one rank a view of the dy rows), its T_DI and A (restored, re-sent or recomputed
+    # when shared; in `saved` otherwise); then the larger of two phases: the input gradient
+    # (Experts.input_grad: dh and the activation's temporaries, five Nn·H for SwiGLU, and
+    # dx) and the weight gradients (act(A) and dA, dx and its copy in source order when
+    # rows are re-ordered, one weight-sized product). The first step runs before any
+    # gradient exists and holds the next partition's inputs, fetched ahead; a later step
+    # holds all the gradients, the previous partition's dx still travelling (several
+    # ranks) and, but for the last step, the next partition's inputs.
     base = R * D + (0 if single and n == 1 else R * D) - T * K * D
     if not single:
-        base += Nn * D * (2 if n > 1 else 1) + 2 * Rn * D * min(2, n) + (2 * Nn * D if reorder else 0)
-        if policy.recommunicate_input and n > 1:
-            base += Nn * D + Rn * D
+        base += Nn * D                                           # this partition's dy
     restore = Nn * (D + A_width) if policy.share_buffers else 0
-    prefetch = Nn * (held_input + held_preact)  # host copies of the next partition, fetched ahead
+    dx_rows = Nn * D * (2 if reorder else 1)                     # dx (and its copy in source order)
+    # The next partition's inputs, fetched while this one computes: its dy (several ranks),
+    # T_DI from the host or re-sent (with the x rows sent for it), A from the host.
+    # The first step fetches the second partition's (Nb rows); a middle step the next
+    # one's while the previous one's dx travels (Nb2 and Nb rows, or the other way round).
+    def prefetch(rows: int) -> int:
+        if not rows:
+            return 0
+        ahead = rows * (held_input + held_preact)
+        if not single:
+            ahead += rows * D + (rows * D + Rn * D if policy.recommunicate_input else 0)
+        return ahead
+    travelling = 0 if single else Nb * D                          # the previous partition's dx
     # Hidden-width tensors of each phase: the input gradient's (dh and the activation's
-    # temporaries), and the weight gradients' (act(A) and dA, then dA alone once act(A)
-    # has served w2's gradient; FastMoE's act(A) is saved, not working).
+    # temporaries), and the weight gradients' (act(A) and dA; FastMoE's act(A) is saved,
+    # not working; SwiGLU's act(A) comes from the input gradient and lives to the end).
     if config.gated:
-        input_phase, weight_hidden, after_w2_hidden = 5 * Nn * H, 3 * Nn * H, 2 * Nn * H
+        input_phase, weight_hidden, after_w2_hidden = 5 * Nn * H, 3 * Nn * H, 3 * Nn * H
     else:
         input_phase, weight_hidden, after_w2_hidden = Nn * H, (1 if keep_activation else 2) * Nn * H, Nn * H
+    input_phase += Nn * D                                         # dx, written by the last GEMM
     param_grads = L * (2 * D * H + (D * H if config.gated else 0) + (H + D if bias else 0))
     weight_grad = L * D * H  # one weight's gradient
-    first_step = base + restore + (prefetch if n > 1 else 0) + max(
-        input_phase, weight_hidden + Nn * D + weight_grad, after_w2_hidden + Nn * D + param_grads)
+    first_step = base + restore + prefetch(Nb) + max(
+        input_phase, weight_hidden + dx_rows + weight_grad, after_w2_hidden + dx_rows + param_grads)
     later_steps = 0
     if n > 1:
-        later_steps = (base + restore + (prefetch if n > 2 else 0) + param_grads
-                       + max(input_phase, weight_hidden + Nn * D + weight_grad))
-        if policy.offloads:
-            # Measured on an H200 (tools/memory_check.py, gpt-s SwiGLU, n = 2): strategies
-            # restoring from the host peak up to 2·Nn·D above the terms above; kept as a
-            # margin (the model must not under-predict) until the cause is found.
-            later_steps += 2 * Nn * D
+        later_steps = (base + restore + prefetch(Nb2) + travelling + param_grads
+                       + max(input_phase, weight_hidden + dx_rows + weight_grad))
     finish = 3 * R * D + T * D - T * K * D + param_grads  # dy, dx rows, their gather and sum
     backward_working = s * max(first_step, later_steps, finish)
     return MemoryEstimate(saved, host, forward_working, backward_working)

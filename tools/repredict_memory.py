@@ -8,6 +8,13 @@ rows in each record of the point, re-prices it with `predict_memory`, re-makes t
 summaries and targets, notes the fix in `meta`, and rewrites the JSON and its Markdown.
 
     python tools/repredict_memory.py results/bench-h200-emulated-8x8-dgx-h200.json ...
+
+With ``--own-rows`` it instead re-prices every record with today's model from the record's
+own fields and rows (`rows_sent`, `rows_received`, `largest_partition_received` where
+recorded; tools/memory_accuracy.py prices the same way), notes the model in `meta.notes`,
+and rewrites the JSON and its Markdown: the records then state which model priced them.
+
+    python tools/repredict_memory.py --own-rows --model "..." results/bench-h200*.json
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
 
 from app.bench import markdown_table, summarize, targets
 from moe_engine import MoEConfig
@@ -50,10 +59,37 @@ def repredict(data: dict) -> int:
     return changed
 
 
-def main(paths: list[str]) -> None:
+def reprice_own_rows(data: dict, model: str) -> int:
+    """Re-price every priced record of ``data`` (a bench JSON) in place with today's
+    `predict_memory` from its own rows; notes ``model`` (which model priced them) in `meta`.
+    Returns the records whose prediction changed."""
+    from memory_accuracy import priced_records, reprice  # tools/memory_accuracy.py
+    changed = 0
+    for r in priced_records(data):
+        predicted = reprice(r)
+        changed += predicted != r["predicted_memory_bytes"]
+        r["predicted_memory_bytes"] = predicted
+    data["summaries"] = summarize(data["records"])
+    data["targets"] = targets(data["summaries"])
+    data["meta"]["notes"] = [*data["meta"].get("notes", []),
+                             f"predicted_memory_bytes re-priced by tools/repredict_memory.py --own-rows from each "
+                             f"record's own rows with {model}"]
+    return changed
+
+
+def main(args: list[str]) -> None:
+    own_rows = "--own-rows" in args
+    model = ""
+    if "--model" in args:
+        at = args.index("--model")
+        model = args[at + 1]
+        args = args[:at] + args[at + 2:]
+    paths = [a for a in args if a != "--own-rows"]
+    if own_rows and not model:
+        raise SystemExit("--own-rows needs --model TEXT: which memory model prices the records (e.g. its commit)")
     for path in map(Path, paths):
         data = json.loads(path.read_text())
-        changed = repredict(data)
+        changed = reprice_own_rows(data, model) if own_rows else repredict(data)
         path.write_text(json.dumps(data, indent=1, default=str))
         path.with_suffix(".md").write_text(markdown_table(data))
         print(f"{path}: {changed} records re-priced")
