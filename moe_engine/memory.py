@@ -357,7 +357,7 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     # (token, choice) rows are freed by then); this partition's dy (received, several ranks;
     # on one rank a view of the dy rows), its T_DI and A (restored, re-sent or recomputed
     # when shared; in `saved` otherwise); then the larger of two phases: the input gradient
-    # (Experts.input_grad: dh and the activation's temporaries, five Nn·H for SwiGLU, and
+    # (Experts.input_grad: dh and the activation's temporaries, three Nn·H for SwiGLU, and
     # dx) and the weight gradients (act(A) and dA, dx and its copy in source order when
     # rows are re-ordered, one weight-sized product). The first step runs before any
     # gradient exists and holds the next partition's inputs, fetched ahead; a later step
@@ -381,10 +381,12 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
         return ahead
     travelling = 0 if single else Nb * D                          # the previous partition's dx
     # Hidden-width tensors of each phase: the input gradient's (dh and the activation's
-    # temporaries), and the weight gradients' (act(A) and dA; FastMoE's act(A) is saved,
-    # not working; SwiGLU's act(A) comes from the input gradient and lives to the end).
+    # temporaries: three Nn·H for SwiGLU, experts.swiglu_backward), and the weight
+    # gradients' (act(A) and dA, then dA alone once act(A) has served w2's gradient;
+    # FastMoE's act(A) is saved, not working; SwiGLU's act(A) comes from the input gradient).
     if config.gated:
-        input_phase, weight_hidden, after_w2_hidden = 5 * Nn * H, 3 * Nn * H, 3 * Nn * H
+        input_phase, weight_hidden, after_w2_hidden = 3 * Nn * H, 3 * Nn * H, 2 * Nn * H
+        input_phase += Nn * D                                     # dup's product, added into dx
     else:
         input_phase, weight_hidden, after_w2_hidden = Nn * H, (1 if keep_activation else 2) * Nn * H, Nn * H
     input_phase += Nn * D                                         # dx, written by the last GEMM

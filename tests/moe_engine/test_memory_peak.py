@@ -16,8 +16,10 @@ from tests.moe_engine.live_memory import step_peak
 @pytest.mark.parametrize("emulated", [False, True], ids=["one-rank", "emulated-8x8"])
 @pytest.mark.parametrize("strategy", ["none", "S3", "S4"])
 @pytest.mark.parametrize("partitions", [1, 2, 4])
-def test_the_live_peak_lies_within_the_model(partitions, strategy, emulated):
-    config = MoEConfig(d_model=256, d_hidden=1024, num_experts=64 if emulated else 8, top_k=2)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_the_live_peak_lies_within_the_model(activation, partitions, strategy, emulated):
+    config = MoEConfig(d_model=256, d_hidden=1024, num_experts=64 if emulated else 8, top_k=2, activation=activation,
+                       bias=activation != "swiglu")
     torch.manual_seed(0)
     group = EmulatedCluster.parse("8x8", "dgx-h200").build() if emulated else None
     layer = MPipeMoE(config, group, partitions=partitions, strategy=strategy)
