@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from app.bench_stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
 from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
@@ -79,6 +80,10 @@ class BenchSettings:
     network: str = "dgx-a100"   # the emulated cluster's network (moe_sim/network.py presets, or a JSON file)
     transfer_ctas: int = 1      # thread blocks each emulated transfer holds (EmulatedCluster.transfer_ctas)
     trace: str | None = None    # a folder: one torch.profiler timeline per engine and setting (app/timeline.py)
+    layers: int = 1             # > 1: time stacks of residual layers, setting by setting (app/bench_stack.py)
+    checkpointing: str | None = None  # stacks: off, on or both (default both)
+    memory_budget_share: float | None = None  # stacks: auto@budget's budget, a share of the reference's memory
+    memory_budget_gib: float | None = None    # ... or in GiB
 
     def __post_init__(self):
         for m in self.models:
@@ -111,6 +116,37 @@ class BenchSettings:
                                  f"ranks of --emulate {self.emulate}: give e.g. --experts "
                                  f"{cluster.ranks * max(1, self.num_experts // cluster.ranks)}")
         check_peers(self.peers, activation=self.activation, bias=self.bias, world_size=self.world_size)
+        self._check_stack()
+
+    def _check_stack(self) -> None:
+        if self.layers < 1:
+            raise ValueError(f"--layers {self.layers} is invalid: give 1 or more")
+        stack_options = [f"--{name.replace('_', '-')}" for name in ("checkpointing", "memory_budget_share",
+                                                                    "memory_budget_gib")
+                         if getattr(self, name) is not None]
+        if self.layers == 1:
+            if stack_options:
+                raise ValueError(f"{' and '.join(stack_options)} time stacks of layers: give --layers L (L >= 2)")
+            return
+        if self.checkpointing is None:
+            self.checkpointing = "both"
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"--checkpointing {self.checkpointing!r} is invalid: choose {', '.join(CHECKPOINTING)}")
+        for option in ("emulate", "trace"):
+            if getattr(self, option) is not None:
+                raise ValueError(f"--{option} times single layers: drop it or drop --layers {self.layers}")
+        if self.memory_budget_share is not None and self.memory_budget_gib is not None:
+            raise ValueError("give one of --memory-budget-share and --memory-budget-gib")
+        for name, value in (("share", self.memory_budget_share), ("gib", self.memory_budget_gib)):
+            if value is not None and not value > 0:
+                raise ValueError(f"--memory-budget-{name} {value} is invalid: give a number > 0")
+
+    def budgeted(self) -> bool:
+        """Whether a stacked bench times auto@budget: a budget was given, or a peer runs."""
+        return bool(self.peers) or self.memory_budget_share is not None or self.memory_budget_gib is not None
+
+    def budget_share(self) -> float:
+        return DEFAULT_BUDGET_SHARE if self.memory_budget_share is None else self.memory_budget_share
 
     def emulated_cluster(self) -> EmulatedCluster | None:
         if self.emulate is None:
@@ -161,7 +197,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write a torch.profiler timeline (Chrome/Perfetto JSON, gzip) of one forward+backward "
                              "of every engine and setting into DIR, and add its stream account to the records")
-    parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="time stacks of L residual layers, h = h + layer(h), setting by setting, with memory "
+                             "against time (app/bench_stack.py; default 1: single layers in interleaved rounds)")
+    parser.add_argument("--checkpointing", default=None, choices=CHECKPOINTING,
+                        help="with --layers: each setting without (off), with (on) or both (the default) "
+                             "torch.utils.checkpoint around each layer")
+    parser.add_argument("--memory-budget-share", type=float, default=None,
+                        help="with --layers: also time auto@budget, MPipeMoE auto under this share of the reference "
+                             f"setting's activation memory (first peer, else FastMoE; default {DEFAULT_BUDGET_SHARE} "
+                             "when a peer runs)")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="with --layers: auto@budget under this many GiB for the stack's activations instead")
+    parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json; "
+                        "with --layers out/stacked-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
     parser.add_argument("--experiment", default="mpipemoe-bench")
@@ -338,12 +387,24 @@ def pipeline_stages(config: MoEConfig, x: torch.Tensor, router_weight: torch.Ten
             "expert_load": [round(v, 5) for v in (all_rows_per_expert / all_rows_per_expert.sum()).tolist()]}
 
 
+def point_config(model: str, settings: BenchSettings, device) -> tuple[MoEConfig, torch.dtype]:
+    """The layer's config at `model`'s shape with the bench's options, and its dtype on `device`."""
+    d_model, d_hidden = LAYER_SHAPES[model]
+    return MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation,
+                     bias=settings.bias), settings.torch_dtype(device)
+
+
+def chosen_setting(layer) -> tuple[int, str]:
+    """The n and strategy a layer ran its last pass with (FasterMoE: its peer steps; 1/none
+    for FastMoE, peers and no layer)."""
+    n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
+    return n, getattr(layer, "last_strategy", None) or "none"
+
+
 def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, group: ExpertGroup, device,
                 log) -> list:
-    d_model, d_hidden = LAYER_SHAPES[model]
-    dtype = settings.torch_dtype(device)
-    config = MoEConfig(d_model, d_hidden, settings.num_experts, top_k=settings.top_k, activation=settings.activation,
-                       bias=settings.bias)
+    config, dtype = point_config(model, settings, device)
+    d_model, d_hidden = config.d_model, config.d_hidden
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
     x = layer_inputs(tokens, source.router.weight.detach(), routing)
@@ -397,8 +458,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     measured_rows += [None] * (len(variants) - len(measured_rows))
     for (engine, chosen_by, _), layer, memory, timing, rows in zip(variants, layers + [None], memories, times,
                                                                    measured_rows):
-        n = getattr(layer, "last_partitions", None) or (layer.steps if isinstance(layer, FasterMoE) else 1)
-        strategy = getattr(layer, "last_strategy", None) or "none"
+        n, strategy = chosen_setting(layer)
         # The model on the rows this rank actually sent and received in the measured pass
         # (under skew the busiest rank's, which an emulated rank 0 is), not the balanced k·T.
         rows_sent, rows_received, largest_partition = rows or (None, None, None)
@@ -621,6 +681,13 @@ def overlap_table(summaries: list) -> list:
     return lines + [""]
 
 
+def markdown_head(title: str, meta: RecordMeta) -> list[str]:
+    """The first lines of the Markdown beside a bench JSON: what ran where, when, with which code."""
+    return [f"# {title} — {meta.extra['device']} × {meta.extra['world_size']}, {meta.date}", "",
+            f"Command: `{meta.command}`  ", f"torch {meta.torch}, Python {meta.python}, git {meta.git_commit or '?'}",
+            "", "Generated by `mpipemoe bench` from the JSON beside this file; do not edit.", ""]
+
+
 def markdown_table(result: BenchResult | dict) -> str:
     """The Markdown beside a bench JSON: a BenchResult, or its JSON form (tests build partial points)."""
     if isinstance(result, BenchResult):
@@ -628,10 +695,7 @@ def markdown_table(result: BenchResult | dict) -> str:
     else:
         meta, summaries, records = RecordMeta.from_json(result["meta"]), result["summaries"], result["records"]
     run = meta.extra
-    lines = [f"# MoE layer benchmark — {run['device']} × {run['world_size']}, {meta.date}", "",
-             f"Command: `{meta.command}`  ", f"torch {meta.torch}, Python {meta.python}, "
-             f"git {meta.git_commit or '?'}", "",
-             "Generated by `mpipemoe bench` from the JSON beside this file; do not edit.", ""]
+    lines = markdown_head("MoE layer benchmark", meta)
     if run.get("complete") is False:
         lines += [f"**Incomplete**: the run was stopped; these are the {len(records)} records of the "
                   "points it finished.", ""]
@@ -714,7 +778,8 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
         for model in settings.models:
             for routing in settings.routings:
                 for tokens in settings.tokens:
-                    records += bench_point(model, tokens, routing, settings, group, device, log)
+                    point = bench_stack_point if settings.layers > 1 else bench_point
+                    records += point(model, tokens, routing, settings, group, device, log)
         if rank == 0:
             queue.put(("done", records))
     finally:
@@ -776,6 +841,8 @@ def run_bench(settings: BenchSettings, printer=print, on_record=None) -> list:
 
 
 def _progress_line(r: dict, elapsed_s: float) -> str:
+    if "setting" in r:  # a stack's (app/bench_stack.py)
+        return progress_line(r, elapsed_s)
     peak = r.get("peak_memory_bytes")
     return (f"  [{elapsed_s:6.0f} s] {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<11} {r['chosen_by']:<8} n={r['partitions']:<2} "
             f"{r['strategy']:<4}  {r['fwd_bwd_ms']:9.2f} ms  "
@@ -796,7 +863,8 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
     count = 0
     for kind, rows in ((BENCH, result["records"]), (BENCH_SUMMARY, result["summaries"])):
         for row in rows:
-            run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{row.get('engine', 'summary')}",
+            name = row.get("setting") or row.get("engine", "summary")
+            run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{name}",
                                   tags={**kind_tags(kind), "device": meta["device"], "command": meta["command"][:250],
                                         "measured_as": meta.get("measured_as", "measured")})
             params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
@@ -834,43 +902,73 @@ def run(args) -> int:
         grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
-        emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace)
+        emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace,
+        layers=args.layers, checkpointing=args.checkpointing, memory_budget_share=args.memory_budget_share,
+        memory_budget_gib=args.memory_budget_gib)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"
     cluster = settings.emulated_cluster()
     where = (f"1 × {device} as rank 0 of an emulated {cluster.name} {cluster.network.name} cluster" if cluster
              else f"{settings.world_size} × {device}")
-    print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
-          f"{where}: FastMoE, FasterMoE, MPipeMoE auto"
-          f"{' and the n × strategy grid' if settings.grid else ''}"
-          f"{''.join(', ' + peer for peer in settings.peers)}, the dense floor...", flush=True)
+    stacked = settings.layers > 1
+    if stacked:
+        print(f"Benchmarking stacks of {settings.layers} layers of {', '.join(settings.models)} at {settings.tokens} "
+              f"tokens per rank on {where}, setting by setting (checkpointing {settings.checkpointing}): "
+              f"{''.join(peer + ', ' for peer in settings.peers)}FastMoE, FasterMoE, MPipeMoE auto"
+              f"{' and the n × strategy grid' if settings.grid else ''}"
+              f"{', auto@budget' if settings.budgeted() else ''}...", flush=True)
+    else:
+        print(f"Benchmarking {', '.join(settings.models)} at {settings.tokens} tokens per rank on "
+              f"{where}: FastMoE, FasterMoE, MPipeMoE auto"
+              f"{' and the n × strategy grid' if settings.grid else ''}"
+              f"{''.join(', ' + peer for peer in settings.peers)}, the dense floor...", flush=True)
     started = time.time()
-    finished: list = []
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and schedulers stop with SIGTERM
-    try:
-        records, complete = run_bench(settings, lambda line: print(line, flush=True), finished.append), True
-    except KeyboardInterrupt:
-        records, complete = finished, False
-        print(f"Stopped: writing the {len(records)} records of the points finished so far", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    out = args.out or os.path.join(DEFAULT_OUT_DIR, f"{'stacked' if stacked else 'bench'}-"
+                                   f"{device.replace(' ', '-').lower()}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
     # An emulated run's world size is the emulated cluster's (so nothing reads its records as
     # one GPU's); it ran in one process.
     emulated = {**cluster.record_fields(), "processes": 1} if cluster else {"measured_as": "measured"}
-    meta = RecordMeta.from_json({**record_meta("bench", on_gpu), "device": device, "world_size": settings.world_size,
-                                 **emulated, "settings": asdict(settings),
-                                 "wall_s": round(time.time() - started, 1), "complete": complete})
-    summaries = summarize(records)
-    result = BenchResult(meta=meta, records=[BenchPoint.from_json(r) for r in records], summaries=summaries,
-                         targets=targets(summaries))
-    out = args.out or os.path.join(DEFAULT_OUT_DIR, f"bench-{device.replace(' ', '-').lower()}-"
-                                   f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result.to_json(), f, indent=1, default=str)
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(markdown_table(result))
-    print(markdown_table(result).split("## Every measurement")[0])
+
+    def meta(complete: bool) -> RecordMeta:
+        return RecordMeta.from_json({**record_meta("bench", on_gpu), "device": device,
+                                     "world_size": settings.world_size, **emulated, "settings": asdict(settings),
+                                     "wall_s": round(time.time() - started, 1), "complete": complete})
+
+    def write(records: list, complete: bool) -> tuple[dict, str]:
+        """The JSON and the Markdown beside it, both whole (a stacked run writes them after each setting)."""
+        if stacked:
+            result = {"meta": meta(complete).to_json(), "records": records, "summaries": []}
+            markdown = stack_markdown(result)
+        else:
+            summaries = summarize(records)
+            typed = BenchResult(meta=meta(complete), records=[BenchPoint.from_json(r) for r in records],
+                                summaries=summaries, targets=targets(summaries))
+            result, markdown = typed.to_json(), markdown_table(typed)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            f.write(markdown)
+        return result, markdown
+
+    finished: list = []
+
+    def arrived(record: dict) -> None:
+        finished.append(record)
+        if stacked:  # a later setting's failure or a stop loses none of the earlier ones
+            write(finished, complete=False)
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and schedulers stop with SIGTERM
+    try:
+        records, complete = run_bench(settings, lambda line: print(line, flush=True), arrived), True
+    except KeyboardInterrupt:
+        records, complete = finished, False
+        print(f"Stopped: writing the {len(records)} records of the {'settings' if stacked else 'points'} "
+              "finished so far", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result, markdown = write(records, complete)
+    print(markdown.split("## Every measurement")[0])
     print(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
-    log_to_mlflow(result.to_json(), args.tracking_uri, args.experiment)
+    log_to_mlflow(result, args.tracking_uri, args.experiment)
     return 0 if complete else 1

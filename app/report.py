@@ -19,6 +19,9 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
    app/emulated_report.py). Emulated runs never enter sections 1–4.
 8. training runs' validation loss and per-expert load over steps (app/training_report.py).
+9. memory against time: every setting of a bench point, time and memory relative to the
+   peer (torchtitan) or FastMoE (app/memory_time.py); stacks of layers (``mpipemoe bench
+   --layers L``) appear only here, single layers where peak memory was measured.
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 from collections import defaultdict
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
+from app.memory_time import as_float as _float, as_int as _int, load_memory_time, section_memory_time
 from app.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.simulate_report import load_simulations, section_simulations
 from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
@@ -83,21 +86,6 @@ class Record:
 
 # --------------------------------------------------------------------------- loading
 
-def _int(value) -> int | None:
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        return None
-
-
-def _float(value) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: dict) -> Record | None:
     """A ``Record`` from one run's params/metrics/tags, or None for runs of no known kind."""
     if tags.get("measured_as") == "emulated":  # rank 0 of a modelled cluster: section 7 only
@@ -111,6 +99,8 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
     if kind not in (BENCH, TRAIN) or not engine:
         return None
     model = params.get("model") or params.get("preset") or "?"
+    if kind == BENCH and (_int(params.get("layers")) or 1) > 1:  # a stack of layers: section 9 only
+        return None
     if kind == BENCH:  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
         if params.get("routing", "uniform") != "uniform":  # skewed routing: its own series
             model = f"{model}/{params['routing']}"
@@ -564,13 +554,15 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
                  simulations: list[dict] | None = None, capacities: list[dict] | None = None,
-                 emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None) -> Path:
+                 emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None,
+                 memory_time: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.simulate_report.load_simulations`` (section 5 when there are any);
     ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
     ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
     when there are any); ``training``: rows of ``app.training_report.load_training_curves``
-    (section 8 when there are any)."""
+    (section 8 when there are any); ``memory_time``: rows of ``app.memory_time.load_memory_time``
+    (section 9 when a stack, or a layer with peak memory, was measured)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -601,6 +593,8 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
         lines += section_emulated(*emulated, out)
     if training:  # section 8 only where training runs logged a validation loss or load metrics
         lines += section_training(training, out)
+    if memory_time:  # section 9 only where a bench point has memory figures, or is a stack
+        lines += section_memory_time(memory_time, out)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -658,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
                   simulations=load_simulations(tracking_uri, args.experiment),
                   capacities=load_capacity_runs(tracking_uri, args.experiment),
                   emulated=load_emulated(tracking_uri, args.experiment),
-                  training=load_training_curves(tracking_uri, args.experiment))
+                  training=load_training_curves(tracking_uri, args.experiment),
+                  memory_time=load_memory_time(tracking_uri, args.experiment))
     left_out = unfinished_runs(tracking_uri, args.experiment)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))

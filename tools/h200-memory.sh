@@ -15,9 +15,11 @@ fi
 for stage in "$@"; do case $stage in
 gpu-tests)  # 1. the GPU tests, the CUDA-graph capture of every strategy and the memory model among them
   step gpu-tests 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe_engine/test_gpu.py ;;
-stacked:*)  # 2. 8 residual SwiGLU layers, bf16: every setting beside torchtitan, each +/- checkpointing
+stacked:*)  # 2. 8 residual SwiGLU layers, bf16: every bench setting beside torchtitan, each +/- checkpointing,
+            # and auto@budget (0.15x torchtitan's activation memory); the JSON is rewritten after each setting
   point=${stage#stacked:} model=${point%:*} tokens=${point#*:}
-  step "stacked-$model-$tokens" 540 python3 tools/stacked_layers.py --model "$model" --tokens "$tokens" \
-    --layers 8 --dtype bf16 --out "$OUT/stacked-$model-$tokens.json" ;;
+  step "stacked-$model-$tokens" 540 python3 -m app.cli bench --layers 8 --peers torchtitan --model "$model" \
+    --tokens "$tokens" --activation swiglu --no-bias --dtype bf16 --partitions 1,2,4,8 --strategies none,S3,S4 \
+    --warmup 2 --repeats 5 --rounds 1 --tracking-uri none --out "$OUT/stacked-$model-$tokens.json" ;;
 *) echo "unknown stage $stage: give gpu-tests or stacked:MODEL:TOKENS"; exit 2 ;;
 esac; done

@@ -177,3 +177,41 @@ def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, m
         in text
     for figure in ("emulated_speedup.png", "emulated_best_n.png", "emulated_memory_time.png"):
         assert (tmp_path / "out" / figure).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, monkeypatch):
+    """`mpipemoe bench --layers L` records (logged to MLflow as bench runs with `layers`)
+    time stacks, not single layers: only section 9, memory against time, shows them,
+    relative to the peer without checkpointing; single-layer runs with peak memory too."""
+    from app.bench import log_to_mlflow
+    from app.memory_time import load_memory_time
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def record(setting, engine, chosen_by, ms, gib):
+        return {"setting": setting, "engine": engine, "chosen_by": chosen_by, "checkpointed": setting.endswith("+ckpt"),
+                "model": "gpt-xl", "tokens": 32768, "routing": "uniform", "layers": 8, "world_size": 1,
+                "device": "NVIDIA H200", "dtype": "bfloat16", "partitions": 4, "strategy": "S4",
+                "fwd_bwd_ms": ms, "fwd_bwd_ms_std": 0.5, "activation_bytes": gib * 2**30, "measured_as": "measured"}
+    records = [record("torchtitan", "torchtitan", "peer", 200.0, 40), record("torchtitan+ckpt", "torchtitan", "peer",
+                                                                             260.0, 6),
+               record("mpipemoe:4:S4", "mpipemoe", "grid", 240.0, 10), record("auto@budget", "mpipemoe", "budget",
+                                                                              250.0, 5)]
+    meta = {"device": "NVIDIA H200", "command": "mpipemoe bench --layers 8", "world_size": 1, "date": "2026-12-04",
+            "torch": "2.13", "measured_as": "measured"}
+    assert log_to_mlflow({"meta": meta, "records": records, "summaries": []}, uri, "stacked",
+                         printer=lambda *_: None) == 4
+    bench(uri, "fastmoe", 4096, 10.0, 1000, chosen_by="baseline")
+    bench(uri, "mpipemoe", 4096, 12.0, 400, strategy="S3")
+    assert [r.engine for r in report.load_records(uri)] == ["mpipemoe", "fastmoe"]  # sections 1-4: no stack
+    path = report.write_report(report.load_records(uri), tmp_path / "out", memory_time=load_memory_time(uri))
+    text = path.read_text()
+    assert "## 9. Memory against time" in text and "![memory against time](memory_time.png)" in text
+    assert "### gpt-xl, 32768 tokens, 8 layers, uniform routing, 1 × NVIDIA H200, bfloat16 — against torchtitan" \
+        in text
+    assert "| auto@budget | 4/S4 | 250.00 | 0.50 | 5120 | 1.25 | 0.12 |" in text
+    assert "| mpipemoe:2:S3 | 2/S3 | 12.00 | – | 1000 | 1.20 | 0.40 |" not in text  # (the fixture's MiB)
+    assert "| mpipemoe:2:S3 | 2/S3 | 12.00 | – | 400 | 1.20 | 0.40 |" in text
+    assert "### gpt-s, 4096 tokens, 1 layer, uniform routing, 2 × cuda, bf16 — against fastmoe" in text
+    assert (tmp_path / "out" / "memory_time.png").read_bytes().startswith(PNG_MAGIC)
