@@ -347,3 +347,26 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
     assert [(run_kind(r.data.tags), r.info.status) for r in parents] == [("study", "FINISHED")]
+
+
+def test_the_sweep_record_tool_reads_the_printed_table():
+    """tools/sweep_record.py (results/sweep-lr-*.json) reads what ``mpipemoe sweep lr`` prints."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace as Result
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "sweep_record.py"
+    spec = importlib.util.spec_from_file_location("sweep_record", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    results = [Result(config={"lr": 3e-3}, metrics={"step": 40, "steps": 40, "val_loss": 2.51, "loss": 2.7,
+                                                    "tokens_per_s": 9e3, "peak_memory_bytes": 2**29}, error=None),
+               Result(config={"lr": 1e-1}, metrics={"step": 10, "val_loss": 4.6, "loss": 4.8, "tokens_per_s": 8e3,
+                                                    "peak_memory_bytes": 2**29}, error=None)]
+    log = (sweep.format_results(results, "val_loss", 40)
+           + "\nBest trial (lowest val_loss): lr=0.003 val_loss 2.51; 1 of 2 trials pruned by asha\n")
+    made = tool.record(log, command="mpipemoe sweep lr")
+    assert (made["trials"], made["pruned"], made["finished"], made["pruned_at"]) == (2, 1, 1, {"pruned@10": 1})
+    assert made["best"] == {"lr": 3e-3, "val_loss": 2.51, "status": "ok"}
+    assert [t["status"] for t in made["per_trial"]] == ["ok", "pruned@10"]
