@@ -19,6 +19,10 @@ job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job'
   (so drivers, and the MLflow store they write to, stay on the head); its Train
   workers ask for their own resources. Tune cannot see those, so the driver caps
   ``max_concurrent_trials`` at what the cluster can serve (``plan_resources``).
+- **Start-up.** A trial's Train job costs seconds of process starts for ~1.5 s of steps
+  on a tiny model, so Tune reuses trial processes (``reuse_actors``; ``StoppingTrial``
+  waits for a pruned trial's function first) and embedded Ray's Train jobs get
+  ``LOCAL_RAY_TRAIN_ENV`` (docs/sweeps.md, "Start-up per trial").
 - **MLflow.** Each trial's run is logged by ``run_job`` in the experiment named
   after the study, nested under one parent run per study (tag ``kind=study``).
   There is deliberately no ``MLflowLoggerCallback``: it would log a second run
