@@ -76,7 +76,12 @@ def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = Non
     """The TuneConfig of a study: ``search`` (grid and random: Tune's variant generator over
     the param space; optuna: ``OptunaSearch``, TPE seeded by ``seed``), ``scheduler`` (fifo:
     every trial runs to the end; asha: ``ASHAScheduler`` on ``metric`` over the trials' step
-    reports, budget ``steps``), ranked by ``metric``/``mode``."""
+    reports, budget ``steps``), ranked by ``metric``/``mode``.
+
+    Trials reuse their Tune actors (``reuse_actors``): a trial process that has finished one
+    trial runs the next, with torch, MLflow and ``app.jobs`` already imported (a new trial
+    process costs seconds of CPU before its Train job starts; app.sweep.stopping_trainable
+    waits for the previous trial's job to stop first)."""
     from ray import tune
 
     if num_samples < 1:
@@ -105,4 +110,4 @@ def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = Non
                                         grace_period=max(1, int(steps * GRACE_FRACTION)))
     return tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples,
                            max_concurrent_trials=max_concurrent_trials, search_alg=search_alg,
-                           scheduler=trial_scheduler)
+                           scheduler=trial_scheduler, reuse_actors=True)

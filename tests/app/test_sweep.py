@@ -96,6 +96,7 @@ def test_optuna_search_and_asha_on_the_lr_study():
     assert isinstance(config.search_alg, OptunaSearch) and isinstance(config.scheduler, ASHAScheduler)
     assert (config.metric, config.mode, config.num_samples) == ("loss", "min", 12)
     assert [t for t, _ in config.scheduler._brackets[0]._rungs] == [30, 10]  # steps where ASHA may stop a trial
+    assert config.reuse_actors  # a finished trial's process runs the next trial
     plain = tune_spaces.tune_config()
     assert plain.search_alg is None and plain.scheduler is None and plain.metric == "tokens_per_s"
 
@@ -178,6 +179,60 @@ def test_a_stopped_trial_waits_for_its_function_to_return():
     finally:
         train_session._session = None
     assert fake.waited == 5 and ended.is_set() and original() is None
+
+
+def test_a_reused_trial_process_waits_for_the_previous_trial_function(monkeypatch):
+    """Tune reuses a trial's process for the next trial (``reset_config``). The previous
+    trial's function may still be stopping its Train job (ASHA pruned it), and Tune's wrapper
+    of it then reports once more and waits; ours lets that report through, drops it, and only
+    then resets (Ray Tune's own reset waits 2 s, after which the process is given up)."""
+    import queue
+    import threading
+
+    from ray.train._internal import session as train_session
+    from ray.tune.trainable.function_trainable import FunctionTrainable
+
+    class Session:
+        def __init__(self):
+            self.result_queue: queue.Queue = queue.Queue(1)
+            self.continue_lock = threading.Semaphore(0)
+            self.training_thread = threading.Thread(target=self.trial_function)
+            self.finished: list = []
+
+        def trial_function(self):
+            threading.Event().wait(0.3)            # the function stops its Train job
+            self.result_queue.put({"done": True})  # Tune's wrapper reports once more ...
+            self.continue_lock.acquire()           # ... and waits for Tune's answer
+
+        def finish(self, timeout):
+            self.finished.append(timeout)
+            self.continue_lock.release()
+            self.training_thread.join(timeout)
+
+    monkeypatch.setattr(FunctionTrainable, "reset_config", lambda self, config: "reset by Ray Tune")
+    cls = sweep.stopping_trainable(lambda config: None, stop_grace_s=30)
+    fake = Session()
+    fake.training_thread.start()
+    try:
+        train_session._session = fake
+        reused = cls.reset_config(object.__new__(cls), {})
+    finally:
+        train_session._session = None
+    assert reused == "reset by Ray Tune" and not fake.training_thread.is_alive()
+    assert fake.finished and set(fake.finished) == {sweep.REUSE_POLL_S}
+
+
+def test_local_ray_train_settings_leave_the_users_own_alone():
+    assert sweep.local_train_env({}) == sweep.LOCAL_RAY_TRAIN_ENV
+    assert set(sweep.LOCAL_RAY_TRAIN_ENV) <= _ray_train_propagated()  # Ray Train hands them on to its workers
+    mine = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"}
+    assert sweep.local_train_env(mine) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def _ray_train_propagated() -> set:
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    return set(ENV_VARS_TO_PROPAGATE)
 
 
 def test_pruned_trials_and_the_best_one_are_named(tmp_path):
@@ -292,3 +347,26 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
     assert [(run_kind(r.data.tags), r.info.status) for r in parents] == [("study", "FINISHED")]
+
+
+def test_the_sweep_record_tool_reads_the_printed_table():
+    """tools/sweep_record.py (results/sweep-lr-*.json) reads what ``mpipemoe sweep lr`` prints."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace as Result
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "sweep_record.py"
+    spec = importlib.util.spec_from_file_location("sweep_record", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    results = [Result(config={"lr": 3e-3}, metrics={"step": 40, "steps": 40, "val_loss": 2.51, "loss": 2.7,
+                                                    "tokens_per_s": 9e3, "peak_memory_bytes": 2**29}, error=None),
+               Result(config={"lr": 1e-1}, metrics={"step": 10, "val_loss": 4.6, "loss": 4.8, "tokens_per_s": 8e3,
+                                                    "peak_memory_bytes": 2**29}, error=None)]
+    log = (sweep.format_results(results, "val_loss", 40)
+           + "\nBest trial (lowest val_loss): lr=0.003 val_loss 2.51; 1 of 2 trials pruned by asha\n")
+    made = tool.record(log, command="mpipemoe sweep lr")
+    assert (made["trials"], made["pruned"], made["finished"], made["pruned_at"]) == (2, 1, 1, {"pruned@10": 1})
+    assert made["best"] == {"lr": 3e-3, "val_loss": 2.51, "status": "ok"}
+    assert [t["status"] for t in made["per_trial"]] == ["ok", "pruned@10"]
