@@ -250,8 +250,8 @@ def stopping_trainable(trainable, stop_grace_s: float = STOP_GRACE_S):
 # this machine), where the user has not set them. Every trial starts and ends a Train job, and
 # each of the controller's state changes waits for its next check on the workers (default
 # every 2 s); and each job starts a preemption watcher, one more process, while a local node
-# is never drained. Measured on 2 cores, one lr-study trial (40 steps, ~1.5 s of training):
-# 20 s -> 13 s from start to end of its Train job.
+# is never drained. Measured on 2 shared cores, an lr-study trial's Train job (40 steps, ~1.5 s
+# of training), start to end: 13-15 s with these, 13-20 s without (docs/sweeps.md).
 LOCAL_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
