@@ -17,7 +17,11 @@ Unlike the paper, the cache is not trusted forever:
     `skew_shift` buckets (default 2, i.e. a 4x change) counts, so the ordinary
     drift of routing during training does not restart the search every step.
 Among the candidates within `tolerance` of the fastest, the largest n wins: more
-partitions mean smaller shared buffers, so memory is saved at a bounded time cost.
+partitions mean smaller shared buffers, so memory is saved at a bounded time cost —
+unless the caller asks for the fastest (`decide(prefer_fastest=True)`): where a memory
+budget already bounds n from below, or the strategy shares no buffers, a larger n buys
+nothing (on one H200, 8 stacked gpt-xl layers: 4/S4 fit the budget and ran 10% faster
+than the 8/S4 this rule kept; `results/stacked-h200/`).
 Candidates are timed in increasing n; once one is slower than the one before it and
 more than `give_up_slower` (default 50%) slower than the fastest so far, the larger
 ones are not timed (each would be a slow training step; on one GPU, where there is no
@@ -116,27 +120,31 @@ class GranularitySearch:
         self.cache: list[CacheEntry] = []
         self.active: ActiveSearch | None = None
         self._floor = 1
+        self._prefer_fastest = False
         self.decisions: list[dict[str, Any]] = []
 
     # -- the decision for one pass ----------------------------------------------------------
     def choose(self, tokens: int, skew: int, group: ExpertGroup, timing_wanted: bool,
-               min_partitions: int = 1) -> int:
+               min_partitions: int = 1, prefer_fastest: bool = False) -> int:
         """n for a pass over `tokens` tokens (the same on every rank: tokens and skew are
         agreed beforehand). Collective when the search needs the ranks' timings
         (`timing_agreement_due`): all ranks call it together. A layer agrees on the timings
         in its count exchange instead and calls `decide` (planner.py)."""
         seconds = self.agreed_seconds(group) if self.timing_agreement_due() else None
-        return self.decide(tokens, skew, seconds, timing_wanted, min_partitions)
+        return self.decide(tokens, skew, seconds, timing_wanted, min_partitions, prefer_fastest)
 
     def decide(self, tokens: int, skew: int, agreed_seconds: dict[int, float] | None, timing_wanted: bool,
-               min_partitions: int = 1) -> int:
+               min_partitions: int = 1, prefer_fastest: bool = False) -> int:
         """Local. n for a pass over `tokens` tokens from agreed values only: tokens and skew
         (the max over ranks), and, when `timing_agreement_due` said so before this call, the
         slowest rank's mean seconds per candidate (`agreed_seconds`; None otherwise).
 
         min_partitions: the smallest n allowed (e.g. the fewest partitions that fit a
-        memory budget); cached choices below it are ignored and not searched."""
+        memory budget); cached choices below it are ignored and not searched.
+        prefer_fastest: a search ending now keeps the fastest n, not the largest within
+        `tolerance` (agreed values only: the same on every rank)."""
         self._floor = min(min_partitions, self.candidates[-1])
+        self._prefer_fastest = prefer_fastest
         if self.active is not None and self.active.tokens == tokens and timing_wanted:
             self._maybe_cut_short(agreed_seconds)
         if self.active is not None and self.active.finished:
@@ -293,9 +301,13 @@ class GranularitySearch:
         agreed = self._times(agreed_seconds, search.candidates)
         times = {n: t for n, t in zip(search.candidates, agreed)}
         # More partitions mean smaller shared buffers: among the n within `tolerance`
-        # of the fastest, take the largest (memory saved at a bounded time cost).
+        # of the fastest, take the largest (memory saved at a bounded time cost), unless
+        # the caller wants the fastest.
         fastest = min(agreed)
-        best = max(n for n, t in times.items() if t <= (1 + self.tolerance) * fastest)
+        if self._prefer_fastest:
+            best = min(times, key=lambda n: times[n])
+        else:
+            best = max(n for n, t in times.items() if t <= (1 + self.tolerance) * fastest)
         previous = next((e for e in self.cache if e.tokens == search.tokens), None)
         if previous is not None and previous.partitions != best and \
                 times.get(previous.partitions, math.inf) > (1 + self.tolerance) * times[best]:

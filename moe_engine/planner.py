@@ -177,9 +177,12 @@ class Planner:
         ``agreed.profile_differs`` (every rank adopts rank 0's)."""
         tokens = agreed.stats.max_tokens
         if self.partitions == "auto":
+            # Under a budget the fewest partitions that fit bound n already, and with "none"
+            # more partitions share no buffers: keep the fastest n, not the largest near it.
             n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
                                    min_partitions=self._fewest_partitions_within_budget(
-                                       tokens, agreed.param_dtype, agreed.stats.skew_bucket))
+                                       tokens, agreed.param_dtype, agreed.stats.skew_bucket),
+                                   prefer_fastest=self.memory_budget is not None or self.strategy == "none")
         else:
             n = self.partitions  # type: ignore[assignment]  # (partitions is an int unless "auto")
         strategy = self.strategy

@@ -26,9 +26,9 @@ class ScriptedSearch(GranularitySearch):
         self.cost = cost
         self._tokens = None
 
-    def choose(self, tokens, skew, group, timing_wanted=True, min_partitions=1):
+    def choose(self, tokens, skew, group, timing_wanted=True, min_partitions=1, prefer_fastest=False):
         self._tokens = tokens
-        return super().choose(tokens, skew, group, timing_wanted, min_partitions)
+        return super().choose(tokens, skew, group, timing_wanted, min_partitions, prefer_fastest)
 
     def timing_for_pass(self, n, device):
         self._n = n
@@ -123,6 +123,37 @@ def test_minimum_partitions_limit_the_search_and_the_cache():
     assert set(chosen) <= {4, 8} and search.cache[-1].partitions in (4, 8)
 
 
+def test_the_largest_n_near_the_fastest_unless_the_fastest_is_asked_for():
+    def cost(tokens, n):  # n = 4 fastest, n = 8 within the 5% tolerance of it
+        return {1: 1.5, 2: 1.2, 4: 1.0, 8: 1.04}[n]
+
+    group = ExpertGroup(None)
+    for prefer_fastest, expected in ((False, 8), (True, 4)):
+        search = ScriptedSearch(cost, candidates=(1, 2, 4, 8), warmup=0, repeats=1, give_up_slower=None)
+        for _ in range(5):
+            n = search.choose(4096, 0, group, True, prefer_fastest=prefer_fastest)
+            search.timing_for_pass(n, torch.device("cpu"))
+        assert search.cache[-1].partitions == expected, prefer_fastest
+
+
+@pytest.mark.parametrize("strategy, budget, fastest", [("auto", None, False), ("S4", None, False),
+                                                       ("none", None, True), ("auto", 10 ** 12, True)])
+def test_the_planner_asks_the_search_for_the_fastest_n_where_more_partitions_buy_nothing(strategy, budget, fastest):
+    asked = []
+
+    class Recording(GranularitySearch):
+        def decide(self, *args, **kwargs):
+            asked.append(kwargs.get("prefer_fastest"))
+            return super().decide(*args, **kwargs)
+
+    layer = MPipeMoE(MoEConfig(16, 32, 4, top_k=2), partitions="auto", strategy=strategy, memory_budget=budget,
+                     search=Recording(candidates=(1, 2), warmup=0, repeats=1))
+    x = torch.randn(32, 16, requires_grad=True)
+    y, aux = layer(x)
+    (y.sum() + aux).backward()
+    assert asked and set(asked) == {fastest}
+
+
 def test_memory_budget_steers_auto_layer_to_more_partitions():
     config = MoEConfig(64, 256, 4, top_k=2)
     tokens = 512
@@ -190,8 +221,9 @@ def test_auto_layer_is_exact_and_ranks_agree(world_size):
     assert [n for n, _ in chosen[0][:3]] == [1, 2, 4]          # the search timed each candidate
     assert "chose" in results[0][1]
     assert all(s in ("none", "S1", "S2", "S3", "S4") for _, s in chosen[0])
-    profiles = [r[2] for r in results]
-    assert len(profiles[0]) == 1 and all(p == profiles[0] for p in profiles), "ranks hold different profiles"
+    # the figures the model reads (measured_at is each rank's own clock, to the second)
+    figures = [{key: p.figures() for key, p in r[2].items()} for r in results]
+    assert len(figures[0]) == 1 and all(f == figures[0] for f in figures), "ranks hold different profiles"
 
 
 def one_gpu_like(tokens, n):
