@@ -105,6 +105,8 @@ class TrainJob:
     seq_len: int | None = None         # None: the preset's seq_len
     partitions: str | int = "auto"     # mpipemoe pipeline partitions n: "auto" or int >= 1
     strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
+    moe_memory_gib: float | None = None  # mpipemoe: GiB of activations for all MoE layers of a worker's
+                                       # micro-batch together; "auto" n and strategy then fit it
     seed: int = 0                      # model init and data order
     lr: float = 1e-3                   # peak AdamW learning rate
     checkpoint_every: int = 25         # steps between checkpoints (and at the last step); 0 = none
@@ -164,6 +166,16 @@ class TrainJob:
             _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
         if self.strategy not in STRATEGY_CHOICES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
+        if self.moe_memory_gib is not None:
+            if isinstance(self.moe_memory_gib, bool) or not isinstance(self.moe_memory_gib, (int, float)) \
+                    or not self.moe_memory_gib > 0:
+                _fail("moe_memory_gib", self.moe_memory_gib, "give a number of GiB > 0, e.g. 6 (--moe-memory-gib)")
+            if self.engine != "mpipemoe":
+                _fail("moe_memory_gib", self.moe_memory_gib, f"only the mpipemoe engine trades time for memory; "
+                      f"drop --moe-memory-gib or use --engine mpipemoe (not {self.engine})")
+            if self.partitions != "auto" and self.strategy != "auto":
+                _fail("moe_memory_gib", self.moe_memory_gib, "the budget steers the automatic choices: give "
+                      "--partitions auto or --strategy auto (or drop --moe-memory-gib)")
         if self.dtype == "float16":
             _fail("dtype", self.dtype, "float16 compute needs loss scaling, which this trainer does not do; "
                   "use --dtype bfloat16 (same memory and speed, no scaling needed) or float32")
@@ -238,7 +250,9 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
     dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
     return WorkerConfig(
         preset=preset, engine=job.engine, partitions=job.partitions,
-        strategy=job.strategy, seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
+        strategy=job.strategy, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
+                                                        else int(job.moe_memory_gib * 2**30)),
+        seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
         warmup_steps=job.warmup_steps, grad_clip=job.grad_clip,
         aux_loss_weight=job.aux_loss_weight, steps=job.steps, batch_size=job.batch_size,
         seq_len=preset.seq_len, checkpoint_every=job.checkpoint_every,
@@ -1012,8 +1026,8 @@ def _checkpoint_step(directory: str | Path) -> int:
 
 # Settings a resumed run may change (its checkpoints load into any of them); each stretch of
 # steps trained with one choice of them is a segment, recorded in the MLflow run.
-SEGMENT_FIELDS = ("engine", "partitions", "strategy", "batch_size", "grad_accum", "lr", "dtype", "param_dtype",
-                  "shard_dense", "use_gpu")
+SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
+                  "param_dtype", "shard_dense", "use_gpu")
 
 
 def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:

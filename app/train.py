@@ -126,6 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", "tokens per sequence (default: the preset's)", type=int)
     add("--partitions", "mpipemoe partitions n: auto or an integer")
     add("--strategy", "mpipemoe memory strategy", choices=STRATEGY_CHOICES)
+    add("--moe-memory-gib", "mpipemoe: GiB of activation memory for all MoE layers together (per worker and "
+        "micro-batch); the automatic partitions and strategy choose the fastest setting that fits", type=float)
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
     add("--lr-schedule", "learning rate after the warm-up: constant, or a decay to --min-lr at --steps "

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe_engine
-from moe_engine import HostBufferPool, MoEConfig, ProfileCache
+from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, ProfileCache
 from moe_engine.config import ENGINES
 
 KINDS = ("gpt", "bert")
@@ -175,10 +175,12 @@ class MoETransformer(nn.Module):
 
     group:     the expert-parallel process group (None = default group if initialised).
     host_pool: host buffers for offloads, shared by the MoE layers (default: a new pool).
+    memory_budget: bytes of activations for all MoE layers together (mpipemoe): each layer
+               gets MemoryBudget(memory_budget, layers=num_layers); None: no budget.
     """
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
-                 partitions="auto", strategy="auto", host_pool=None):
+                 partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None):
         super().__init__()
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -191,9 +193,10 @@ class MoETransformer(nn.Module):
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         host_pool = host_pool if host_pool is not None else HostBufferPool()
+        budget = None if memory_budget is None else MemoryBudget(memory_budget, layers=preset.num_layers)
         self.blocks = nn.ModuleList(
             Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
-                                                   profile=profiles, host_pool=host_pool))
+                                                   profile=profiles, host_pool=host_pool, memory_budget=budget))
             for _ in range(preset.num_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)
 

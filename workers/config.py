@@ -59,6 +59,7 @@ class WorkerConfig:
 
     preset:              the model (a ``ModelPreset``; its dict, as checkpoints store it, is accepted).
     engine, partitions, strategy: the MoE engine and its pipeline settings (lm.model).
+    moe_memory_budget_bytes: activation bytes for all MoE layers together (MemoryBudget), or None.
     seed, lr, weight_decay, warmup_steps, grad_clip, aux_loss_weight: the optimisation.
     lr_schedule, min_lr: the learning rate after warm-up (workers/loop.py ``learning_rate``).
     optimizer_impl:      AdamW's kernels: "auto" (fused on CUDA, foreach elsewhere), "fused",
@@ -89,6 +90,7 @@ class WorkerConfig:
     data_dir: str
     partitions: int | str = "auto"
     strategy: str = "auto"
+    moe_memory_budget_bytes: int | None = None
     seed: int = 0
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -140,6 +142,9 @@ class WorkerConfig:
         if self.partitions != "auto" and not (isinstance(self.partitions, int) and _is_int(self.partitions)
                                                and self.partitions >= 1):
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')
+        if self.moe_memory_budget_bytes is not None and not (_is_int(self.moe_memory_budget_bytes)
+                                                             and self.moe_memory_budget_bytes >= 1):
+            _fail("moe_memory_budget_bytes", self.moe_memory_budget_bytes, "give an integer >= 1 or None")
         if not isinstance(self.data_dir, str) or not self.data_dir:
             _fail("data_dir", self.data_dir, "give the prepared dataset's directory (mpipemoe data)")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "torch_threads", "eval_batches", "log_every"):

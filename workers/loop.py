@@ -219,7 +219,8 @@ class Trainer:
         self.preset = config.preset
         self.preset.check_world_size(world_size)
         model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
-                               strategy=config.strategy, host_pool=host_pool)
+                               strategy=config.strategy, host_pool=host_pool,
+                               memory_budget=config.moe_memory_budget_bytes)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast
         init_parameters(model, config.seed, rank)
         if config.param_dtype != "float32":  # pure low-precision training, for comparison

@@ -598,3 +598,20 @@ def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated
     assert run.info.status == "KILLED"
     assert t.group_gone()  # Ray and the workers ended with the driver
 
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-memory-gib", "0"], "TrainJob.moe_memory_gib=0.0 is invalid: give a number of GiB > 0, e.g. 6 "
+                                "(--moe-memory-gib)"),
+    (["--moe-memory-gib", "4", "--engine", "fastmoe"],
+     "TrainJob.moe_memory_gib=4.0 is invalid: only the mpipemoe engine trades time for memory; drop "
+     "--moe-memory-gib or use --engine mpipemoe (not fastmoe)"),
+    (["--moe-memory-gib", "4", "--partitions", "2", "--strategy", "S4"],
+     "TrainJob.moe_memory_gib=4.0 is invalid: the budget steers the automatic choices: give --partitions auto "
+     "or --strategy auto (or drop --moe-memory-gib)"),
+])
+def test_moe_memory_budget_is_checked_before_ray_starts(flags, message, capsys, tmp_path):
+    status, line, _, _ = _cli(["train", *flags, "--storage-path", str(tmp_path)], capsys)
+    assert status == 1
+    assert line == f"mpipemoe train: error: {message} (--debug shows the traceback)"
+    assert list(tmp_path.iterdir()) == []

@@ -145,3 +145,30 @@ def test_model_flops_per_token_counts_the_weights_a_token_passes_through(activat
 def test_gpt_s_flops_per_token_as_documented():
     # docs/training.md, "Throughput and MFU": 3.32 GFLOP per token for gpt-s (top-2 of 8)
     assert model_flops_per_token(get_preset("gpt-s")) == pytest.approx(3.32e9, rel=5e-3)
+
+
+def test_a_memory_budget_is_shared_by_every_moe_layer_and_steers_their_choices():
+    from moe_engine import MemoryBudget, MoEConfig
+    from moe_engine.memory import predict_memory
+
+    preset = get_preset("tiny-gpt")
+    config = MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden, num_experts=preset.num_experts,
+                       top_k=preset.top_k, capacity_factor=preset.capacity_factor, activation=preset.activation)
+    batch = 2
+    tokens = batch * preset.seq_len
+
+    def need(n, strategy):  # every layer's saved tensors, one working set
+        e = predict_memory(config, tokens, 1, n, strategy, dtype=torch.float32)
+        return preset.num_layers * e.saved_bytes + e.peak_bytes - e.saved_bytes
+    budget = need(1, "S4")  # keeping everything ("none", the fastest at n = 1) does not fit
+    assert need(1, "none") > budget
+    torch.manual_seed(0)
+    model = MoETransformer(preset, memory_budget=budget)
+    layers = [block.moe for block in model.blocks]
+    assert all(layer.planner.memory_budget == MemoryBudget(budget, layers=preset.num_layers) for layer in layers)
+    for _ in range(3):
+        logits, aux = model(torch.randint(0, 256, (batch, preset.seq_len)))
+        (logits.float().square().mean() + aux).backward()
+        assert all(need(layer.last_partitions, layer.last_strategy) <= budget for layer in layers)
+    # ... and without one, the model builds its layers without
+    assert MoETransformer(preset).blocks[0].moe.planner.memory_budget is None

@@ -60,6 +60,9 @@ def test_worker_config_resolves_device_dtype_and_preset(tmp_path):
     assert (cpu.dtype, cpu.cpus_per_worker, cpu.torch_threads) == ("float32", 0.9, 1)
     assert cpu.preset.seq_len == cpu.seq_len == 128 and cpu.preset.num_experts == 8
     assert worker_config(job, use_gpu=True).dtype == "bfloat16"
+    assert cpu.moe_memory_budget_bytes is None
+    budgeted = TrainJob(data_dir=str(tmp_path), moe_memory_gib=0.5)
+    assert worker_config(budgeted, use_gpu=False).moe_memory_budget_bytes == 2**29
 
 
 def test_a_capacity_search_setting_that_is_missing_is_named():
