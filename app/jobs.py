@@ -41,7 +41,7 @@ from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, check_st
                           metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes,
+from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes, leanest_moe_memory,
                       get_preset, param_counts)
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
@@ -200,6 +200,8 @@ class TrainJob:
         if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
         self.model_preset().check_world_size(self.num_workers)
+        if self.moe_memory_gib is not None:
+            self._check_moe_memory_budget()
         self.storage_path = str(Path(self.storage_path or "ray_results").expanduser().resolve())
         self.data_dir = str(Path(self.data_dir).expanduser().resolve()) if self.data_dir \
             else str(data_lib.default_data_dir())
@@ -221,6 +223,20 @@ class TrainJob:
                       f"a worker's micro-batch has {tokens} tokens (--batch-size {self.batch_size} x seq_len "
                       f"{tokens // self.batch_size}) and each partition needs at least one: use --partitions "
                       f"{min(tokens, 8)} (at most {tokens}) or auto, or a larger --batch-size")
+
+    def _check_moe_memory_budget(self) -> None:
+        """Refuse a --moe-memory-gib that no setting meets (priced in bfloat16, the smallest
+        compute dtype, for a worker's micro-batch under balanced routing), before Ray starts."""
+        preset = self.model_preset()
+        tokens = self.batch_size * preset.seq_len
+        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16)
+        assert self.moe_memory_gib is not None
+        if self.moe_memory_gib * 2**30 < need:
+            _fail("moe_memory_gib", self.moe_memory_gib,
+                  f"the leanest MPipeMoE setting (n={n}, {strategy}) needs {need / 2**30:.3g} GiB for the "
+                  f"{preset.num_layers} MoE layers of a {tokens}-token micro-batch ({self.preset}, --batch-size "
+                  f"{self.batch_size}): give --moe-memory-gib {math.ceil(need / 2**30 * 1000) / 1000:g} or more, "
+                  f"or a smaller --batch-size")
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""

@@ -30,7 +30,9 @@ from torch import nn
 
 import moe_engine
 from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, ProfileCache
-from moe_engine.config import ENGINES
+from moe_engine.config import ENGINES, STRATEGIES
+from moe_engine.granularity import DEFAULT_CANDIDATES
+from moe_engine.memory import predict_memory
 
 KINDS = ("gpt", "bert")
 PARTITION_CHOICES = "'auto' or an integer >= 1"
@@ -170,6 +172,27 @@ class Block(nn.Module):
         return x_BSD + moe_out_BSD, aux_loss
 
 
+def preset_moe_config(preset: ModelPreset) -> MoEConfig:
+    """The MoE layers' configuration of a model of ``preset``."""
+    return MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden, num_experts=preset.num_experts,
+                     top_k=preset.top_k, capacity_factor=preset.capacity_factor, activation=preset.activation)
+
+
+def leanest_moe_memory(preset: ModelPreset, tokens: int, world_size: int, dtype: torch.dtype,
+                       candidates: tuple[int, ...] = DEFAULT_CANDIDATES) -> tuple[int, int, str]:
+    """(bytes, n, strategy): the least activation memory the MoE layers of ``preset``
+    need together for ``tokens`` per rank (balanced routing), over the partition search's
+    ``candidates`` and every strategy — what a `MemoryBudget` for them must hold at least."""
+    config = preset_moe_config(preset)
+    needs = []
+    for n in candidates:
+        for strategy in STRATEGIES:
+            e = predict_memory(config, tokens, world_size, n, strategy, dtype=dtype)
+            needs.append((MemoryBudget(1, preset.num_layers).need(e.saved_bytes, e.peak_bytes - e.saved_bytes),
+                          n, strategy))
+    return min(needs)
+
+
 class MoETransformer(nn.Module):
     """Decoder or encoder with a MoE FFN in every block; returns (logits, mean aux loss).
 
@@ -186,9 +209,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
         self.preset = preset
         self.engine = engine
-        moe_config = MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden,
-                               num_experts=preset.num_experts, top_k=preset.top_k,
-                               capacity_factor=preset.capacity_factor, activation=preset.activation)
+        moe_config = preset_moe_config(preset)
         self.tok_embed = nn.Embedding(preset.vocab_size, preset.d_model)
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once

@@ -148,12 +148,12 @@ def test_gpt_s_flops_per_token_as_documented():
 
 
 def test_a_memory_budget_is_shared_by_every_moe_layer_and_steers_their_choices():
-    from moe_engine import MemoryBudget, MoEConfig
+    from lm.model import preset_moe_config
+    from moe_engine import MemoryBudget
     from moe_engine.memory import predict_memory
 
     preset = get_preset("tiny-gpt")
-    config = MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden, num_experts=preset.num_experts,
-                       top_k=preset.top_k, capacity_factor=preset.capacity_factor, activation=preset.activation)
+    config = preset_moe_config(preset)
     batch = 2
     tokens = batch * preset.seq_len
 
