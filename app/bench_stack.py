@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
+                             point_config)
 from app.memory_time import CKPT, memory_time_table, reference_setting
 from app.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
@@ -108,7 +110,6 @@ def measure_stack(stack: Stack, x: torch.Tensor, grad_y: torch.Tensor, device, w
     def step():  # the gradients stay allocated between passes: they are not activations
         stack(x.detach().requires_grad_(True)).backward(grad_y)
 
-    from app.bench import chosen_setting, peak_memory_bytes
     step()
     searches = [layer.search for layer in stack.layers if isinstance(layer, MPipeMoE) and layer.partitions == "auto"]
     for _ in range(60):  # let automatic layers' searches settle on an n
@@ -150,8 +151,6 @@ def memory_budget(settings, layers: int, reference: dict | None) -> MemoryBudget
 def bench_stack_point(model: str, tokens: int, routing: str, settings, group: ExpertGroup, device, log) -> list:
     """Records of every setting at one (model, tokens, routing): each logged as soon as it is
     measured (or failed)."""
-    from app.bench import FASTERMOE_GROUP_SIZE, layer_inputs, point_config
-
     config, dtype = point_config(model, settings, device)
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
@@ -209,7 +208,6 @@ def progress_line(r: dict, elapsed_s: float) -> str:
 
 def stack_markdown(result: dict) -> str:
     """The Markdown beside a stacked bench's JSON: memory against time, one row per setting."""
-    from app.bench import markdown_head
     from app.records import RecordMeta
 
     meta, records = RecordMeta.from_json(result["meta"]), result["records"]
