@@ -21,7 +21,9 @@ multiple of every candidate n and a partition is a run of C/n chunks.
 With one rank nothing is read: every pair of partition i (dropped ones too, placed in
 the last expert's segment, where they compute harmless numbers and get zero gradient)
 is a row, so the row counts are static (K × the partition's tokens) and the grouped
-kernels take their expert offsets from the device.
+kernels take their expert offsets from the device. (On CUDA the rows per expert are also
+copied to the host without waiting, `HostCountsCopy`: a per-expert fallback in backward,
+for a torch whose grouped kernel cannot write float32 gradients, reads them from there.)
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from .comm import ExpertGroup
-from .experts import ExpertSegments
+from .experts import ExpertSegments, HostCountsCopy
 from .router import Routing, count_ids
 
 STATS = 3  # PassStats fields riding in the count exchange (a planner's values may follow them)
@@ -222,12 +224,13 @@ def plan_single(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_ex
     pair_order = torch.argsort(keys_P, stable=True)
     counts_nE = count_ids(keys_P, partitions * num_experts).view(partitions, num_experts)
     ends_nE = counts_nE.cumsum(1).to(torch.int32)
+    copies = HostCountsCopy.start(counts_nE)  # for a backward that needs them on the host
     token_index_R = pair_order // top_k
     parts, start = [], 0
     for i in range(partitions):
         rows = top_k * tokens_of_partition(tokens, partitions, i)
-        parts.append(PartitionPlan(token_index_R[start:start + rows], [rows], [rows],
-                                   ExpertSegments(rows, ends_nE[i], counts_nE[i]), None, None))
+        segments = ExpertSegments(rows, ends_nE[i], counts_nE[i], counts_copy=copies[i] if copies else None)
+        parts.append(PartitionPlan(token_index_R[start:start + rows], [rows], [rows], segments, None, None))
         start += rows
     return DispatchPlan(tokens, top_k, token_index_R, pair_order, parts, True, stats)
 
@@ -331,7 +334,13 @@ class _WeightedCombine(torch.autograd.Function):
     is one broadcast product for the rows' gradient, gathered back into row order by
     the inverse permutation (no atomic scatter), and one product-sum for the weights'.
     Autograd's own graph for the same expression runs a dozen kernels (select and
-    index_select backwards that scatter into zeroed buffers)."""
+    index_select backwards that scatter into zeroed buffers).
+
+    Mixed precision: the rows stay in the experts' dtype (bf16 under autocast) and the
+    sum is formed in the weights' dtype (the layer's: float32 under autocast), so the
+    gather moves half the bytes of an upcast copy and the values are the same (a bf16
+    number is exact in float32). The rows' gradient is rounded to their dtype once,
+    after the product, as a cast of the rows would round it."""
 
     @staticmethod
     def forward(ctx: Any, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor,
@@ -351,7 +360,9 @@ class _WeightedCombine(torch.autograd.Function):
         dy_TD = dy_TD.unsqueeze(1)
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
-            d_pairs_PD = (dy_TD * weights_TK.unsqueeze(-1)).view(-1, y_TKD.shape[-1])
+            # the product in the weights' dtype, written in the rows' (one rounding)
+            d_pairs_PD = torch.mul(dy_TD, weights_TK.unsqueeze(-1),
+                                   out=y_TKD.new_empty(y_TKD.shape)).view(-1, y_TKD.shape[-1])
             # Each row belongs to one pair (pair_index_R); a pair without a row has weight 0.
             d_rows = d_pairs_PD.index_select(0, pair_index_R)
         if ctx.needs_input_grad[1]:
@@ -359,8 +370,11 @@ class _WeightedCombine(torch.autograd.Function):
         return d_rows, d_weights, None, None, None, None
 
 
-def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
-    """Local. y_t = Σ_k weight_tk × (expert output of pair (t, k)), 0 for a dropped pair.
+def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Local. y_t = Σ_k weight_tk × (expert output of pair (t, k)), 0 for a dropped pair,
+    in ``out_dtype`` (default: the rows'; the layers give their input's, float32 under
+    autocast while the rows are bf16).
 
     Rows go back to (token, choice) order (one gather) and the K choices are weighted
     and summed elementwise (`_WeightedCombine`; a batched (1 × K) @ (K × D) product per
@@ -370,10 +384,13 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
     and gets no gradient).
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
-    weights_TK = (weights_TK * keep_TK).to(y_RD.dtype)
+    out_dtype = out_dtype or y_RD.dtype
+    # the weights in the dtype of the sum (a wider one where the rows' and out_dtype mix kinds)
+    weights_TK = (weights_TK * keep_TK).to(torch.promote_types(out_dtype, y_RD.dtype))
     if y_RD.shape[0] == 0:
         # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
         # runs collectives that the other ranks wait for.
-        return y_RD.new_zeros(tokens, D) + (y_RD.sum() + weights_TK.sum()) * 0
-    return _WeightedCombine.apply(  # type: ignore[no-untyped-call, no-any-return]  # (Function.apply is untyped)
+        return (y_RD.new_zeros(tokens, D, dtype=out_dtype) + (y_RD.sum() + weights_TK.sum()) * 0).to(out_dtype)
+    y_TD = _WeightedCombine.apply(  # type: ignore[no-untyped-call]  # (Function.apply is untyped)
         y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k)
+    return y_TD.to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped; .to is a no-op but for bf16 rows, fp16 out)

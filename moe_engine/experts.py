@@ -40,20 +40,50 @@ PreActivation = list[torch.Tensor]  # [A] or [gate, up]; each N × H
 
 
 @dataclass(frozen=True)
+class HostCountsCopy:
+    """Rows per expert on their way to pinned host memory: copied without waiting when the
+    forward plans the rows, read in backward (by then long arrived), so the per-expert
+    fallback of the weight gradients waits for this copy, not for every kernel queued
+    before it (a device-wide wait per layer starved the GPU while the host re-filled the queue)."""
+
+    host_L: torch.Tensor
+    event: torch.cuda.Event
+
+    @classmethod
+    def start(cls, counts_nL: torch.Tensor) -> list["HostCountsCopy"] | None:
+        """Local. Start copying a [n, L] table of counts; one copy per row. None off CUDA
+        and while a CUDA graph is captured (its replays would not refill the host copy)."""
+        if counts_nL.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None
+        host_nL = torch.empty(counts_nL.shape, dtype=counts_nL.dtype, pin_memory=True)
+        host_nL.copy_(counts_nL, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return [cls(host_L, event) for host_L in host_nL]
+
+    def read(self) -> list[int]:
+        """Local. The counts, once this copy has arrived (waits for it alone)."""
+        self.event.synchronize()
+        return self.host_L.tolist()
+
+
+@dataclass(frozen=True)
 class ExpertSegments:
     """Local. How N rows split into the local experts' contiguous segments.
 
-    rows:     N, known on the host.
-    ends_L:   int32 on the rows' device: end row of each expert's segment (cumulative).
-    counts_L: int64 on the rows' device: rows per expert.
-    counts:   the same on the host when known without reading the device (several ranks
-              read their count tables anyway); None otherwise.
+    rows:        N, known on the host.
+    ends_L:      int32 on the rows' device: end row of each expert's segment (cumulative).
+    counts_L:    int64 on the rows' device: rows per expert.
+    counts:      the same on the host when known without reading the device (several ranks
+                 read their count tables anyway); None otherwise.
+    counts_copy: the counts on their way to the host (one rank on CUDA), for `host_counts`.
     """
 
     rows: int
     ends_L: torch.Tensor
     counts_L: torch.Tensor
     counts: list[int] | None = None
+    counts_copy: HostCountsCopy | None = None
 
     @classmethod
     def from_counts(cls, counts: list[int], device: torch.device | str | None) -> "ExpertSegments":
@@ -67,7 +97,8 @@ class ExpertSegments:
         the weight gradients of w1 and w2 (a CUDA torch whose grouped kernel does not write
         float32) wait for the device once per partition, not once per projection."""
         if self.counts is None:
-            object.__setattr__(self, "counts", self.counts_L.tolist())  # frozen: the one late field
+            counts = self.counts_copy.read() if self.counts_copy is not None else self.counts_L.tolist()
+            object.__setattr__(self, "counts", counts)  # frozen: the one late field
         return self.counts  # type: ignore[return-value]  # (set just above)
 
     def one_hot(self, dtype: torch.dtype) -> torch.Tensor:
@@ -82,7 +113,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """Local. The dtype the experts run in for the input ``x`` (and the All-to-Alls move
     rows in): the autocast dtype when autocast is on for x's device type (the layer casts
     the rows and the weights to it, layers.MoELayerBase._run_experts), else x's own. Under
-    the Trainer's autocast the layer's input is float32 (a LayerNorm output) while the
+    autocast the layer's input may be float32 (a plain LayerNorm's output) while the
     GEMMs are bf16: every decision that prices the experts (the planner, the performance
     model's calibration, the host check) asks this, not ``x.dtype``."""
     device_type = x.device.type

@@ -172,7 +172,7 @@ class MoELayerBase(nn.Module):
 
     # -- step 3: experts ---------------------------------------------------------------------
     def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:
-        """Rows in send order (R × D) after dispatch → experts → combine, with the planner's
+        """Rows in send order (R × D, in the compute dtype) after dispatch → experts → combine, with the planner's
         n and strategy (decided on agreed values only: they decide which collectives run)."""
         self.last_strategy = pass_plan.strategy
         if torch.is_grad_enabled() and RestorePolicy.of(pass_plan.strategy).offloads and x_TD.is_cuda \
@@ -186,7 +186,7 @@ class MoELayerBase(nn.Module):
         # (memory.predict_memory's rows_sent / rows_received).
         received = [p.rows_received for p in plan.partitions]
         self.last_rows = (plan.send_offsets[-1], sum(received), max(received, default=0))
-        experts, out_dtype = self.experts, x_TD.dtype
+        experts = self.experts
         # Mixed precision (float32 master weights under autocast): the experts compute, and
         # the All-to-Alls move rows, in the autocast dtype, the one the planner priced. The
         # weights are cast once per pass, outside autograd: the pipeline sums their gradients
@@ -205,14 +205,16 @@ class MoELayerBase(nn.Module):
                           keep_activation=self.keep_activation,
                           reserved_sms=self.group.comm_sms if overlaps else 0)
         e = self.experts
-        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3).to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped)
+        # The rows stay in the compute dtype: the combine weights them into the layer's dtype.
+        return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3)  # type: ignore[no-any-return]  # (Function.apply is untyped)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)
         routing = self.router(x_TD)                                                    # 1. route
         plan, pass_plan = self.plan(x_TD, routing)                                     # 2. plan
         y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts
-        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK)   # 4. un-permute
+        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK,   # 4. un-permute
+                                    out_dtype=x_TD.dtype)
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
 

@@ -31,6 +31,25 @@ def kind_of(name: str) -> str:
     return next((kind for kind, parts in KINDS if any(p in lowered for p in parts)), "other")
 
 
+def idle_gaps(prof, steps: int, top: int = 12) -> list[dict]:
+    """The GPU's idle time between consecutive kernels (any stream), per step, summed by the
+    pair of kernels around each gap of more than 10 us: which step of the model the GPU
+    waited before (a host wait, or the host queueing slower than the GPU ran)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    busy_until, before = None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start - busy_until > 10:  # microseconds
+            entry = by_pair.setdefault((before[:60], name[:60]), [0.0, 0])
+            entry[0] += (start - busy_until) / 1e6 / steps
+            entry[1] += 1
+        if busy_until is None or end > busy_until:
+            busy_until, before = end, name
+    ranked = sorted(by_pair.items(), key=lambda item: -item[1][0])[:top]
+    return [{"s": s, "gaps_per_step": count / steps, "after": a, "before": b} for (a, b), (s, count) in ranked]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="gpt-xl")
@@ -70,6 +89,7 @@ def main() -> None:
             kind = kind_of(event.key)
             kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e6 / args.steps
             launches += event.count
+    gaps = idle_gaps(prof, args.steps)
     top = sorted(((e.self_device_time_total / 1e6 / args.steps, e.key[:90]) for e in prof.key_averages()
                   if e.device_type.name == "CUDA"), reverse=True)[:15]
     tokens = args.batch_size * preset.seq_len
@@ -82,7 +102,9 @@ def main() -> None:
               "mfu_if_only_gemms": flops / kinds["gemm"] / peak_flops(device, "bfloat16") if kinds.get("gemm") else None,
               # host-side bound: kernels per step, and the step's time the GPU ran no kernel
               "kernels_per_step": launches / args.steps, "gpu_idle_s": wall - sum(kinds.values()),
-              "top_kernels": [{"s": s, "name": n} for s, n in top]}
+              "top_kernels": [{"s": s, "name": n} for s, n in top],
+              # where the GPU waited: idle time between kernels, by the kernels on either side
+              "idle_gaps": gaps}
     dist.destroy_process_group()
     print(json.dumps(result, indent=1))
     if args.out:

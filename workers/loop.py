@@ -70,7 +70,7 @@ from workers import checkpoint as ckpt
 from workers.config import WorkerConfig
 from workers.reshard import rank_batches
 from workers.control import StopPoller
-from workers.distributed import DenseParallel, new_group, reduce_max, reduce_sum
+from workers.distributed import DenseParallel, all_reduce_sum_, new_group, reduce_max, reduce_sum
 from workers.load import ExpertLoad
 
 
@@ -305,8 +305,11 @@ class Trainer:
         """Collective: one optimizer step. Returns mean lm/aux loss over ranks and
         micro-batches, grad_norm (NaN when skipped), lr, skipped."""
         config, rank, K = self.config, self.rank, self.grad_accum
-        lm_total = aux_total = 0.0
-        skip = False
+        # Each micro-batch's [lm, aux] losses stay on the device until every backward has
+        # been queued: reading them after its forward would leave the GPU idle while the
+        # host waits and then queues the backward (one read per step, not one per micro-batch).
+        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
+        input_nonfinite = False
         for micro in range(K):
             inputs_BS, targets_BS = self._micro_batch(step, micro)
             with self.parallel.sync(last_micro_batch=micro == K - 1):
@@ -320,20 +323,14 @@ class Trainer:
                     if nan_loss:
                         loss_lm = loss_lm * float("nan")
                     loss = loss_lm + config.aux_loss_weight * aux_loss.float()
-                    local_losses = [loss_lm.item(), aux_loss.item()]
+                    losses += torch.stack([loss_lm.detach(), aux_loss.detach()]).double()
                 except NonFiniteInputError:
-                    loss, local_losses = None, [math.nan, math.nan]
+                    input_nonfinite = True
+                    break
                 except Exception as error:
                     raise StepError(f"step {step} failed on rank {rank} (engine {config.engine}): "
                                     f"{type(error).__name__}: {error}") from error
-                # 3. global losses; on NaN/Inf every rank halts, or skips this update, together
-                lm_sum, aux_sum = reduce_sum(local_losses, self.device, self.world_size)
-                lm_total += lm_sum / self.world_size / K
-                aux_total += aux_sum / self.world_size / K
-                if not (math.isfinite(lm_sum) and math.isfinite(aux_sum)):
-                    skip = True
-                    break
-                # 4. backward of this micro-batch's share of the step's loss (the dense
+                # 3. backward of this micro-batch's share of the step's loss (the dense
                 #    gradients are reduced in the last micro-batch, overlapped with backward)
                 try:
                     (loss / K).backward()
@@ -341,6 +338,13 @@ class Trainer:
                     raise StepError(f"step {step} backward failed on rank {rank} (engine {config.engine}): "
                                     f"{type(error).__name__}: {error}") from error
                 del loss, logits_BSV
+        # 4. global mean losses (one device read); on NaN/Inf every rank halts, or skips this
+        #    update, together (a non-finite loss still ran its backward: the gradients are dropped)
+        if input_nonfinite:
+            losses.fill_(math.nan)
+        lm_sum, aux_sum = all_reduce_sum_(losses, self.world_size).tolist()
+        lm_total, aux_total = lm_sum / self.world_size / K, aux_sum / self.world_size / K
+        skip = not (math.isfinite(lm_total) and math.isfinite(aux_total))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
         if skip:
             check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
