@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import tempfile
 import time
 
@@ -50,6 +51,20 @@ def idle_gaps(prof, steps: int, top: int = 12) -> list[dict]:
     return [{"s": s, "gaps_per_step": count / steps, "after": a, "before": b} for (a, b), (s, count) in ranked]
 
 
+def gpu_clocks() -> dict | None:
+    """The GPU's SM clock now and its maximum, power and temperature (nvidia-smi), right after
+    the profiled steps: a step of the same kernels takes longer on a GPU held to a lower clock,
+    so records from two machines compare only with these beside them."""
+    fields = "clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        sm, sm_max, power, temperature = (float(v) for v in line.split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return {"sm_mhz": sm, "sm_max_mhz": sm_max, "power_w": power, "temperature_c": temperature}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="gpt-xl")
@@ -82,6 +97,7 @@ def main() -> None:
             trainer.step(step)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - started) / args.steps
+    clocks = gpu_clocks()
     kinds: dict[str, float] = {}
     launches = 0
     for event in prof.key_averages():
@@ -91,12 +107,12 @@ def main() -> None:
             launches += event.count
     gaps = idle_gaps(prof, args.steps)
     top = sorted(((e.self_device_time_total / 1e6 / args.steps, e.key[:90]) for e in prof.key_averages()
-                  if e.device_type.name == "CUDA"), reverse=True)[:15]
+                  if e.device_type.name == "CUDA"), reverse=True)[:40]
     tokens = args.batch_size * preset.seq_len
     flops = tokens * model_flops_per_token(preset)
     result = {"preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
               "engine": args.engine, "optimizer_impl": args.optimizer_impl,
-              "device": torch.cuda.get_device_name(device), "step_s": wall,
+              "device": torch.cuda.get_device_name(device), "gpu_clocks": clocks, "step_s": wall,
               "kernel_s": sum(kinds.values()), "kernel_s_by_kind": kinds, "mfu": flops / wall / peak_flops(device, "bfloat16"),
               # the bound the GEMMs alone set: model FLOPs over the GEMM kernels' time
               "mfu_if_only_gemms": flops / kinds["gemm"] / peak_flops(device, "bfloat16") if kinds.get("gemm") else None,

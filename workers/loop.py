@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 
 from lm.data import ValidationBatches, open_val_stream
-from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, init_parameters, lm_batch, lm_loss,
-                      model_flops_per_token)
+from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
+                      lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
@@ -218,6 +218,9 @@ class Trainer:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
         self.preset.check_world_size(world_size)
+        if self.preset.kind == "bert" and not 0 <= config.mask_id < self.preset.vocab_size:
+            raise ValueError(f"WorkerConfig.mask_id={config.mask_id} is outside the vocabulary of "
+                             f"{self.preset.vocab_size}: prepare the data with a tokenizer that has a mask token")
         model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
                                strategy=config.strategy, host_pool=host_pool,
                                memory_budget=config.moe_memory_budget_bytes)
@@ -296,7 +299,10 @@ class Trainer:
         return self.sampler.epoch_of((step - 1) * self.grad_accum)
 
     def _micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window_BS = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro)).to(self.device)
+        window_BS = torch.from_numpy(self.sampler.batch((step - 1) * self.grad_accum + micro))
+        check_token_ids(window_BS, self.preset.vocab_size, f"step {step}'s batch")  # on the host: no device wait
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the kernels queued before it
+            window_BS = window_BS.pin_memory().to(self.device, non_blocking=True)
         seed = self.config.seed * 1_000_003 + self.rank * 7919 + step + 104_729 * micro
         return lm_batch(self.preset.kind, window_BS, self.config.mask_id, self.preset.vocab_size,
                         torch.Generator().manual_seed(seed))
@@ -318,7 +324,8 @@ class Trainer:
                 #    non-finite loss)
                 try:
                     with self.parallel.autocast():
-                        logits_BSV, aux_loss = self.parallel.module(inputs_BS)
+                        # (the ids were checked on the host: _micro_batch, and mask_id in __init__)
+                        logits_BSV, aux_loss = self.parallel.module(inputs_BS, ids_checked=True)
                         loss_lm = lm_loss(logits_BSV.float(), targets_BS)
                     if nan_loss:
                         loss_lm = loss_lm * float("nan")
