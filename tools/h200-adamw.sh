@@ -57,8 +57,11 @@ for batch in (8, 128):
         after = json.load(open(f"{sys.argv[1]}/profile-step-gpt-xl4-b{batch}-mfu.json"))
     except OSError as error:
         print(f"batch {batch}: {error}"); continue
-    print(f"batch {batch}: step {before['step_s'] * 1e3:.1f} -> {after['step_s'] * 1e3:.1f} ms, "
-          f"MFU {before['mfu']:.1%} -> {after['mfu']:.1%}, kernels {before['kernel_s'] * 1e3:.1f} -> {after['kernel_s'] * 1e3:.1f} ms")
+    # (records before the unprofiled timing have only the profiled step time, as step_s)
+    profiled = after.get("profiled_step_s", after["step_s"])
+    print(f"batch {batch}: profiled step {before['step_s'] * 1e3:.1f} -> {profiled * 1e3:.1f} ms "
+          f"(unprofiled {after['step_s'] * 1e3:.1f} ms, MFU {before['mfu']:.1%} -> {after['mfu']:.1%}), "
+          f"kernels {before['kernel_s'] * 1e3:.1f} -> {after['kernel_s'] * 1e3:.1f} ms, clocks {after.get('gpu_clocks')}")
     for kind in sorted(set(before["kernel_s_by_kind"]) | set(after["kernel_s_by_kind"])):
         b, a = (d["kernel_s_by_kind"].get(kind, 0.0) * 1e3 for d in (before, after))
         print(f"  {kind:<12} {b:8.1f} -> {a:8.1f} ms")
