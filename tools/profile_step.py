@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from app.records import record_meta
 from lm.data import prepare_dataset
 from lm.model import get_preset, model_flops_per_token
 from workers.config import OPTIMIZER_IMPLS, WorkerConfig
@@ -119,7 +120,7 @@ def main() -> None:
                   if e.device_type.name == "CUDA"), reverse=True)[:40]
     tokens = args.batch_size * preset.seq_len
     flops = tokens * model_flops_per_token(preset)
-    result = {"preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
+    result = {"meta": record_meta("profile_step", use_gpu=True), "preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
               "engine": args.engine, "optimizer_impl": args.optimizer_impl,
               "device": torch.cuda.get_device_name(device), "gpu_clocks": clocks,
               "step_s": wall, "profiled_step_s": profiled,
