@@ -172,3 +172,51 @@ def test_a_memory_budget_is_shared_by_every_moe_layer_and_steers_their_choices()
         assert all(need(layer.last_partitions, layer.last_strategy) <= budget for layer in layers)
     # ... and without one, the model builds its layers without
     assert MoETransformer(preset).blocks[0].moe.planner.memory_budget is None
+
+
+def test_under_autocast_the_residual_stream_and_layer_norms_run_in_the_compute_dtype():
+    """The trainer's mixed precision: float32 parameters under bf16 autocast. The blocks'
+    inputs, the LayerNorm outputs and the MoE layers' inputs and outputs are bf16 (autocast
+    alone keeps the stream float32 and casts it again before every GEMM); parameter
+    gradients are float32; the loss stays near the float32 model's."""
+    model = _model("tiny-gpt")
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):
+            seen[name] = (inputs[0].dtype, (output[0] if isinstance(output, tuple) else output).dtype)
+        return hook
+    block = model.blocks[0]
+    for name, module in (("block", block), ("ln1", block.ln1), ("ln2", block.ln2), ("moe", block.moe),
+                         ("ln_f", model.ln_f)):
+        module.register_forward_hook(record(name))
+    inputs, targets = lm_batch("gpt", torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0)),
+                               MASK_ID, 259)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, aux = model(inputs)
+        loss = lm_loss(logits, targets)
+    loss.backward()
+    assert all(dtypes == (torch.bfloat16, torch.bfloat16) for dtypes in seen.values()), seen
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():
+        reference = lm_loss(model(inputs)[0], targets)
+    assert abs(float(loss) - float(reference)) < 0.02 * float(reference)
+
+
+def test_the_lm_head_pads_its_rows_for_the_product_and_keeps_the_logits():
+    """The byte vocabulary's 259 rows are padded to 264 for the product (aligned operands);
+    the logits are those of the unpadded head."""
+    model = _model("tiny-gpt")
+    hidden = torch.randn(2, 5, 128)
+    logits = model._lm_head(hidden)
+    assert logits.shape == (2, 5, 259)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, model.tok_embed.weight))
+
+
+def test_one_rank_without_a_memory_budget_runs_one_partition():
+    """With one rank nothing is sent for partitions to hide and, without a budget, nothing
+    needs their memory saving: the model runs n = 1 rather than searching; a budget keeps
+    the search."""
+    assert all(block.moe.partitions == 1 for block in _model("tiny-gpt").blocks)
+    budgeted = MoETransformer(get_preset("tiny-gpt"), memory_budget=2**30)
+    assert all(block.moe.partitions == "auto" for block in budgeted.blocks)

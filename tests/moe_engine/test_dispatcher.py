@@ -97,3 +97,29 @@ def test_capacity_value():
     from moe_engine.router import expert_capacity
     config = MoEConfig(8, 8, 8, top_k=2, capacity_factor=1.25)
     assert expert_capacity(config, 100) == math.ceil(1.25 * 2 * 100 / 8)
+
+
+def test_the_combine_weighs_bf16_rows_into_float32_with_the_values_of_an_upcast():
+    """Mixed precision: the rows stay bf16 and the sum is formed in the layer's float32, with
+    the numbers an upcast copy of the rows gave (a bf16 number is exact in float32): the
+    output and the weights' gradient bit for bit, the rows' gradient rounded to bf16 once."""
+    torch.manual_seed(2)
+    T, K, E, D = 13, 2, 4, 16
+    config = MoEConfig(D, 8, E, top_k=K, capacity_factor=None)
+    routing = Router(config)(torch.randn(T, D))
+    plan = dispatcher.plan_dispatch(routing, dispatcher.chunk_by_tokens(T, K, 1, "cpu"), 1, E, ExpertGroup(None))
+    rows_bf16 = torch.randn(T * K, D).bfloat16()
+    dy = torch.randn(T, D)
+    results = []
+    for rows_dtype in (torch.bfloat16, torch.float32):
+        rows = rows_bf16.to(rows_dtype).detach().requires_grad_(True)
+        weights = routing.weights_TK.detach().clone().requires_grad_(True)
+        y = dispatcher.unpermute(rows, plan, weights, routing.keep_TK, out_dtype=torch.float32)
+        y.backward(dy)
+        results.append((y, rows.grad, weights.grad))
+    (y, d_rows, d_weights), (y_up, d_rows_up, d_weights_up) = results
+    assert d_rows is not None and d_rows_up is not None and d_weights is not None
+    assert y.dtype == torch.float32 and d_rows.dtype == torch.bfloat16
+    assert torch.equal(y, y_up)
+    assert torch.equal(d_weights, d_weights_up)
+    assert torch.equal(d_rows, d_rows_up.bfloat16())

@@ -79,3 +79,34 @@ def test_autocast_gradients_do_not_depend_on_the_partition_count(strategy):
             assert grad.dtype == torch.float32
             relative_rms = float((grad - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
             assert relative_rms < 1e-6, f"n={n} {name}: {relative_rms:.3g} rms from n=1"
+
+
+def test_gemm1_adds_the_bias_inside_its_product_under_mixed_precision(monkeypatch):
+    """A bf16 `cast` of float32 experts holds w1 and b1 in one tensor (its w1 is a view of
+    it: no second copy), and GEMM1 takes the bias as a row of it against a column of ones
+    in x: one product, no pass over A afterwards; A is x @ w1 + b1 within bf16 rounding."""
+    import moe_engine.experts as experts_module
+    from moe_engine.experts import BIAS_COLUMNS, Experts, ExpertSegments
+
+    config = MoEConfig(d_model=64, d_hidden=128, num_experts=4, top_k=2)
+    experts = Experts(config, 4)
+    with torch.no_grad():
+        experts.b1.normal_()
+    view = experts.cast(torch.bfloat16)
+    assert view.w1_with_bias.shape == (4, 64 + BIAS_COLUMNS, 128)
+    assert view.w1.data_ptr() == view.w1_with_bias.data_ptr() and view.w1.shape == experts.w1.shape
+    seg = ExpertSegments.from_counts([5, 0, 7, 4], "cpu")
+    x = torch.randn(16, 64).bfloat16()
+    widths, bias_adds = [], []
+    original_mm, original_add = experts_module.grouped_mm, experts_module._add_bias
+    monkeypatch.setattr(experts_module, "grouped_mm", lambda a, w, s: widths.append(a.shape[1]) or original_mm(a, w, s))
+    monkeypatch.setattr(experts_module, "_add_bias", lambda y, b, s: bias_adds.append(b) or original_add(y, b, s))
+    (A,) = view.project_in(x, seg)
+    assert widths == [64 + BIAS_COLUMNS] and bias_adds == []
+    want = torch.cat([x.double()[rows] @ experts.w1[l].double() + experts.b1[l].double()
+                      for l, rows in enumerate([slice(0, 5), slice(5, 5), slice(5, 12), slice(12, 16)])])
+    assert float((A.double() - want).abs().max() / want.abs().max()) < 1e-2
+    # float32 experts (no cast) add the bias after the product, as before
+    widths.clear()
+    experts.project_in(x.float(), seg)
+    assert widths == [64] and len(bias_adds) == 1
