@@ -207,8 +207,7 @@ def leanest_moe_memory(preset: ModelPreset, tokens: int, world_size: int, dtype:
     for n in candidates:
         for strategy in STRATEGIES:
             e = predict_memory(config, tokens, world_size, n, strategy, dtype=dtype)
-            needs.append((MemoryBudget(1, preset.num_layers).need(e.saved_bytes, e.peak_bytes - e.saved_bytes),
-                          n, strategy))
+            needs.append((MemoryBudget(1, preset.num_layers).need_of(e), n, strategy))
     return min(needs)
 
 

@@ -6,7 +6,7 @@ setting fails before any tensor is allocated or any collective is called.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 # The one definition of the engines and strategies; every other module imports these.
@@ -111,3 +111,19 @@ class MemoryBudget:
         """Bytes the ``layers`` layers need when each saves ``saved_bytes`` and one pass
         works in ``working_bytes`` (a MemoryEstimate's saved and larger working set)."""
         return self.layers * saved_bytes + working_bytes
+
+    def need_of(self, estimate: "SavedAndPeak") -> int:
+        """`need` of an estimate or prediction of one layer (its saved bytes and its peak,
+        whose excess over the saved bytes is the working set)."""
+        return self.need(estimate.saved_bytes, estimate.peak_bytes - estimate.saved_bytes)
+
+
+class SavedAndPeak(Protocol):
+    """One layer's activation memory as `MemoryBudget.need_of` reads it
+    (memory.MemoryEstimate, perf_model.Prediction)."""
+
+    @property
+    def saved_bytes(self) -> int: ...
+
+    @property
+    def peak_bytes(self) -> int: ...

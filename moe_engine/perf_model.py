@@ -386,7 +386,7 @@ class Prediction:
 
     def need(self, budget: MemoryBudget) -> int:
         """Bytes this choice needs under ``budget`` (its layers' saved tensors, one working set)."""
-        return budget.need(self.saved_bytes, self.peak_bytes - self.saved_bytes)
+        return budget.need_of(self)
 
 
 def _partition_counts(policy: RestorePolicy) -> tuple[Counter[str], Counter[str]]:

@@ -231,7 +231,7 @@ class Planner:
         for n in self.search.candidates:
             estimates = [predict_memory(self.config, tokens, world, n, s, dtype=dtype, rows_received=received)
                          for s in STRATEGIES]
-            leanest = min(budget.need(e.saved_bytes, e.peak_bytes - e.saved_bytes) for e in estimates)
+            leanest = min(budget.need_of(e) for e in estimates)
             if leanest <= budget.bytes:
                 return n
         return self.search.candidates[-1]
