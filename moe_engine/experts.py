@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
 from .config import MoEConfig
 
 PreActivation = list[torch.Tensor]  # [A] or [gate, up]; each N × H
@@ -297,7 +298,7 @@ class InputGrad:
 
     dx_ND: torch.Tensor
     dA: PreActivation       # gradients of the pre-activation parts
-    h_NH: torch.Tensor | None  # act(A) where the backward computed it anyway (SwiGLU)
+    h_NH: torch.Tensor | None  # act(A) where the backward computed it (SwiGLU; GELU unless kept)
 
 
 class Experts(nn.Module):
@@ -411,15 +412,22 @@ class Experts(nn.Module):
         self.weight_grads(x_ND, A, dy_ND, seg, done, grads)
         return done.dx_ND
 
-    def input_grad(self, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments) -> InputGrad:
+    def input_grad(self, A: PreActivation, dy_ND: torch.Tensor, seg: ExpertSegments,
+                   activation_kept: bool = False) -> InputGrad:
         """Local. dx = d(FFN)/dx · dy, from the pre-activation A (the activation is
         differentiated from A, elementwise). Run `weight_grads` with the result after
-        sending dx on its way."""
+        sending dx on its way. GELU recomputes act(A) here, for w2's gradient, unless the
+        caller kept it (``activation_kept``): one pass over A with its backward
+        (`kernels.gelu_backward_and_activation`) where `weight_grads` would read A again."""
         with torch.no_grad():
             dh_NH = grouped_mm(dy_ND, self.w2.transpose(-2, -1), seg)
             if self.w3 is None:
-                dA = [activation_backward(dh_NH, A[0], self.config.activation)]
-                return InputGrad(grouped_mm(dA[0], self.w1.transpose(-2, -1), seg), dA, None)
+                h_NH = None
+                if self.config.activation == "gelu" and not activation_kept:
+                    dA0, h_NH = kernels.gelu_backward_and_activation(dh_NH, A[0])
+                else:
+                    dA0 = activation_backward(dh_NH, A[0], self.config.activation)
+                return InputGrad(grouped_mm(dA0, self.w1.transpose(-2, -1), seg), [dA0], h_NH)
             dgate_NH, dup_NH, h_NH = swiglu_backward(dh_NH, A[0], A[1])
             dx_ND = grouped_mm(dgate_NH, self.w1.transpose(-2, -1), seg)
             dx_ND.add_(grouped_mm(dup_NH, self.w3.transpose(-2, -1), seg))

@@ -381,14 +381,17 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
         return ahead
     travelling = 0 if single else Nb * D                          # the previous partition's dx
     # Hidden-width tensors of each phase: the input gradient's (dh and the activation's
-    # temporaries: three Nn·H for SwiGLU, experts.swiglu_backward), and the weight
-    # gradients' (act(A) and dA, then dA alone once act(A) has served w2's gradient;
-    # FastMoE's act(A) is saved, not working; SwiGLU's act(A) comes from the input gradient).
+    # temporaries: three Nn·H for SwiGLU, experts.swiglu_backward; GELU's dA and act(A),
+    # kernels.gelu_backward_and_activation), and the weight gradients' (act(A) and dA, then
+    # dA alone once act(A) has served w2's gradient; FastMoE's act(A) is saved, not working;
+    # SwiGLU's and GELU's act(A) come from the input gradient).
     if config.gated:
         input_phase, weight_hidden, after_w2_hidden = 3 * Nn * H, 3 * Nn * H, 2 * Nn * H
         input_phase += Nn * D                                     # dup's product, added into dx
     else:
-        input_phase, weight_hidden, after_w2_hidden = Nn * H, (1 if keep_activation else 2) * Nn * H, Nn * H
+        activation_made = config.activation == "gelu" and not keep_activation
+        input_phase = (2 if activation_made else 1) * Nn * H
+        weight_hidden, after_w2_hidden = (1 if keep_activation else 2) * Nn * H, Nn * H
     input_phase += Nn * D                                         # dx, written by the last GEMM
     param_grads = L * (2 * D * H + (D * H if config.gated else 0) + (H + D if bias else 0))
     weight_grad = L * D * H  # one weight's gradient

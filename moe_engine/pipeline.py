@@ -282,7 +282,7 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
         dy_ND = to_expert_major(dy_RD[offsets[i]:offsets[i + 1]] if plan.single else dy_received[i],
                                 p.expert_order_N)                    # dy, grouped by expert
         dy_received[i] = None
-        done = experts.input_grad(current["A"], dy_ND, p.segments)
+        done = experts.input_grad(current["A"], dy_ND, p.segments, activation_kept=saved_acts[i] is not None)
         run.issued(op, COMPUTE)
         current.update(dy_ND=dy_ND, done=done, dx_received_ND=from_expert_major(done.dx_ND, p.source_order_N))
 

@@ -277,7 +277,8 @@ def backward_calls(policy: RestorePolicy, shape: "LayerShape", several: bool, re
     partition of a one-rank pass (its dx is passed on as it is)."""
     gemm1, _ = _projection_calls(shape)
     gated, bias, recommunicate = int(shape.gated), int(shape.bias), policy.recommunicate_input
-    activation_backward = 5 if shape.gated else 2 if shape.activation == "relu" else 1
+    # (GELU: its backward and, unless kept, act(A) for w2's gradient: gelu, gelu_backward)
+    activation_backward = 5 if shape.gated else 2 if shape.activation == "relu" else 1 + int(not keep_activation)
     return {
         "dy": 2 * several,                                        # new_empty + all_to_all
         "re-gather": int(recommunicate),                          # x_TD.index_select (S2, S4)
@@ -292,9 +293,9 @@ def backward_calls(policy: RestorePolicy, shape: "LayerShape", several: bool, re
         "input gradient": 1 + activation_backward + 1 + 2 * gated,
         "dx to source order": int(reorder),
         "dx": int(several or not only),                           # all_to_all (one rank: copy_) into dx_RD
-        # Experts.weight_grads: act(A) again (unless kept, or SwiGLU's backward made it),
-        # dW2, dW1 (dW3), bias gradients (new_ones + grouped GEMM each)
-        "weight gradients": int(not (shape.gated or keep_activation)) + 2 + gated + 4 * bias,
+        # Experts.weight_grads: act(A) again (ReLU, unless kept; the input gradient made
+        # SwiGLU's and GELU's), dW2, dW1 (dW3), bias gradients (new_ones + grouped GEMM each)
+        "weight gradients": int(shape.activation == "relu" and not keep_activation) + 2 + gated + 4 * bias,
         "accumulate gradients": 0 if first else 2 + gated + 2 * bias,   # add_ into the earlier partitions'
     }
 

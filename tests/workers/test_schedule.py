@@ -101,6 +101,21 @@ def test_k_steps_and_a_resume_equal_n_steps_straight_with_the_learning_rate(data
     assert third.optimizer.param_groups[0]["lr"] == straight[K][1]
 
 
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-bert"])
+def test_the_batch_read_ahead_during_a_step_is_the_next_steps_first(data_dir, preset):
+    trainer = Trainer(_config(data_dir, preset=get_preset(preset), grad_accum=2), 0, 1, torch.device("cpu"))
+    trainer.step(1)
+    assert trainer.prefetched is not None and trainer.prefetched[0] == (2, 0)
+    ahead = trainer.prefetched[1]
+    trainer.prefetched = None
+    fresh = trainer._micro_batch(2, 0)
+    assert all(torch.equal(a, b) for a, b in zip(ahead, fresh))
+    trainer.prefetched = ((2, 0), ahead)
+    assert trainer._micro_batch(2, 1) is not ahead and trainer.prefetched is None  # another micro-batch: read fresh
+    trainer.prefetched = ((2, 0), ahead)
+    assert trainer._micro_batch(2, 0) is ahead and trainer.prefetched is None      # taken once
+
+
 def test_validation_loss_is_fixed_and_leaves_the_model_training(data_dir):
     trainer = Trainer(_config(data_dir), 0, 1, torch.device("cpu"))
     first = trainer.evaluate()

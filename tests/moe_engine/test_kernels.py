@@ -1,0 +1,82 @@
+"""The fused Triton kernels (moe_engine.kernels) against the PyTorch formulas they replace,
+on CUDA (marker `gpu`), and the PyTorch path they fall back to on CPU. The engine-level
+comparisons with the brute-force reference (tests/moe_engine/test_gpu.py) run them too."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_engine import kernels
+from moe_engine.dispatcher import _WeightedCombine
+
+
+def test_off_cuda_the_gelu_backward_is_pytorchs_and_makes_the_activation():
+    A, dh = torch.randn(64, 96), torch.randn(64, 96)
+    expected_dA = torch.ops.aten.gelu_backward(dh, A)
+    dA, h = kernels.gelu_backward_and_activation(dh, A)
+    assert dA.data_ptr() == dh.data_ptr()  # in place
+    assert torch.equal(dA, expected_dA) and torch.equal(h, F.gelu(A))
+    assert not kernels.fused_kernels_run_on(A)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1000, 4096), (3, 5), (0, 8)])
+def test_the_fused_gelu_backward_equals_pytorchs(dtype, shape):
+    torch.manual_seed(0)
+    A = (3 * torch.randn(shape, device="cuda")).to(dtype)
+    dh = torch.randn(shape, device="cuda").to(dtype)
+    expected_dA, expected_h = torch.ops.aten.gelu_backward(dh, A), F.gelu(A)
+    dA, h = kernels.gelu_backward_and_activation(dh.clone(), A)
+    # float32 arithmetic in both, rounded once; Triton's exp may differ from CUDA's expf in
+    # the last float32 bit, which bf16 rounding hides almost always
+    ulp = {torch.bfloat16: 2 ** -7, torch.float32: 2 ** -22}[dtype]
+    torch.testing.assert_close(h, expected_h, rtol=ulp, atol=1e-6)
+    torch.testing.assert_close(dA, expected_dA, rtol=ulp, atol=1e-6)
+
+
+def _combine_case(tokens: int, top_k: int, D: int, rows_dtype, weights_dtype, dropped: int):
+    """Rows in expert order for `tokens` x `top_k` pairs, `dropped` of them without a row."""
+    generator = torch.Generator().manual_seed(tokens + D)
+    P = tokens * top_k
+    kept_pairs = torch.randperm(P, generator=generator)[:P - dropped].sort().values
+    order = torch.randperm(P - dropped, generator=generator)
+    pair_index_R = kept_pairs[order]                          # the pair each row belongs to
+    row_of_pair_P = torch.zeros(P, dtype=torch.int64)         # a dropped pair points at row 0
+    row_of_pair_P[pair_index_R] = torch.arange(P - dropped)
+    keep_P = torch.zeros(P)
+    keep_P[pair_index_R] = 1
+    rows_RD = torch.randn(P - dropped, D, generator=generator).to(rows_dtype)
+    weights_TK = (torch.rand(tokens, top_k, generator=generator) * keep_P.view(tokens, top_k)).to(weights_dtype)
+    return rows_RD, weights_TK, row_of_pair_P, pair_index_R, keep_P.view(tokens, top_k)
+
+
+def _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD):
+    rows_RD = rows_RD.detach().requires_grad_()
+    weights_TK = weights_TK.detach().requires_grad_()
+    y_TD = _WeightedCombine.apply(rows_RD, weights_TK, row_of_pair_P, pair_index_R, *weights_TK.shape)
+    y_TD.backward(dy_TD)
+    return y_TD.detach(), rows_RD.grad, weights_TK.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_dtype,weights_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.float32)])
+@pytest.mark.parametrize("tokens,top_k,D,dropped", [(4096, 2, 2048, 0), (333, 1, 200, 0), (500, 4, 1030, 77)])
+def test_the_fused_combine_equals_the_pytorch_one(rows_dtype, weights_dtype, tokens, top_k, D, dropped):
+    rows_RD, weights_TK, row_of_pair_P, pair_index_R, keep_TK = _combine_case(tokens, top_k, D, rows_dtype,
+                                                                              weights_dtype, dropped)
+    dy_TD = torch.randn(tokens, D, generator=torch.Generator().manual_seed(1)).to(weights_dtype)
+    on_cpu = _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)
+    on_gpu = _combined(*(t.cuda() for t in (rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)))
+    # the CPU path rounds each product to the output's dtype, the kernel sums in float32 and
+    # rounds once; the weights' gradient is a D-long float32 dot product in both
+    low = weights_dtype == torch.bfloat16
+    torch.testing.assert_close(on_gpu[0].cpu(), on_cpu[0], rtol=2 ** -7 if low else 1e-5, atol=2 ** -5 if low else 1e-5)
+    assert torch.equal(on_gpu[1].cpu(), on_cpu[1])  # one product, one rounding in both
+    # a pair without a row has weight 0 (the caller multiplies by the keep mask): its
+    # weight's gradient is not used, and the CPU path's is a product with another row
+    dot_atol = (3 * 2 ** -9 if low else 1e-5) * D ** 0.5  # the CPU path rounds each bf16 product
+    torch.testing.assert_close(on_gpu[2].cpu() * keep_TK, on_cpu[2] * keep_TK, rtol=2 ** -7 if low else 1e-5,
+                               atol=dot_atol)
+    assert torch.count_nonzero(on_gpu[2].cpu() * (1 - keep_TK)) == 0
