@@ -405,7 +405,7 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
     if y_RD.shape[0] == 0:
         # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
         # runs collectives that the other ranks wait for.
-        return (y_RD.new_zeros(tokens, D, dtype=out_dtype) + (y_RD.sum() + weights_TK.sum()) * 0).to(out_dtype)
+        return y_RD.new_zeros(tokens, D, dtype=out_dtype) + ((y_RD.sum() + weights_TK.sum()) * 0).to(out_dtype)
     y_TD = _WeightedCombine.apply(  # type: ignore[no-untyped-call]  # (Function.apply is untyped)
         y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k)
     return y_TD.to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped; .to is a no-op but for bf16 rows, fp16 out)

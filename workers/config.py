@@ -153,6 +153,11 @@ class WorkerConfig:
         for name in ("seed", "warmup_steps", "checkpoint_every", "mask_id", "eval_every"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
                 _fail(name, getattr(self, name), "give an integer >= 0")
+        if self.preset.kind == "bert" and self.mask_id >= self.preset.vocab_size:
+            # the masked LM writes it into the inputs, which the training loop does not check on
+            # the device (only the data's ids, on the host)
+            _fail("mask_id", self.mask_id, f"the model's vocabulary has ids 0..{self.preset.vocab_size - 1}; prepare "
+                                           f"the data with a tokenizer that has a mask token")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(DTYPES)}")

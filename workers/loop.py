@@ -218,9 +218,6 @@ class Trainer:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
         self.preset.check_world_size(world_size)
-        if self.preset.kind == "bert" and not 0 <= config.mask_id < self.preset.vocab_size:
-            raise ValueError(f"WorkerConfig.mask_id={config.mask_id} is outside the vocabulary of "
-                             f"{self.preset.vocab_size}: prepare the data with a tokenizer that has a mask token")
         model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
                                strategy=config.strategy, host_pool=host_pool,
                                memory_budget=config.moe_memory_budget_bytes)
@@ -331,7 +328,7 @@ class Trainer:
                 #    non-finite loss)
                 try:
                     with self.parallel.autocast():
-                        # (the ids were checked on the host: _micro_batch, and mask_id in __init__)
+                        # (the ids were checked on the host: _micro_batch, and mask_id by WorkerConfig)
                         logits_BSV, aux_loss = self.parallel.module(inputs_BS, ids_checked=True)
                         loss_lm = lm_loss(logits_BSV.float(), targets_BS)
                     if nan_loss:
