@@ -184,7 +184,9 @@ def _wide_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegmen
             return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L, out_dtype=out_dtype)
         dw_LIO = dy_NO.new_empty(seg.ends_L.shape[0], x_NI.shape[-1], dy_NO.shape[-1], dtype=out_dtype)
         for l, rows in enumerate(_segments(seg.host_counts())):
-            dw_LIO[l] = torch.mm(x_NI[rows].t(), dy_NO[rows], out_dtype=out_dtype)
+            # written in place: a product assigned into dw_LIO[l] was copied there, a pass
+            # over every expert weight's gradient (2.1 ms of a gpt-xl step on an H200)
+            torch.mm(x_NI[rows].t(), dy_NO[rows], out_dtype=out_dtype, out=dw_LIO[l])
         return dw_LIO
     return grouped_weight_grad(x_NI.to(out_dtype), dy_NO.to(out_dtype), seg)
 

@@ -110,3 +110,32 @@ def test_gemm1_adds_the_bias_inside_its_product_under_mixed_precision(monkeypatc
     widths.clear()
     experts.project_in(x.float(), seg)
     assert widths == [64] and len(bias_adds) == 1
+
+
+def _wide_weight_grads_equal_float64(device):
+    """Expert weight gradients summed in float32 from bf16 rows (mixed precision's
+    `_wide_weight_grad`; on CUDA without a widening grouped kernel, one product per expert
+    written into its slice), an empty expert included, against float64 products."""
+    from moe_engine.experts import ExpertSegments, _wide_weight_grad
+
+    counts = [40, 0, 17, 64]
+    generator = torch.Generator().manual_seed(0)
+    x_NI = torch.randn(sum(counts), 32, generator=generator).to(device, torch.bfloat16)
+    dy_NO = torch.randn(sum(counts), 48, generator=generator).to(device, torch.bfloat16)
+    dw_LIO = _wide_weight_grad(x_NI, dy_NO, ExpertSegments.from_counts(counts, device), torch.float32)
+    assert dw_LIO.dtype == torch.float32 and dw_LIO.shape == (4, 32, 48)
+    start = 0
+    for l, count in enumerate(counts):
+        rows = slice(start, start + count)
+        want = x_NI[rows].double().t() @ dy_NO[rows].double()  # bf16 products are exact in float32
+        torch.testing.assert_close(dw_LIO[l].double(), want, rtol=1e-5, atol=1e-5)
+        start += count
+
+
+@pytest.mark.gpu
+def test_wide_weight_grads_equal_float64_products():
+    _wide_weight_grads_equal_float64(torch.device("cuda"))
+
+
+def test_wide_weight_grads_equal_float64_products_cpu_twin():
+    _wide_weight_grads_equal_float64(torch.device("cpu"))

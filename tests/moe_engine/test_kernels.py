@@ -18,13 +18,10 @@ def test_off_cuda_the_gelu_backward_is_pytorchs_and_makes_the_activation():
     assert not kernels.fused_kernels_run_on(A)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1000, 4096), (3, 5), (0, 8)])
-def test_the_fused_gelu_backward_equals_pytorchs(dtype, shape):
+def _gelu_backward_equals_pytorchs(device, dtype, shape):
     torch.manual_seed(0)
-    A = (3 * torch.randn(shape, device="cuda")).to(dtype)
-    dh = torch.randn(shape, device="cuda").to(dtype)
+    A = (3 * torch.randn(shape, device=device)).to(dtype)
+    dh = torch.randn(shape, device=device).to(dtype)
     expected_dA, expected_h = torch.ops.aten.gelu_backward(dh, A), F.gelu(A)
     dA, h = kernels.gelu_backward_and_activation(dh.clone(), A)
     # float32 arithmetic in both, rounded once; Triton's exp may differ from CUDA's expf in
@@ -32,6 +29,18 @@ def test_the_fused_gelu_backward_equals_pytorchs(dtype, shape):
     ulp = {torch.bfloat16: 2 ** -7, torch.float32: 2 ** -22}[dtype]
     torch.testing.assert_close(h, expected_h, rtol=ulp, atol=1e-6)
     torch.testing.assert_close(dA, expected_dA, rtol=ulp, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1000, 4096), (3, 5), (0, 8)])
+def test_the_fused_gelu_backward_equals_pytorchs(dtype, shape):
+    assert kernels.fused_kernels_run_on(torch.empty(0, device="cuda")), "Triton did not import"
+    _gelu_backward_equals_pytorchs(torch.device("cuda"), dtype, shape)
+
+
+def test_the_fused_gelu_backward_equals_pytorchs_cpu_twin():
+    _gelu_backward_equals_pytorchs(torch.device("cpu"), torch.bfloat16, (30, 40))
 
 
 def _combine_case(tokens: int, top_k: int, D: int, rows_dtype, weights_dtype, dropped: int):
@@ -58,25 +67,35 @@ def _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD):
     return y_TD.detach(), rows_RD.grad, weights_TK.grad
 
 
+def _combine_equals_the_pytorch_one(device, rows_dtype, weights_dtype, tokens, top_k, D, dropped):
+    """The combine on ``device`` (on CUDA the Triton kernels) against the PyTorch one on CPU."""
+    rows_RD, weights_TK, row_of_pair_P, pair_index_R, keep_TK = _combine_case(tokens, top_k, D, rows_dtype,
+                                                                              weights_dtype, dropped)
+    dy_TD = torch.randn(tokens, D, generator=torch.Generator().manual_seed(1)).to(weights_dtype)
+    on_cpu = _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)
+    on_device = _combined(*(t.to(device) for t in (rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)))
+    # the CPU path rounds each product to the output's dtype, the kernel sums in float32 and
+    # rounds once; the weights' gradient is a D-long float32 dot product in both
+    low = weights_dtype == torch.bfloat16
+    torch.testing.assert_close(on_device[0].cpu(), on_cpu[0], rtol=2 ** -7 if low else 1e-5, atol=2 ** -5 if low else 1e-5)
+    assert torch.equal(on_device[1].cpu(), on_cpu[1])  # one product, one rounding in both
+    # a pair without a row has weight 0 (the caller multiplies by the keep mask): its
+    # weight's gradient is not used, and the CPU path's is a product with another row
+    dot_atol = (3 * 2 ** -9 if low else 1e-5) * D ** 0.5  # the CPU path rounds each bf16 product
+    torch.testing.assert_close(on_device[2].cpu() * keep_TK, on_cpu[2] * keep_TK, rtol=2 ** -7 if low else 1e-5,
+                               atol=dot_atol)
+    if kernels.fused_kernels_run_on(on_device[0]):  # the kernel gives such a pair 0
+        assert torch.count_nonzero(on_device[2].cpu() * (1 - keep_TK)) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows_dtype,weights_dtype", [(torch.bfloat16, torch.bfloat16),
                                                       (torch.bfloat16, torch.float32),
                                                       (torch.float32, torch.float32)])
 @pytest.mark.parametrize("tokens,top_k,D,dropped", [(4096, 2, 2048, 0), (333, 1, 200, 0), (500, 4, 1030, 77)])
 def test_the_fused_combine_equals_the_pytorch_one(rows_dtype, weights_dtype, tokens, top_k, D, dropped):
-    rows_RD, weights_TK, row_of_pair_P, pair_index_R, keep_TK = _combine_case(tokens, top_k, D, rows_dtype,
-                                                                              weights_dtype, dropped)
-    dy_TD = torch.randn(tokens, D, generator=torch.Generator().manual_seed(1)).to(weights_dtype)
-    on_cpu = _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)
-    on_gpu = _combined(*(t.cuda() for t in (rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)))
-    # the CPU path rounds each product to the output's dtype, the kernel sums in float32 and
-    # rounds once; the weights' gradient is a D-long float32 dot product in both
-    low = weights_dtype == torch.bfloat16
-    torch.testing.assert_close(on_gpu[0].cpu(), on_cpu[0], rtol=2 ** -7 if low else 1e-5, atol=2 ** -5 if low else 1e-5)
-    assert torch.equal(on_gpu[1].cpu(), on_cpu[1])  # one product, one rounding in both
-    # a pair without a row has weight 0 (the caller multiplies by the keep mask): its
-    # weight's gradient is not used, and the CPU path's is a product with another row
-    dot_atol = (3 * 2 ** -9 if low else 1e-5) * D ** 0.5  # the CPU path rounds each bf16 product
-    torch.testing.assert_close(on_gpu[2].cpu() * keep_TK, on_cpu[2] * keep_TK, rtol=2 ** -7 if low else 1e-5,
-                               atol=dot_atol)
-    assert torch.count_nonzero(on_gpu[2].cpu() * (1 - keep_TK)) == 0
+    _combine_equals_the_pytorch_one(torch.device("cuda"), rows_dtype, weights_dtype, tokens, top_k, D, dropped)
+
+
+def test_the_fused_combine_equals_the_pytorch_one_cpu_twin():
+    _combine_equals_the_pytorch_one(torch.device("cpu"), torch.bfloat16, torch.float32, 50, 2, 24, 7)
