@@ -5,7 +5,7 @@
 # Run with the `device` tool carrying .devwheels and .ab:
 #   bash tools/h200-fused.sh kernels      # the kernels' GPU tests and the engine's (~1 min)
 #   bash tools/h200-fused.sh ab           # tools/profile_step.py, gpt-xl 4 layers, batch 128 and 8,
-#                                         # old / new / old / new (~5 min)
+#                                         # old / new / old / new (~5 min; AB_BATCHES="8" for batch 8 only)
 # Writes under $OUT (default ./out): profile-b{128,8}-{old,new}-{1,2}.json, one log per run.
 set -u
 [ $# -gt 0 ] || { echo "give stages: kernels ab"; exit 2; }
@@ -21,13 +21,13 @@ kernels)
     tests/moe_engine/test_gpu.py ;;
 ab)
   [ -d .ab/old ] || { echo "no .ab/old: unpack the code to compare against (see the top of this file)"; exit 2; }
-  for batch in 128 8; do for round in 1 2; do
+  for batch in ${AB_BATCHES:-128 8}; do for round in 1 2; do
     profile "profile-b$batch-old-$round" "$here/.ab/old" "$batch"
     profile "profile-b$batch-new-$round" "$here" "$batch"
   done; done
   python3 - "$OUT" <<'PY' | tee "$OUT/ab-summary.txt"
 import glob, json, os, sys
-for path in sorted(glob.glob(f"{sys.argv[1]}/profile-b*.json")):
+for path in sorted(glob.glob(f"{sys.argv[1]}/profile-b*.json")):  # the records of this call
     d = json.load(open(path))
     kinds = " ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(d["kernel_s_by_kind"].items()))
     print(f"{os.path.basename(path)}: step {d['step_s'] * 1e3:.1f} ms (profiled {d['profiled_step_s'] * 1e3:.1f}), "
