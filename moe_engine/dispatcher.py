@@ -351,7 +351,7 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor,
                 pair_index_R: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-        ctx.fused = kernels.fused_kernels_run_on(y_RD, weights_TK)
+        ctx.fused = kernels.fused_kernels_run_on(y_RD)
         if ctx.fused:  # one kernel each way; autograd keeps the rows as they are (R ≤ P rows)
             ctx.save_for_backward(y_RD, weights_TK, pair_index_R)
             return kernels.weighted_combine(y_RD, weights_TK, row_of_pair_P)

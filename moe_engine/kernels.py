@@ -14,9 +14,8 @@ float32 and one rounding to the output's dtype.
     weighted_combine_backward      the rows' gradient (w · dy, in row order) and the
                                    weights' (dy · row), one pass over the rows.
 
-`fused_kernels_run_on(*tensors)` says whether they apply: CUDA tensors of 16- or 32-bit
-floats (the kernels compute in float32) where Triton imports (it ships with PyTorch's CUDA
-builds). Elsewhere (CPU, the CPU test suite) the
+`fused_kernels_run_on(tensor)` says whether they apply: CUDA tensors where Triton
+imports (it ships with PyTorch's CUDA builds). Elsewhere (CPU, the CPU test suite) the
 callers run the PyTorch formulas; the GPU tests compare the two.
 """
 from __future__ import annotations
@@ -33,13 +32,9 @@ ELEMENTWISE_BLOCK = 2048  # elements per program of the GELU kernel (8 warps, 8 
 ROW_BLOCK = 1024          # columns per program step of the combine kernels (4 warps, 8 bf16 each)
 
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def fused_kernels_run_on(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels run on ``tensors``: on CUDA, Triton present, each of
-    FUSED_DTYPES (float64 keeps PyTorch's kernels and its precision)."""
-    return triton is not None and all(t.device.type == "cuda" and t.dtype in FUSED_DTYPES for t in tensors)
+def fused_kernels_run_on(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels run on tensors like ``tensor`` (CUDA, Triton present)."""
+    return triton is not None and tensor.device.type == "cuda"
 
 
 if triton is not None:
@@ -91,7 +86,7 @@ if triton is not None:
 def gelu_backward_and_activation(dh_NH: torch.Tensor, A_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dA, h) of h = gelu(A) (the erf form) given dh: dA written into dh's memory, h new.
     On CUDA one pass over A (Triton); elsewhere PyTorch's gelu and gelu_backward."""
-    if not fused_kernels_run_on(dh_NH, A_NH) or not (dh_NH.is_contiguous() and A_NH.is_contiguous()):
+    if not fused_kernels_run_on(A_NH) or not (dh_NH.is_contiguous() and A_NH.is_contiguous()):
         h_NH = torch.nn.functional.gelu(A_NH)
         torch.ops.aten.gelu_backward.grad_input(dh_NH, A_NH, grad_input=dh_NH)
         return dh_NH, h_NH
@@ -104,9 +99,8 @@ def gelu_backward_and_activation(dh_NH: torch.Tensor, A_NH: torch.Tensor) -> tup
 
 
 def weighted_combine(rows_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor) -> torch.Tensor:
-    """Where `fused_kernels_run_on` the rows and weights:
-    y_TD[t] = Σ_k weights_TK[t, k] · rows_RD[row_of_pair_P[t·K + k]], summed in float32,
-    in the weights' dtype."""
+    """CUDA (see `fused_kernels_run_on`). y_TD[t] = Σ_k weights_TK[t, k] · rows_RD[row_of_pair_P[t·K + k]],
+    summed in float32, in the weights' dtype."""
     T, K = weights_TK.shape
     D = rows_RD.shape[-1]
     rows_RD, weights_TK, row_of_pair_P = (t.contiguous() for t in (rows_RD, weights_TK, row_of_pair_P))
@@ -121,11 +115,10 @@ def weighted_combine(rows_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pai
 def weighted_combine_backward(dy_TD: torch.Tensor, rows_RD: torch.Tensor, weights_TK: torch.Tensor,
                               pair_index_R: torch.Tensor, rows_grad: bool, weights_grad: bool
                               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Where `fused_kernels_run_on` the rows and weights: the gradients of
-    `weighted_combine`. d_rows_RD[r] = w_p · dy[t] for r's pair p = pair_index_R[r] of
-    token t = p // K (in the rows' dtype; one rounding), and d_weights_TK[p] = dy[t] ·
-    rows_RD[r] (float32 sums; 0 for a pair without a row, whose weight the caller has
-    zeroed)."""
+    """CUDA. The gradients of `weighted_combine`: d_rows_RD[r] = w_p · dy[t] for r's pair
+    p = pair_index_R[r] of token t = p // K (in the rows' dtype; one rounding), and
+    d_weights_TK[p] = dy[t] · rows_RD[r] (float32 sums; 0 for a pair without a row, whose
+    weight the caller has zeroed)."""
     T, K = weights_TK.shape
     R, D = rows_RD.shape
     dy_TD, rows_RD, weights_TK, pair_index_R = (t.contiguous() for t in (dy_TD, rows_RD, weights_TK, pair_index_R))
