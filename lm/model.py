@@ -369,7 +369,10 @@ def lm_batch(kind: str, window_BS: torch.Tensor, mask_id: int, vocab_size: int,
     gpt:  windows of S+1 tokens; inputs = window[:, :-1], targets = window[:, 1:].
     bert: windows of S tokens; ``mask_prob`` of positions (at least one per batch) are
           chosen: 80% become ``mask_id``, 10% a random byte, 10% stay; targets are the
-          original tokens there and IGNORE_INDEX elsewhere. Draws from ``generator`` (CPU).
+          original tokens there and IGNORE_INDEX elsewhere. Draws from ``generator`` (CPU);
+          on CUDA the draws are copied from pinned memory without waiting (a copy from
+          pageable memory made the host wait for the previous step's backward before
+          every micro-batch).
     """
     if kind == "gpt":
         return window_BS[:, :-1], window_BS[:, 1:]
@@ -379,11 +382,19 @@ def lm_batch(kind: str, window_BS: torch.Tensor, mask_id: int, vocab_size: int,
         chosen_BS[0, 0] = True
     action_BS = torch.rand(shape, generator=generator)
     random_BS = torch.randint(0, min(256, vocab_size), shape, generator=generator)
-    chosen_BS, action_BS, random_BS = (t.to(window_BS.device) for t in (chosen_BS, action_BS, random_BS))
+    chosen_BS, action_BS, random_BS = (_to_device_async(t, window_BS.device) for t in (chosen_BS, action_BS, random_BS))
     inputs_BS = torch.where(chosen_BS & (action_BS < 0.8), torch.full_like(window_BS, mask_id), window_BS)
     inputs_BS = torch.where(chosen_BS & (action_BS >= 0.8) & (action_BS < 0.9), random_BS, inputs_BS)
     targets_BS = torch.where(chosen_BS, window_BS, torch.full_like(window_BS, IGNORE_INDEX))
     return inputs_BS, targets_BS
+
+
+def _to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: to CUDA through pinned memory, without a host sync (the
+    pinned block goes back to torch's host allocator once the copy has run)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

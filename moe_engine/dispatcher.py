@@ -338,10 +338,12 @@ class _WeightedCombine(torch.autograd.Function):
     index_select backwards that scatter into zeroed buffers).
 
     Mixed precision: the rows stay in the experts' dtype (bf16 under autocast) and the
-    sum is formed in the weights' dtype (the layer's: float32 under autocast), so the
-    gather moves half the bytes of an upcast copy and the values are the same (a bf16
-    number is exact in float32). The rows' gradient is rounded to their dtype once,
-    after the product, as a cast of the rows would round it.
+    sum is formed in the weights' dtype (the router's float32, never rounded to the rows'
+    or the output's bf16), so the gather moves half the bytes of an upcast copy and the
+    values are the same (a bf16 number is exact in float32); the sum is rounded once, to
+    ``out_dtype`` (the fused kernel writes it so; the PyTorch path returns the sum and the
+    caller casts it). The rows' gradient is rounded to their dtype once, after the
+    product, as a cast of the rows would round it.
 
     On CUDA both directions are one Triton kernel each (`kernels.weighted_combine`): the
     K rows are read where they lie and summed in float32, so neither the gathered P × D
@@ -350,11 +352,11 @@ class _WeightedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor,
-                pair_index_R: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-        ctx.fused = kernels.fused_kernels_run_on(y_RD)
+                pair_index_R: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.fused = kernels.fused_kernels_run_on(y_RD, weights_TK)
         if ctx.fused:  # one kernel each way; autograd keeps the rows as they are (R ≤ P rows)
             ctx.save_for_backward(y_RD, weights_TK, pair_index_R)
-            return kernels.weighted_combine(y_RD, weights_TK, row_of_pair_P)
+            return kernels.weighted_combine(y_RD, weights_TK, row_of_pair_P, out_dtype)
         y_TKD = y_RD.index_select(0, row_of_pair_P).view(tokens, top_k, -1)
         weights_TK1 = weights_TK.unsqueeze(-1)
         y_TD = y_TKD[:, 0] * weights_TK1[:, 0]
@@ -370,7 +372,7 @@ class _WeightedCombine(torch.autograd.Function):
             y_RD, weights_TK, pair_index_R = ctx.saved_tensors
             d_rows, d_weights = kernels.weighted_combine_backward(dy_TD, y_RD, weights_TK, pair_index_R,
                                                                   *ctx.needs_input_grad[:2])
-            return d_rows, d_weights, None, None, None, None
+            return d_rows, d_weights, None, None, None, None, None
         y_TKD, weights_TK, pair_index_R = ctx.saved_tensors
         dy_TD = dy_TD.unsqueeze(1)
         d_rows = d_weights = None
@@ -382,7 +384,7 @@ class _WeightedCombine(torch.autograd.Function):
             d_rows = d_pairs_PD.index_select(0, pair_index_R)
         if ctx.needs_input_grad[1]:
             d_weights = (y_TKD * dy_TD).sum(-1)
-        return d_rows, d_weights, None, None, None, None
+        return d_rows, d_weights, None, None, None, None, None
 
 
 def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor,
@@ -400,12 +402,15 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
     out_dtype = out_dtype or y_RD.dtype
-    # the weights in the dtype of the sum (a wider one where the rows' and out_dtype mix kinds)
-    weights_TK = (weights_TK * keep_TK).to(torch.promote_types(out_dtype, y_RD.dtype))
+    # the weights in the dtype of the sum: never narrower than their own (the router's
+    # float32), the rows' or out_dtype, so a bf16 output rounds the sum once and the
+    # weights not at all
+    sum_dtype = torch.promote_types(torch.promote_types(out_dtype, y_RD.dtype), weights_TK.dtype)
+    weights_TK = (weights_TK * keep_TK).to(sum_dtype)
     if y_RD.shape[0] == 0:
         # Nothing kept on this rank. y_RD stays in the graph all the same: its backward
         # runs collectives that the other ranks wait for.
         return y_RD.new_zeros(tokens, D, dtype=out_dtype) + ((y_RD.sum() + weights_TK.sum()) * 0).to(out_dtype)
     y_TD = _WeightedCombine.apply(  # type: ignore[no-untyped-call]  # (Function.apply is untyped)
-        y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k)
+        y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k, out_dtype)
     return y_TD.to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped; .to is a no-op but for bf16 rows, fp16 out)

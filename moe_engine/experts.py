@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +59,7 @@ class HostCountsCopy:
         host_nL = torch.empty(counts_nL.shape, dtype=counts_nL.dtype, pin_memory=True)
         host_nL.copy_(counts_nL, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(counts_nL.device))  # the counts' device, not the current one
         return [cls(host_L, event) for host_L in host_nL]
 
     def read(self) -> list[int]:
@@ -135,7 +135,19 @@ def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return grouped_kernel_runs_on(torch.cuda.get_device_capability(x.device))
+
+
+# Compute capability majors where torch's grouped kernel is CUTLASS's (sm90 Hopper, sm100
+# Blackwell). Elsewhere (sm80, sm11x, sm12x) torch runs a fallback that reads the group
+# offsets on the host: a device sync per grouped GEMM.
+GROUPED_KERNEL_MAJORS = (9, 10)
+
+
+def grouped_kernel_runs_on(capability: tuple[int, int]) -> bool:
+    """Whether `torch._grouped_mm` has its device-side (CUTLASS) kernel on a GPU of this
+    compute capability."""
+    return capability[0] in GROUPED_KERNEL_MAJORS
 
 
 def _segments(counts: list[int]) -> Iterator[slice]:
@@ -157,19 +169,35 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> 
     return y_NO
 
 
+def runs_without_host_sync(call: Callable[[], object]) -> bool:
+    """Whether ``call`` runs on the current CUDA device without raising and without a
+    host-device synchronisation (CUDA's sync debug mode set to "error" makes any sync
+    raise); the caller's mode is restored after."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    except (RuntimeError, TypeError):
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return True
+
+
 @functools.cache
 def _grouped_kernel_widens(device_type: str) -> bool:
     """Whether this torch's grouped kernel writes a float32 result from bf16 operands on
-    `device_type` (``out_dtype``); a property of the installed build, probed once."""
+    `device_type` (``out_dtype``) on the device, with no host sync (a kernel that reads the
+    offsets on the host would sync once per GEMM, and abort a CUDA graph capture); a
+    property of the installed build and the GPU, probed once."""
     if device_type != "cuda":
         return False  # CPU: "Grouped gemm output dtype must match `mat_a` dtype" (torch 2.13)
     a_KM = torch.ones(16, 8, dtype=torch.bfloat16, device=device_type)
-    try:
-        torch._grouped_mm(a_KM.t(), a_KM, offs=torch.tensor([8, 16], dtype=torch.int32, device=device_type),
-                          out_dtype=torch.float32)
-    except (RuntimeError, TypeError):
+    if not grouped_kernel_supports(a_KM, 8, 8):
         return False
-    return True
+    offs = torch.tensor([8, 16], dtype=torch.int32).to(device_type)  # copied before the check: a
+    torch.cuda.synchronize()                                          # blocking copy is a sync too
+    return runs_without_host_sync(lambda: torch._grouped_mm(a_KM.t(), a_KM, offs=offs, out_dtype=torch.float32))
 
 
 def _wide_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments,
@@ -399,6 +427,29 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, seg: ExpertSegments) -> torch.Tensor:
         """Local, no autograd. The whole FFN of every local expert on its rows."""
         return self.project_out(self.activate(self.project_in(x_ND, seg)), seg)
+
+    def host_count_reads(self, dtype: torch.dtype, device: torch.device, backward: bool) -> str | None:
+        """Local. Why a pass of these experts on ``dtype`` rows on ``device`` would read the
+        rows per expert on the host (the per-expert loop, for shapes and dtypes the grouped
+        kernel does not run; a sync that no CUDA graph can capture), or None when every GEMM
+        of the pass (its ``backward`` too) is one grouped kernel. Mirrors `grouped_mm` and
+        `grouped_weight_grad`."""
+        D, H = self.config.d_model, self.config.d_hidden
+        if not grouped_kernel_supports(torch.empty(0, dtype=dtype, device=device), D, H):
+            return (f"the grouped GEMM kernel does not run {dtype} rows of widths {D} and {H} on this "
+                    f"{'GPU' if device.type == 'cuda' else 'device'} (it needs bf16 on sm90/sm100 and "
+                    f"widths of whole 16-byte units)")
+        wide = self.master_dtype or self.w1.dtype
+        if not backward or wide == dtype:
+            return None
+        if device.type == "cuda":
+            if wide == torch.float32 and _grouped_kernel_widens("cuda"):
+                return None
+            return (f"the weight gradients are summed in the {wide} parameters' dtype from {dtype} rows, "
+                    f"which this torch's grouped kernel cannot write without host reads")
+        if grouped_kernel_supports(torch.empty(0, dtype=wide, device=device), D, H):
+            return None
+        return f"the weight gradients are summed in {wide}, which the grouped GEMM kernel does not run"
 
     # -- backward -----------------------------------------------------------------------------
     def grads(self) -> ExpertGrads:

@@ -125,7 +125,7 @@ class MoELayerBase(nn.Module):
         values = planner.local_values(x_TD.device, dtype)
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
-                                   x_TD.device, dtype, self.router.weight.dtype)
+                                   x_TD.device, dtype)
             replayed = self._replayed_plan()
             pass_plan = replayed or planner.decide(agreed)
             n = pass_plan.partitions
@@ -142,8 +142,7 @@ class MoELayerBase(nn.Module):
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
-        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype,
-                               self.router.weight.dtype)
+        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype)
         replayed = self._replayed_plan()
         pass_plan = replayed or planner.decide(agreed)
         plan = dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
@@ -208,8 +207,25 @@ class MoELayerBase(nn.Module):
         # The rows stay in the compute dtype: the combine weights them into the layer's dtype.
         return PipelinedExperts.apply(x_TD, run, e.w1, e.b1, e.w2, e.b2, e.w3)  # type: ignore[no-any-return]  # (Function.apply is untyped)
 
+    def capture_refusal(self, x_TD: torch.Tensor) -> str | None:
+        """Local. Why a pass on ``x_TD`` cannot be captured in a CUDA graph (it would read
+        device values on the host, which aborts the capture), or None. Checked up front by
+        `forward` while a capture is on, so the refusal names the cause instead of CUDA's
+        "operation not permitted when stream is capturing"."""
+        if self.group.distributed:
+            return (f"{self.group.size} ranks exchange their row counts and read them on the host to size "
+                    f"the All-to-Alls")
+        compute = compute_dtype(x_TD)
+        return self.experts.host_count_reads(compute, x_TD.device, torch.is_grad_enabled())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_TD = self._tokens(x)
+        if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
+            reason = self.capture_refusal(x_TD)
+            if reason is not None:
+                raise RuntimeError(f"this MoE layer cannot be captured in a CUDA graph: {reason}; capture one "
+                                   f"rank with bf16 parameters (or a torch whose grouped kernel writes float32) "
+                                   f"on sm90/sm100, or run it eagerly")
         routing = self.router(x_TD)                                                    # 1. route
         plan, pass_plan = self.plan(x_TD, routing)                                     # 2. plan
         y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts

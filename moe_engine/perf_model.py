@@ -163,12 +163,18 @@ class ProfileCache:
     where the ranks read different profiles (one store per node), all adopt rank 0's.
     A caller that agrees on "missing" and "different" itself (the planner, in its count
     exchange) asks `held` (local) on each rank and `agreed` with the agreed flags.
+
+    The store is read once per key: `held` keeps what it read until `agreed` settles the
+    key, so the profile a rank prices is the one whose digest it sent for the agreement
+    (a second read could find the file rewritten by another run, and ranks that agreed
+    on equal digests would price different profiles and issue different collectives).
     """
 
     def __init__(self, store: ProfileStore | None = None):
         self.store = store
         self.profiles: dict[str, HardwareProfile] = {}
         self.measurements = 0
+        self._read: dict[str, HardwareProfile | None] = {}  # key -> what the store held, until agreed
 
     def get_or_measure(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
                        dtype: torch.dtype) -> HardwareProfile:
@@ -190,7 +196,9 @@ class ProfileCache:
         key = self._key(world_size, device, dtype)
         if key in self.profiles:
             return self.profiles[key]
-        return self.store.get(key) if self.store is not None else None
+        if key not in self._read:
+            self._read[key] = self.store.get(key) if self.store is not None else None
+        return self._read[key]
 
     def agreed(self, config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.device,
                dtype: torch.dtype, missing_on_some_rank: bool, differs_on_some_rank: bool = False
@@ -209,6 +217,7 @@ class ProfileCache:
         elif differs_on_some_rank:
             profile = adopt_rank0(profile, group, device)
         self.profiles[key] = profile
+        self._read.pop(key, None)
         return profile
 
 

@@ -70,7 +70,6 @@ class AgreedValues:
     backward: bool                            # the pass records for backward (grad enabled)
     device: torch.device                      # the pass's data device (agreements run there)
     dtype: torch.dtype                        # the dtype the experts run in (experts.compute_dtype)
-    param_dtype: torch.dtype                  # the layer's parameters' dtype (the memory budget's)
 
 
 @dataclass(frozen=True)
@@ -153,8 +152,8 @@ class Planner:
         return values
 
     # -- 2. agreement (local: the rows rode in the count exchange) ------------------------------------
-    def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype,
-              param_dtype: torch.dtype) -> AgreedValues:
+    def agree(self, stats: PassStats, values_W: np.ndarray, device: torch.device, dtype: torch.dtype
+              ) -> AgreedValues:
         """Local. The agreed values from the pass statistics (already the max over ranks) and
         every rank's `local_values` (rows of values_W, one per rank): the max over ranks, and
         whether any rank's profile digest differs from rank 0's."""
@@ -168,7 +167,7 @@ class Planner:
         if self.partitions == "auto" and self.search.timing_agreement_due():
             search_seconds = dict(zip(self.search.candidates, top.astype(np.int64).view(np.float64).tolist()))
         return AgreedValues(stats, profile_missing, profile_differs, search_seconds, torch.is_grad_enabled(),
-                            torch.device(device), dtype, param_dtype)
+                            torch.device(device), dtype)
 
     # -- 3. the decision (agreed values only) -----------------------------------------------------
     def decide(self, agreed: AgreedValues) -> PassPlan:
@@ -179,9 +178,12 @@ class Planner:
         if self.partitions == "auto":
             # Under a budget the fewest partitions that fit bound n already, and with "none"
             # more partitions share no buffers: keep the fastest n, not the largest near it.
+            # The fit prices the activations in the dtype the experts run in (bf16 under
+            # autocast), as the strategy model and the job's memory check do: priced in the
+            # float32 parameters' dtype, a budget that n = 1 fits forced n = 16 (gpt-xl).
             n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
                                    min_partitions=self._fewest_partitions_within_budget(
-                                       tokens, agreed.param_dtype, agreed.stats.skew_bucket),
+                                       tokens, agreed.dtype, agreed.stats.skew_bucket),
                                    prefer_fastest=self.memory_budget is not None or self.strategy == "none")
         else:
             n = self.partitions  # type: ignore[assignment]  # (partitions is an int unless "auto")

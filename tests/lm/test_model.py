@@ -124,6 +124,24 @@ def test_masked_lm_batch():
     assert torch.equal(inputs_BS, window_BS[:, :-1]) and torch.equal(targets_BS, window_BS[:, 1:])
 
 
+def _bert_batch_on(device):
+    window_BS = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    return lm_batch("bert", window_BS, MASK_ID, 259, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.gpu
+def test_a_bert_batch_on_cuda_is_the_cpu_one_and_does_not_wait_for_the_device():
+    """The masks are drawn on the host and copied from pinned memory without a sync (a
+    pageable copy made the host wait for the queued backward before every micro-batch)."""
+    from moe_engine.experts import runs_without_host_sync
+
+    window_BS = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    torch.cuda.synchronize()
+    assert runs_without_host_sync(lambda: lm_batch("bert", window_BS, MASK_ID, 259, torch.Generator()))
+    for got, want in zip(_bert_batch_on(torch.device("cuda")), _bert_batch_on(torch.device("cpu"))):
+        assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_model_flops_per_token_counts_the_weights_a_token_passes_through(activation):
     """6 FLOPs per weight a token multiplies (top_k of the experts, the tied head; not the

@@ -3,6 +3,7 @@ the bias add as a one-hot GEMM (bf16: bitwise the repeat-and-add it replaced), t
 rows (the bias gradient's left operand on CUDA), the host counts read once per partition."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_engine.experts import ExpertSegments, _add_bias, grouped_bias_grad
@@ -41,3 +42,34 @@ def test_host_counts_are_read_once_and_kept():
     assert seg.counts is None
     assert seg.host_counts() == [2, 3]
     assert seg.counts == [2, 3]  # kept: a second call reads nothing
+
+
+def test_the_grouped_kernel_is_taken_on_hopper_and_blackwell_only():
+    """torch's CUTLASS grouped kernel exists for compute capability majors 9 and 10; on
+    sm80, sm11x and sm12x its fallback reads the offsets on the host (a sync per GEMM), so
+    the per-expert loop (which reads the counts once per partition) is taken there."""
+    from moe_engine.experts import grouped_kernel_runs_on
+
+    assert [grouped_kernel_runs_on((major, minor)) for major, minor in
+            [(8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)]] == \
+        [False, False, True, True, True, False, False, False]
+
+
+@pytest.mark.gpu
+def test_the_sync_probe_tells_a_sync_free_call_from_one_that_syncs():
+    """`runs_without_host_sync` (the widen probe's check): a kernel launch passes, a read of
+    a device value on the host (`.item()`) and an error fail; the caller's mode comes back."""
+    from moe_engine.experts import _grouped_kernel_widens, runs_without_host_sync
+
+    x = torch.ones(64, device="cuda")
+    torch.cuda.set_sync_debug_mode("warn")
+    assert runs_without_host_sync(lambda: x.mul(2))
+    assert not runs_without_host_sync(lambda: x.sum().item())
+    assert not runs_without_host_sync(lambda: x.view(3, 7))
+    assert torch.cuda.get_sync_debug_mode() == 1  # "warn", as the caller left it
+    torch.cuda.set_sync_debug_mode("default")
+    if _grouped_kernel_widens("cuda"):  # then the widening call is sync-free on this GPU
+        a_KM = torch.ones(64, 32, dtype=torch.bfloat16, device="cuda")
+        offs = torch.tensor([16, 64], dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        assert runs_without_host_sync(lambda: torch._grouped_mm(a_KM.t(), a_KM, offs=offs, out_dtype=torch.float32))

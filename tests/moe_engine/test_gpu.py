@@ -148,7 +148,7 @@ def test_grouped_gemm_path_with_empty_experts_matches_reference():
     from moe_engine.experts import grouped_kernel_supports
 
     x = _grouped_empty_experts_match_reference(torch.device("cuda"), torch.bfloat16, 6e-2)
-    assert grouped_kernel_supports(x, 64, 128) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert grouped_kernel_supports(x, 64, 128) == (torch.cuda.get_device_capability()[0] in (9, 10))
 
 
 def test_grouped_gemm_path_with_empty_experts_matches_reference_cpu_twin():
@@ -625,3 +625,67 @@ def test_trainer_on_cuda_keeps_float32_master_weights_under_bf16_compute_cpu_twi
     assert dtypes == {"fp32": {torch.float32}, "mixed": {torch.float32}, "pure": {torch.bfloat16}}
     assert losses["mixed"] != losses["fp32"]  # autocast is on
     assert all(math.isfinite(v) for run in losses.values() for v in run)
+
+
+def _capture_case(case, device):
+    """(layer, input, autocast dtype or None) of a configuration whose capture the layer
+    refuses on CUDA (the grouped kernel cannot run its GEMMs; mixed precision where this
+    torch's grouped kernel cannot write float32 weight gradients)."""
+    d_model, dtype, autocast = {"mixed": (64, torch.float32, torch.bfloat16), "fp32": (64, torch.float32, None),
+                                "unaligned": (60, torch.bfloat16, None)}[case]
+    config = MoEConfig(d_model=d_model, d_hidden=128, num_experts=8, top_k=2, activation="swiglu")
+    torch.manual_seed(0)
+    layer = MPipeMoE(config, partitions=2, strategy="S4").to(device=device, dtype=dtype)
+    x = torch.randn(256, d_model, device=device, dtype=dtype, requires_grad=True)
+    return layer, x, autocast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mixed", "fp32", "unaligned"])
+def test_a_capture_whose_experts_read_counts_on_the_host_is_refused_up_front(case):
+    """float32 master weights under bf16 autocast (where torch's grouped kernel cannot write
+    float32), float32 experts, widths the grouped kernel cannot take: the weight gradients
+    (or every GEMM) run per expert and read the counts on the host, which aborts a capture.
+    The layer refuses before any such read, with one line naming why; where this torch's
+    kernel writes float32 (mixed) the capture replays the eager step instead."""
+    from moe_engine.experts import _grouped_kernel_widens
+
+    layer, x, autocast = _capture_case(case, torch.device("cuda"))
+    params = list(layer.parameters())
+
+    def step():
+        with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            y, aux = layer(x)
+        return (y, *torch.autograd.grad([y.float().sum(), aux], [x] + params))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    if case == "mixed" and _grouped_kernel_widens("cuda") and torch.cuda.get_device_capability()[0] in (9, 10):
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        for got, want in zip(captured, eager):
+            torch.testing.assert_close(got, want)
+        return
+    with pytest.raises(RuntimeError, match=r"^this MoE layer cannot be captured in a CUDA graph: [^\n]+$"):
+        with torch.cuda.graph(graph):
+            step()
+
+
+def test_a_capture_whose_experts_read_counts_on_the_host_is_refused_up_front_cpu_twin():
+    """The reasons the layer gives (`capture_refusal`), on CPU: float64 and unaligned widths
+    have no grouped kernel; float32 under bf16 autocast upcasts on CPU (no host reads);
+    several ranks read their count tables on the host whatever the dtype."""
+    layer, x, _ = _capture_case("fp32", CPU)
+    assert layer.capture_refusal(x) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.capture_refusal(x) is None
+    assert "float64 rows" in layer.double().capture_refusal(x.double())
+    odd_layer = MPipeMoE(MoEConfig(d_model=6, d_hidden=128, num_experts=8, top_k=2))
+    assert "widths 6 and 128" in odd_layer.capture_refusal(torch.randn(4, 6))
+    layer.group.group, layer.group.size = object(), 2  # as a two-rank group looks (no collective runs)
+    assert "2 ranks exchange their row counts" in layer.float().capture_refusal(x)

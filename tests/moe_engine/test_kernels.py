@@ -26,13 +26,14 @@ def _gelu_backward_equals_pytorchs(device, dtype, shape):
     dA, h = kernels.gelu_backward_and_activation(dh.clone(), A)
     # float32 arithmetic in both, rounded once; Triton's exp may differ from CUDA's expf in
     # the last float32 bit, which bf16 rounding hides almost always
-    ulp = {torch.bfloat16: 2 ** -7, torch.float32: 2 ** -22}[dtype]
-    torch.testing.assert_close(h, expected_h, rtol=ulp, atol=1e-6)
-    torch.testing.assert_close(dA, expected_dA, rtol=ulp, atol=1e-6)
+    ulp = {torch.bfloat16: 2 ** -7, torch.float32: 2 ** -22, torch.float64: 0.0}[dtype]  # float64: PyTorch's
+    atol = 0.0 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(h, expected_h, rtol=ulp, atol=atol)
+    torch.testing.assert_close(dA, expected_dA, rtol=ulp, atol=atol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(1000, 4096), (3, 5), (0, 8)])
 def test_the_fused_gelu_backward_equals_pytorchs(dtype, shape):
     assert kernels.fused_kernels_run_on(torch.empty(0, device="cuda")), "Triton did not import"
@@ -62,7 +63,8 @@ def _combine_case(tokens: int, top_k: int, D: int, rows_dtype, weights_dtype, dr
 def _combined(rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD):
     rows_RD = rows_RD.detach().requires_grad_()
     weights_TK = weights_TK.detach().requires_grad_()
-    y_TD = _WeightedCombine.apply(rows_RD, weights_TK, row_of_pair_P, pair_index_R, *weights_TK.shape)
+    y_TD = _WeightedCombine.apply(rows_RD, weights_TK, row_of_pair_P, pair_index_R, *weights_TK.shape,
+                                  weights_TK.dtype)
     y_TD.backward(dy_TD)
     return y_TD.detach(), rows_RD.grad, weights_TK.grad
 
@@ -76,22 +78,26 @@ def _combine_equals_the_pytorch_one(device, rows_dtype, weights_dtype, tokens, t
     on_device = _combined(*(t.to(device) for t in (rows_RD, weights_TK, row_of_pair_P, pair_index_R, dy_TD)))
     # the CPU path rounds each product to the output's dtype, the kernel sums in float32 and
     # rounds once; the weights' gradient is a D-long float32 dot product in both
-    low = weights_dtype == torch.bfloat16
-    torch.testing.assert_close(on_device[0].cpu(), on_cpu[0], rtol=2 ** -7 if low else 1e-5, atol=2 ** -5 if low else 1e-5)
+    low, wide = weights_dtype == torch.bfloat16, weights_dtype == torch.float64
+    if wide:  # float64 keeps PyTorch's kernels: the same numbers but for the order of the sums
+        assert not kernels.fused_kernels_run_on(rows_RD.to(device))
+    torch.testing.assert_close(on_device[0].cpu(), on_cpu[0], rtol=2 ** -7 if low else 1e-12 if wide else 1e-5,
+                               atol=2 ** -5 if low else 1e-12 if wide else 1e-5)
     assert torch.equal(on_device[1].cpu(), on_cpu[1])  # one product, one rounding in both
     # a pair without a row has weight 0 (the caller multiplies by the keep mask): its
     # weight's gradient is not used, and the CPU path's is a product with another row
     dot_atol = (3 * 2 ** -9 if low else 1e-5) * D ** 0.5  # the CPU path rounds each bf16 product
     torch.testing.assert_close(on_device[2].cpu() * keep_TK, on_cpu[2] * keep_TK, rtol=2 ** -7 if low else 1e-5,
                                atol=dot_atol)
-    if kernels.fused_kernels_run_on(on_device[0]):  # the kernel gives such a pair 0
+    if kernels.fused_kernels_run_on(on_device[0], on_device[2]):  # the kernel gives such a pair 0
         assert torch.count_nonzero(on_device[2].cpu() * (1 - keep_TK)) == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows_dtype,weights_dtype", [(torch.bfloat16, torch.bfloat16),
                                                       (torch.bfloat16, torch.float32),
-                                                      (torch.float32, torch.float32)])
+                                                      (torch.float32, torch.float32),
+                                                      (torch.float64, torch.float64)])
 @pytest.mark.parametrize("tokens,top_k,D,dropped", [(4096, 2, 2048, 0), (333, 1, 200, 0), (500, 4, 1030, 77)])
 def test_the_fused_combine_equals_the_pytorch_one(rows_dtype, weights_dtype, tokens, top_k, D, dropped):
     _combine_equals_the_pytorch_one(torch.device("cuda"), rows_dtype, weights_dtype, tokens, top_k, D, dropped)
@@ -99,3 +105,68 @@ def test_the_fused_combine_equals_the_pytorch_one(rows_dtype, weights_dtype, tok
 
 def test_the_fused_combine_equals_the_pytorch_one_cpu_twin():
     _combine_equals_the_pytorch_one(torch.device("cpu"), torch.bfloat16, torch.float32, 50, 2, 24, 7)
+
+
+def _kernels_syntax():
+    import ast
+    import inspect
+    return ast.parse(inspect.getsource(kernels))
+
+
+def test_every_masked_triton_load_reads_zero_in_the_masked_lanes():
+    """A masked `tl.load` without `other=` leaves the masked lanes undefined, and the
+    combine's backward sums a whole block (`tl.sum`): every masked load says `other=0.0`."""
+    import ast
+    loads = [node for node in ast.walk(_kernels_syntax()) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "load"]
+    masked = [node for node in loads if any(k.arg == "mask" for k in node.keywords)]
+    assert len(masked) == 5
+    for node in masked:
+        other = [k.value for k in node.keywords if k.arg == "other"]
+        assert other and isinstance(other[0], ast.Constant) and other[0].value == 0.0, ast.unparse(node)
+
+
+def test_every_triton_launch_enters_its_tensors_device():
+    """CPU twin of the GPU test below: each kernel launch (`kernel[grid](...)`) sits inside
+    `with on_device_of(tensor)`, so it runs on the tensors' device, not the current one."""
+    import ast
+    tree = _kernels_syntax()
+    launches, guarded = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            launches.append(node)
+        if isinstance(node, ast.With) and any(isinstance(item.context_expr, ast.Call)
+                                              and getattr(item.context_expr.func, "id", None) == "on_device_of"
+                                              for item in node.items):
+            guarded += [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)]
+    assert len(launches) == 3 and all(launch in guarded for launch in launches)
+
+
+@pytest.mark.gpu
+def test_every_triton_launch_enters_its_tensors_device_on_cuda(monkeypatch):
+    """The three kernels, each launched on cuda tensors, enter those tensors' device. (One
+    GPU cannot hold tensors on a device that is not current; with two, the next test runs
+    the kernels on cuda:1 while cuda:0 is current.)"""
+    entered = []
+    original = torch.cuda.device
+
+    class Recording(original):  # type: ignore[valid-type]
+        def __init__(self, device):
+            entered.append(torch.device(device))
+            super().__init__(device)
+
+    monkeypatch.setattr(torch.cuda, "device", Recording)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows_RD, weights_TK, row_of_pair_P, pair_index_R, _ = _combine_case(64, 2, 40, torch.bfloat16, torch.float32, 3)
+    _combined(*(t.to(device) for t in (rows_RD, weights_TK, row_of_pair_P, pair_index_R,
+                                       torch.randn(64, 40, dtype=torch.float32))))
+    kernels.gelu_backward_and_activation(torch.randn(8, 8, device=device), torch.randn(8, 8, device=device))
+    assert len(entered) >= 3 and set(entered) == {device}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_fused_kernels_run_on_a_device_that_is_not_current():
+    with torch.cuda.device(0):
+        _combine_equals_the_pytorch_one(torch.device("cuda", 1), torch.bfloat16, torch.float32, 333, 2, 200, 7)
+        _gelu_backward_equals_pytorchs(torch.device("cuda", 1), torch.bfloat16, (300, 70))

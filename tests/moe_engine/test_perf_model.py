@@ -153,3 +153,25 @@ def test_calibration_on_cpu_gives_one_profile_for_all_ranks(world_size):
     for value in (p.gemm_flops, p.a2a_bytes_per_s, p.d2h_bytes_per_s, p.h2d_bytes_per_s):
         assert value > 0
     assert all(f >= 1.0 for f in p.slowdown.values()) and len(p.slowdown) == 6
+
+
+def test_the_store_is_read_once_so_a_rank_prices_the_profile_it_agreed_on(tmp_path):
+    """A key's first pass asks `held` (its digest goes into the agreement) and then `agreed`:
+    a rewrite of the store between the two (another run calibrating) must not change the
+    profile priced, or ranks that agreed on equal digests would price different ones."""
+    from moe_engine.perf_model import ProfileCache
+
+    store = ProfileStore(str(tmp_path / "profiles.json"))
+    mine = profile(device="cpu", dtype="float32", world_size=1)
+    store.put(mine)
+    reads = []
+    original_get = store.get
+    store.get = lambda key: reads.append(key) or original_get(key)
+    cache = ProfileCache(store)
+    held = cache.held(1, torch.device("cpu"), torch.float32)
+    assert held == mine
+    store.put(dataclasses.replace(mine, gemm_flops=1e12))  # rewritten between the two reads
+    priced = cache.agreed(GPT_XL, 1024, ExpertGroup(None), torch.device("cpu"), torch.float32,
+                          missing_on_some_rank=False)
+    assert priced.digest() == held.digest() and len(reads) == 1
+    assert cache.held(1, torch.device("cpu"), torch.float32) is priced  # kept for the other layers

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_engine import HostBufferPool, MoEConfig, MPipeMoE
+from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.dispatcher import PassStats
 from moe_engine.granularity import GranularitySearch
@@ -30,9 +30,8 @@ SLOW_COPIES = dataclasses.replace(OFFLOAD_FRIENDLY, gemm_flops=1e15, a2a_bytes_p
                                   d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3)
 
 
-def agreed(tokens=64, seconds=None, backward=True):
-    return AgreedValues(PassStats(False, tokens, 0), False, False, seconds, backward, torch.device("cpu"),
-                        torch.float32, torch.float32)
+def agreed(tokens=64, seconds=None, backward=True, dtype=torch.float32):
+    return AgreedValues(PassStats(False, tokens, 0), False, False, seconds, backward, torch.device("cpu"), dtype)
 
 
 def test_the_search_proceeds_on_the_agreed_timings():
@@ -315,3 +314,24 @@ def test_the_budget_fit_check_bounds_the_busiest_ranks_rows_under_skew():
     assert balanced <= 2 < skewed
     busiest = predict_memory(config, 4096, 4, skewed, "S4", dtype=torch.float32, rows_received=4 * 2 * 4096)
     assert busiest.peak_bytes <= budget
+
+
+def test_the_budget_floor_on_n_prices_the_dtype_the_experts_run_in():
+    """Under autocast (float32 parameters, bf16 experts) the fewest partitions that fit are
+    priced in bf16, as the strategy model and the job check price them: a budget that n = 1
+    fits in bf16 but not in float32 keeps n = 1 in reach (it forced n = 16 for gpt-xl)."""
+    from moe_engine.memory import predict_memory
+
+    config = MoEConfig(d_model=256, d_hidden=1024, num_experts=8, top_k=2)
+    search = GranularitySearch(candidates=(1, 2, 4, 8, 16))
+    budget = MemoryBudget.of(predict_memory(config, 4096, 1, 1, "S4", dtype=torch.bfloat16).peak_bytes)
+    assert budget.need_of(predict_memory(config, 4096, 1, 1, "S4", dtype=torch.float32)) > budget.bytes
+    planner = Planner(config, ExpertGroup(None), partitions="auto", strategy="S4", search=search,
+                      memory_budget=budget)
+    floors = []
+    decide = search.decide
+    search.decide = lambda *args, min_partitions, **kw: floors.append(min_partitions) or decide(
+        *args, min_partitions=min_partitions, **kw)
+    planner.decide(agreed(tokens=4096, dtype=torch.bfloat16))
+    planner.decide(agreed(tokens=4096, dtype=torch.float32))
+    assert floors[0] == 1 and floors[1] > 1
