@@ -89,11 +89,31 @@ def total_host_memory() -> int:
     return total if total is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _capacity(numel: int) -> int:
-    """Buffer size (elements) the pool allocates for ``numel``: rounded up to a sixteenth of
-    its power of two (at most 1/16 more), so counts that differ a little share a size."""
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes torch's caching host allocator takes from CUDA for a pinned tensor of
+    ``nbytes``: the next power of two (it rounds every request so, to reuse blocks)."""
+    return 1 << max(0, (max(nbytes, 1) - 1).bit_length())
+
+
+def _capacity(numel: int, element_size: int = 4, pin: bool = False) -> int:
+    """Buffer size (elements) the pool allocates for ``numel``. Pinned: the whole block torch's
+    host allocator rounds the request up to (`pinned_block_bytes`), so no rounding is paid
+    for and not used. Pageable: rounded up to a sixteenth of its power of two (at most 1/16
+    more), so counts that differ a little share a size."""
+    if pin:
+        return pinned_block_bytes(max(numel, 1) * element_size) // element_size
     step = 1 << max(0, numel.bit_length() - 5)
     return -(-max(numel, 1) // step) * step
+
+
+def empty_host_cache() -> None:
+    """Give the pinned blocks torch's caching host allocator keeps unused back to CUDA (and
+    the OS): ``torch.accelerator.empty_host_cache`` (torch >= 2.9), else the private call
+    older builds have; a no-op where neither exists or CUDA is absent."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None and torch.cuda.is_available():
+        release()
 
 
 class HostBufferPool:
@@ -107,6 +127,14 @@ class HostBufferPool:
     times its peak request, or to make room under ``max_bytes``. `give_back` returns a
     buffer for reuse. A buffer handed out and then dropped (e.g. a host copy an activation
     checkpoint discarded) is no longer counted once it is freed.
+
+    Pinned buffers are counted as torch's caching host allocator holds them: each is the
+    power-of-two block the allocator rounds a request up to (`pinned_block_bytes`; the pool
+    asks for the whole block), and a released pinned buffer is freed, not left in that
+    allocator's cache (`empty_host_cache` once the buffers are dropped: the blocks whose
+    copies are done go back to CUDA, which waits for the device; the pool releases when it
+    shrinks, not every pass). So ``bytes_held`` is the pinned memory the pool costs and
+    ``max_bytes`` bounds it.
 
     A buffer can go back while a copy that reads it is still queued on a CUDA stream
     (backward's host-to-device restore): `give_back(buffer, in_use_until=event)` with
@@ -148,8 +176,17 @@ class HostBufferPool:
         self.peak_request_bytes = 0  # the most bytes asked for by buffers out at once
 
     @staticmethod
-    def _bytes(buffer: torch.Tensor) -> int:
-        return buffer.numel() * buffer.element_size()
+    def _is_pinned(buffer: torch.Tensor) -> bool:
+        return buffer.is_pinned()
+
+    def _bytes(self, buffer: torch.Tensor) -> int:
+        """Host bytes ``buffer`` costs (pinned: its allocator block)."""
+        nbytes = buffer.numel() * buffer.element_size()
+        return pinned_block_bytes(nbytes) if self._is_pinned(buffer) else nbytes
+
+    @staticmethod
+    def _allocate(capacity: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return torch.empty(capacity, dtype=dtype, pin_memory=pin)
 
     def _live_taken(self) -> dict[int, tuple[StorageWeakRef, int, int]]:
         """The handed-out buffers still alive (dropped ones are forgotten)."""
@@ -163,8 +200,10 @@ class HostBufferPool:
         one, else the oldest, with ``stream`` (the CUDA stream that will write it) made to
         wait for its copies, or, with ``stream=None``, after waiting for them on the host),
         else a new one."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        capacity = _capacity(numel, element_size, pin)
         fits = [i for i, (b, _) in enumerate(self._free)
-                if b.dtype == dtype and numel <= b.numel() <= self.REUSE_SLACK * max(numel, 1)]
+                if b.dtype == dtype and self._is_pinned(b) == pin and self._fits(numel, b.numel(), capacity)]
         if fits:
             done = [i for i in fits if (event := self._free[i][1]) is None or event.query()]
             i = min(done or fits, key=lambda j: self._free[j][0].numel())
@@ -176,10 +215,10 @@ class HostBufferPool:
                 else:
                     event.synchronize()
         else:
-            capacity = _capacity(numel)
-            self._release(self.max_bytes - capacity * torch.empty((), dtype=dtype).element_size())
-            buffer = torch.empty(capacity, dtype=dtype, pin_memory=pin)
-        asked = numel * buffer.element_size()
+            self._release(self.max_bytes - capacity * element_size)
+            buffer = self._allocate(capacity, dtype, pin)
+        # what the request costs: its bytes, or the allocator block a pinned one needs
+        asked = capacity * element_size if pin else numel * element_size
         self._taken[buffer.data_ptr()] = (StorageWeakRef(buffer.untyped_storage()), self._bytes(buffer), asked)
         in_use = sum(entry[2] for entry in self._live_taken().values())
         self.peak_request_bytes = max(self.peak_request_bytes, in_use)
@@ -195,30 +234,45 @@ class HostBufferPool:
         self._free.append((buffer, in_use_until))
         self._release(int(self.REUSE_SLACK * self.peak_request_bytes))
 
+    def _fits(self, numel: int, size: int, capacity: int) -> bool:
+        """Whether a free buffer of ``size`` elements serves a request of ``numel`` whose new
+        buffer would hold ``capacity``: it holds the request and is at most ``REUSE_SLACK``
+        times it, or no larger than the new buffer would be."""
+        return numel <= size <= max(self.REUSE_SLACK * max(numel, 1), capacity)
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in a buffer this pool handed out and not yet got back."""
         return tensor.untyped_storage().data_ptr() in self._live_taken()
 
     def _release(self, limit: int) -> None:
         """Drop free buffers, oldest given back first, until the pool holds at most
-        ``limit`` bytes or none is free. (A pinned buffer goes back to torch's pinned-memory
-        cache, which keeps it until any copy recorded against it is done.)"""
+        ``limit`` bytes or none is free. Pinned ones are then freed (`empty_host_cache`:
+        torch's host allocator frees each block once the copies recorded against it are
+        done), not kept in that allocator's cache."""
         held = self.bytes_held
+        pinned = False
         while self._free and held > limit:
             buffer, _ = self._free.pop(0)
             held -= self._bytes(buffer)
+            pinned |= self._is_pinned(buffer)
+            del buffer
+        if pinned:
+            empty_host_cache()
 
-    def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]]) -> int:
+    def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]], pin: bool = False) -> int:
         """Bytes the pool would allocate to serve ``requests`` ((numel, dtype) pairs) now,
-        after reusing its free buffers (best fit, as `take`)."""
-        free = [(b.dtype, b.numel()) for b, _ in self._free]
+        after reusing its free buffers (best fit, as `take`); ``pin``: pinned buffers (each
+        a power-of-two block of torch's host allocator)."""
+        free = [(b.dtype, b.numel()) for b, _ in self._free if self._is_pinned(b) == pin]
         grow = 0
         for numel, dtype in sorted(requests, key=lambda r: -r[0]):
-            fits = [i for i, (d, size) in enumerate(free) if d == dtype and numel <= size <= self.REUSE_SLACK * numel]
+            element_size = torch.empty((), dtype=dtype).element_size()
+            capacity = _capacity(numel, element_size, pin)
+            fits = [i for i, (d, size) in enumerate(free) if d == dtype and self._fits(numel, size, capacity)]
             if fits:
                 free.pop(min(fits, key=lambda i: free[i][1]))
             else:
-                grow += _capacity(numel) * torch.empty((), dtype=dtype).element_size()
+                grow += capacity * element_size
         return grow
 
     def usable_bytes(self) -> int:

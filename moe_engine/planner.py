@@ -252,7 +252,7 @@ class Planner:
         key = (agreed.stats.max_tokens, agreed.stats.skew_bucket, plan.partitions, plan.strategy)
         if self._host_check is not None and self._host_check[0] == key:
             return self.decide_host(plan, self._host_check[1])
-        grow, usable = self._host_need(plan.strategy, dispatch, agreed.dtype)
+        grow, usable = self._host_need(plan.strategy, dispatch, agreed.dtype, pin=agreed.device.type == "cuda")
         headroom = AgreedHeadroom(-self.group.agree([grow - usable], agreed.device)[0])
         self._host_check = (key, headroom)
         checked = self.decide_host(plan, headroom)
@@ -271,12 +271,12 @@ class Planner:
         """Local. ``plan`` when its host buffers fit on every rank, else S4 (from agreed values only)."""
         return replace(plan, strategy="S4", host_fallback=True) if headroom.min_bytes < 0 else plan
 
-    def _host_need(self, strategy: str, dispatch: DispatchPlan, dtype: torch.dtype) -> tuple[int, int]:
+    def _host_need(self, strategy: str, dispatch: DispatchPlan, dtype: torch.dtype, pin: bool) -> tuple[int, int]:
         """Local. (bytes the pool would grow by for this pass's offloads, bytes it may take);
         the host memory is asked only when the pool must grow."""
         policy = RestorePolicy.of(strategy)
         widths = [self.config.d_model] * policy.offload_input + \
             [self.config.pre_activation_width] * policy.offload_preactivation
         requests = [(p.rows_received * w, dtype) for p in dispatch.partitions for w in widths]
-        grow = self.host_pool.bytes_to_grow(requests)
+        grow = self.host_pool.bytes_to_grow(requests, pin)
         return grow, (self.host_pool.usable_bytes() if grow else 0)

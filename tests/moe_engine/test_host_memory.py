@@ -54,6 +54,46 @@ def test_pool_counts_the_bytes_it_would_grow_by():
     assert HostBufferPool(available_bytes=lambda: 1000, usable_fraction=0.5).usable_bytes() == 500
 
 
+class _PinnedOnPaper(HostBufferPool):
+    """A pool whose buffers count as pinned (CPU tensors stand in for them), with the
+    host-cache releases recorded: the pool's own accounting without a GPU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cache_emptied = 0
+
+    @staticmethod
+    def _is_pinned(buffer):
+        return True
+
+    @staticmethod
+    def _allocate(capacity, dtype, pin):
+        assert pin
+        return torch.empty(capacity, dtype=dtype)
+
+
+def test_pinned_buffers_are_counted_as_the_host_allocator_rounds_them_and_released_for_real(monkeypatch):
+    """torch's caching host allocator rounds a pinned request up to a power of two and keeps
+    freed blocks in its cache: the pool asks for the whole block, counts it, and empties
+    that cache when it drops pinned buffers, so what it says it holds is what it costs."""
+    from moe_engine import memory
+
+    pool = _PinnedOnPaper(max_bytes=2**20)
+    monkeypatch.setattr(memory, "empty_host_cache", lambda: setattr(pool, "cache_emptied", pool.cache_emptied + 1))
+    assert memory.pinned_block_bytes(4100) == 8192 and memory.pinned_block_bytes(4096) == 4096
+    assert pool.bytes_to_grow([(1025, torch.float32)], pin=True) == 8192  # 4100 bytes: an 8 KiB block
+    assert pool.bytes_to_grow([(1025, torch.float32)], pin=False) == 1088 * 4  # pageable: 1/16 steps
+    buffer = pool.take(1025, torch.float32, pin=True)
+    assert buffer.numel() == 2048 and pool.bytes_held == 8192  # the block, used whole
+    pool.give_back(buffer)
+    again = pool.take(1500, torch.float32, pin=True)  # fits the block a new request would take
+    assert again.data_ptr() == buffer.data_ptr() and pool.bytes_to_grow([(1025, torch.float32)], pin=True) == 8192
+    pool.give_back(again)
+    assert pool.cache_emptied == 0
+    large = pool.take(200_000, torch.float32, pin=True)  # 800 KB: a 1 MiB block; the free 8 KiB one must go
+    assert pool.free_buffers == 0 and pool.bytes_held == 2**20 == large.numel() * 4 and pool.cache_emptied == 1
+
+
 @pytest.mark.parametrize("strategy", ["S1", "S2", "S3"])
 def test_offload_falls_back_to_s4_when_host_memory_is_short(strategy, caplog):
     x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
@@ -286,3 +326,30 @@ def test_a_queued_restore_reads_the_data_it_was_given(taker):
 def test_a_queued_restore_reads_the_data_it_was_given_cpu_twin():
     for taker in ("stream", "host"):
         _restore_then_reuse(torch.device("cpu"), taker, 1 << 10)  # a pool capacity (a power of two)
+
+
+@pytest.mark.gpu
+def test_the_pinned_pool_holds_what_torchs_host_allocator_says_and_frees_what_it_releases():
+    """On CUDA: the bytes the pool says it holds are the bytes torch's caching host allocator
+    took for it (its power-of-two blocks), and a release gives them back to CUDA."""
+    from moe_engine.memory import empty_host_cache
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
+    torch.cuda.synchronize()
+    empty_host_cache()
+
+    def allocated():
+        return stats().get("allocated_bytes.current", 0)
+
+    before = allocated()
+    pool = HostBufferPool(available_bytes=lambda: PLENTY)
+    buffers = [pool.take(numel, torch.bfloat16, pin=True) for numel in (3000, 70_001, 1 << 20)]
+    assert all(b.is_pinned() for b in buffers)
+    assert allocated() - before == pool.bytes_held == 8192 + 262_144 + 2 * 2**20
+    for buffer in buffers:
+        pool.give_back(buffer)
+    del buffer, buffers
+    pool._release(0)
+    assert pool.bytes_held == 0 and allocated() == before
