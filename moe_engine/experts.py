@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .config import MoEConfig
+from .streams import honouring_sm_carveout
 
 PreActivation = list[torch.Tensor]  # [A] or [gate, up]; each N × H
 
@@ -164,8 +165,9 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> 
     if x_NI.dtype == w_LIO.dtype and grouped_kernel_supports(x_NI, *w_LIO.shape[-2:]):
         return torch._grouped_mm(x_NI, w_LIO, offs=seg.ends_L)
     y_NO = x_NI.new_empty(seg.rows, w_LIO.shape[-1])
-    for l, rows in enumerate(_segments(seg.host_counts())):
-        torch.mm(x_NI[rows], w_LIO[l], out=y_NO[rows])
+    with honouring_sm_carveout():
+        for l, rows in enumerate(_segments(seg.host_counts())):
+            torch.mm(x_NI[rows], w_LIO[l], out=y_NO[rows])
     return y_NO
 
 
@@ -211,10 +213,11 @@ def _wide_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegmen
         if _grouped_kernel_widens("cuda") and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
             return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L, out_dtype=out_dtype)
         dw_LIO = dy_NO.new_empty(seg.ends_L.shape[0], x_NI.shape[-1], dy_NO.shape[-1], dtype=out_dtype)
-        for l, rows in enumerate(_segments(seg.host_counts())):
-            # written in place: a product assigned into dw_LIO[l] was copied there, a pass
-            # over every expert weight's gradient (2.1 ms of a gpt-xl step on an H200)
-            torch.mm(x_NI[rows].t(), dy_NO[rows], out_dtype=out_dtype, out=dw_LIO[l])
+        with honouring_sm_carveout():
+            for l, rows in enumerate(_segments(seg.host_counts())):
+                # written in place: a product assigned into dw_LIO[l] was copied there, a pass
+                # over every expert weight's gradient (2.1 ms of a gpt-xl step on an H200)
+                torch.mm(x_NI[rows].t(), dy_NO[rows], out_dtype=out_dtype, out=dw_LIO[l])
         return dw_LIO
     return grouped_weight_grad(x_NI.to(out_dtype), dy_NO.to(out_dtype), seg)
 
@@ -232,8 +235,9 @@ def grouped_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegm
     if x_NI.dtype == dy_NO.dtype and grouped_kernel_supports(x_NI, x_NI.shape[-1], dy_NO.shape[-1]):
         return torch._grouped_mm(x_NI.t(), dy_NO, offs=seg.ends_L)
     dw_LIO = dy_NO.new_empty(L, x_NI.shape[-1], dy_NO.shape[-1])
-    for l, rows in enumerate(_segments(seg.host_counts())):
-        torch.mm(x_NI[rows].t(), dy_NO[rows], out=dw_LIO[l])
+    with honouring_sm_carveout():
+        for l, rows in enumerate(_segments(seg.host_counts())):
+            torch.mm(x_NI[rows].t(), dy_NO[rows], out=dw_LIO[l])
     return dw_LIO
 
 

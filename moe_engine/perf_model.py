@@ -285,7 +285,7 @@ def _measure(config: MoEConfig, tokens: int, group: ExpertGroup, device: torch.d
     overhead_s = _partition_overhead(experts, config, device, dtype, repeats)
 
     slowdown = _slowdowns(ffn, large_fn, lambda: host.copy_(A_NA, non_blocking=True), streams, group,
-                          {"compute": gemm_s, "comm": large_s, "copy": d2h_s})
+                          {"compute": gemm_s, "comm": large_s, "copy": d2h_s}, reserved_sms=group.comm_sms)
     # Every rank adopts the slowest rank's figures (times: max; so rates: min).
     times = torch.tensor([gemm_s, small_s, large_s, d2h_s, h2d_s, overhead_s, *slowdown.values()],
                          dtype=torch.float64, device=device if group.distributed and device.type == "cuda" else "cpu")
@@ -317,12 +317,23 @@ def _partition_overhead(experts: Experts, config: MoEConfig, device: torch.devic
 
 
 def _slowdowns(compute_fn: Callable[[], object], comm_fn: Callable[[], object], copy_fn: Callable[[], object],
-               streams: StreamSet, group: ExpertGroup, alone: dict[str, float]) -> dict[str, float]:
-    """Time each pair of activities side by side; slowdown = concurrent / alone."""
+               streams: StreamSet, group: ExpertGroup, alone: dict[str, float], reserved_sms: int = 0
+               ) -> dict[str, float]:
+    """Time each pair of activities side by side; slowdown = concurrent / alone. Beside
+    communication the compute runs as a pipelined pass runs it there: with ``reserved_sms``
+    SMs left to the communication kernels (`StreamSet.reserving_sms`), so the profile
+    prices the carve-out's cost and what it saves; alone (the GEMM rate) on every SM."""
+    def carved_compute() -> object:
+        with streams.reserving_sms(reserved_sms):
+            return compute_fn()
+
     activities = {"compute": (compute_fn, "compute"), "comm": (comm_fn, "comm"), "copy": (copy_fn, "copy")}
     result = {}
     for victim, other in SLOWDOWN_PAIRS:
-        concurrent = _time_beside(activities[victim], activities[other], streams, group)
+        pair = dict(activities)
+        if "comm" in (victim, other):
+            pair["compute"] = (carved_compute, "compute")
+        concurrent = _time_beside(pair[victim], pair[other], streams, group)
         result[f"{victim}|{other}"] = max(1.0, concurrent / max(alone[victim], 1e-9))
     return result
 

@@ -10,6 +10,7 @@ the stream that frees it has waited for that read.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,8 @@ class PipelineRun:
     keep_activation: also keep act(A) for backward, as autograd would (the FastMoE
     baseline); otherwise backward recomputes it from A, elementwise.
     reserved_sms: SMs the GEMMs leave to the All-to-Alls running beside them
-    (StreamSet.reserving_sms; ExpertGroup.comm_sms when partitions overlap, else 0).
+    (StreamSet.reserving_sms; ExpertGroup.comm_sms when partitions overlap, else 0), for
+    the compute operations issued while an All-to-All is in flight (`_execute`).
     recorder: a list that gets (op name, partition, stream) for every operation as it is
     issued (tests/moe_engine/test_schedule.py); None records nothing."""
 
@@ -90,15 +92,27 @@ def _fetch_from_host(run: PipelineRun, op: Op, saved: Saved) -> tuple[list, Pend
     return outs, run.streams.record_copy()
 
 
-def _execute(ops: list[Op], handlers: dict) -> list[Pending]:
+def _execute(ops: list[Op], handlers: dict, streams: StreamSet | None = None, reserved_sms: int = 0
+             ) -> list[Pending]:
     """Issue `ops` in order: wait for the side-stream operations each is after, then run
-    its handler. Returns what each op issued (done for compute operations)."""
+    its handler. Returns what each op issued (done for compute operations).
+
+    A compute operation issued while an All-to-All is in flight (issued, and not yet
+    waited for by the compute stream) runs with ``reserved_sms`` SMs left to it
+    (`StreamSet.reserving_sms`); the others, the pass's fill and drain among them, run on
+    every SM."""
     issued: list[Pending] = []
-    for op in ops:
+    comm_in_flight: set[int] = set()
+    for index, op in enumerate(ops):
         for earlier in op.after:
             if ops[earlier].stream != COMPUTE:
                 issued[earlier].wait()
-        issued.append(handlers[op.name](op) or Pending.done())
+                comm_in_flight.discard(earlier)
+        beside = reserved_sms if op.stream == COMPUTE and comm_in_flight else 0
+        with streams.reserving_sms(beside) if streams is not None else contextlib.nullcontext():
+            issued.append(handlers[op.name](op) or Pending.done())
+        if op.stream == COMM:
+            comm_in_flight.add(index)
     return issued
 
 
@@ -178,8 +192,8 @@ def pipelined_forward(x_TD: torch.Tensor, run: PipelineRun, save: bool):
     ops = forward_schedule(n, policy, several=not plan.single, save=save)
     if run.timing is not None:
         run.timing.forward.start()
-    with torch.no_grad(), streams.reserving_sms(run.reserved_sms):
-        issued = _execute(ops, handlers)
+    with torch.no_grad():
+        issued = _execute(ops, handlers, streams, run.reserved_sms)
         kept.clear()
         for op, pending in zip(ops, issued):  # the combines and copies
             if op.name != "dispatch":
@@ -318,8 +332,8 @@ def pipelined_backward(dy_RD: torch.Tensor, x_TD: torch.Tensor | None, run: Pipe
     ops = backward_schedule(n, policy, several=not plan.single)
     if run.timing is not None:
         run.timing.backward.start()
-    with torch.no_grad(), streams.reserving_sms(run.reserved_sms):
-        issued = _execute(ops, handlers)
+    with torch.no_grad():
+        issued = _execute(ops, handlers, streams, run.reserved_sms)
         for op, pending in zip(ops, issued):
             if op.name == "return_dx":
                 pending.wait()

@@ -29,6 +29,36 @@ from typing import Callable, Optional
 import torch
 
 
+def sm_carveout(count: int, sm_count: int) -> int | None:
+    """The carve-out to set for leaving ``count`` SMs of a GPU with ``sm_count`` free: None
+    for none (count <= 0), at most ``sm_count - 1`` (torch refuses a carve-out that leaves
+    the GEMMs no SM, mid-pass)."""
+    return None if count <= 0 else min(count, sm_count - 1)
+
+
+def sm_carveout_available() -> bool:
+    """Whether this torch has the SM carve-out (`torch._C._set_sm_carveout_experimental`,
+    torch >= 2.7; an experimental, process-wide setting)."""
+    return hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch._C, "_get_sm_carveout_experimental")
+
+
+@contextlib.contextmanager
+def honouring_sm_carveout():
+    """Per-expert GEMMs (`torch.mm`) issued inside honour a carve-out that is on: plain
+    cuBLAS ignores it, cuBLASLt targets the SMs it leaves (torch sets
+    CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET from it), so while a carve-out is on torch's
+    preferred BLAS is cuBLASLt, and the caller's preference is restored after."""
+    if not (sm_carveout_available() and torch._C._get_sm_carveout_experimental()):
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 class Pending:
     """Something issued asynchronously; `wait()` orders the caller after it."""
 
@@ -110,13 +140,16 @@ class StreamSet:
     @contextlib.contextmanager
     def reserving_sms(self, count: int):
         """GEMMs launched inside leave `count` SMs free for the communication kernels that
-        run beside them (torch's SM carve-out, which its grouped GEMMs and cuBLAS honour);
-        the caller's setting is restored after. No-op off CUDA or for 0."""
-        if not self.is_cuda or count <= 0:
+        run beside them (torch's SM carve-out, which its grouped GEMMs and cuBLASLt honour;
+        the per-expert loops ask for cuBLASLt, `honouring_sm_carveout`), at most all SMs
+        but one (`sm_carveout`); the caller's setting is restored after. No-op off CUDA,
+        for 0, or on a torch without the carve-out."""
+        if not self.is_cuda or count <= 0 or not sm_carveout_available():
             yield
             return
         previous = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(count)
+        torch._C._set_sm_carveout_experimental(
+            sm_carveout(count, torch.cuda.get_device_properties(self.device).multi_processor_count))
         try:
             yield
         finally:

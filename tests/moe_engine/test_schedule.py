@@ -10,6 +10,7 @@ of token ranges (there is no shadowing).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -95,3 +96,74 @@ def test_the_engine_never_imports_the_simulator():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'moe_sim'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+class _CarveOutRecorder:
+    """Stands in for a StreamSet in `pipeline._execute`: records the SMs each op reserves."""
+
+    def __init__(self):
+        self.reserved: list[int] = []
+
+    def reserving_sms(self, count):
+        self.reserved.append(count)
+        return contextlib.nullcontext()
+
+
+def _reserved_per_op(ops):
+    from moe_engine.pipeline import _execute
+    from moe_engine.streams import Pending
+
+    streams = _CarveOutRecorder()
+    _execute(ops, {op.name: (lambda op: Pending.done()) for op in ops}, streams, reserved_sms=16)  # type: ignore[arg-type]  # (a recording stand-in)
+    return {(op.name, op.partition): count for op, count in zip(ops, streams.reserved)}
+
+
+def test_the_sm_carve_out_is_on_only_while_an_all_to_all_is_in_flight():
+    """A compute operation reserves SMs for communication only when an All-to-All was issued
+    and not yet waited for (it may run beside it): not at the pass's fill (the first gather),
+    not with one partition (its experts wait for the only dispatch), never on one rank, and
+    never for a side-stream operation."""
+    policy = RestorePolicy.of("S4")
+    forward = _reserved_per_op(forward_schedule(3, policy, several=True))
+    assert forward[("gather", 0)] == 0
+    assert [forward[("experts", i)] for i in range(3)] == [16, 16, 16]
+    assert forward[("dispatch", 1)] == forward[("combine", 2)] == 0
+    assert _reserved_per_op(forward_schedule(1, policy, several=True))[("experts", 0)] == 0
+    assert set(_reserved_per_op(forward_schedule(3, policy, several=False)).values()) == {0}
+    backward = _reserved_per_op(backward_schedule(3, policy, several=True))
+    assert [backward[("dgrad", i)] for i in range(3)] == [16, 16, 16]
+    assert backward[("wgrad", 0)] == 16  # partition 0's dx travels beside its weight gradients
+    assert backward[("fetch_dy", 2)] == 0
+
+
+def test_the_sm_carve_out_is_clamped_to_leave_the_gemms_an_sm():
+    from moe_engine.streams import sm_carveout
+
+    assert [sm_carveout(count, 132) for count in (0, -3, 16, 131, 132, 10**6)] == [None, None, 16, 131, 131, 131]
+
+
+@pytest.mark.gpu
+def test_the_sm_carve_out_is_clamped_restored_and_the_per_expert_loop_honours_it():
+    """On CUDA: a count past the GPU's SMs leaves one; the caller's setting comes back; the
+    per-expert GEMMs run on cuBLASLt (which targets the SMs left) while it is on, with the
+    same numbers as without."""
+    from moe_engine.experts import ExpertSegments, grouped_weight_grad
+    from moe_engine.streams import StreamSet, honouring_sm_carveout, sm_carveout_available
+
+    if not sm_carveout_available():
+        pytest.skip("this torch has no SM carve-out")
+    device = torch.device("cuda")
+    streams = StreamSet(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    seg = ExpertSegments.from_counts([100, 0, 37, 300], device)
+    x_NI, dy_NO = torch.randn(437, 64, device=device), torch.randn(437, 96, device=device)  # float32: per expert
+    plain = grouped_weight_grad(x_NI, dy_NO, seg)
+    library = torch.backends.cuda.preferred_blas_library()
+    with streams.reserving_sms(10**6):
+        assert torch._C._get_sm_carveout_experimental() == sms - 1
+        carved = grouped_weight_grad(x_NI, dy_NO, seg)
+        with honouring_sm_carveout():
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    assert torch._C._get_sm_carveout_experimental() is None
+    assert torch.backends.cuda.preferred_blas_library() == library
+    torch.testing.assert_close(carved, plain)
