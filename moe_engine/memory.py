@@ -174,10 +174,12 @@ class HostBufferPool:
         # buffers handed out, by address: (weak reference to the storage, bytes, bytes asked for)
         self._taken: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self.peak_request_bytes = 0  # the most bytes asked for by buffers out at once
+        self._pinned: dict[int, bool] = {}  # buffer address -> allocated pinned (set at each allocation)
 
-    @staticmethod
-    def _is_pinned(buffer: torch.Tensor) -> bool:
-        return buffer.is_pinned()
+    def _is_pinned(self, buffer: torch.Tensor) -> bool:
+        """Whether the pool allocated ``buffer`` pinned (noted then: asking the tensor is an
+        operator call per buffer per pass)."""
+        return self._pinned.get(buffer.data_ptr(), False)
 
     def _bytes(self, buffer: torch.Tensor) -> int:
         """Host bytes ``buffer`` costs (pinned: its allocator block)."""
@@ -200,7 +202,7 @@ class HostBufferPool:
         one, else the oldest, with ``stream`` (the CUDA stream that will write it) made to
         wait for its copies, or, with ``stream=None``, after waiting for them on the host),
         else a new one."""
-        element_size = torch.empty((), dtype=dtype).element_size()
+        element_size = dtype.itemsize
         capacity = _capacity(numel, element_size, pin)
         fits = [i for i, (b, _) in enumerate(self._free)
                 if b.dtype == dtype and self._is_pinned(b) == pin and self._fits(numel, b.numel(), capacity)]
@@ -217,6 +219,7 @@ class HostBufferPool:
         else:
             self._release(self.max_bytes - capacity * element_size)
             buffer = self._allocate(capacity, dtype, pin)
+            self._pinned[buffer.data_ptr()] = pin
         # what the request costs: its bytes, or the allocator block a pinned one needs
         asked = capacity * element_size if pin else numel * element_size
         self._taken[buffer.data_ptr()] = (StorageWeakRef(buffer.untyped_storage()), self._bytes(buffer), asked)
@@ -266,7 +269,7 @@ class HostBufferPool:
         free = [(b.dtype, b.numel()) for b, _ in self._free if self._is_pinned(b) == pin]
         grow = 0
         for numel, dtype in sorted(requests, key=lambda r: -r[0]):
-            element_size = torch.empty((), dtype=dtype).element_size()
+            element_size = dtype.itemsize
             capacity = _capacity(numel, element_size, pin)
             fits = [i for i, (d, size) in enumerate(free) if d == dtype and self._fits(numel, size, capacity)]
             if fits:
