@@ -25,6 +25,7 @@ import math
 import os
 import queue as queue_lib
 import secrets
+import shlex
 import statistics
 import threading
 import time
@@ -286,6 +287,11 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
 def ensure_data(job: TrainJob, echo=print) -> None:
     """Prepare the default dataset when it is missing; a custom data_dir must be prepared.
     Then check, before any worker starts, that it is readable and holds a batch per worker."""
+    kept = job.run_dir / RUN_DATA
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists() and (kept / data_lib.MANIFEST).exists():
+        raise FileNotFoundError(f"no prepared data at {job.data_dir} ({data_lib.MANIFEST} missing), which run "
+                                f"{job.name} trained on: prepare it again with the run's tokenizer: "
+                                f"`{prepare_again_command(kept, job.data_dir)}` (or give --data-dir)")
     if Path(job.data_dir) == data_lib.default_data_dir():
         data_lib.ensure_default_data(job.data_dir, echo=echo)
     manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
@@ -424,6 +430,7 @@ def check_continues(job: TrainJob) -> None:
     refuse, before anything is written, settings its checkpoints cannot continue with: those
     recorded in its settings file, or, where that file is gone, those of its newest complete
     checkpoint (so that no attempt rewrites the settings of a run it cannot continue)."""
+    check_same_tokenizer(job)
     path = job.run_dir / JOB_FILE
     new = job.model_preset()
     asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
@@ -461,6 +468,49 @@ def check_continues(job: TrainJob) -> None:
     raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
                      f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
                      f"another --name. Nothing was changed")
+
+
+# A run keeps a copy of its prepared data's manifest and tokenizer in ``<run>/data/`` (written
+# when its MLflow run starts): ``generate``/``export`` read the tokenizer from there, and a
+# resume checks the data it is given against it.
+RUN_DATA = "data"
+
+
+def prepare_again_command(kept: Path, data_dir: str | Path) -> str:
+    """``mpipemoe data prepare`` that prepares ``data_dir`` again with the tokenizer of a run's
+    kept data (``kept``, a run's ``data/``): its tokenizer.json, or the byte tokenizer."""
+    manifest = data_lib.Manifest.load(kept)
+    tokenizer = str(kept / manifest.tokenizer_file) if manifest.tokenizer_file else "bytes"
+    sources = [] if manifest.source.startswith("python stdlib sources") else manifest.source.split(", ")
+    source = (" --source " + " ".join(shlex.quote(s) for s in sources)) if sources else ""
+    return f"{invocation()} data prepare{source} --tokenizer {shlex.quote(tokenizer)} --out {shlex.quote(str(data_dir))}"
+
+
+def check_same_tokenizer(job: TrainJob) -> None:
+    """Refuse (before Ray starts, writing nothing) to continue run ``job.name`` on data whose
+    token ids mean other text than those it trained on: another tokenizer than the one its
+    ``data/`` copy records, or, for a run trained before it kept one, another vocabulary than
+    its newest checkpoint's model."""
+    current = data_lib.Manifest.load(job.data_dir)
+    now = data_lib.tokenizer_identity(job.data_dir, current)
+    kept = job.run_dir / RUN_DATA
+    if (kept / data_lib.MANIFEST).exists():
+        was = data_lib.tokenizer_identity(kept, data_lib.Manifest.load(kept))
+        same = (was["vocab_size"], was["tokenizer_sha256"]) == (now["vocab_size"], now["tokenizer_sha256"])
+        fix = f"prepare it again with the run's tokenizer (`{prepare_again_command(kept, job.data_dir)}`)"
+    else:
+        chosen, _ = ckpt.choose(job.run_dir)
+        if chosen is None:
+            return
+        vocab = (json.loads((chosen / ckpt.META).read_text()).get("preset") or {}).get("vocab_size")
+        was = {"tokenizer": "its checkpoints' tokenizer", "vocab_size": vocab}
+        same = vocab in (None, now["vocab_size"])
+        fix = "prepare it again with the tokenizer the run trained on"
+    if not same:
+        raise ValueError(f"run {job.name} trained on tokenizer {data_lib.describe_tokenizer(was)}, but "
+                         f"{job.data_dir} now holds data of tokenizer {data_lib.describe_tokenizer(now)} (prepared "
+                         f"again since): {fix}, give --data-dir of the run's data, or start a new run with another "
+                         f"--name. Nothing was changed")
 
 
 def check_data_continues(job: TrainJob, recorded: dict) -> None:
@@ -864,6 +914,11 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
                                f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
         save_job(job)  # only now: a start refused or failed above leaves the run's settings as they were
+        try:
+            data_lib.keep_copy(job.data_dir, job.run_dir / RUN_DATA)
+        except OSError as error:
+            raise os_error(error, f"cannot write {job.run_dir / RUN_DATA}",
+                           "free space there or choose another --storage-path") from error
         lock.update(mlflow_run_id=run.run_id)
         if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
@@ -972,7 +1027,7 @@ def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
     present = ckpt.listed(job.run_dir)
     if not present and not ckpt.referenced_by_ray(job.run_dir):
         return None
-    chosen, skipped = ckpt.choose(job.run_dir, checksums=True)  # before Ray: a damaged shard is found here
+    chosen, skipped = ckpt.choose(job.run_dir)  # with checksums, before Ray: a damaged shard is found here
     if chosen is None:
         found = "; ".join(f"{name}: {why}" for name, why in skipped)
         raise ValueError(f"--resume {job.name}: no complete checkpoint in {job.run_dir} ({found}), so the run "

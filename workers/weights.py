@@ -47,8 +47,14 @@ def load_checkpoint_model(directory: str | Path) -> tuple[MoETransformer, dict[s
     experts, and the checkpoint's meta dict (step, preset, world size ...)."""
     import torch.distributed.checkpoint as dcp
 
+    from workers.checkpoint import META, validate
+
     directory = Path(directory)
-    meta = json.loads((directory / "meta.json").read_text())
+    problem = validate(directory)  # the verifier every checkpoint reader shares
+    if problem:
+        raise ValueError(f"checkpoint {directory} is damaged: {problem}; give the run (--run), whose newest "
+                         f"intact checkpoint is chosen, or move the damaged one out of the run folder")
+    meta = json.loads((directory / META).read_text())
     model = build_model(ModelPreset(**meta["preset"]))
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
