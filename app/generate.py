@@ -41,9 +41,39 @@ def run(args: argparse.Namespace) -> int:
         f"top-k {args.top_k or 'all'}, temperature {args.temperature:g}, seed {args.seed}"
     print(f"[mpipemoe] {args.run} at step {trained.meta.get('step')} ({trained.checkpoint.name}), "
           f"{len(prompt_ids)} prompt tokens, {how}", file=sys.stderr)
-    with torch.no_grad():  # (not torch.set_grad_enabled(False): the CLI may run inside a longer process)
-        new = generate(trained.model, prompt_ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                       temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed),
-                       stop_id=tokenizer.eos_id)
-    print(args.prompt + tokenizer.decode(new))
+    stream = TextStream(tokenizer.decode)
+    print(args.prompt, end="", flush=True)
+    try:
+        with torch.no_grad():  # (not torch.set_grad_enabled(False): the CLI may run inside a longer process)
+            generate(trained.model, prompt_ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                     temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed),
+                     stop_id=tokenizer.eos_id, on_token=stream.add)
+    finally:  # Ctrl-C keeps what was printed, and ends the line
+        stream.flush()
+        print(flush=True)
     return 0
+
+
+class TextStream:
+    """Prints generated ids as text while they come: ids are held back only while their text
+    ends in the middle of a character (a byte-level tokenizer's partial UTF-8, decoded as U+FFFD)."""
+
+    HELD_BACK = 16  # ids a partial character may span at most (4 bytes of UTF-8, and room for merges)
+
+    def __init__(self, decode, out=None):
+        self.decode, self.out, self.pending = decode, out or sys.stdout, []
+
+    def add(self, token: int) -> None:
+        self.pending.append(token)
+        text = self.decode(self.pending)
+        if not text.endswith("\ufffd") or len(self.pending) >= self.HELD_BACK:
+            self._emit(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._emit(self.decode(self.pending))
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+        self.pending = []

@@ -25,6 +25,7 @@ import math
 import os
 import queue as queue_lib
 import secrets
+import shlex
 import statistics
 import threading
 import time
@@ -60,7 +61,10 @@ def _fail(field: str, value, fix: str) -> None:
     raise ValueError(f"TrainJob.{field}={value!r} is invalid: {fix}")
 
 
-MAX_NAME_CHARS = 200  # a folder name (255 bytes on most file systems) with room for ".lock"
+MAX_NAME_BYTES = 200  # a folder name (255 bytes, not characters, on most file systems) with room for ".lock"
+# Characters a run name may hold: letters and digits of any script and these, none of which a
+# shell treats specially, so that the commands mpipemoe prints work when pasted.
+NAME_PUNCTUATION = "-_.+=@,:%"
 
 
 def run_name_problem(name) -> str | None:
@@ -75,8 +79,14 @@ def run_name_problem(name) -> str | None:
         return "it starts with '.' (hidden names are mpipemoe's own folders)"
     if not name.isprintable():
         return "it holds control characters"
-    if len(name) > MAX_NAME_CHARS:
-        return f"it has {len(name)} characters, more than {MAX_NAME_CHARS}"
+    odd = sorted({c for c in name if not (c.isalnum() or c in NAME_PUNCTUATION)})
+    if odd:
+        return (f"it holds {' '.join(repr(c) for c in odd)} (a run name is letters, digits and "
+                f"{' '.join(NAME_PUNCTUATION)}, so that the commands printed for it work in a shell)")
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > MAX_NAME_BYTES:
+        return (f"it is {size} bytes long in UTF-8 ({len(name)} characters), more than {MAX_NAME_BYTES} "
+                f"(file systems count a folder name's bytes)")
     return None
 
 
@@ -168,7 +178,7 @@ class TrainJob:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
         if self.moe_memory_gib is not None:
             if isinstance(self.moe_memory_gib, bool) or not isinstance(self.moe_memory_gib, (int, float)) \
-                    or not self.moe_memory_gib > 0:
+                    or not 0 < self.moe_memory_gib < math.inf:
                 _fail("moe_memory_gib", self.moe_memory_gib, "give a number of GiB > 0, e.g. 6 (--moe-memory-gib)")
             if self.engine != "mpipemoe":
                 _fail("moe_memory_gib", self.moe_memory_gib, f"only the mpipemoe engine trades time for memory; "
@@ -197,7 +207,7 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 _fail(field, value, f"give an integer >= {least}" + (" (0: no validation)" if not least else ""))
-        if self.cpus_per_worker is not None and not self.cpus_per_worker > 0:
+        if self.cpus_per_worker is not None and not 0 < self.cpus_per_worker < math.inf:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
         self.model_preset().check_world_size(self.num_workers)
         if self.moe_memory_gib is not None:
@@ -286,6 +296,11 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
 def ensure_data(job: TrainJob, echo=print) -> None:
     """Prepare the default dataset when it is missing; a custom data_dir must be prepared.
     Then check, before any worker starts, that it is readable and holds a batch per worker."""
+    kept = job.run_dir / RUN_DATA
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists() and (kept / data_lib.MANIFEST).exists():
+        raise FileNotFoundError(f"no prepared data at {job.data_dir} ({data_lib.MANIFEST} missing), which run "
+                                f"{job.name} trained on: prepare it again with the run's tokenizer: "
+                                f"`{prepare_again_command(kept, job.data_dir)}` (or give --data-dir)")
     if Path(job.data_dir) == data_lib.default_data_dir():
         data_lib.ensure_default_data(job.data_dir, echo=echo)
     manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
@@ -410,13 +425,27 @@ def checkpoint_settings(run_dir: str | Path) -> dict | None:
             "checkpoint": chosen.name}
 
 
-def continue_command(name: str, storage_path: str, settings: dict) -> str:
+def continue_command(name: str, storage_path: str, settings: dict, tracking_uri: str | None = None,
+                     data_dir: str | None = None) -> str:
     """``mpipemoe train --name NAME`` with the run-bound ``settings`` (``checkpoint_settings``):
-    how to continue a run whose settings file is gone."""
-    flags = "".join(f" --{k.replace('_', '-')} {settings[k]}" for k in ORPHAN_BOUND_FIELDS
+    how to continue a run whose settings file is gone. It names the store and the data
+    (``tracking_uri``, ``data_dir``: those of the refused command, or, for the data, the run's
+    kept copy's) as absolute paths, so that run from another folder it finds the same ones."""
+    kept = Path(storage_path) / name / RUN_DATA / data_lib.MANIFEST
+    try:
+        data_dir = json.loads(kept.read_text()).get("data_dir") or data_dir
+    except (OSError, ValueError):
+        pass
+    flags = "".join(f" --{k.replace('_', '-')} {shlex.quote(str(settings[k]))}" for k in ORPHAN_BOUND_FIELDS
                     if settings.get(k) is not None)
-    storage = "" if Path(storage_path) == Path("ray_results").resolve() else f" --storage-path {storage_path}"
-    return f"{invocation()} train --name {name}{flags}{storage}"
+    flags += "".join(f" {flag} {shlex.quote(value)}" for flag, value in
+                     (("--data-dir", data_dir), ("--tracking-uri", tracking_uri)) if value)
+    return f"{invocation()} train --name {shlex.quote(name)}{flags}{_storage_flag(storage_path)}"
+
+
+def _storage_flag(storage_path: str) -> str:
+    """`` --storage-path PATH`` unless PATH is the default ./ray_results of this folder."""
+    return "" if Path(storage_path) == Path("ray_results").resolve() else f" --storage-path {shlex.quote(storage_path)}"
 
 
 def check_continues(job: TrainJob) -> None:
@@ -424,6 +453,7 @@ def check_continues(job: TrainJob) -> None:
     refuse, before anything is written, settings its checkpoints cannot continue with: those
     recorded in its settings file, or, where that file is gone, those of its newest complete
     checkpoint (so that no attempt rewrites the settings of a run it cannot continue)."""
+    check_same_tokenizer(job)
     path = job.run_dir / JOB_FILE
     new = job.model_preset()
     asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
@@ -441,7 +471,8 @@ def check_continues(job: TrainJob) -> None:
                           for k in changed)
         raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
                          f"its workers (its {JOB_FILE} is missing); continue it with `"
-                         f"{continue_command(job.name, job.storage_path, was)}`, or start a new run with another "
+                         f"{continue_command(job.name, job.storage_path, was, job.tracking_uri, job.data_dir)}`, or "
+                         f"start a new run with another "
                          f"--name. Nothing was changed")
     try:
         recorded = json.loads(path.read_text())
@@ -461,6 +492,50 @@ def check_continues(job: TrainJob) -> None:
     raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
                      f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
                      f"another --name. Nothing was changed")
+
+
+# A run keeps a copy of its prepared data's manifest and tokenizer in ``<run>/data/`` (written
+# when its MLflow run starts): ``generate``/``export`` read the tokenizer from there, and a
+# resume checks the data it is given against it.
+RUN_DATA = "data"
+
+
+def prepare_again_command(kept: Path, data_dir: str | Path) -> str:
+    """``mpipemoe data prepare`` that prepares ``data_dir`` again with the tokenizer of a run's
+    kept data (``kept``, a run's ``data/``): its tokenizer.json, or the byte tokenizer."""
+    manifest = data_lib.Manifest.load(kept)
+    tokenizer = str(kept / manifest.tokenizer_file) if manifest.tokenizer_file else "bytes"
+    sources = [] if manifest.source.startswith("python stdlib sources") else manifest.source.split(", ")
+    source = (" --source " + " ".join(shlex.quote(s) for s in sources)) if sources else ""
+    return f"{invocation()} data prepare{source} --tokenizer {shlex.quote(tokenizer)} --out {shlex.quote(str(data_dir))}"
+
+
+def check_same_tokenizer(job: TrainJob) -> None:
+    """Refuse (before Ray starts, writing nothing) to continue run ``job.name`` on data whose
+    token ids mean other text than those it trained on: another tokenizer than the one its
+    ``data/`` copy records, or, for a run trained before it kept one, another vocabulary than
+    its newest checkpoint's model."""
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists():
+        return  # ensure_data names the fix (with the run's tokenizer)
+    now = data_lib.tokenizer_identity(job.data_dir, data_lib.Manifest.load(job.data_dir))
+    kept = job.run_dir / RUN_DATA
+    if (kept / data_lib.MANIFEST).exists():
+        was = data_lib.tokenizer_identity(kept, data_lib.Manifest.load(kept))
+        same = (was["vocab_size"], was["tokenizer_sha256"]) == (now["vocab_size"], now["tokenizer_sha256"])
+        fix = f"prepare it again with the run's tokenizer (`{prepare_again_command(kept, job.data_dir)}`)"
+    else:
+        chosen, _ = ckpt.choose(job.run_dir)
+        if chosen is None:
+            return
+        vocab = (json.loads((chosen / ckpt.META).read_text()).get("preset") or {}).get("vocab_size")
+        was = {"tokenizer": "its checkpoints' tokenizer", "vocab_size": vocab}
+        same = vocab in (None, now["vocab_size"])
+        fix = "prepare it again with the tokenizer the run trained on"
+    if not same:
+        raise ValueError(f"run {job.name} trained on tokenizer {data_lib.describe_tokenizer(was)}, but "
+                         f"{job.data_dir} now holds data of tokenizer {data_lib.describe_tokenizer(now)} (prepared "
+                         f"again since): {fix}, give --data-dir of the run's data, or start a new run with another "
+                         f"--name. Nothing was changed")
 
 
 def check_data_continues(job: TrainJob, recorded: dict) -> None:
@@ -864,6 +939,11 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
                                f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
         save_job(job)  # only now: a start refused or failed above leaves the run's settings as they were
+        try:
+            data_lib.keep_copy(job.data_dir, job.run_dir / RUN_DATA)
+        except OSError as error:
+            raise os_error(error, f"cannot write {job.run_dir / RUN_DATA}",
+                           "free space there or choose another --storage-path") from error
         lock.update(mlflow_run_id=run.run_id)
         if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
@@ -972,44 +1052,68 @@ def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
     present = ckpt.listed(job.run_dir)
     if not present and not ckpt.referenced_by_ray(job.run_dir):
         return None
-    chosen, skipped = ckpt.choose(job.run_dir, checksums=True)  # before Ray: a damaged shard is found here
-    if chosen is None:
+    chosen, skipped = ckpt.choose(job.run_dir)  # with checksums, before Ray: a damaged shard is found here
+    # No save ever finished (a full disk at the first checkpoint, a kill during it): nothing
+    # was reached that a restart could lose, so the run trains again from step 1.
+    unfinished = bool(present) and all(not (path / ckpt.META).exists() for _, path in present)
+    if chosen is None and not unfinished:
         found = "; ".join(f"{name}: {why}" for name, why in skipped)
         raise ValueError(f"--resume {job.name}: no complete checkpoint in {job.run_dir} ({found}), so the run "
-                         f"cannot continue; start a new run (another --name); nothing was deleted")
+                         f"cannot continue; start a new run (another --name), or move {job.run_dir} away to train "
+                         f"{job.name} again from step 1; nothing was deleted")
+    then = f"resuming from {chosen.name}" if chosen is not None else "no save finished: training again from step 1"
     for name, why in skipped:
         try:
             moved = ckpt.set_aside(job.run_dir, name)
         except OSError as error:
             raise os_error(error, f"--resume {job.name}: {name} is damaged ({why}) and cannot be moved out of "
-                                  f"{job.run_dir}", f"move it away yourself and resume again; {chosen.name} is "
-                                                    f"intact") from error
+                                  f"{job.run_dir}", f"move it away yourself and resume again"
+                                                    + (f"; {chosen.name} is intact" if chosen else "")) from error
         where = f"; moved to {moved.relative_to(job.run_dir)}/" if moved else ""
-        echo(f"[mpipemoe] skipped {name}: {why}{where}; resuming from {chosen.name}")
+        echo(f"[mpipemoe] skipped {name}: {why}{where}; {then}")
     snapshot = job.run_dir / ckpt.RAY_SNAPSHOT
     if snapshot.exists():
         os.replace(snapshot, snapshot.with_name(snapshot.name + ".previous"))
-    return str(chosen)
+    return str(chosen) if chosen is not None else None
 
 
-# How gloo, NCCL and Ray word a worker that died (killed, out of memory, its node gone).
+# How gloo, NCCL and Ray word a worker that died (killed, out of memory, its node gone); Ray 2.60
+# says "The actor is dead because its worker process has died" inside a WorkerGroupError.
 _LOST_WORKER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ActorDiedError",
                 "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError", "died unexpectedly",
-                "exited unexpectedly", "NCCL communicator was aborted")
+                "exited unexpectedly", "NCCL communicator was aborted", "The actor is dead",
+                "worker process has died", "worker process died", "A worker died or was killed")
+
+
+def _lost_worker(error: BaseException) -> str | None:
+    """``Type: line`` of the first line in ``error``'s chain (itself, its causes, Ray's ``cause``)
+    that says a worker died, or None: Ray's paragraph and log lines are left out."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        for line in str(found).splitlines():
+            at = min((line.find(marker) for marker in _LOST_WORKER if marker in line), default=-1)
+            if at >= 0:
+                end = line.find(". ", at)  # the sentence that says it, not Ray's guesses after it
+                return f"{type(found).__name__}: {(line if end < 0 else line[:end + 1]).strip()[:300]}"
+        found = getattr(found, "cause", None) or found.__cause__ or found.__context__
+    return None
 
 
 def failure_message(job: TrainJob, error: BaseException) -> str:
     """The one line a failed job ends with: the root cause (a dead worker said as such, not in
-    gloo's words) and, when the run has a complete checkpoint, the command that resumes it."""
-    cause = _root_cause(error)
-    if any(marker in cause for marker in _LOST_WORKER):
-        cause = f"a worker process ended or lost its connection (killed, out of memory, or its node went away): {cause}"
+    gloo's or Ray's words) and, when the run has a complete checkpoint, the command that resumes it."""
+    lost = _lost_worker(error)
+    cause = _root_cause(error) if lost is None else \
+        f"a worker process ended or lost its connection (killed, out of memory, or its node went away): {lost}"
     try:
         chosen, _ = ckpt.choose(job.run_dir)
     except OSError:
         chosen = None
     hint = (f"; resume from {chosen.name} with: {resume_command(job)}" if chosen is not None
-            else " (no checkpoint was written yet)" if job.checkpoint_every else "")
+            else f" (no checkpoint was written yet; to train it again from step 1: {resume_command(job)})"
+            if job.checkpoint_every else "")
     return f"training job {job.name} failed: {cause}{hint}"
 
 
@@ -1088,7 +1192,6 @@ def save_job(job: TrainJob) -> None:
 def resume_command(job: TrainJob, steps: int | None = None) -> str:
     """The command that continues ``job`` (to ``steps``; None: its recorded steps), as the
     user can type it: with ``--storage-path`` where the checkpoints are not in ./ray_results."""
-    storage = "" if Path(job.storage_path) == Path("ray_results").resolve() else f" --storage-path {job.storage_path}"
     more = f" --steps {steps}" if steps else ""
-    return f"{invocation()} train --resume {job.name}{more}{storage}"
+    return f"{invocation()} train --resume {shlex.quote(job.name)}{more}{_storage_flag(job.storage_path)}"
 

@@ -51,7 +51,7 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str((Path.cwd() / uri[len("sqlite:///"):]).resolve())
-    if "://" not in uri:
+    if "://" not in uri and not uri.startswith("file:"):  # file:PATH is a URI: check_store_form names its fix
         return str(Path(uri).resolve())
     return uri
 

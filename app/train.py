@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shlex
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +26,7 @@ from app.jobs import (COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, check_ru
 from app.records import record_meta
 from app.run_kinds import COMPARE, kind_tags
 from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
+from lm.data import default_data_dir
 from lm.errors import invocation
 from lm.model import PRESETS
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
@@ -177,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def ui_command(tracking_uri: str) -> str:
     """``mpipemoe ui`` as the user can type it, naming the store unless it is the default one."""
-    store = "" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"
+    store = "" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {shlex.quote(tracking_uri)}"
     return f"{invocation()} ui{store}"
 
 
@@ -193,10 +195,13 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
         if not (run_dir / JOB_FILE).exists():
             found = checkpoint_settings(run_dir)
             if found is not None:  # the settings file is gone, the checkpoints are not
+                data_dir = str(Path(given["data_dir"]).expanduser().resolve()) if given.get("data_dir") \
+                    else str(default_data_dir())
+                again = continue_command(args.resume, str(run_dir.parent), found,
+                                         resolve_tracking_uri(given.get("tracking_uri")), data_dir)
                 raise ValueError(f"--resume {args.resume}: {JOB_FILE} (its settings) is missing in {run_dir}, but "
-                                 f"{found['checkpoint']} is there: continue it with `"
-                                 f"{continue_command(args.resume, str(run_dir.parent), found)}` and its other "
-                                 f"options (--batch-size, --data-dir, ...)")
+                                 f"{found['checkpoint']} is there: continue it with `{again}` and its other "
+                                 f"options (--batch-size, ...)")
             raise ValueError(f"--resume {args.resume}: no run recorded at {run_dir} ({JOB_FILE} missing); "
                              f"check the name and --storage-path")
         recorded = json.loads((run_dir / JOB_FILE).read_text())

@@ -12,10 +12,14 @@ To reach it from another machine, forward the port over SSH
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
+import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 from app.tracking import TRAINING_VIEW, resolve_tracking_uri
 
@@ -55,24 +59,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db)")
 
 
+def check_port(host: str, port: int) -> None:
+    """Raise ValueError naming the fix unless ``port`` is a TCP port that ``host`` can listen on
+    now (in range, not taken by another server): checked by binding it, then letting it go."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a TCP port: give one in 1-65535, e.g. 5050")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+            probe.bind((host, port))
+    except OSError as error:
+        why = os.strerror(error.errno) if error.errno else str(error)
+        taken = error.errno == errno.EADDRINUSE
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({why}): "
+                         + ("another server has it; stop it or choose another --port (e.g. --port 5050)" if taken
+                            else "choose another --port or --host")) from None
+
+
+# mlflow server imports its app and opens the store before it listens: seconds on a loaded machine.
+READY_TIMEOUT_S = 120
+
+
+def wait_until_listening(process: subprocess.Popen, host: str, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Return once ``host:port`` accepts a connection; raise RuntimeError naming the cause when the
+    server ``process`` ends first (or does not listen within ``timeout_s``; it is then stopped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the MLflow server ended (status {process.returncode}) before it listened on "
+                               f"{host}:{port}: its lines above say why; check --tracking-uri and --port")
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    _stop(process)
+    raise RuntimeError(f"the MLflow server did not listen on {host}:{port} within {timeout_s:.0f} s: stopped it; "
+                       f"try again, or run `{' '.join(server_command('STORE', port, host)[1:])}` to see why")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def run(args: argparse.Namespace) -> int:
     uri = resolve_tracking_uri(args.tracking_uri)
     if uri.startswith(("http://", "https://")):
         print(f"the tracking store is already a server: open {uri}")
         return 0
+    check_port(args.host, args.port)  # before the server starts: a taken port is one line
     warning = exposure_warning(args.host)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     process = subprocess.Popen(server_command(uri, args.port, args.host))
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated `mpipemoe ui` stops its server too
-    print(f"MLflow UI for {uri}\n  open http://{args.host}:{args.port}/{TRAINING_VIEW}  (the model-training view; "
-          f"Ctrl-C stops it)", flush=True)
     try:
-        return process.wait()
+        wait_until_listening(process, args.host, args.port)
+        print(f"MLflow UI for {uri}\n  open http://{args.host}:{args.port}/{TRAINING_VIEW}  (the model-training "
+              f"view; Ctrl-C stops it)", flush=True)
+        status = process.wait()
     except KeyboardInterrupt:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        _stop(process)
         return 0
+    if status != 0:
+        raise RuntimeError(f"the MLflow server on {args.host}:{args.port} ended with status {status}: its lines "
+                           f"above say why")
+    return 0

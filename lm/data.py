@@ -43,10 +43,14 @@ Hugging Face ``datasets`` is optional and imported only for a ``datasets`` sourc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import time
+import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,6 +263,7 @@ class Manifest:
     val_fraction: float = 0.0          # asked for; 0: no validation split (or prepared before it existed)
     val_rows: int = 0                  # held-out rows of row_len tokens in val_token_file
     val_token_file: str | None = None  # val.bin (None: no validation split)
+    tokens_crc32: str | None = None    # CRC-32 of tokens.bin (None: prepared before it was recorded)
 
     @property
     def has_validation(self) -> bool:
@@ -421,7 +426,9 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     validation split (``val.bin``, ``val.parquet``) instead; 0: none.
     Streams: holds at most one shard of tokens (plus one read chunk) in memory.
     ``progress``: called with a line of text every few seconds (None: silent).
-    Writes the data first and the manifest last, so a directory with a manifest is complete.
+    Writes into a new hidden sibling folder of ``out_dir`` (data first, the manifest last) and
+    swaps it in only when it is whole: a failure (no text, a full disk, Ctrl-C) leaves the data
+    already at ``out_dir`` as it was, and creates no ``out_dir`` that did not exist.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -432,6 +439,8 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
                          f"{DEFAULT_VAL_FRACTION} (0: no validation split)")
     val_every = round(1 / val_fraction) if val_fraction else 0  # row i is held out when i % val_every == 0
     out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder: give a folder (new, or prepared before)")
     spec = TokenizerSpec.parse(tokenizer)
     if sources:
         paths = [p for s in sources for p in _expand_source(Path(s).expanduser().resolve())]
@@ -448,11 +457,14 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     dtype = token_dtype(tok.vocab_size)
     arrow_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
 
-    # 2. a clean output directory (only files this function writes are removed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)
-    for stale in [*out_dir.glob("shard-*.parquet"), out_dir / VAL_TOKEN_FILE, out_dir / VAL_SHARD]:
-        stale.unlink(missing_ok=True)
+    # 2. a new sibling folder: the data already at ``out_dir`` stays as it is until this one is whole
+    created = _missing_parents(out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        stage = _new_sibling(out_dir, "preparing")
+    except OSError as error:
+        _remove_empty(created)
+        raise os_error(error, f"cannot create {out_dir}", "choose another --out (a folder you can write)") from error
 
     # 3. tokenize and write a shard at a time: Parquet rows + the flat memory-mappable array
     shard_tokens = rows_per_shard * row_len
@@ -460,8 +472,8 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     eos = np.array([tok.eos_id], dtype=dtype)
     pending, buffered, written, documents, skipped, empty = [], 0, 0, 0, [], {}
     shards: list[dict[str, Any]] = []
-    val_rows, val_writer = 0, None
-    path = out_dir / TOKEN_FILE  # the file being written, for the error message
+    val_rows, val_writer, crc = 0, None, 0
+    path = stage / TOKEN_FILE  # the file being written, for the error message
 
     def table_of(rows_RL: np.ndarray):
         offsets = pa.array(np.arange(0, rows_RL.size + 1, row_len, dtype=np.int32))
@@ -470,7 +482,7 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
     def write(count: int) -> None:
         """``count`` tokens (whole rows) out: training rows to a shard and tokens.bin,
         held-out rows to val.bin and val.parquet."""
-        nonlocal pending, buffered, written, path, val_rows, val_writer
+        nonlocal pending, buffered, written, path, val_rows, val_writer, crc
         flat = np.concatenate(pending) if len(pending) > 1 else pending[0]
         chunk, rest = flat[:count], flat[count:]
         pending, buffered = ([rest] if rest.size else []), rest.size
@@ -481,27 +493,29 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
         train_RL, val_RL = rows_RL[~held_R], rows_RL[held_R]
         written += count
         if len(val_RL):
-            path = out_dir / VAL_SHARD
+            path = stage / VAL_SHARD
             if val_writer is None:
                 val_writer = pq.ParquetWriter(path, table_of(val_RL).schema)
             val_writer.write_table(table_of(val_RL))
-            path = out_dir / VAL_TOKEN_FILE
+            path = stage / VAL_TOKEN_FILE
             val_out.write(val_RL.tobytes())
             val_out.flush()
             val_rows += len(val_RL)
         if not len(train_RL):
             return
         name = f"shard-{len(shards):05d}.parquet"
-        path = out_dir / name
+        path = stage / name
         pq.write_table(table_of(train_RL), path)
-        path = out_dir / TOKEN_FILE
-        token_out.write(train_RL.tobytes())
+        path = stage / TOKEN_FILE
+        raw = train_RL.tobytes()
+        token_out.write(raw)
+        crc = zlib.crc32(raw, crc)
         token_out.flush()
         shards.append({"file": name, "rows": len(train_RL)})
 
     try:
-        with (out_dir / TOKEN_FILE).open("wb") as token_out, \
-                (out_dir / VAL_TOKEN_FILE).open("wb") as val_out:
+        with (stage / TOKEN_FILE).open("wb") as token_out, \
+                (stage / VAL_TOKEN_FILE).open("wb") as val_out:
             for ids, end in _encoded(_pieces(paths, tok.vocab_size, skipped, empty), tok, meter):
                 pending.append(ids.astype(dtype, copy=False))
                 buffered += ids.size
@@ -533,30 +547,131 @@ def prepare_dataset(out_dir: str | Path, sources: list[str | Path] | None = None
                                 f"{val_rows} row(s) of {row_len}, all held out for validation: add text, or "
                                 f"lower --row-len or --val-fraction"))
         if not val_rows:
-            (out_dir / VAL_TOKEN_FILE).unlink(missing_ok=True)
-        path = out_dir / TOKENIZER_FILE
-        tokenizer_file = tok.save(out_dir)
+            (stage / VAL_TOKEN_FILE).unlink(missing_ok=True)
+        path = stage / TOKENIZER_FILE
+        tokenizer_file = tok.save(stage)
         meter.update("done", 0, written, force=True)
         manifest = Manifest(tokenizer=tok.name, vocab_size=tok.vocab_size, row_len=row_len,
                             num_rows=num_rows, num_tokens=num_rows * row_len, shards=shards, source=source_desc,
                             token_file=TOKEN_FILE, token_dtype=np.dtype(dtype).name,
                             tokenizer_file=tokenizer_file, eos_id=tok.eos_id, mask_id=tok.mask_id,
                             pad_id=tok.pad_id, val_fraction=float(val_fraction), val_rows=val_rows,
-                            val_token_file=VAL_TOKEN_FILE if val_rows else None)
+                            val_token_file=VAL_TOKEN_FILE if val_rows else None, tokens_crc32=f"{crc:08x}")
         payload = dict(dataclasses.asdict(manifest), num_files=len(paths) - len(skipped),
                        skipped_binary_files=len(skipped), skipped_examples=[str(p) for p in skipped[:5]],
                        skipped_empty_texts=sum(empty.values()), skipped_empty_by_file=dict(list(empty.items())[:20]))
-        path = out_dir / MANIFEST
+        path = stage / MANIFEST
         path.write_text(json.dumps(payload, indent=1) + "\n")
-    except BaseException as error:  # a full disk, a quota, no text: keep nothing half-written
-        for name in [s["file"] for s in shards] + [f"shard-{len(shards):05d}.parquet", TOKEN_FILE,
-                                                    TOKENIZER_FILE, MANIFEST, VAL_TOKEN_FILE, VAL_SHARD]:
-            (out_dir / name).unlink(missing_ok=True)
+        path = out_dir
+        _swap_in(stage, out_dir)
+    except BaseException as error:  # a full disk, a quota, no text: the old data stays, nothing half-written
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_empty(created)
         if isinstance(error, OSError):
-            raise os_error(error, f"cannot write {path}", "free space there or choose another --out; "
-                                                          "no partial data was kept") from error
+            where = out_dir / path.name if path.parent == stage else path
+            raise os_error(error, f"cannot write {where}", "free space there or choose another --out; "
+                                                           "the data already there was left as it was") from error
         raise
     return manifest
+
+
+# The files a prepared directory is made of (``prepare_dataset`` writes them, and replaces them
+# all when it prepares the directory again; anything else in it is left alone).
+def _own_files(directory: Path) -> list[Path]:
+    return [*directory.glob("shard-*.parquet"),
+            *(directory / name for name in (TOKEN_FILE, VAL_TOKEN_FILE, VAL_SHARD, TOKENIZER_FILE, MANIFEST)
+              if (directory / name).exists())]
+
+
+def _new_sibling(out_dir: Path, what: str) -> Path:
+    """A new hidden folder beside ``out_dir`` (same file system: renames into it are atomic),
+    made with the user's umask as ``out_dir`` itself would be."""
+    while True:
+        folder = out_dir.parent / f".{out_dir.name}.{what}-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first; a folder something else wrote into stays
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
+def _swap_in(stage: Path, out_dir: Path) -> None:
+    """Local. Make the complete prepared folder ``stage`` (a sibling of ``out_dir``) the data at
+    ``out_dir``: a fresh ``out_dir`` is ``stage`` renamed; an existing one keeps its other files,
+    its own files are replaced (the manifest, which marks the folder complete, goes first and
+    comes back last) and the replaced ones removed. Renames within one folder: nothing is copied."""
+    if not out_dir.exists():
+        os.replace(stage, out_dir)
+        return
+    old = _new_sibling(out_dir, "replaced")
+    try:
+        if (out_dir / MANIFEST).exists():
+            os.replace(out_dir / MANIFEST, old / MANIFEST)
+        for path in _own_files(out_dir):
+            os.replace(path, old / path.name)
+        for path in sorted(_own_files(stage), key=lambda p: p.name == MANIFEST):
+            os.replace(path, out_dir / path.name)
+        stage.rmdir()
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def tokenizer_identity(data_dir: str | Path, manifest: Manifest) -> dict[str, Any]:
+    """Local. What makes two prepared directories' token ids mean the same: the tokenizer's name,
+    vocabulary and the SHA-256 of its tokenizer.json (None for the fixed byte tokenizer)."""
+    digest = None
+    if manifest.tokenizer_file:
+        digest = hashlib.sha256((Path(data_dir) / manifest.tokenizer_file).read_bytes()).hexdigest()
+    return {"tokenizer": manifest.tokenizer, "vocab_size": manifest.vocab_size, "tokenizer_sha256": digest}
+
+
+def data_identity(data_dir: str | Path, manifest: Manifest) -> dict[str, Any]:
+    """Local. The tokenizer's identity plus the tokens': their count, rows and CRC-32 (None for
+    data prepared before it was recorded). Preparing the same text again gives the same identity."""
+    return {**tokenizer_identity(data_dir, manifest), "num_tokens": manifest.num_tokens,
+            "row_len": manifest.row_len, "val_rows": manifest.val_rows, "tokens_crc32": manifest.tokens_crc32}
+
+
+def describe_tokenizer(identity: dict[str, Any]) -> str:
+    """``bpe:300 (vocabulary 300)``: how a message names a tokenizer identity."""
+    return f"{identity.get('tokenizer')} (vocabulary {identity.get('vocab_size')})"
+
+
+def keep_copy(data_dir: str | Path, into: str | Path) -> None:
+    """Local. Copy what identifies the prepared ``data_dir`` (its manifest, its tokenizer.json)
+    into the folder ``into`` (a run's ``data/``), which then loads as a prepared directory
+    without tokens (``Manifest.load``, ``lm.tokenizer.load_prepared``); ``"data_dir"`` in the
+    copied manifest names where the tokens are. Each file is written whole or not at all."""
+    data_dir, into = Path(data_dir), Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    payload = json.loads((data_dir / MANIFEST).read_text())
+    files = {MANIFEST: (json.dumps({**payload, "data_dir": str(data_dir)}, indent=1) + "\n").encode()}
+    if payload.get("tokenizer_file"):
+        files[payload["tokenizer_file"]] = (data_dir / payload["tokenizer_file"]).read_bytes()
+    for name in sorted(files, key=lambda n: n == MANIFEST):  # the manifest last: it names the tokenizer
+        partial = into / f".{name}.partial"
+        try:
+            partial.write_bytes(files[name])
+            os.replace(partial, into / name)
+        finally:
+            partial.unlink(missing_ok=True)
 
 
 def skipped_binary_files(data_dir: str | Path) -> tuple[int, list[str]]:

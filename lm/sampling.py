@@ -13,14 +13,22 @@ largest (0: all) are dropped, and the next token is drawn from the softmax with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 
+# One command's tokens: the whole window runs again per token, so this many take minutes on a
+# GPU and hours on CPU; more text is another command with the output as its prompt.
+MAX_NEW_TOKENS = 65536
+
+
 def check_sampling(max_new_tokens: int, top_k: int, temperature: float) -> None:
     """Raise ValueError naming the option and the fix for settings ``generate`` cannot use."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} is invalid: give an integer >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} is invalid: give an integer in 1-{MAX_NEW_TOKENS} "
+                         f"(for more, generate again with the output as the prompt)")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"--top-k {top_k} is invalid: give an integer >= 1 (1: greedy), or 0 for the whole vocabulary")
     if not math.isfinite(temperature) or temperature < 0:
@@ -47,9 +55,11 @@ def next_token(logits_V: torch.Tensor, top_k: int, temperature: float, generator
 
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, top_k: int = 1, temperature: float = 1.0,
-             generator: torch.Generator | None = None, stop_id: int | None = None) -> list[int]:
+             generator: torch.Generator | None = None, stop_id: int | None = None,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
     """The ids ``model`` (a ``lm.model.MoETransformer`` of a gpt preset, in eval mode) adds
-    after ``prompt_ids``: up to ``max_new_tokens``, ending early after ``stop_id``."""
+    after ``prompt_ids``: up to ``max_new_tokens``, ending early after ``stop_id``.
+    ``on_token(id)`` is called with each id as it is drawn (``mpipemoe generate`` prints it)."""
     check_sampling(max_new_tokens, top_k, temperature)
     if model.preset.kind != "gpt":
         raise ValueError(f"generation needs a decoder (a gpt preset); this model is a {model.preset.kind} "
@@ -65,6 +75,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, top_k: int = 
         token = next_token(logits_1SV[0, -1], top_k, temperature, generator)
         ids.append(token)
         new.append(token)
+        if on_token is not None:
+            on_token(token)
         if token == stop_id:
             break
     return new

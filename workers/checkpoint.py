@@ -212,7 +212,7 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     directory = Path(directory)
-    problem = validate(directory)
+    problem = validate(directory, checksums=False)  # sizes: the driver chose it with checksums (``choose``)
     if problem:
         raise ValueError(f"checkpoint {directory} is incomplete: {problem}; resume picks the newest "
                          f"complete checkpoint (mpipemoe train --resume NAME)")
@@ -250,11 +250,14 @@ def _unreadable(error: OSError) -> str:
     return os.strerror(error.errno) if error.errno else type(error).__name__
 
 
-def validate(directory: str | Path, checksums: bool = False) -> str | None:
+def validate(directory: str | Path, checksums: bool = True) -> str | None:
     """Local. None if ``directory`` is a complete checkpoint, else what is wrong (one phrase).
-    ``checksums``: also read every file and compare its CRC-32 with ``meta.json``'s (a
+    ``checksums`` (default): also read every file and compare its CRC-32 with ``meta.json``'s (a
     same-size corruption), for checkpoints up to ``CHECKSUM_MAX_BYTES``; larger ones and those
-    written before checksums are checked by size only."""
+    written before checksums are checked by size only. The one verifier of every reader of a
+    checkpoint: ``train --resume`` (through ``choose``), ``generate`` and ``export``
+    (``choose``, then ``workers.weights.load_checkpoint_model``); the workers' ``load`` and
+    ``prune`` check sizes only (the driver checked the checkpoint it resumes from)."""
     directory = Path(directory)
     if not directory.is_dir():
         return "its folder is missing"
@@ -306,7 +309,7 @@ def referenced_by_ray(run_dir: str | Path) -> set[str]:
         return set()
 
 
-def choose(run_dir: str | Path, checksums: bool = False) -> tuple[Path | None, list[tuple[str, str]]]:
+def choose(run_dir: str | Path, checksums: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
     """Local. The newest complete checkpoint of ``run_dir`` (None if there is none) and the
     newer ones skipped, as (folder name, what is wrong): incomplete folders, and folders Ray
     Train's snapshot names that are gone. ``checksums``: see ``validate`` (reads the files of
@@ -349,7 +352,7 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
     incomplete folders are left alone. Returns the deleted folders."""
     if keep <= 0:
         return []
-    complete = [path for _, path in listed(run_dir) if validate(path) is None]
+    complete = [path for _, path in listed(run_dir) if validate(path, checksums=False) is None]
     for path in complete[keep:]:
         shutil.rmtree(path, ignore_errors=True)
     return complete[keep:]

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +50,14 @@ def load_checkpoint_model(directory: str | Path) -> tuple[MoETransformer, dict[s
     experts, and the checkpoint's meta dict (step, preset, world size ...)."""
     import torch.distributed.checkpoint as dcp
 
+    from workers.checkpoint import META, validate
+
     directory = Path(directory)
-    meta = json.loads((directory / "meta.json").read_text())
+    problem = validate(directory)  # the verifier every checkpoint reader shares
+    if problem:
+        raise ValueError(f"checkpoint {directory} is damaged: {problem}; give the run (--run), whose newest "
+                         f"intact checkpoint is chosen, or move the damaged one out of the run folder")
+    meta = json.loads((directory / META).read_text())
     model = build_model(ModelPreset(**meta["preset"]))
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
@@ -73,16 +82,30 @@ def model_config(model: MoETransformer, tokenizer: Any, source: dict[str, Any]) 
 
 def export(model: MoETransformer, out_dir: str | Path, tokenizer: Any, source: dict[str, Any]) -> dict[str, int]:
     """Local. Write ``model`` (its ``state_dict``), its config and ``tokenizer`` (a
-    ``lm.tokenizer`` tokenizer) to ``out_dir``; returns {file name: bytes}."""
+    ``lm.tokenizer`` tokenizer) to ``out_dir``; returns {file name: bytes}.
+    The files are written into a new hidden folder beside ``out_dir`` and moved in only when all
+    three are whole (a full disk or a read-only ``out_dir`` leaves what was there as it was);
+    each gets the mode the user's umask gives a new file (safetensors writes 0600)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous()
-               for name, tensor in model.state_dict().items()}
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(model_config(model, tokenizer, source), indent=1) + "\n")
-    (byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer).save(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = out_dir.parent / f".{out_dir.name}.exporting-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous()
+                   for name, tensor in model.state_dict().items()}
+        (stage / CONFIG_FILE).write_text(json.dumps(model_config(model, tokenizer, source), indent=1) + "\n")
+        save_file(tensors, str(stage / WEIGHTS_FILE), metadata={"format": "pt"})
+        os.chmod(stage / WEIGHTS_FILE, (stage / CONFIG_FILE).stat().st_mode & 0o777)
+        (byte_tokenizer_as_hf() if isinstance(tokenizer, ByteTokenizer) else tokenizer).save(stage)
+        if not out_dir.exists():
+            os.replace(stage, out_dir)
+        else:
+            for name in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE):  # config.json last: it names the run
+                os.replace(stage / name, out_dir / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return {name: (out_dir / name).stat().st_size for name in (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)}
 
 

@@ -108,12 +108,15 @@ def test_a_wrong_attempt_on_a_run_without_its_settings_file_changes_nothing(data
     assert line == (f"mpipemoe train: error: run ck cannot continue with --num-workers 1 (its checkpoint_000005 has "
                     f"2): its checkpoints hold that model split over its workers (its {JOB_FILE} is missing); "
                     f"continue it with `mpipemoe train --name ck --preset tiny-gpt --seq-len 32 --num-experts 4 "
-                    f"--num-layers 2 --num-workers 2 --storage-path {storage}`, or start a new run with another "
+                    f"--num-layers 2 --num-workers 2 --data-dir {data} --tracking-uri none --storage-path {storage}`, "
+                    f"or start a new run with another "
                     f"--name. Nothing was changed (--debug shows the traceback)")
     status, line, _, _ = _cli(["train", "--resume", "ck", "--storage-path", str(storage)], capsys)
     assert status == 1 and line.startswith(
         f"mpipemoe train: error: --resume ck: {JOB_FILE} (its settings) is missing in {run_dir}, but "
         f"checkpoint_000005 is there: continue it with `mpipemoe train --name ck --preset tiny-gpt --seq-len 32 ")
+    assert f"--data-dir {Path.cwd() / 'data' / 'stdlib-bytes'} --tracking-uri sqlite:///" in line  # absolute: the same
+    # store and data from any folder
     after = {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()}
     assert after == before and not (run_dir / JOB_FILE).exists()
     from app.jobs import check_continues
@@ -254,7 +257,8 @@ def test_a_dead_worker_is_said_as_such_with_the_resume_command(tmp_path):
     assert failure_message(job, gloo) == (
         "training job w failed: a worker process ended or lost its connection (killed, out of memory, or its node "
         "went away): RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-        "[127.0.0.1]:4242 (no checkpoint was written yet)")
+        "[127.0.0.1]:4242 (no checkpoint was written yet; to train it again from step 1: mpipemoe train --resume w "
+        f"--storage-path {tmp_path})")
     folder = job.run_dir / "checkpoint_000003"
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(b"x")

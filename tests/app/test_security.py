@@ -28,6 +28,8 @@ def _run_ui(monkeypatch, argv: list[str]) -> list[str]:
     started = []
     monkeypatch.setattr(ui.subprocess, "Popen", lambda command: started.append(command) or _FakeServer(command))
     monkeypatch.setattr(ui.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(ui, "check_port", lambda host, port: None)  # (tests/app/test_faults_cli.py checks them)
+    monkeypatch.setattr(ui, "wait_until_listening", lambda process, host, port: None)
     parser = argparse.ArgumentParser()
     ui.add_arguments(parser)
     assert ui.run(parser.parse_args(argv + ["--tracking-uri", "sqlite:////tmp/x.db"])) == 0
