@@ -202,3 +202,23 @@ def test_the_memory_saving_setting_is_the_fastest_under_the_cap():
     assert lean["lean_memory_ratio_vs_fastmoe"] == pytest.approx(0.5)
     assert memory_saving_setting(fastmoe, settings[:1]) == {}  # nothing under 0.55x
     assert memory_saving_setting({"fwd_bwd_ms": 10.0}, settings) == {}  # no memory figures (CPU)
+
+
+def _point(engine, chosen_by, n, strategy, ms, **extra):
+    return {"model": "m", "routing": "uniform", "tokens": 64, "engine": engine, "chosen_by": chosen_by,
+            "partitions": n, "strategy": strategy, "fwd_bwd_ms": ms, **extra}
+
+
+def test_the_best_is_the_fastest_of_every_setting_auto_included():
+    """Issue 36: 'auto within 5%' against the fastest setting of any strategy, none included;
+    a grid of strategy none alone has a best too."""
+    records = [_point("fastmoe", "baseline", 1, "none", 10.0), _point("mpipemoe", "auto", 2, "S3", 9.0),
+               _point("mpipemoe", "grid", 2, "none", 8.0), _point("mpipemoe", "grid", 2, "S3", 9.0),
+               _point("mpipemoe", "grid", 4, "S4", 8.5)]
+    summary, = summarize(records)
+    assert (summary["grid_best_partitions"], summary["grid_best_strategy"]) == (2, "none")
+    assert summary["auto_vs_grid_best"] == pytest.approx(9.0 / 8.0 - 1)
+    assert summary["strategy_pick_vs_fastest"] == pytest.approx(9.0 / 8.0 - 1)  # at n = 2, none is faster
+    only_none = [records[0], _point("mpipemoe", "auto", 1, "none", 7.0), _point("mpipemoe", "grid", 1, "none", 7.5)]
+    summary, = summarize(only_none)
+    assert (summary["grid_best_chosen_by"], summary["auto_vs_grid_best"]) == ("auto", 0.0)
