@@ -206,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"they do for NCCL on real ranks (default {DEFAULT_COMM_SMS}; stated in each record)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write a torch.profiler timeline (Chrome/Perfetto JSON, gzip) of one forward+backward "
-                             "of every engine and setting into DIR, and add its stream account to the records")
+                             "of every engine and setting into DIR, and add its stream account to the records "
+                             "(emulated points carry the account without it)")
     parser.add_argument("--layers", type=int, default=1,
                         help="time stacks of L residual layers, h = h + layer(h), setting by setting, with memory "
                              "against time (app/bench_stack.py; default 1: single layers in interleaved rounds)")
