@@ -7,10 +7,12 @@ read this module without loading it (about a second).
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 import sys
 import time
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 # Where commands write generated records unless told otherwise (`--out`): a folder that
 # .gitignore ignores, never the committed results/.
@@ -38,13 +40,73 @@ def hardware_name(use_gpu: bool) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def git_commit() -> str:
-    """The short commit of the working directory, or ``?`` outside a git checkout."""
+# The folder of the code that runs (app/..): a git checkout, or a copy of one (the GPU machine
+# gets the working tree without .git), or an installed copy.
+CHECKOUT = Path(__file__).resolve().parent.parent
+# Beside a copy without .git: the commit it was copied from, written before the copy is made
+# (tools/stamp-commit.sh; ignored by git). "<40 hex digits>" or "<40 hex digits>+dirty".
+COMMIT_STAMP = ".git-commit"
+
+
+@dataclass(frozen=True)
+class SourceCommit:
+    """The commit of the code that runs, and whether its tracked files differed from it."""
+    commit: str
+    dirty: bool
+
+    def short(self) -> str:
+        """``d205063`` or ``d205063+dirty``: what a record's ``git_commit`` says."""
+        return self.commit[:7] + ("+dirty" if self.dirty else "")
+
+    def stamp(self) -> str:
+        return self.commit + ("+dirty" if self.dirty else "")
+
+
+def _git(root: Path, *args: str) -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "?"
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return "?"
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def source_commit(root: str | Path = CHECKOUT) -> SourceCommit | None:
+    """The commit of the code in ``root`` (default: this package's own tree, never the working
+    directory's): from git when ``root`` is the top of a checkout (an installed copy inside some
+    other repository counts as none), dirty when a tracked file differs from it; else from the
+    COMMIT_STAMP file beside a copy; None when neither says."""
+    root = Path(root).resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is not None and Path(top).resolve() == root:
+        commit, status = _git(root, "rev-parse", "HEAD"), _git(root, "status", "--porcelain", "--untracked-files=no")
+        if commit and status is not None:
+            return SourceCommit(commit, bool(status))
+    try:
+        text = (root / COMMIT_STAMP).read_text().strip()
+    except OSError:
+        return None
+    match = re.fullmatch(r"([0-9a-f]{7,40})(\+dirty)?", text)
+    return SourceCommit(match.group(1), bool(match.group(2))) if match else None
+
+
+def write_commit_stamp(root: str | Path = CHECKOUT) -> str:
+    """Writes COMMIT_STAMP in ``root`` from its git checkout, for a copy of the tree made next
+    (tools/stamp-commit.sh); returns what it wrote."""
+    root = Path(root).resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    found = source_commit(root) if top is not None and Path(top).resolve() == root else None
+    if found is None:
+        raise ValueError(f"{root} is not the top of a git checkout: stamp the commit in the checkout the copy is "
+                         f"made from")
+    (root / COMMIT_STAMP).write_text(found.stamp() + "\n")
+    return found.stamp()
+
+
+def git_commit(root: str | Path = CHECKOUT) -> str:
+    """The short commit of the code that runs (`source_commit`), ``+dirty`` when its tracked
+    files differ from it, or ``?`` when neither git nor a stamp says."""
+    found = source_commit(root)
+    return "?" if found is None else found.short()
 
 
 def record_meta(subcommand: str, use_gpu: bool) -> dict:

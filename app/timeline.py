@@ -15,12 +15,15 @@ copies (device↔host memcpy), `compute` the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import re
+import sys
+import tempfile
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -135,6 +138,37 @@ def stream_account(trace: dict) -> dict:
     return account
 
 
+# What the profiler's C++ side (Kineto) writes to stderr on every start and stop, whatever its
+# log level: "USDT:... profiler_start", "STAGE:... Completed Stage: Warm Up".
+PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Local. Holds back the profiler's own stderr lines (PROFILER_CHATTER, one pair per traced
+    pass): stderr goes to a scratch file meanwhile, and every other line is written back after."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr (an embedding host): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as scratch:
+        os.dup2(scratch.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            scratch.seek(0)
+            kept = [line for line in scratch.read().decode(errors="replace").splitlines(keepends=True)
+                    if not PROFILER_CHATTER.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def trace_step(step: Callable[[], None], device: torch.device, path: str, passes: int = 2) -> dict:
     """Runs `step` `passes` times back to back under torch.profiler (after one untraced call),
     each inside a `PASS_MARK` range, writes the trace to `path` (gzip when it ends in .gz)
@@ -145,7 +179,7 @@ def trace_step(step: Callable[[], None], device: torch.device, path: str, passes
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with _without_profiler_chatter(), torch.profiler.profile(activities=activities) as profiler:
         for _ in range(passes):
             with torch.profiler.record_function(PASS_MARK):
                 step()

@@ -22,13 +22,13 @@ import importlib.util
 import math
 import os
 import sqlite3
-import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from app.offline import MetricSpool, reachable
+from app.records import CHECKOUT, source_commit
 from app.run_kinds import kind_filters
 from lm.errors import invocation
 
@@ -198,28 +198,16 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
-CHECKOUT = Path(__file__).resolve().parent.parent  # this code's folder: a git checkout, or an installed copy
-
-
 def git_tags(root: str | Path = CHECKOUT) -> dict[str, str]:
     """The commit the code runs from and whether the checkout has uncommitted changes to
     tracked files, as run tags: ``mlflow.source.git.commit`` (the UI shows it), ``git_commit``
-    and ``git_dirty`` ("true"/"false"). Empty when ``root`` is not the top of a git checkout
-    (an installed copy inside some other repository counts as none) or git is missing."""
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    top = git("rev-parse", "--show-toplevel")
-    if top is None or Path(top).resolve() != Path(root).resolve():
+    and ``git_dirty`` ("true"/"false"). From `app.records.source_commit`: the git checkout at
+    ``root`` (an installed copy inside some other repository counts as none), else the commit
+    stamped beside a copy; empty when neither says."""
+    found = source_commit(root)
+    if found is None:
         return {}
-    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    if not commit or status is None:
-        return {}
-    return {"mlflow.source.git.commit": commit, "git_commit": commit, "git_dirty": str(bool(status)).lower()}
+    return {"mlflow.source.git.commit": found.commit, "git_commit": found.commit, "git_dirty": str(found.dirty).lower()}
 
 
 SYSTEM_METRICS_INTERVAL_S = 10  # MLflow's default sampling period

@@ -33,16 +33,17 @@ Shapes: see moe_engine's legend (moe_engine/__init__.py). D is the row width.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from moe_engine.comm import ExpertGroup
+from moe_engine.comm import DEFAULT_COMM_SMS, ExpertGroup
 from moe_engine.dispatcher import STATS
 from moe_engine.streams import Pending, StreamSet
 
@@ -60,12 +61,15 @@ class EmulatedCluster:
                   steps stay flat, as in the simulator.
     transfer_ctas: thread blocks each emulated transfer holds while it waits (WallClockWait):
                   1 (default) models the least SM contention; NCCL uses a few.
+    comm_sms:     SMs the expert GEMMs leave free while a transfer runs beside them
+                  (ExpertGroup.comm_sms): default what real runs leave NCCL (DEFAULT_COMM_SMS).
     """
 
     layout: ClusterLayout
     network: NetworkProfile
     hierarchical: bool = False
     transfer_ctas: int = 1
+    comm_sms: int = DEFAULT_COMM_SMS
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ClusterLayout):
@@ -79,17 +83,20 @@ class EmulatedCluster:
         if isinstance(self.transfer_ctas, bool) or not isinstance(self.transfer_ctas, int) or self.transfer_ctas < 1:
             raise ValueError(f"EmulatedCluster.transfer_ctas={self.transfer_ctas!r} is invalid: give the thread "
                              f"blocks an emulated transfer holds, >= 1 (1 is the default)")
+        if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 0:
+            raise ValueError(f"EmulatedCluster.comm_sms={self.comm_sms!r} is invalid: give the SMs the GEMMs leave "
+                             f"to communication, >= 0 ({DEFAULT_COMM_SMS}, what real runs leave NCCL, is the default)")
 
     @classmethod
     def parse(cls, spec: str, network: str = "dgx-a100", *, hierarchical: bool = False,
-              transfer_ctas: int = 1) -> "EmulatedCluster":
+              transfer_ctas: int = 1, comm_sms: int = DEFAULT_COMM_SMS) -> "EmulatedCluster":
         """From ``NODESxGPUS`` (``8x8``: 8 nodes of 8 GPUs) and a network preset or JSON file."""
         match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(spec))
         if not match:
             raise ValueError(f"emulated cluster {spec!r} is invalid: give NODESxGPUS, e.g. 8x8 for 8 nodes of 8 GPUs")
         layout = ClusterLayout(int(match.group(1)), int(match.group(2)))
         return cls(layout=layout, network=load_network(network), hierarchical=hierarchical,
-                   transfer_ctas=transfer_ctas)
+                   transfer_ctas=transfer_ctas, comm_sms=comm_sms)
 
     @property
     def ranks(self) -> int:
@@ -103,7 +110,8 @@ class EmulatedCluster:
         """What every record measured in this cluster says about it."""
         return {"measured_as": "emulated", "network": self.network.name, "emulated_cluster": self.name,
                 "nodes": self.layout.nodes, "gpus_per_node": self.layout.gpus_per_node,
-                "hierarchical": self.hierarchical, "world_size": self.ranks, "transfer_ctas": self.transfer_ctas}
+                "hierarchical": self.hierarchical, "world_size": self.ranks, "transfer_ctas": self.transfer_ctas,
+                "comm_sms": self.comm_sms}
 
     def all_to_all_s(self, output_splits: Sequence[int], input_splits: Sequence[int], row_bytes: int, *,
                      flat: bool = False) -> float:
@@ -290,7 +298,7 @@ class EmulatedExpertGroup(ExpertGroup):
         self.size = cluster.ranks
         self.rank = 0
         self.always_communicate = False
-        self.comm_sms = cluster.transfer_ctas  # the SMs the emulated transfers hold
+        self.comm_sms = cluster.comm_sms  # the SMs pipelined GEMMs leave free, as for NCCL
         self.cluster = cluster
         self.peer_group_size: int | None = None  # FasterMoE's g when its count chunks are peer steps
         self.clock = WallClockWait(cluster.transfer_ctas)
@@ -298,6 +306,28 @@ class EmulatedExpertGroup(ExpertGroup):
         self.dilation: dict | None = None  # WallClockWait.measure_dilation's answer, when measured
         self._seconds: dict[tuple, float] = {}       # price per (splits, row bytes): passes repeat them
         self._source_steps: dict[tuple, torch.Tensor] = {}
+        self._free_transfers = False  # within `free_transfers()`
+
+    @contextlib.contextmanager
+    def free_transfers(self) -> Iterator[None]:
+        """Within: All-to-Alls are priced and logged but move nothing and take no time (their
+        outputs keep whatever they held): the pass without its transfers, in its own routing,
+        streams and SM reservation (the bench's compute stage). Agreements still cost theirs."""
+        previous, self._free_transfers = self._free_transfers, True
+        try:
+            yield
+        finally:
+            self._free_transfers = previous
+
+    @contextlib.contextmanager
+    def logging_calls(self) -> Iterator[list[EmulatedCall]]:
+        """Within: every collective is logged in the list yielded (`calls` as keep_log does)."""
+        logged: list[EmulatedCall] = []
+        previous, self.calls = self.calls, logged
+        try:
+            yield logged
+        finally:
+            self.calls = previous
 
     @property
     def distributed(self) -> bool:
@@ -419,7 +449,10 @@ class EmulatedExpertGroup(ExpertGroup):
     def _transfer(self, output: torch.Tensor, input: torch.Tensor, input_splits: Sequence[int],
                   seconds: float) -> None:
         """Local, on the current stream: the rows' copy, then the wait until `seconds` after the
-        copy started (the copy is part of the modelled transfer, not extra time)."""
+        copy started (the copy is part of the modelled transfer, not extra time). Nothing
+        within `free_transfers()`."""
+        if self._free_transfers:
+            return
         started = self.clock.start(output.device) if output.is_cuda and seconds > 0 else None
         fill_from_own_block(output, input, input_splits)
         if started is not None:

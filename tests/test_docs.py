@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "results" / "README.md"]
 MARKER = re.compile(r"^<!--\s*doc-test:\s*(run|output|flags|skip)\b(.*?)-->\s*$")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 # A block "holds a command" when a line starts with one of these.

@@ -202,3 +202,102 @@ def test_the_memory_saving_setting_is_the_fastest_under_the_cap():
     assert lean["lean_memory_ratio_vs_fastmoe"] == pytest.approx(0.5)
     assert memory_saving_setting(fastmoe, settings[:1]) == {}  # nothing under 0.55x
     assert memory_saving_setting({"fwd_bwd_ms": 10.0}, settings) == {}  # no memory figures (CPU)
+
+
+def _point(engine, chosen_by, n, strategy, ms, **extra):
+    return {"model": "m", "routing": "uniform", "tokens": 64, "engine": engine, "chosen_by": chosen_by,
+            "partitions": n, "strategy": strategy, "fwd_bwd_ms": ms, **extra}
+
+
+def test_the_best_is_the_fastest_of_every_setting_auto_included():
+    """Issue 36: 'auto within 5%' against the fastest setting of any strategy, none included;
+    a grid of strategy none alone has a best too."""
+    records = [_point("fastmoe", "baseline", 1, "none", 10.0), _point("mpipemoe", "auto", 2, "S3", 9.0),
+               _point("mpipemoe", "grid", 2, "none", 8.0), _point("mpipemoe", "grid", 2, "S3", 9.0),
+               _point("mpipemoe", "grid", 4, "S4", 8.5)]
+    summary, = summarize(records)
+    assert (summary["grid_best_partitions"], summary["grid_best_strategy"]) == (2, "none")
+    assert summary["auto_vs_grid_best"] == pytest.approx(9.0 / 8.0 - 1)
+    assert summary["strategy_pick_vs_fastest"] == pytest.approx(9.0 / 8.0 - 1)  # at n = 2, none is faster
+    only_none = [records[0], _point("mpipemoe", "auto", 1, "none", 7.0), _point("mpipemoe", "grid", 1, "none", 7.5)]
+    summary, = summarize(only_none)
+    assert (summary["grid_best_chosen_by"], summary["auto_vs_grid_best"]) == ("auto", 0.0)
+
+
+def _emulated_bounds(out, *options) -> dict:
+    """`mpipemoe bench --emulate ...` with `options` (it fails on a GPU when a record beats its
+    bound); checks every record's own-pass bound, per-phase floor, the 16 SMs reserved and
+    stated, the timeline account in every record, the best as the fastest setting of all.
+    Returns the result."""
+    from app.bench import OWN_PASS, STAGE_KEYS
+
+    assert main(["bench", *options, "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["comm_sms"] == 16
+    for summary in result["summaries"]:
+        point = [r for r in result["records"] if (r["model"], r["routing"], r["tokens"]) ==
+                 (summary["model"], summary["routing"], summary["tokens"])]
+        layers = [r for r in point if r["engine"] != "dense-floor"]
+        for r in layers:
+            assert r["comm_sms"] == 16 and r["bound_stages"] == OWN_PASS and "timeline" in r
+            assert all(r[key] >= 0 for key in STAGE_KEYS) and r["comm_fwd_ms"] > 0 and r["compute_fwd_ms"] > 0
+            comm, compute = r["comm_fwd_ms"] + r["comm_bwd_ms"], r["compute_fwd_ms"] + r["compute_bwd_ms"]
+            assert r["overlap_bound_ms"] == pytest.approx(overlap_bound_ms(comm, compute, r["partitions"]))
+            assert r["phase_floor_ms"] == pytest.approx(max(r["comm_fwd_ms"], r["compute_fwd_ms"])
+                                                        + max(r["comm_bwd_ms"], r["compute_bwd_ms"]))
+            assert max(comm, compute) <= min(r["overlap_bound_ms"], r["phase_floor_ms"]) + 1e-9
+            assert r["bound_ratio"] == pytest.approx(r["fwd_bwd_ms"] / r["overlap_bound_ms"])
+        by = {(r["engine"], r["chosen_by"], r["partitions"], r["strategy"]): r for r in layers}
+        # The same transfers are priced alike: FastMoE and MPipeMoE at n = 1 move the same rows, and
+        # a backward moves what its forward did; two partitions pay each transfer's latency twice.
+        fast, one, two = by["fastmoe", "baseline", 1, "none"], by["mpipemoe", "grid", 1, "none"], \
+            by["mpipemoe", "grid", 2, "none"]
+        assert fast["comm_fwd_ms"] == pytest.approx(one["comm_fwd_ms"]) == pytest.approx(fast["comm_bwd_ms"])
+        assert two["comm_fwd_ms"] > one["comm_fwd_ms"]
+        auto = next(r for r in layers if r["chosen_by"] == "auto")
+        twin = by.get(("mpipemoe", "grid", auto["partitions"], auto["strategy"]))
+        assert twin is None or all(auto[key] == twin[key] for key in STAGE_KEYS)
+        fastest = min((r for r in layers if r["engine"] == "mpipemoe"), key=lambda r: r["fwd_bwd_ms"])
+        assert summary["grid_best_fwd_bwd_ms"] == fastest["fwd_bwd_ms"]
+        assert summary["overlap_bound_ms"] == auto["overlap_bound_ms"] and summary["bound_stages"] == OWN_PASS
+    assert "| bound ms | phase floor ms | t / bound |" in out.with_suffix(".md").read_text()
+    return result
+
+
+@pytest.mark.gpu
+def test_no_emulated_pass_beats_its_own_bound(tmp_path):
+    """Issue 36 on a GPU: the bench checks every record against 0.98x its own-pass bound (and
+    fails otherwise); balanced and skewed, every engine, a grid of strategies."""
+    result = _emulated_bounds(tmp_path / "bench.json", "--model", "gpt-s", "--tokens", "8192", "--emulate", "8x8",
+                              "--network", "dgx-h200", "--experts", "64", "--partitions", "1,2,4",
+                              "--strategies", "none,S3", "--routing", "uniform,skewed", "--rounds", "2",
+                              "--repeats", "2")
+    assert all(r["bound_ratio"] >= 0.98 for r in result["records"] if "bound_ratio" in r)
+    assert all(r["timeline"]["comm_busy_ms"] > 0 for r in result["records"] if "timeline" in r)
+
+
+def test_no_emulated_pass_beats_its_own_bound_cpu_twin(tmp_path):
+    """The same on CPU (emulated 2x2, the issue's `--strategies none` alone, which failed)."""
+    _emulated_bounds(tmp_path / "bench.json", "--emulate", "2x2", "--tokens", "256", "--partitions", "1,2",
+                     "--strategies", "none", "--rounds", "1", "--repeats", "1")
+
+
+def test_a_record_below_its_bound_fails_the_bench_naming_it():
+    from app.bench import OWN_PASS, BoundError, check_bounds
+
+    def record(ms, device="NVIDIA H200", stages=OWN_PASS):
+        return {**_point("mpipemoe", "grid", 2, "none", ms), "device": device, "bound_stages": stages,
+                "overlap_bound_ms": 57.1}
+
+    check_bounds([record(56.0)], "out/b.json")  # within 2%: timing noise
+    with pytest.raises(BoundError, match=r"1 record\(s\) ran below 0.98x their bound, first m uniform 64 tokens "
+                                         r"mpipemoe grid 2/none: 51.50 ms against a bound of 57.10 ms.*out/b.json"):
+        check_bounds([record(56.0), record(51.5)], "out/b.json")
+    # CPU runs (the emulated transfers take no time there) and bounds of stages timed alone are not checked
+    check_bounds([record(51.5, device="cpu"), record(51.5, stages="timed alone")], "out/b.json")
+
+
+def test_comm_sms_needs_an_emulated_cluster(tmp_path, capsys):
+    assert main(["bench", "--comm-sms", "8", "--tokens", "64", "--tracking-uri", "none",
+                 "--out", str(tmp_path / "b.json")]) == 1
+    assert "--comm-sms 8 sets the SMs an emulated cluster leaves to communication" in capsys.readouterr().err

@@ -22,7 +22,7 @@ def test_record_meta_names_command_date_hardware_and_code(monkeypatch):
     assert meta["command"] == "mpipemoe capacity"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["date"])
     assert meta["hardware"].startswith("cpu (")
-    assert re.fullmatch(r"[0-9a-f]{4,40}|\?", meta["git_commit"])
+    assert re.fullmatch(r"[0-9a-f]{7}(\+dirty)?|\?", meta["git_commit"])
     assert meta["torch"] and meta["python"].count(".") == 2
 
 
@@ -125,3 +125,45 @@ def test_bench_markdown_is_the_same_from_the_typed_result(path):
 
     data = json.loads(path.read_text())
     assert markdown_table(BenchResult.from_json(data)) == markdown_table(data)  # early files too
+
+
+def test_git_commit_is_the_code_that_ran_even_in_a_copy_without_git(tmp_path, monkeypatch):
+    """The package's own tree, not the working directory's; a copy without .git reads the
+    commit stamped before it was made (tools/stamp-commit.sh), +dirty included."""
+    import shutil
+    import subprocess
+
+    from app.records import COMMIT_STAMP, git_commit, source_commit, write_commit_stamp
+
+    checkout = tmp_path / "checkout"
+    (checkout / "app").mkdir(parents=True)
+    (checkout / "app" / "code.py").write_text("x = 1\n")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    subprocess.run([*git, "add", "app/code.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    elsewhere = tmp_path / "elsewhere"  # the working directory: another checkout, another commit
+    subprocess.run(["git", "init", "-q", str(elsewhere)], check=True)
+    monkeypatch.chdir(elsewhere)
+    assert git_commit(checkout) == head[:7]
+    (checkout / "app" / "code.py").write_text("x = 2\n")
+    assert git_commit(checkout) == head[:7] + "+dirty"
+    assert write_commit_stamp(checkout) == head + "+dirty"
+    copy = tmp_path / "copy"  # what the GPU machine gets: the tree and the stamp, no .git
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git"))
+    assert source_commit(copy).commit == head and git_commit(copy) == head[:7] + "+dirty"
+    (copy / COMMIT_STAMP).unlink()
+    assert git_commit(copy) == "?"  # neither git nor a stamp: nothing is made up
+    (copy / COMMIT_STAMP).write_text("not a commit\n")
+    assert git_commit(copy) == "?"
+    with pytest.raises(ValueError, match="not the top of a git checkout"):
+        write_commit_stamp(copy)
+
+
+def test_the_commit_stamp_is_ignored_by_git_and_written_by_the_tool():
+    from app.records import CHECKOUT, COMMIT_STAMP
+
+    import subprocess
+    assert subprocess.run(["git", "-C", str(CHECKOUT), "check-ignore", "-q", COMMIT_STAMP]).returncode == 0
+    assert COMMIT_STAMP in (CHECKOUT / "tools" / "stamp-commit.sh").read_text()

@@ -326,7 +326,35 @@ def test_wall_clock_wait_and_transfer_ctas_are_checked():
     with pytest.raises(ValueError, match="transfer_ctas=0 is invalid"):
         EmulatedCluster.parse("2x2", transfer_ctas=0)
     group = EmulatedCluster.parse("2x2", transfer_ctas=4).build()
-    assert group.comm_sms == 4 and group.clock.ctas == 4
+    assert group.clock.ctas == 4
+
+
+def test_the_emulated_gemms_leave_nccls_sms_free_by_default_and_say_so():
+    """Issue 36: real pipelined passes leave NCCL 16 SMs; the emulator reserves as many, not
+    its transfers' one CTA, and every record states it."""
+    from moe_engine.comm import DEFAULT_COMM_SMS
+
+    cluster = EmulatedCluster.parse("2x2")
+    assert DEFAULT_COMM_SMS == 16 and cluster.build().comm_sms == 16 and cluster.transfer_ctas == 1
+    assert cluster.record_fields()["comm_sms"] == 16
+    assert EmulatedCluster.parse("2x2", comm_sms=0).build().comm_sms == 0
+    with pytest.raises(ValueError, match="comm_sms=-1 is invalid"):
+        EmulatedCluster.parse("2x2", comm_sms=-1)
+
+
+def test_free_transfers_price_and_log_the_all_to_all_but_move_nothing():
+    group = EmulatedCluster.parse("1x2").build()
+    send, recv = torch.arange(6.0).view(6, 1), torch.full((5, 1), -1.0)
+    with group.logging_calls() as priced:
+        group.all_to_all(recv, send, [3, 2], [4, 2])
+    assert recv.flatten().tolist() == [0, 1, 2, 3, 0]  # a normal transfer fills rank 0's own block
+    recv.fill_(-1.0)
+    with group.free_transfers(), group.logging_calls() as free:
+        group.all_to_all(recv, send, [3, 2], [4, 2])
+    assert recv.flatten().tolist() == [-1.0] * 5 and group.calls is None
+    assert [(c.kind, c.seconds) for c in free] == [(c.kind, c.seconds) for c in priced] and priced[0].seconds > 0
+    group.all_to_all(recv, send, [3, 2], [4, 2])  # after: transfers move rows again
+    assert recv.flatten().tolist() == [0, 1, 2, 3, 0]
 
 
 def test_comm_sms_default_follows_ncclmax_ctas_and_is_checked(monkeypatch):
