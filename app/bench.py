@@ -37,9 +37,11 @@ import torch.multiprocessing as mp
 
 from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
                              point_config)
+from app.bench_step import StepSettings, run_and_write
 from app.bench_stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
 from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
+from app.routing_replay import check_routing
 from app.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.timeline import trace_name, trace_step
@@ -55,8 +57,9 @@ from moe_engine.router import count_ids
 from moe_engine.timing import synchronize, time_fn, time_interleaved
 
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
-# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows).
-ROUTINGS = ("uniform", "skewed")
+# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
+# replay:FILE: the loads a training run logged (`mpipemoe routing`; app/routing_replay.py).
+ROUTINGS = ("uniform", "skewed", "replay:FILE")
 
 
 @dataclass
@@ -95,8 +98,7 @@ class BenchSettings:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
         for routing in self.routings:
-            if routing not in ROUTINGS:
-                raise ValueError(f"--routing {routing!r} is unknown: choose from {', '.join(ROUTINGS)}")
+            check_routing(routing)  # uniform, skewed or replay:FILE
         for name in ("repeats", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
@@ -168,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: tiny on CPU, gpt-s,gpt-xl,bert-l on GPU)")
     parser.add_argument("--tokens", default=None, help="comma list of tokens per rank "
                         "(default: 512,1024 on CPU, 4096,8192,16384,32768 on GPU)")
-    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default 8)")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="experts per MoE layer (default 8; with --step the emulated ranks)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
     parser.add_argument("--no-bias", action="store_true", help="expert FFNs without biases b1, b2")
@@ -179,7 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
-                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first)")
+                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
+                             "replay:FILE (loads a training run logged: `mpipemoe routing`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per round (default 3)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -198,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="write a torch.profiler timeline (Chrome/Perfetto JSON, gzip) of one forward+backward "
                              "of every engine and setting into DIR, and add its stream account to the records")
-    parser.add_argument("--layers", type=int, default=1,
+    parser.add_argument("--layers", type=int, default=None,
                         help="time stacks of L residual layers, h = h + layer(h), setting by setting, with memory "
                              "against time (app/bench_stack.py; default 1: single layers in interleaved rounds)")
     parser.add_argument("--checkpointing", default=None, choices=CHECKPOINTING,
@@ -210,6 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when a peer runs)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="with --layers: auto@budget under this many GiB for the stack's activations instead")
+    parser.add_argument("--step", action="store_true",
+                        help="time the whole training step of --model (an lm preset: gpt-s, gpt-xl, bert-l, "
+                             "tiny-gpt, ...; --layers of them) on one device as rank 0 of --emulate "
+                             "(app/bench_step.py; docs/emulation.md, \"The training step\")")
+    parser.add_argument("--micro-batches", default="1",
+                        help="with --step: comma list of micro-batches per step (--tokens is per GPU per step)")
+    parser.add_argument("--schedule", default="sequential",
+                        help="with --step: the micro-batch schedule (sequential)")
     parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json; "
                         "with --layers out/stacked-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
@@ -373,7 +385,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     d_model, d_hidden = config.d_model, config.d_hidden
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
-    x = layer_inputs(tokens, source.router.weight.detach(), routing)
+    x = layer_inputs(tokens, source.router.weight.detach(), routing, settings.top_k)
     if isinstance(group, EmulatedExpertGroup):
         busiest_rank_first(source.router.weight.detach(), x, group.size, settings.top_k)
     grad_y = torch.randn_like(x)
@@ -843,6 +855,31 @@ def _split(text: str, cast=str) -> list:
     return [cast(v.strip()) for v in text.split(",") if v.strip()]
 
 
+def run_step(args) -> int:
+    """`mpipemoe bench --step`: the flags as app/bench_step.py's settings."""
+    layer_only = [flag for flag, given in (("--peers", args.peers), ("--world-size", args.world_size != 1),
+                                           ("--checkpointing", args.checkpointing),
+                                           ("--memory-budget-share", args.memory_budget_share is not None),
+                                           ("--memory-budget-gib", args.memory_budget_gib is not None),
+                                           ("--no-bias", args.no_bias), ("--activation", args.activation != "gelu"),
+                                           ("--top-k", args.top_k != 2)) if given]
+    if layer_only:
+        raise ValueError(f"--step times a preset's whole training step: drop {', '.join(layer_only)} (layer-bench "
+                         f"options; the preset fixes the model's shape)")
+    on_gpu = torch.cuda.is_available()
+    settings = StepSettings(
+        model=args.model or ("gpt-xl" if on_gpu else "tiny-gpt"),
+        tokens=_split(args.tokens, int) if args.tokens else ([8192, 16384, 32768] if on_gpu else [256]),
+        micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
+        emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
+        transfer_ctas=args.transfer_ctas, num_experts=args.experts, routings=tuple(_split(args.routing)),
+        partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
+        grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
+        rounds=args.rounds, trace=args.trace)
+    return run_and_write(settings, args.out, args.tracking_uri, args.experiment,
+                         lambda line: print(line, flush=True))
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -852,17 +889,19 @@ def run(args) -> int:
         with open(args.import_json) as f:
             log_to_mlflow(json.load(f), args.tracking_uri, args.experiment)
         return 0
+    if args.step:
+        return run_step(args)
     on_gpu = torch.cuda.is_available()
     settings = BenchSettings(
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
-        num_experts=args.experts, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
+        num_experts=args.experts or 8, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
         partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
         grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace,
-        layers=args.layers, checkpointing=args.checkpointing, memory_budget_share=args.memory_budget_share,
+        layers=args.layers or 1, checkpointing=args.checkpointing, memory_budget_share=args.memory_budget_share,
         memory_budget_gib=args.memory_budget_gib)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"

@@ -1,0 +1,112 @@
+"""Tier 1: ``mpipemoe bench --step`` (app/bench_step.py) on CPU: the bound and its check with
+controlled numbers, the modelled data-parallel reduction against DDP's buckets and the
+network model, the parameters shared by the engines' models, and every field of a real
+tiny run's records with the bound's terms consistent with the modelled collectives."""
+import json
+
+import pytest
+import torch
+
+from app.bench_step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
+                            build_variants, check_bounds, step_bound_ms)
+from app.cli import main
+from lm.model import param_counts
+from moe_sim.emulation import EmulatedCluster
+from moe_sim.network import all_reduce_s
+
+
+def test_the_bound_is_the_longer_of_compute_and_the_link():
+    assert step_bound_ms(10.0, 4.0, 3.0) == 10.0
+    assert step_bound_ms(5.0, 4.0, 3.0) == 7.0
+    record = {"step_ms": 9.0, "compute_ms": 5.0, "no_all_to_all_ms": 6.5, "all_to_all_ms": 4.0, "reduction_ms": 3.0}
+    add_bound_account(record)
+    assert record["step_bound_ms"] == 7.0 and record["communication_ms"] == 7.0
+    assert record["exposed_all_to_all_ms"] == pytest.approx(2.5)
+    assert record["step_vs_bound"] == pytest.approx(9.0 / 7.0 - 1) and record["below_bound"] is False
+
+
+def test_a_record_below_its_bound_fails_the_check_and_is_named():
+    base = {"model": "gpt-xl", "tokens": 32768, "micro_batches": 2, "routing": "uniform", "engine": "mpipemoe",
+            "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_bound_ms": 100.0}
+    check_bounds([{**base, "step_ms": BOUND_SLACK * 100.0}])  # at the slack: allowed
+    check_bounds([{**base, "step_ms": 100.0, "step_bound_ms": None}])  # no bound (no compute timing): nothing
+    with pytest.raises(BoundViolation, match=r"1 step record.*gpt-xl 32768 tok K=2 uniform mpipemoe grid n=4/S4: "
+                                             r"97\.90 ms < 0\.98 x bound 100\.00"):
+        check_bounds([{**base, "step_ms": 97.9}, {**base, "step_ms": 120.0}])
+
+
+def test_the_reduction_takes_ddps_buckets_priced_as_ring_all_reduces_in_the_last_micro_batch():
+    cluster = EmulatedCluster.parse("2x4", "dgx-h200")
+    group = cluster.build()
+    big = [torch.nn.Parameter(torch.zeros(4 * 2**20)) for _ in range(3)]  # 16 MiB of float32 gradients each
+    reduction = GradientReduction(big, group, torch.device("cpu"))
+    # reverse order, 25 MiB buckets: [p2, p1] (32 MiB) then [p0]
+    assert [[id(p) for p in b.params] for b in reduction.buckets] == [[id(big[2]), id(big[1])], [id(big[0])]]
+    expected = [all_reduce_s(cluster.network, cluster.layout, 32 * 2**20), all_reduce_s(cluster.network,
+                                                                                         cluster.layout, 16 * 2**20)]
+    assert [b.seconds for b in reduction.buckets] == pytest.approx(expected)
+    loss = sum((p * 2).sum() for p in big)
+    loss.backward()  # not armed (an earlier micro-batch): nothing issued
+    assert reduction.issued == []
+    reduction.arm()
+    (sum((p * 2).sum() for p in big[1:])).backward()  # p0's gradient never comes: finish issues its bucket
+    assert reduction.issued == pytest.approx(expected[:1])
+    reduction.finish()
+    assert reduction.issued == pytest.approx(expected) and reduction.seconds == pytest.approx(sum(expected))
+    reduction.remove()
+
+
+def test_the_engines_models_share_one_set_of_parameters():
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", partitions=(2,),
+                            strategies=("S4",))
+    variants = build_variants(settings, settings.preset(), settings.cluster.build(), torch.device("cpu"))
+    assert [(v.engine, v.chosen_by) for v in variants] == [("fastmoe", "baseline"), ("fastermoe", "baseline"),
+                                                           ("mpipemoe", "auto"), ("mpipemoe", "grid")]
+    first = dict(variants[0].model.named_parameters())
+    for variant in variants[1:]:
+        assert all(param is first[name] for name, param in variant.model.named_parameters())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tokens", "100"], "whole sequences of 64 tokens; give a multiple of 128"),
+    (["--schedule", "interleaved"], "--schedule 'interleaved' is unknown"),
+    (["--routing", "replay:/nonexistent.json"], "no such file"),
+    (["--experts", "6"], "multiple of the 4 emulated ranks"),
+    (["--peers", "torchtitan"], "drop --peers"),
+])
+def test_bad_step_flags_name_the_flag_and_the_fix(flags, message, capsys):
+    argv = ["bench", "--step", "--model", "tiny-gpt", "--emulate", "2x2", "--tokens", "128", "--micro-batches", "2",
+            "--tracking-uri", "none", *flags]
+    assert main(argv) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--micro-batches", "2", "--partitions", "2", "--strategies", "S4", "--rounds", "1", "--repeats", "1",
+                 "--warmup", "0", "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["kind"] == "step" and result["meta"]["emulated_cluster"] == "1x2"
+    assert {"command", "date", "hardware", "git_commit", "torch"} <= result["meta"].keys()
+    records = result["records"]
+    assert [(r["engine"], r["chosen_by"]) for r in records] == [("fastmoe", "baseline"), ("fastermoe", "baseline"),
+                                                                ("mpipemoe", "auto"), ("mpipemoe", "grid")]
+    cluster = EmulatedCluster.parse("1x2", "dgx-a100")
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2")
+    model = build_variants(settings, settings.preset(), cluster.build(), torch.device("cpu"))[0].model
+    reduction_ms = 1e3 * all_reduce_s(cluster.network, cluster.layout, 4 * param_counts(model)["params_replicated"])
+    for r in records:
+        for key in ("kind", "engine", "chosen_by", "schedule", "model", "layers", "tokens", "micro_batches", "network",
+                    "routing", "step_ms", "step_bound_ms", "all_to_all_ms", "exposed_all_to_all_ms", "mfu",
+                    "peak_memory_bytes", "timeline", "transfer_ctas", "measured_as", "device", "expert_load"):
+            assert key in r, key
+        assert (r["kind"], r["schedule"], r["layers"], r["tokens"], r["micro_batches"], r["network"], r["routing"]) \
+            == ("step", "sequential", 1, 128, 2, "dgx-a100", "uniform")
+        assert r["reduction_ms"] == pytest.approx(reduction_ms)  # one bucket: the tiny model's dense gradients
+        assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] == pytest.approx(
+            max(r["compute_ms"], r["all_to_all_ms"] + r["reduction_ms"]))
+        assert sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-3)
+    auto = records[2]  # its bound terms are its grid twin's when the grid has its setting
+    assert (auto.get("bound_terms_from") == "grid twin") == ((auto["partitions"], auto["strategy"]) == (2, "S4"))
+    assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe |" in (tmp_path / "step.md").read_text()
