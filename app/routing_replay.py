@@ -11,11 +11,11 @@ step, summed over the ranks) at one step, as JSON::
     {"kind": "routing", "source": ..., "step": 50, "num_experts": 8, "layers": [[c_0, ..., c_7], ...]}
 
 The benches replay it by pushing each token's input towards the router rows of the experts
-it should pick: every token draws ``top_k`` distinct experts from the layer's shares and gets
-PUSH times the unit router row of each added to its input, which puts them on top of its
-logits (a random token's logit has a standard deviation of the row's norm; the push adds
-PUSH of them). Drawing without replacement caps one expert's share at 1 / top_k of the
-pairs. ``skewed`` is the layer bench's: half of the tokens pushed towards expert 0 alone.
+it should pick: the (token, choice) pairs are dealt to the experts in proportion to the
+layer's shares, ``top_k`` distinct experts per token (`assign_experts`), and each token gets
+PUSH times the unit router row of each of its experts added to its input, which puts them on
+top of its logits (a random token's logit has a standard deviation of the row's norm; the
+push adds PUSH of them). An expert can take a token once, so its share is capped at 1 / top_k. ``skewed`` is the layer bench's: half of the tokens pushed towards expert 0 alone.
 
 A file from a run with fewer experts than the bench's E (a multiple of it) spreads each of
 its experts' shares evenly over E / E_file bench experts. The experts are then laid out so
@@ -160,12 +160,43 @@ def routing_push(spec: str, router_ED: torch.Tensor, tokens: int, top_k: int, ra
         return push_TD.to(router_ED.dtype)
     shares_E = target_shares(spec, router_ED.shape[0], layer)
     assert shares_E is not None  # check_routing: a replay
-    shares_E = busiest_rank_first(shares_E, ranks)
-    generator = torch.Generator().manual_seed(seed)
-    picks_TK = torch.multinomial(torch.tensor(shares_E, dtype=torch.float64).expand(tokens, -1), top_k,
-                                 replacement=False, generator=generator).to(router_ED.device)
+    picks_TK = assign_experts(busiest_rank_first(shares_E, ranks), tokens, top_k, seed).to(router_ED.device)
     push_TD += PUSH * unit_ED[picks_TK].sum(1)
     return push_TD.to(router_ED.dtype)
+
+
+def assign_experts(shares_E: list[float], tokens: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """Local. [tokens, top_k] distinct experts per token whose pair counts follow ``shares_E``
+    (largest remainders; an expert's share capped at 1 / top_k, one pair per token): the
+    pairs sorted by expert, token t taking pairs t, T + t, ... (distinct under the cap), the
+    tokens then shuffled."""
+    capped = _capped(shares_E, 1.0 / top_k)
+    pairs = tokens * top_k
+    exact = [share * pairs for share in capped]
+    counts = [int(v) for v in exact]
+    for e in sorted(range(len(exact)), key=lambda e: exact[e] - counts[e], reverse=True)[:pairs - sum(counts)]:
+        counts[e] += 1
+    ids_P = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    picks_TK = ids_P.view(top_k, tokens).t()
+    return picks_TK[torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))]
+
+
+def _capped(shares_E: list[float], cap: float) -> list[float]:
+    """Shares summing to 1 with none above ``cap``: the excess of the capped ones spread over
+    the others in proportion."""
+    shares = [s / sum(shares_E) for s in shares_E]
+    for _ in range(len(shares)):
+        over = [e for e, s in enumerate(shares) if s > cap + 1e-12]
+        if not over:
+            break
+        excess = sum(shares[e] - cap for e in over)
+        rest = sum(s for e, s in enumerate(shares) if e not in over and s < cap)
+        for e in range(len(shares)):
+            if e in over:
+                shares[e] = cap
+            elif rest > 0 and shares[e] < cap:
+                shares[e] += excess * shares[e] / rest
+    return shares
 
 
 def extract_routing(tracking_uri: str, run: str, step: int | None = None, experiment: str | None = None
