@@ -47,6 +47,7 @@ from app.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
 from app.routing_replay import check_routing, routing_push
 from app.timeline import trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
+from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import device_name
 from moe_engine.timing import synchronize, time_interleaved
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
@@ -324,8 +325,11 @@ def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedE
     if settings.grid:
         plans += [("mpipemoe", "grid", (n, s), group) for n in settings.partitions for s in settings.strategies]
     variants: list[Variant] = []
+    # One pinned-host pool for all models: their steps run one at a time, and each would
+    # otherwise keep its own offload buffers (as in the layer bench).
+    host_pool = HostBufferPool()
     for engine, chosen_by, (n, strategy), on in plans:
-        model = MoETransformer(preset, engine=engine, group=on, partitions=n, strategy=strategy)
+        model = MoETransformer(preset, engine=engine, group=on, partitions=n, strategy=strategy, host_pool=host_pool)
         if variants:
             share_parameters(variants[0].model, model)
             model.to(device)

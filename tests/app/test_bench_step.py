@@ -110,3 +110,50 @@ def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
     auto = records[2]  # its bound terms are its grid twin's when the grid has its setting
     assert (auto.get("bound_terms_from") == "grid twin") == ((auto["partitions"], auto["strategy"]) == (2, "S4"))
     assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe |" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_bound(tmp_path):
+    """A slow network (1 GB/s links) makes the transfers milliseconds: FastMoE's step, which
+    overlaps nothing but the reduction, takes at least its link time; the All-to-Alls are
+    partly exposed; the compute alone is shorter than the step; and the run's own check
+    (no record below 0.98x its bound) passes."""
+    network = tmp_path / "slow.json"
+    network.write_text(json.dumps({"name": "slow", "intra_bytes_per_s": 1e9, "inter_bytes_per_s": 1e9}))
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "2", "--emulate", "2x2", "--network",
+                 str(network), "--tokens", "4096", "--micro-batches", "1,2", "--partitions", "1,2",
+                 "--strategies", "none,S4", "--rounds", "2", "--repeats", "2", "--tracking-uri", "none",
+                 "--out", str(out), "--trace", str(tmp_path / "traces")]) == 0
+    records = json.loads(out.read_text())["records"]
+    for r in records:
+        assert r["step_ms"] >= BOUND_SLACK * r["step_bound_ms"] and r["mfu"] is not None and r["peak_memory_bytes"]
+        assert r["timeline"]["comm_busy_ms"] > 0  # the waits on the link stream are communication
+    for r in (r for r in records if r["engine"] == "fastmoe"):
+        assert r["step_ms"] >= 0.98 * (r["all_to_all_ms"] + r["reduction_ms"]) and r["all_to_all_ms"] > 1.0
+        assert r["exposed_all_to_all_ms"] > 0.5 * r["all_to_all_ms"] and r["compute_ms"] < r["step_ms"]
+
+
+def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe():
+    from app.step_report import section_steps, step_summaries
+
+    point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
+             "tokens": 32768.0, "micro_batches": 2.0}
+    rows = [{**point, "engine": "fastmoe", "chosen_by": "baseline", "partitions": 1, "strategy": "none",
+             "step_ms": 300.0},
+            {**point, "engine": "fastermoe", "chosen_by": "baseline", "partitions": 16, "strategy": "none",
+             "step_ms": 240.0},
+            {**point, "engine": "mpipemoe", "chosen_by": "auto", "partitions": 2, "strategy": "S4", "step_ms": 250.0},
+            {**point, "engine": "mpipemoe", "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_ms": 220.0,
+             "step_bound_ms": 200.0, "all_to_all_ms": 40.0, "exposed_all_to_all_ms": 4.0, "mfu": 0.31},
+            {**point, "engine": "mpipemoe", "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_ms": 210.0,
+             "step_bound_ms": 200.0, "all_to_all_ms": 40.0, "exposed_all_to_all_ms": 2.0, "mfu": 0.32}]  # a rerun
+    [summary] = step_summaries(rows)
+    assert summary["best_setting"] == "4/S4" and summary["best_step_ms"] == 210.0  # the last logged counts
+    assert summary["best_vs_fastmoe"] == pytest.approx(300 / 210) and summary["best_vs_fastermoe"] == pytest.approx(
+        240 / 210)
+    assert summary["auto_vs_fastermoe"] == pytest.approx(240 / 250) and summary["best_exposed_share"] == 0.05
+    assert summary["best_vs_bound"] == pytest.approx(1.05)
+    line = section_steps(rows)[-2]
+    assert line.startswith("| dgx-h200 | 8x8 | gpt-xl | 4 | uniform | 32768 | 2 | 300.0 | 240.0 | 250.0 | 210.0 (4/S4)")
+    assert "**0.96x**" in line and "| 5% | 32.0% |" in line
