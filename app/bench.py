@@ -891,6 +891,10 @@ def run(args) -> int:
         return 0
     if args.step:
         return run_step(args)
+    step_only = [flag for flag, given in (("--micro-batches", args.micro_batches != "1"),
+                                          ("--schedule", args.schedule != "sequential")) if given]
+    if step_only:
+        raise ValueError(f"{' and '.join(step_only)} time a whole training step: add --step (or drop them)")
     on_gpu = torch.cuda.is_available()
     settings = BenchSettings(
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
@@ -901,7 +905,8 @@ def run(args) -> int:
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace,
-        layers=args.layers or 1, checkpointing=args.checkpointing, memory_budget_share=args.memory_budget_share,
+        layers=1 if args.layers is None else args.layers, checkpointing=args.checkpointing,
+        memory_budget_share=args.memory_budget_share,
         memory_budget_gib=args.memory_budget_gib)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"

@@ -73,12 +73,18 @@ def test_the_engines_models_share_one_set_of_parameters():
     (["--routing", "replay:/nonexistent.json"], "no such file"),
     (["--experts", "6"], "multiple of the 4 emulated ranks"),
     (["--peers", "torchtitan"], "drop --peers"),
+    (["--layers", "0"], "--layers 0 is invalid"),
 ])
 def test_bad_step_flags_name_the_flag_and_the_fix(flags, message, capsys):
     argv = ["bench", "--step", "--model", "tiny-gpt", "--emulate", "2x2", "--tokens", "128", "--micro-batches", "2",
             "--tracking-uri", "none", *flags]
     assert main(argv) != 0
     assert message in capsys.readouterr().err
+
+
+def test_step_flags_without_step_are_refused(capsys):
+    assert main(["bench", "--micro-batches", "2", "--tracking-uri", "none"]) != 0
+    assert "--micro-batches time a whole training step: add --step" in capsys.readouterr().err
 
 
 def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
