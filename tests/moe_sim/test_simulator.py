@@ -620,3 +620,10 @@ def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_pat
     expected = simulate_step("mpipemoe", model, 16384, h200, parts, 2, "S4", micro_batches=2, overlap_reduction=True)
     assert row["kind"] == "step" and row["simulated_ms"] == pytest.approx(expected.step_s * 1e3)
     assert row["error"] == pytest.approx(expected.step_s * 1e3 / 200.0 - 1)
+    # the parts' spot check re-timed layers: a step record of the same model and setting is not one
+    from app.simulate import _spot_check
+
+    spot_parts = type("Parts", (), {"notes": {"spot_check": [{"model": "gpt-xl", "tokens": 16384,
+                                                              "engine": "mpipemoe", "partitions": 2, "strategy": "S4",
+                                                              "fwd_bwd_ms": 20.0}]}})()
+    assert "committed_ms" not in _spot_check(spot_parts, [str(path)])[0]
