@@ -688,28 +688,42 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
     out = out or os.path.join(DEFAULT_OUT_DIR, f"step-{name.replace(' ', '-').lower()}-"
                                                f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
 
+    finished: list[dict] = []
+
+    def write(complete: bool) -> dict:
+        """The JSON and the Markdown, whole (rewritten after every record: a run stopped by a
+        time limit keeps the points it finished)."""
+        meta = {**record_meta("bench", on_gpu), "device": name, "world_size": cluster.ranks,
+                **cluster.record_fields(), "processes": 1, "kind": "step", "settings": settings.to_json(),
+                "wall_s": round(time.time() - started, 1), "complete": complete}
+        result = {"meta": meta, "records": finished}
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as handle:
+            json.dump(result, handle, indent=1, default=str)
+        with open(os.path.splitext(out)[0] + ".md", "w") as handle:
+            handle.write(step_markdown(result))
+        return result
+
     def arrived(record: dict) -> None:
+        finished.append(record)
         printer(f"  [{time.time() - started:6.0f} s] {record['model']} {record['routing']:<8} {record['tokens']:>6} tok "
                 f"K={record['micro_batches']} {record['engine']:<10} {record['chosen_by']:<8} "
                 f"n={record['partitions']:<2} {record['strategy']:<4} {record['step_ms']:9.2f} ms"
                 + (f"  bound {record['step_bound_ms']:.2f}" if record.get("step_bound_ms") else ""))
+        write(complete=False)
 
-    records = run_step_bench(settings, device, arrived)
-    meta = {**record_meta("bench", on_gpu), "device": name, "world_size": cluster.ranks, **cluster.record_fields(),
-            "processes": 1, "kind": "step", "settings": settings.to_json(), "wall_s": round(time.time() - started, 1),
-            "complete": True}
-    result = {"meta": meta, "records": records}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    markdown = step_markdown(result)
-    with open(os.path.splitext(out)[0] + ".md", "w") as handle:
-        handle.write(markdown)
-    printer(markdown)
+    try:
+        run_step_bench(settings, device, arrived)
+    except KeyboardInterrupt:
+        write(complete=False)
+        printer(f"Stopped: wrote the {len(finished)} records finished so far to {out}")
+        raise
+    result = write(complete=True)
+    printer(step_markdown(result))
     printer(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
     log_step_records(result, tracking_uri, experiment, printer)
     if device.type == "cuda":
-        check_bounds(records)
+        check_bounds(finished)
     else:  # no modelled wait runs on CPU: the three timings are one computation, apart by noise
         printer("The bounds are not checked on CPU: the emulated transfers take no time there.")
     return 0

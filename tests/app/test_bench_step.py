@@ -163,3 +163,21 @@ def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe()
     line = section_steps(rows)[-2]
     assert line.startswith("| dgx-h200 | 8x8 | gpt-xl | 4 | uniform | 32768 | 2 | 300.0 | 240.0 | 250.0 | 210.0 (4/S4)")
     assert "**0.96x**" in line and "| 5% | 32.0% |" in line
+
+
+def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
+    import app.bench_step as bench_step
+
+    def one_then_stop(settings, device, log):
+        log({"model": "tiny-gpt", "routing": "uniform", "tokens": 128, "micro_batches": 1, "engine": "fastmoe",
+             "chosen_by": "baseline", "partitions": 1, "strategy": "none", "step_ms": 5.0, "step_ms_std": 0.1,
+             "layers": 1, "all_to_all_ms": 0.1, "reduction_ms": 0.1})
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(bench_step, "run_step_bench", one_then_stop)
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--emulate", "1x2", "--tokens", "128",
+                 "--tracking-uri", "none", "--out", str(out)]) == 130
+    result = json.loads(out.read_text())
+    assert result["meta"]["complete"] is False and [r["engine"] for r in result["records"]] == ["fastmoe"]
+    assert "| tiny-gpt | 1 | uniform | 128 | 1 | fastmoe |" in (tmp_path / "step.md").read_text()
