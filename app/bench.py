@@ -178,17 +178,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="", help=f"comma list of other layers to time beside ours: "
                         f"{', '.join(PEERS)} (needs --world-size 1, --activation swiglu, --no-bias; default none)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-    parser.add_argument("--partitions", default="1,2,4,8", help="grid of MPipeMoE partitions")
-    parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
+    parser.add_argument("--partitions", default=None,
+                        help="grid of MPipeMoE partitions (default 1,2,4,8; with --step 1,2,4)")
+    parser.add_argument("--strategies", default=None,
+                        help="grid of MPipeMoE strategies (default none,S1,S2,S3,S4; with --step none,S4)")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
                         help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
                              "replay:FILE (loads a training run logged: `mpipemoe routing`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per round (default 3; with --step 2)")
+    parser.add_argument("--rounds", type=int, default=None,
                         help="rounds; every engine of a point runs once per round, interleaved, and its time is "
-                             "the median over rounds (default 5)")
+                             "the median over rounds (default 5; with --step 3)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
     parser.add_argument("--emulate", default=None, metavar="NODESxGPUS",
@@ -873,9 +875,10 @@ def run_step(args) -> int:
         micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
         emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
         transfer_ctas=args.transfer_ctas, num_experts=args.experts, routings=tuple(_split(args.routing)),
-        partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
-        grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
-        rounds=args.rounds, trace=args.trace)
+        grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
+        **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
+                                           ("strategies", args.strategies and tuple(_split(args.strategies))),
+                                           ("repeats", args.repeats), ("rounds", args.rounds)) if value is not None})
     return run_and_write(settings, args.out, args.tracking_uri, args.experiment,
                          lambda line: print(line, flush=True))
 
@@ -900,8 +903,9 @@ def run(args) -> int:
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
         num_experts=args.experts or 8, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
-        partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
-        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+        partitions=tuple(_split(args.partitions or "1,2,4,8", int)),
+        strategies=tuple(_split(args.strategies or "none,S1,S2,S3,S4")), grid=not args.no_grid, warmup=args.warmup,
+        repeats=3 if args.repeats is None else args.repeats, rounds=5 if args.rounds is None else args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, trace=args.trace,
