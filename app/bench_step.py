@@ -22,8 +22,8 @@ of the machine falls on all alike): the step as modelled (`step_ms`); with the A
 and small collectives at zero time (`no_all_to_all_ms`: the copies run, the waits do not);
 and with every modelled transfer at zero time (`compute_ms`: the step's compute alone in its
 conditions). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
-link time: no schedule beats either, and a record faster than 0.98x its bound fails the run
-(`check_bounds`) after the records are written. `exposed_all_to_all_ms` = step_ms −
+link time: no schedule beats either, and on CUDA a record faster than 0.98x its bound fails
+the run (`check_bounds`) after the records are written (on CPU no wait runs: not checked). `exposed_all_to_all_ms` = step_ms −
 no_all_to_all_ms. The automatic setting takes the bound terms of the grid setting it settled
 on (timing it with the network off could start its search again).
 
@@ -49,7 +49,7 @@ from app.timeline import trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import device_name
-from moe_engine.timing import synchronize, time_interleaved
+from moe_engine.timing import time_interleaved
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_sim.network import all_reduce_s
 from workers.distributed import DenseParallel
@@ -79,6 +79,9 @@ class StepSettings:
     network: str = "dgx-a100"
     transfer_ctas: int = 1
     num_experts: int | None = None     # the emulated ranks (one expert per rank) when None
+    # (The expert-parallel degree E is W here: each expert on one rank. With E < W a field
+    # here builds the MoE layers over groups of E ranks and GradientReduction adds the
+    # expert replicas' buckets, priced over the W / E replicas.)
     routings: tuple = ("uniform",)
     partitions: tuple = (1, 2, 4)
     strategies: tuple = ("none", "S4")
@@ -313,7 +316,6 @@ class Variant:
     chosen_by: str
     spec: tuple  # (partitions, strategy) asked for
     model: MoETransformer
-    pushes: list = field(default_factory=list)
 
 
 def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedExpertGroup, device: torch.device
@@ -415,8 +417,8 @@ def _logged_step(parts: StepParts, schedule: str, batches: list) -> dict:
     calls = [c for sibling in siblings.values() for c in (sibling.calls or [])]
     for sibling in siblings.values():
         sibling.calls = None
-    a2a = sum(c.seconds for c in calls if c.kind.startswith("all_to_all") and "reduce" not in c.kind)
-    small = sum(c.seconds for c in calls if not c.kind.startswith("all_to_all") or "reduce" in c.kind)
+    a2a = sum(c.seconds for c in calls if c.kind.startswith("all_to_all"))
+    small = sum(c.seconds for c in calls if not c.kind.startswith("all_to_all"))  # counts, agreements
     small += 2 * group.cluster.small_collective_s()  # the step's own: losses and the norm
     return {"all_to_all_ms": a2a * 1e3, "small_collectives_ms": small * 1e3,
             "reduction_ms": sum(parts.reduction.issued) * 1e3, "reduction_buckets": len(parts.reduction.buckets)}
