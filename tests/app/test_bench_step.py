@@ -181,3 +181,46 @@ def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["meta"]["complete"] is False and [r["engine"] for r in result["records"]] == ["fastmoe"]
     assert "| tiny-gpt | 1 | uniform | 128 | 1 | fastmoe |" in (tmp_path / "step.md").read_text()
+
+
+def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
+    """training_step (two micro-batches) against a plain loop: each micro-batch's
+    (lm + 0.01 aux) / K backward, expert gradients / W, the clip to 1.0, AdamW; the same
+    model (FastMoE on the emulated group) from the same weights."""
+    import copy
+
+    from app.bench_step import GRAD_CLIP, LR, StepParts, step_batches, training_step
+    from lm.model import lm_loss
+    from workers.distributed import DenseParallel
+    from workers.loop import build_optimizer
+
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2")
+    group = settings.cluster.build()
+    model = build_variants(settings, settings.preset(), group, torch.device("cpu"))[0].model
+    reference = copy.deepcopy(model)
+    parallel = DenseParallel(model)
+    reduction = GradientReduction(parallel.dense, group, torch.device("cpu"))
+    parts = StepParts(model, parallel, build_optimizer(parallel, LR, 0.1), reduction, group, torch.device("cpu"),
+                      torch.float32)
+    batches = step_batches(settings.preset(), 128, 2, torch.device("cpu"), seed=3)
+    losses = training_step("sequential", parts, batches)
+
+    optimizer = build_optimizer(DenseParallel(reference), LR, 0.1)
+    expected = torch.zeros(2)
+    for inputs_BS, targets_BS in batches:
+        logits_BSV, aux = reference(inputs_BS)
+        loss_lm = lm_loss(logits_BSV, targets_BS)
+        ((loss_lm + 0.01 * aux) / 2).backward()
+        expected += torch.stack([loss_lm.detach(), aux.detach()]) / 2
+    for name, param in reference.named_parameters():
+        if "experts." in name:
+            param.grad /= group.size
+    torch.nn.utils.clip_grad_norm_(list(reference.parameters()), GRAD_CLIP)
+    optimizer.step()
+    assert losses == pytest.approx(expected.tolist(), rel=1e-5)
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                       build_variants(settings, settings.preset(), group,
+                                                                      torch.device("cpu"))[0].model.parameters()))
+    reduction.remove()
