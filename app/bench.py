@@ -38,9 +38,11 @@ import torch.multiprocessing as mp
 
 from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
                              point_config)
+from app.bench_step import StepSettings, run_and_write
 from app.bench_stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
 from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
+from app.routing_replay import check_routing
 from app.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.timeline import trace_name, trace_step
@@ -56,8 +58,9 @@ from moe_engine.router import count_ids
 from moe_engine.timing import Stopwatch, synchronize, time_fn, time_interleaved
 
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
-# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows).
-ROUTINGS = ("uniform", "skewed")
+# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
+# replay:FILE: the loads a training run logged (`mpipemoe routing`; app/routing_replay.py).
+ROUTINGS = ("uniform", "skewed", "replay:FILE")
 
 
 @dataclass
@@ -97,8 +100,7 @@ class BenchSettings:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
         for routing in self.routings:
-            if routing not in ROUTINGS:
-                raise ValueError(f"--routing {routing!r} is unknown: choose from {', '.join(ROUTINGS)}")
+            check_routing(routing)  # uniform, skewed or replay:FILE
         for name in ("repeats", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
@@ -174,23 +176,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: tiny on CPU, gpt-s,gpt-xl,bert-l on GPU)")
     parser.add_argument("--tokens", default=None, help="comma list of tokens per rank "
                         "(default: 512,1024 on CPU, 4096,8192,16384,32768 on GPU)")
-    parser.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default 8)")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="experts per MoE layer (default 8; with --step the emulated ranks)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--activation", default="gelu", choices=["relu", "gelu", "swiglu"])
     parser.add_argument("--no-bias", action="store_true", help="expert FFNs without biases b1, b2")
     parser.add_argument("--peers", default="", help=f"comma list of other layers to time beside ours: "
                         f"{', '.join(PEERS)} (needs --world-size 1, --activation swiglu, --no-bias; default none)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-    parser.add_argument("--partitions", default="1,2,4,8", help="grid of MPipeMoE partitions")
-    parser.add_argument("--strategies", default="none,S1,S2,S3,S4", help="grid of MPipeMoE strategies")
+    parser.add_argument("--partitions", default=None,
+                        help="grid of MPipeMoE partitions (default 1,2,4,8; with --step 1,2,4)")
+    parser.add_argument("--strategies", default=None,
+                        help="grid of MPipeMoE strategies (default none,S1,S2,S3,S4; with --step none,S4)")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
-                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first)")
+                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
+                             "replay:FILE (loads a training run logged: `mpipemoe routing`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per round (default 3; with --step 2)")
+    parser.add_argument("--rounds", type=int, default=None,
                         help="rounds; every engine of a point runs once per round, interleaved, and its time is "
-                             "the median over rounds (default 5)")
+                             "the median over rounds (default 5; with --step 3)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
     parser.add_argument("--emulate", default=None, metavar="NODESxGPUS",
@@ -208,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a torch.profiler timeline (Chrome/Perfetto JSON, gzip) of one forward+backward "
                              "of every engine and setting into DIR, and add its stream account to the records "
                              "(emulated points carry the account without it)")
-    parser.add_argument("--layers", type=int, default=1,
+    parser.add_argument("--layers", type=int, default=None,
                         help="time stacks of L residual layers, h = h + layer(h), setting by setting, with memory "
                              "against time (app/bench_stack.py; default 1: single layers in interleaved rounds)")
     parser.add_argument("--checkpointing", default=None, choices=CHECKPOINTING,
@@ -220,6 +226,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when a peer runs)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="with --layers: auto@budget under this many GiB for the stack's activations instead")
+    parser.add_argument("--step", action="store_true",
+                        help="time the whole training step of --model (an lm preset: gpt-s, gpt-xl, bert-l, "
+                             "tiny-gpt, ...; --layers of them) on one device as rank 0 of --emulate "
+                             "(app/bench_step.py; docs/emulation.md, \"The training step\")")
+    parser.add_argument("--micro-batches", default="1",
+                        help="with --step: comma list of micro-batches per step (--tokens is per GPU per step)")
+    parser.add_argument("--schedule", default="sequential",
+                        help="with --step: the micro-batch schedule (sequential)")
     parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json; "
                         "with --layers out/stacked-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
@@ -383,7 +397,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     d_model, d_hidden = config.d_model, config.d_hidden
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
-    x = layer_inputs(tokens, source.router.weight.detach(), routing)
+    x = layer_inputs(tokens, source.router.weight.detach(), routing, settings.top_k)
     if isinstance(group, EmulatedExpertGroup):
         busiest_rank_first(source.router.weight.detach(), x, group.size, settings.top_k)
     grad_y = torch.randn_like(x)
@@ -979,6 +993,32 @@ def _split(text: str, cast=str) -> list:
     return [cast(v.strip()) for v in text.split(",") if v.strip()]
 
 
+def run_step(args) -> int:
+    """`mpipemoe bench --step`: the flags as app/bench_step.py's settings."""
+    layer_only = [flag for flag, given in (("--peers", args.peers), ("--world-size", args.world_size != 1),
+                                           ("--checkpointing", args.checkpointing),
+                                           ("--memory-budget-share", args.memory_budget_share is not None),
+                                           ("--memory-budget-gib", args.memory_budget_gib is not None),
+                                           ("--no-bias", args.no_bias), ("--activation", args.activation != "gelu"),
+                                           ("--top-k", args.top_k != 2)) if given]
+    if layer_only:
+        raise ValueError(f"--step times a preset's whole training step: drop {', '.join(layer_only)} (layer-bench "
+                         f"options; the preset fixes the model's shape)")
+    on_gpu = torch.cuda.is_available()
+    settings = StepSettings(
+        model=args.model or ("gpt-xl" if on_gpu else "tiny-gpt"),
+        tokens=_split(args.tokens, int) if args.tokens else ([8192, 16384, 32768] if on_gpu else [256]),
+        micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
+        emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
+        transfer_ctas=args.transfer_ctas, num_experts=args.experts, routings=tuple(_split(args.routing)),
+        grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
+        **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
+                                           ("strategies", args.strategies and tuple(_split(args.strategies))),
+                                           ("repeats", args.repeats), ("rounds", args.rounds)) if value is not None})
+    return run_and_write(settings, args.out, args.tracking_uri, args.experiment,
+                         lambda line: print(line, flush=True))
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -988,18 +1028,26 @@ def run(args) -> int:
         with open(args.import_json) as f:
             log_to_mlflow(json.load(f), args.tracking_uri, args.experiment)
         return 0
+    if args.step:
+        return run_step(args)
+    step_only = [flag for flag, given in (("--micro-batches", args.micro_batches != "1"),
+                                          ("--schedule", args.schedule != "sequential")) if given]
+    if step_only:
+        raise ValueError(f"{' and '.join(step_only)} time a whole training step: add --step (or drop them)")
     on_gpu = torch.cuda.is_available()
     settings = BenchSettings(
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
-        num_experts=args.experts, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
-        partitions=tuple(_split(args.partitions, int)), strategies=tuple(_split(args.strategies)),
-        grid=not args.no_grid, warmup=args.warmup, repeats=args.repeats, rounds=args.rounds,
+        num_experts=args.experts or 8, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
+        partitions=tuple(_split(args.partitions or "1,2,4,8", int)),
+        strategies=tuple(_split(args.strategies or "none,S1,S2,S3,S4")), grid=not args.no_grid, warmup=args.warmup,
+        repeats=3 if args.repeats is None else args.repeats, rounds=5 if args.rounds is None else args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, comm_sms=args.comm_sms,
         trace=args.trace,
-        layers=args.layers, checkpointing=args.checkpointing, memory_budget_share=args.memory_budget_share,
+        layers=1 if args.layers is None else args.layers, checkpointing=args.checkpointing,
+        memory_budget_share=args.memory_budget_share,
         memory_budget_gib=args.memory_budget_gib)
     require_peers(settings.peers)
     device = device_name(torch.device("cuda")) if on_gpu else "cpu"

@@ -9,6 +9,7 @@ import torch
 
 from app.layer_shapes import LAYER_SHAPES
 from app.records import RecordMeta
+from app.routing_replay import routing_push
 from moe_engine import FasterMoE, MoEConfig
 
 FASTERMOE_GROUP_SIZE = 4  # FasterMoE's peers per exchange step (layers.FasterMoE's default, FasterMoE's own)
@@ -26,12 +27,18 @@ def peak_memory_bytes(step, device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - baseline
 
 
-def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str) -> torch.Tensor:
-    """This rank's tokens; ``skewed`` pushes the first half of them towards expert 0."""
+def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str, top_k: int = 2) -> torch.Tensor:
+    """This rank's tokens; ``skewed`` pushes the first half of them towards expert 0,
+    ``replay:FILE`` each towards top-k experts drawn from the file's most imbalanced layer
+    (app/routing_replay.py)."""
     x = torch.randn(tokens, router_weight.shape[1], device=router_weight.device, dtype=router_weight.dtype)
     if routing == "skewed":
         hot = router_weight[0].float()
         x[: tokens // 2] += (8.0 * hot / hot.norm()).to(x.dtype)
+    elif routing != "uniform":
+        push = routing_push(routing, router_weight, tokens, top_k)
+        if push is not None:
+            x += push
     return x
 
 

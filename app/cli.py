@@ -11,6 +11,7 @@
     mpipemoe simulate         # predict a cluster's MoE layer and training step from measured parts
     mpipemoe generate         # continue a prompt with a trained run (greedy or top-k sampling)
     mpipemoe export           # a trained run as model.safetensors + config.json + tokenizer.json
+    mpipemoe routing          # a training run's per-expert loads as a routing file the benches replay
     mpipemoe tracking import  # send metrics kept while the MLflow tracking server was unreachable
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -41,6 +42,7 @@ SUBCOMMANDS = {
     "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
     "generate": ("app.generate", "continue a prompt with a trained run's newest checkpoint"),
     "export": ("app.export", "write a trained run as model.safetensors, config.json and tokenizer.json"),
+    "routing": ("app.routing", "save the per-expert loads a training run logged, for the benches to replay"),
     "tracking": ("app.tracking_import", "send metrics a run kept while its MLflow tracking server was unreachable"),
 }
 

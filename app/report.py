@@ -17,7 +17,8 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate_report.py).
 6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity_report.py).
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
-   app/emulated_report.py). Emulated runs never enter sections 1–4.
+   app/emulated_report.py), and 7b their training steps (``mpipemoe bench --step``;
+   app/step_report.py). Emulated runs never enter sections 1–4.
 8. training runs' validation loss and per-expert load over steps (app/training_report.py).
 9. memory against time: every setting of a bench point, time and memory relative to the
    peer (torchtitan) or FastMoE (app/memory_time.py); stacks of layers (``mpipemoe bench
@@ -43,6 +44,7 @@ from pathlib import Path
 
 from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
+from app.step_report import load_steps, section_steps
 from app.memory_time import as_float as _float, as_int as _int, load_memory_time, section_memory_time
 from app.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.simulate_report import load_simulations, section_simulations
@@ -555,14 +557,15 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
                  simulations: list[dict] | None = None, capacities: list[dict] | None = None,
                  emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None,
-                 memory_time: list[dict] | None = None) -> Path:
+                 memory_time: list[dict] | None = None, steps: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.simulate_report.load_simulations`` (section 5 when there are any);
     ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
     ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
     when there are any); ``training``: rows of ``app.training_report.load_training_curves``
     (section 8 when there are any); ``memory_time``: rows of ``app.memory_time.load_memory_time``
-    (section 9 when a stack, or a layer with peak memory, was measured)."""
+    (section 9 when a stack, or a layer with peak memory, was measured); ``steps``: rows of
+    ``app.step_report.load_steps`` (7b, the training steps of ``bench --step``, when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -591,6 +594,8 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
         lines += section_capacity(capacities)
     if emulated and emulated[0]:  # section 7 only where `mpipemoe bench --emulate` logged something
         lines += section_emulated(*emulated, out)
+    if steps:  # 7b only where `mpipemoe bench --step` logged something
+        lines += section_steps(steps)
     if training:  # section 8 only where training runs logged a validation loss or load metrics
         lines += section_training(training, out)
     if memory_time:  # section 9 only where a bench point has memory figures, or is a stack
@@ -653,7 +658,8 @@ def run(args: argparse.Namespace) -> int:
                   capacities=load_capacity_runs(tracking_uri, args.experiment),
                   emulated=load_emulated(tracking_uri, args.experiment),
                   training=load_training_curves(tracking_uri, args.experiment),
-                  memory_time=load_memory_time(tracking_uri, args.experiment))
+                  memory_time=load_memory_time(tracking_uri, args.experiment),
+                  steps=load_steps(tracking_uri, args.experiment))
     left_out = unfinished_runs(tracking_uri, args.experiment)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))

@@ -15,6 +15,7 @@ COMPARE = "compare"              # the parent of mpipemoe train --engines (app/t
 CAPACITY = "capacity"            # one engine's batch-size search (app/capacity.py)
 BENCH = "bench"                  # one measured layer configuration (app/bench.py)
 BENCH_SUMMARY = "bench-summary"  # one model and token count of a bench, over engines (app/bench.py)
+BENCH_STEP = "bench-step"        # one engine's training step on an emulated cluster (app/bench_step.py)
 SIMULATE = "simulate"            # one simulated configuration (app/simulate.py)
 STUDY = "study"                  # the parent run of a sweep (app/sweep.py)
 

@@ -435,6 +435,9 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
             if r["engine"] not in ENGINES:
                 continue
             cluster = cluster_of(r)
+            if r.get("kind") == "step":  # `mpipemoe bench --step`: the whole training step
+                rows.append(_step_row(os.path.basename(path), r, cluster, parts))
+                continue
 
             def shape_at(tokens, r=r):
                 return LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], tokens, r["top_k"], r["activation"],
@@ -470,6 +473,34 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
     return {"rows": rows, "summary": _summary(rows)}
 
 
+def _step_row(source: str, r: dict, cluster, parts) -> dict:
+    """A step record (app/bench_step.py) against `simulator.simulate_step` for its model,
+    tokens, micro-batches and setting, the reduction overlapped with the last backward as
+    the bench models it. Step rows carry what layer rows do (no host probe, no dilation)."""
+    from moe_sim.simulator import ModelShape, simulate_step
+
+    model = ModelShape(r["d_model"], r["d_hidden"], r["layers"], r["num_heads"], r["seq_len"], r["num_experts"],
+                       r["top_k"], r["activation"], r["vocab_size"], r["causal"])
+    sim = simulate_step(r["engine"], model, r["tokens"], cluster, parts, r["partitions"], r["strategy"],
+                        dtype_bytes=2 if r["dtype"] in ("bfloat16", "float16") else 4,
+                        micro_batches=r["micro_batches"], overlap_reduction=True)
+    error = sim.step_s * 1e3 / r["step_ms"] - 1
+    measured_peak = r.get("peak_memory_bytes")
+    busy = {"moe": sim.moe_s * 1e3, "dense": sim.dense_s * 1e3, "reduction": sim.exposed_reduction_s * 1e3,
+            "optimizer": sim.optimizer_s * 1e3}
+    return {"source": source, "kind": "step", "measured_as": r.get("measured_as", "emulated"),
+            "routing": r.get("routing", "uniform"), "model": f"{r['model']} x{r['layers']} K={r['micro_batches']}",
+            "tokens": r["tokens"], "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
+            "strategy": r["strategy"], "measured_ms": r["step_ms"], "measured_ms_std": r.get("step_ms_std"),
+            "simulated_ms": sim.step_s * 1e3, "error": error, "measured_peak_bytes": measured_peak,
+            "simulated_peak_bytes": sim.peak_bytes,
+            "memory_error": sim.peak_bytes / measured_peak - 1 if measured_peak else None,
+            "memory_model_current": True, "busy_ms": busy,
+            "term_off": (max(busy, key=lambda k: busy[k]) + " (largest part)") if abs(error) > TOLERANCE else "",
+            "host_probe_ms": None, "host_matched_ms": None, "host_matched_error": None, "network_dilation": None,
+            "dilated_ms": None, "dilated_error": None}
+
+
 def _summary(rows: list[dict]) -> dict:
     summary = {}
     for source in sorted({r["source"] for r in rows}):
@@ -477,7 +508,7 @@ def _summary(rows: list[dict]) -> dict:
         errors = sorted(abs(r["error"]) for r in mine)
         memory = [abs(r["memory_error"]) for r in mine
                   if r["memory_error"] is not None and r.get("memory_model_current", True)]
-        host_bound = [r for r in mine if r["busy_ms"]["host"] >= 0.8 * r["simulated_ms"]]
+        host_bound = [r for r in mine if r["busy_ms"].get("host", 0.0) >= 0.8 * r["simulated_ms"]]
         matched = sorted(abs(r["host_matched_error"]) for r in mine if r.get("host_matched_error") is not None)
         summary[source] = {
             "records": len(mine), "within_15pct": sum(e <= TOLERANCE for e in errors),
@@ -581,7 +612,7 @@ def _spot_check(parts, bench_paths: list[str]) -> list:
     records = []
     for path in bench_paths:
         with open(path) as f:
-            records += json.load(f)["records"]
+            records += [r for r in json.load(f)["records"] if r.get("kind") != "step"]  # layers only
     out = []
     for s in checks:
         match = next((r for r in records if r["model"] == s["model"] and r["tokens"] == s["tokens"]

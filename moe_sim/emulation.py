@@ -247,6 +247,25 @@ def _build_wait_kernels():
     return SimpleNamespace(spin_for_ns=spin_for_ns, stamp_now=stamp_now, spin_until=spin_until)
 
 
+@dataclass
+class EmulatedTiming:
+    """How the emulated collectives of a group (and its `for_peer_steps` siblings, which share
+    this object) take their modelled time. Set by the step benchmark (app/bench_step.py).
+
+    scale: the modelled seconds are waited this many times over: 1 (default) as modelled; 0
+           runs the copies with no wait (the step's compute timed alone, or without its
+           All-to-Alls); the log keeps the modelled seconds either way.
+    link:  a CUDA stream standing for the node's network link, or None (default). When set,
+           every All-to-All's wait runs on it, after the copy, with the issuing stream waiting
+           for it, and other modelled traffic (the data-parallel reduction) queues there too:
+           transfers that share the NICs take their time one after another, so no step can
+           beat the sum of its modelled transfers.
+    """
+
+    scale: float = 1.0
+    link: "torch.cuda.Stream | None" = None
+
+
 @dataclass(frozen=True)
 class EmulatedCall:
     """One collective as rank 0 issued it, with its modelled network time."""
@@ -304,6 +323,7 @@ class EmulatedExpertGroup(ExpertGroup):
         self.clock = WallClockWait(cluster.transfer_ctas)
         self.calls: list[EmulatedCall] | None = [] if keep_log else None
         self.dilation: dict | None = None  # WallClockWait.measure_dilation's answer, when measured
+        self.timing = EmulatedTiming()  # shared with the for_peer_steps siblings (copy.copy)
         self._seconds: dict[tuple, float] = {}       # price per (splits, row bytes): passes repeat them
         self._source_steps: dict[tuple, torch.Tensor] = {}
         self._free_transfers = False  # within `free_transfers()`
@@ -449,18 +469,49 @@ class EmulatedExpertGroup(ExpertGroup):
     def _transfer(self, output: torch.Tensor, input: torch.Tensor, input_splits: Sequence[int],
                   seconds: float) -> None:
         """Local, on the current stream: the rows' copy, then the wait until `seconds` after the
-        copy started (the copy is part of the modelled transfer, not extra time). Nothing
-        within `free_transfers()`."""
+        copy started (the copy is part of the modelled transfer, not extra time). With a
+        `timing.link`, the wait runs there after the copy and the current stream waits for it.
+        Nothing within `free_transfers()`."""
         if self._free_transfers:
+            return
+        seconds *= self.timing.scale
+        link = self.timing.link
+        if link is not None and output.is_cuda and seconds > 0:
+            fill_from_own_block(output, input, input_splits)
+            self.occupy_link(seconds, output.device)
             return
         started = self.clock.start(output.device) if output.is_cuda and seconds > 0 else None
         fill_from_own_block(output, input, input_splits)
         if started is not None:
             self.clock.wait_since(started, seconds)
 
+    def occupy_link(self, seconds: float, device: torch.device, *, wait: bool = True) -> None:
+        """Local. `seconds` of modelled traffic on `timing.link` (CUDA; nothing elsewhere): the
+        link waits for the current stream's work so far, then holds for `seconds`; with `wait`
+        the current stream waits for the link (a transfer the caller needs), without it the
+        traffic runs beside the caller's work (the data-parallel reduction: its user waits
+        for the link later). Without a link, the current stream holds for `seconds`."""
+        if device.type != "cuda" or seconds <= 0:
+            return
+        link = self.timing.link
+        if link is None:
+            self.clock.sleep(seconds, device)
+            return
+        current = torch.cuda.current_stream(device)
+        link.wait_stream(current)
+        with torch.cuda.stream(link):
+            self.clock.sleep(seconds, device)
+        if wait:
+            current.wait_stream(link)
+
     def _occupy_current_stream(self, seconds: float, device: torch.device) -> None:
         if device.type == "cuda":
-            self.clock.sleep(seconds, device)
+            self.clock.sleep(seconds * self.timing.scale, device)
+
+    def occupy(self, seconds: float, device: torch.device) -> None:
+        """Local. The current stream of `device` holds for `seconds` of modelled time (scaled
+        by `timing.scale`), as a blocking collective would (CUDA; nothing elsewhere)."""
+        self._occupy_current_stream(seconds, device)
 
     def _log(self, kind: str, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
              input_splits: Sequence[int], seconds: float) -> None:

@@ -829,6 +829,9 @@ class StepResult:
     peak_bytes: int
     state_bytes: int           # float32 master parameters, gradients, AdamW moments + compute copy
     activation_bytes: int      # saved for backward over all layers
+    micro_batches: int = 1
+    exposed_reduction_s: float = 0.0  # the part of all_reduce_s the last backward did not hide
+    small_collectives_s: float = 0.0  # the losses' and the gradient norm's all-reduces
 
 
 def dense_flops_per_s(parts, d_model: int, d_hidden: int, rows: int) -> float:
@@ -846,9 +849,18 @@ def memory_bytes_per_s(parts, d_model: int) -> float:
 
 def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster, parts, partitions: int = 1,
                   strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2,
-                  shard_dense: bool = False) -> StepResult:
+                  shard_dense: bool = False, micro_batches: int = 1, overlap_reduction: bool = False) -> StepResult:
     """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank,
     trained as ``workers/loop.py`` does: float32 master weights, compute in ``dtype_bytes``.
+
+    ``tokens`` per rank per step in ``micro_batches`` micro-batches, each priced at its
+    share of the tokens, one after another (the sequential schedule). ``overlap_reduction``:
+    the dense gradients' reduction runs beside the last micro-batch's backward, as DDP's
+    buckets do (and `mpipemoe bench --step` models): it starts once the first bucket is
+    ready (after the head's and the last block's backward) and only what outlasts the rest
+    of that backward is exposed; without it the reduction follows the backward (the
+    simulator's earlier, serial price). The step's two small collectives (losses, norm) are
+    priced by the network model.
 
     The MoE layer is simulated (simulate_layer) and repeated per block; the dense parts are
     their FLOPs at the GPU's GEMM rate (attention kernels assumed at that rate too) plus
@@ -860,9 +872,13 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     the parameters, each block's saved activations (attention: 7·T·D values and the softmax
     statistics; MoE: memory.predict_memory), the largest MoE working set and the logits.
     """
-    layer_shape = model.layer(tokens)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1 \
+            or tokens % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches!r} is invalid: give a count >= 1 that divides tokens={tokens}")
+    K = micro_batches
+    layer_shape = model.layer(tokens // K)
     moe = simulate_layer(engine, layer_shape, cluster, parts, partitions, strategy, group_size)
-    D, T, S = model.d_model, tokens, model.seq_len
+    D, T, S = model.d_model, tokens // K, model.seq_len
     rate = dense_flops_per_s(parts, D, model.d_hidden, T)
     bandwidth = memory_bytes_per_s(parts, D)
     attention = 2 * T * 4 * D * D + 4 * T * S * D * (0.5 if model.causal else 1.0)
@@ -882,6 +898,12 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     state = 16 * master + (params * dtype_bytes if dtype_bytes != 4 else 0)
     working = max(memory.forward_working_bytes, memory.backward_working_bytes)
     peak = state + activations + working + T * model.vocab_size * 4
-    step = model.num_layers * moe.total_s + dense + reduce + optimizer
-    return StepResult(engine, moe.partitions, moe.strategy, step, model.num_layers * moe.total_s, dense, reduce,
-                      optimizer, peak, state, activations)
+    small = 2 * small_collective_s(cluster.network, cluster.layout) if W > 1 else 0.0
+    exposed = reduce
+    if overlap_reduction:
+        backward = model.num_layers * (moe.backward_s + 2 * attention / rate + 2 * elementwise) + 2 * head / rate
+        first_bucket = (backward - 2 * head / rate) / model.num_layers + 2 * head / rate
+        exposed = max(0.0, reduce - (backward - first_bucket))
+    step = K * (model.num_layers * moe.total_s + dense) + exposed + optimizer + small
+    return StepResult(engine, moe.partitions, moe.strategy, step, K * model.num_layers * moe.total_s, K * dense, reduce,
+                      optimizer, peak, state, activations, K, exposed, small)

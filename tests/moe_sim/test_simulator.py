@@ -587,3 +587,43 @@ def test_validation_skips_the_records_of_peers_and_the_dense_floor(parts, tmp_pa
     path.write_text(json.dumps(bench))
     rows = validate([str(path)], parts, printer=lambda *_: None)["rows"]
     assert [r["engine"] for r in rows] == [r["engine"] for r in ours]
+
+
+def test_a_step_of_micro_batches_prices_each_and_hides_the_reduction_behind_the_last_backward(parts):
+    model = ModelShape(2048, 8192, 4, 16, 1024, 64)
+    layer = simulate_layer("mpipemoe", model.layer(8192), _cluster(8), parts, 2, "S4")
+    serial = simulate_step("mpipemoe", model, 16384, _cluster(8), parts, 2, "S4", micro_batches=2)
+    assert serial.micro_batches == 2 and serial.moe_s == pytest.approx(2 * 4 * layer.total_s)
+    assert serial.exposed_reduction_s == serial.all_reduce_s > 0 and serial.small_collectives_s > 0
+    hidden = simulate_step("mpipemoe", model, 16384, _cluster(8), parts, 2, "S4", micro_batches=2,
+                           overlap_reduction=True)
+    assert 0 <= hidden.exposed_reduction_s < hidden.all_reduce_s
+    assert serial.step_s - hidden.step_s == pytest.approx(serial.all_reduce_s - hidden.exposed_reduction_s)
+    with pytest.raises(ValueError, match="micro_batches=3 is invalid"):
+        simulate_step("mpipemoe", model, 16384, _cluster(8), parts, micro_batches=3)
+
+
+def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_path):
+    """A step record of `mpipemoe bench --step` (app/bench_step.py): its model, micro-batches and
+    setting on its emulated cluster, the reduction overlapped with the last backward."""
+    meta = {"measured_as": "emulated", "nodes": 8, "gpus_per_node": 8, "network": "dgx-h200", "world_size": 64,
+            "kind": "step"}
+    step = {"kind": "step", "engine": "mpipemoe", "chosen_by": "grid", "partitions": 2, "strategy": "S4",
+            "model": "gpt-xl", "layers": 4, "tokens": 16384, "micro_batches": 2, "seq_len": 1024, "d_model": 2048,
+            "d_hidden": 8192, "num_heads": 16, "num_experts": 64, "top_k": 2, "activation": "gelu", "vocab_size": 259,
+            "causal": True, "dtype": "bfloat16", "routing": "uniform", "step_ms": 200.0, "peak_memory_bytes": None}
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps({"meta": meta, "records": [step]}))
+    row = validate([str(path)], parts, printer=lambda *_: None)["rows"][0]
+    model = ModelShape(2048, 8192, 4, 16, 1024, 64)
+    h200 = Cluster(ClusterLayout(8, 8), PRESETS["dgx-h200"])
+    expected = simulate_step("mpipemoe", model, 16384, h200, parts, 2, "S4", micro_batches=2, overlap_reduction=True)
+    assert row["kind"] == "step" and row["simulated_ms"] == pytest.approx(expected.step_s * 1e3)
+    assert row["error"] == pytest.approx(expected.step_s * 1e3 / 200.0 - 1)
+    # the parts' spot check re-timed layers: a step record of the same model and setting is not one
+    from app.simulate import _spot_check
+
+    spot_parts = type("Parts", (), {"notes": {"spot_check": [{"model": "gpt-xl", "tokens": 16384,
+                                                              "engine": "mpipemoe", "partitions": 2, "strategy": "S4",
+                                                              "fwd_bwd_ms": 20.0}]}})()
+    assert "committed_ms" not in _spot_check(spot_parts, [str(path)])[0]

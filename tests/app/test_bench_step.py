@@ -1,0 +1,226 @@
+"""Tier 1: ``mpipemoe bench --step`` (app/bench_step.py) on CPU: the bound and its check with
+controlled numbers, the modelled data-parallel reduction against DDP's buckets and the
+network model, the parameters shared by the engines' models, and every field of a real
+tiny run's records with the bound's terms consistent with the modelled collectives."""
+import json
+
+import pytest
+import torch
+
+from app.bench_step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
+                            build_variants, check_bounds, step_bound_ms)
+from app.cli import main
+from lm.model import param_counts
+from moe_sim.emulation import EmulatedCluster
+from moe_sim.network import all_reduce_s
+
+
+def test_the_bound_is_the_longer_of_compute_and_the_link():
+    assert step_bound_ms(10.0, 4.0, 3.0) == 10.0
+    assert step_bound_ms(5.0, 4.0, 3.0) == 7.0
+    record = {"step_ms": 9.0, "compute_ms": 5.0, "no_all_to_all_ms": 6.5, "all_to_all_ms": 4.0, "reduction_ms": 3.0}
+    add_bound_account(record)
+    assert record["step_bound_ms"] == 7.0 and record["communication_ms"] == 7.0
+    assert record["exposed_all_to_all_ms"] == pytest.approx(2.5)
+    assert record["step_vs_bound"] == pytest.approx(9.0 / 7.0 - 1) and record["below_bound"] is False
+
+
+def test_a_record_below_its_bound_fails_the_check_and_is_named():
+    base = {"model": "gpt-xl", "tokens": 32768, "micro_batches": 2, "routing": "uniform", "engine": "mpipemoe",
+            "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_bound_ms": 100.0}
+    check_bounds([{**base, "step_ms": BOUND_SLACK * 100.0}])  # at the slack: allowed
+    check_bounds([{**base, "step_ms": 100.0, "step_bound_ms": None}])  # no bound (no compute timing): nothing
+    with pytest.raises(BoundViolation, match=r"1 step record.*gpt-xl 32768 tok K=2 uniform mpipemoe grid n=4/S4: "
+                                             r"97\.90 ms < 0\.98 x bound 100\.00"):
+        check_bounds([{**base, "step_ms": 97.9}, {**base, "step_ms": 120.0}])
+
+
+def test_the_reduction_takes_ddps_buckets_priced_as_ring_all_reduces_in_the_last_micro_batch():
+    cluster = EmulatedCluster.parse("2x4", "dgx-h200")
+    group = cluster.build()
+    big = [torch.nn.Parameter(torch.zeros(4 * 2**20)) for _ in range(3)]  # 16 MiB of float32 gradients each
+    reduction = GradientReduction(big, group, torch.device("cpu"))
+    # reverse order, 25 MiB buckets: [p2, p1] (32 MiB) then [p0]
+    assert [[id(p) for p in b.params] for b in reduction.buckets] == [[id(big[2]), id(big[1])], [id(big[0])]]
+    expected = [all_reduce_s(cluster.network, cluster.layout, 32 * 2**20), all_reduce_s(cluster.network,
+                                                                                         cluster.layout, 16 * 2**20)]
+    assert [b.seconds for b in reduction.buckets] == pytest.approx(expected)
+    loss = sum((p * 2).sum() for p in big)
+    loss.backward()  # not armed (an earlier micro-batch): nothing issued
+    assert reduction.issued == []
+    reduction.arm()
+    (sum((p * 2).sum() for p in big[1:])).backward()  # p0's gradient never comes: finish issues its bucket
+    assert reduction.issued == pytest.approx(expected[:1])
+    reduction.finish()
+    assert reduction.issued == pytest.approx(expected) and reduction.seconds == pytest.approx(sum(expected))
+    reduction.remove()
+
+
+def test_the_engines_models_share_one_set_of_parameters():
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", partitions=(2,),
+                            strategies=("S4",))
+    variants = build_variants(settings, settings.preset(), settings.cluster.build(), torch.device("cpu"))
+    assert [(v.engine, v.chosen_by) for v in variants] == [("fastmoe", "baseline"), ("fastermoe", "baseline"),
+                                                           ("mpipemoe", "auto"), ("mpipemoe", "grid")]
+    first = dict(variants[0].model.named_parameters())
+    for variant in variants[1:]:
+        assert all(param is first[name] for name, param in variant.model.named_parameters())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tokens", "100"], "whole sequences of 64 tokens; give a multiple of 128"),
+    (["--schedule", "interleaved"], "--schedule 'interleaved' is unknown"),
+    (["--routing", "replay:/nonexistent.json"], "no such file"),
+    (["--experts", "6"], "multiple of the 4 emulated ranks"),
+    (["--peers", "torchtitan"], "drop --peers"),
+    (["--layers", "0"], "--layers 0 is invalid"),
+])
+def test_bad_step_flags_name_the_flag_and_the_fix(flags, message, capsys):
+    argv = ["bench", "--step", "--model", "tiny-gpt", "--emulate", "2x2", "--tokens", "128", "--micro-batches", "2",
+            "--tracking-uri", "none", *flags]
+    assert main(argv) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_step_flags_without_step_are_refused(capsys):
+    assert main(["bench", "--micro-batches", "2", "--tracking-uri", "none"]) != 0
+    assert "--micro-batches time a whole training step: add --step" in capsys.readouterr().err
+
+
+def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--micro-batches", "2", "--partitions", "2", "--strategies", "S4", "--rounds", "1", "--repeats", "1",
+                 "--warmup", "0", "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["kind"] == "step" and result["meta"]["emulated_cluster"] == "1x2"
+    assert {"command", "date", "hardware", "git_commit", "torch"} <= result["meta"].keys()
+    records = result["records"]
+    assert [(r["engine"], r["chosen_by"]) for r in records] == [("fastmoe", "baseline"), ("fastermoe", "baseline"),
+                                                                ("mpipemoe", "auto"), ("mpipemoe", "grid")]
+    cluster = EmulatedCluster.parse("1x2", "dgx-a100")
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2")
+    model = build_variants(settings, settings.preset(), cluster.build(), torch.device("cpu"))[0].model
+    reduction_ms = 1e3 * all_reduce_s(cluster.network, cluster.layout, 4 * param_counts(model)["params_replicated"])
+    for r in records:
+        for key in ("kind", "engine", "chosen_by", "schedule", "model", "layers", "tokens", "micro_batches", "network",
+                    "routing", "step_ms", "step_bound_ms", "all_to_all_ms", "exposed_all_to_all_ms", "mfu",
+                    "peak_memory_bytes", "timeline", "transfer_ctas", "measured_as", "device", "expert_load"):
+            assert key in r, key
+        assert (r["kind"], r["schedule"], r["layers"], r["tokens"], r["micro_batches"], r["network"], r["routing"]) \
+            == ("step", "sequential", 1, 128, 2, "dgx-a100", "uniform")
+        assert r["reduction_ms"] == pytest.approx(reduction_ms)  # one bucket: the tiny model's dense gradients
+        assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] == pytest.approx(
+            max(r["compute_ms"], r["all_to_all_ms"] + r["reduction_ms"]))
+        assert sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-3)
+    auto = records[2]  # its bound terms are its grid twin's when the grid has its setting
+    assert (auto.get("bound_terms_from") == "grid twin") == ((auto["partitions"], auto["strategy"]) == (2, "S4"))
+    assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe |" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_bound(tmp_path):
+    """A slow network (1 GB/s links) makes the transfers milliseconds: FastMoE's step, which
+    overlaps nothing but the reduction, takes at least its link time; the All-to-Alls are
+    partly exposed; the compute alone is shorter than the step; and the run's own check
+    (no record below 0.98x its bound) passes."""
+    network = tmp_path / "slow.json"
+    network.write_text(json.dumps({"name": "slow", "intra_bytes_per_s": 1e9, "inter_bytes_per_s": 1e9}))
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "2", "--emulate", "2x2", "--network",
+                 str(network), "--tokens", "4096", "--micro-batches", "1,2", "--partitions", "1,2",
+                 "--strategies", "none,S4", "--rounds", "2", "--repeats", "2", "--tracking-uri", "none",
+                 "--out", str(out), "--trace", str(tmp_path / "traces")]) == 0
+    records = json.loads(out.read_text())["records"]
+    for r in records:
+        assert r["step_ms"] >= BOUND_SLACK * r["step_bound_ms"] and r["mfu"] is not None and r["peak_memory_bytes"]
+        assert r["timeline"]["comm_busy_ms"] > 0  # the waits on the link stream are communication
+    for r in (r for r in records if r["engine"] == "fastmoe"):
+        assert r["step_ms"] >= 0.98 * (r["all_to_all_ms"] + r["reduction_ms"]) and r["all_to_all_ms"] > 1.0
+        assert r["exposed_all_to_all_ms"] > 0.5 * r["all_to_all_ms"] and r["compute_ms"] < r["step_ms"]
+
+
+def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe():
+    from app.step_report import section_steps, step_summaries
+
+    point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
+             "tokens": 32768.0, "micro_batches": 2.0}
+    rows = [{**point, "engine": "fastmoe", "chosen_by": "baseline", "partitions": 1, "strategy": "none",
+             "step_ms": 300.0},
+            {**point, "engine": "fastermoe", "chosen_by": "baseline", "partitions": 16, "strategy": "none",
+             "step_ms": 240.0},
+            {**point, "engine": "mpipemoe", "chosen_by": "auto", "partitions": 2, "strategy": "S4", "step_ms": 250.0},
+            {**point, "engine": "mpipemoe", "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_ms": 220.0,
+             "step_bound_ms": 200.0, "all_to_all_ms": 40.0, "exposed_all_to_all_ms": 4.0, "mfu": 0.31},
+            {**point, "engine": "mpipemoe", "chosen_by": "grid", "partitions": 4, "strategy": "S4", "step_ms": 210.0,
+             "step_bound_ms": 200.0, "all_to_all_ms": 40.0, "exposed_all_to_all_ms": 2.0, "mfu": 0.32}]  # a rerun
+    [summary] = step_summaries(rows)
+    assert summary["best_setting"] == "4/S4" and summary["best_step_ms"] == 210.0  # the last logged counts
+    assert summary["best_vs_fastmoe"] == pytest.approx(300 / 210) and summary["best_vs_fastermoe"] == pytest.approx(
+        240 / 210)
+    assert summary["auto_vs_fastermoe"] == pytest.approx(240 / 250) and summary["best_exposed_share"] == 0.05
+    assert summary["best_vs_bound"] == pytest.approx(1.05)
+    line = section_steps(rows)[-2]
+    assert line.startswith("| dgx-h200 | 8x8 | gpt-xl | 4 | uniform | 32768 | 2 | 300.0 | 240.0 | 250.0 | 210.0 (4/S4)")
+    assert "**0.96x**" in line and "| 5% | 32.0% |" in line
+
+
+def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
+    import app.bench_step as bench_step
+
+    def one_then_stop(settings, device, log):
+        log({"model": "tiny-gpt", "routing": "uniform", "tokens": 128, "micro_batches": 1, "engine": "fastmoe",
+             "chosen_by": "baseline", "partitions": 1, "strategy": "none", "step_ms": 5.0, "step_ms_std": 0.1,
+             "layers": 1, "all_to_all_ms": 0.1, "reduction_ms": 0.1})
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(bench_step, "run_step_bench", one_then_stop)
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--emulate", "1x2", "--tokens", "128",
+                 "--tracking-uri", "none", "--out", str(out)]) == 130
+    result = json.loads(out.read_text())
+    assert result["meta"]["complete"] is False and [r["engine"] for r in result["records"]] == ["fastmoe"]
+    assert "| tiny-gpt | 1 | uniform | 128 | 1 | fastmoe |" in (tmp_path / "step.md").read_text()
+
+
+def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
+    """training_step (two micro-batches) against a plain loop: each micro-batch's
+    (lm + 0.01 aux) / K backward, expert gradients / W, the clip to 1.0, AdamW; the same
+    model (FastMoE on the emulated group) from the same weights."""
+    import copy
+
+    from app.bench_step import GRAD_CLIP, LR, StepParts, step_batches, training_step
+    from lm.model import lm_loss
+    from workers.distributed import DenseParallel
+    from workers.loop import build_optimizer
+
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2")
+    group = settings.cluster.build()
+    model = build_variants(settings, settings.preset(), group, torch.device("cpu"))[0].model
+    reference = copy.deepcopy(model)
+    parallel = DenseParallel(model)
+    reduction = GradientReduction(parallel.dense, group, torch.device("cpu"))
+    parts = StepParts(model, parallel, build_optimizer(parallel, LR, 0.1), reduction, group, torch.device("cpu"),
+                      torch.float32)
+    batches = step_batches(settings.preset(), 128, 2, torch.device("cpu"), seed=3)
+    losses = training_step("sequential", parts, batches)
+
+    optimizer = build_optimizer(DenseParallel(reference), LR, 0.1)
+    expected = torch.zeros(2)
+    for inputs_BS, targets_BS in batches:
+        logits_BSV, aux = reference(inputs_BS)
+        loss_lm = lm_loss(logits_BSV, targets_BS)
+        ((loss_lm + 0.01 * aux) / 2).backward()
+        expected += torch.stack([loss_lm.detach(), aux.detach()]) / 2
+    for name, param in reference.named_parameters():
+        if "experts." in name:
+            param.grad /= group.size
+    torch.nn.utils.clip_grad_norm_(list(reference.parameters()), GRAD_CLIP)
+    optimizer.step()
+    assert losses == pytest.approx(expected.tolist(), rel=1e-5)
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                       build_variants(settings, settings.preset(), group,
+                                                                      torch.device("cpu"))[0].model.parameters()))
+    reduction.remove()
