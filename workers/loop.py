@@ -483,6 +483,7 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             "epoch": trainer.epoch_of(step),
             "attempt": attempt,
             **trainer.model.engine_choices(),
+            "micro_batch_schedule": trainer.schedule,  # (auto's choice; a tag, not a metric)
         }
         # 8a. collective, at log steps only: per-expert load since the last one (workers/load.py)
         last = step == config.steps or stopping
