@@ -48,7 +48,7 @@ from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import training_state_bytes
-from workers.config import NONFINITE_POLICIES, WorkerConfig, check_optimisation
+from workers.config import NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 from workers.reshard import check_worker_count
 
@@ -135,6 +135,8 @@ class TrainJob:
                                        # bfloat16 (half the memory; small updates round away; for comparison)
     shard_dense: bool = False          # FSDP2 for the dense part (params, grads, AdamW state sharded); else DDP
     grad_accum: int = 1                # micro-batches of batch_size per optimizer step
+    micro_batch_schedule: str = "sequential"  # sequential | overlapped (forward of k+1 beside backward of k) |
+                                       # auto (workers/schedules.py choose_schedule)
     keep_checkpoints: int = 2          # complete checkpoints kept (older ones are deleted); 0 = all
     async_checkpoint: bool = False     # write checkpoint shards in the background while the next step trains
     weight_decay: float = 0.1
@@ -200,6 +202,11 @@ class TrainJob:
         for field in ("shard_dense", "async_checkpoint"):
             if not isinstance(getattr(self, field), bool):
                 _fail(field, getattr(self, field), "give True or False")
+        if self.micro_batch_schedule not in SCHEDULE_CHOICES:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, f"choose one of {', '.join(SCHEDULE_CHOICES)}")
+        if self.micro_batch_schedule == "overlapped" and self.shard_dense:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, "--shard-dense (FSDP2) takes the sequential "
+                  "schedule: drop --shard-dense, or use --micro-batch-schedule sequential or auto")
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
         check_optimisation(self, _fail)
@@ -239,14 +246,18 @@ class TrainJob:
         compute dtype, for a worker's micro-batch under balanced routing), before Ray starts."""
         preset = self.model_preset()
         tokens = self.batch_size * preset.seq_len
-        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16)
+        # the overlapped schedule has two micro-batches' activations live (MemoryBudget.in_flight)
+        in_flight = 2 if self.micro_batch_schedule == "overlapped" and self.grad_accum > 1 else 1
+        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16, in_flight=in_flight)
         assert self.moe_memory_gib is not None
         if self.moe_memory_gib * 2**30 < need:
             _fail("moe_memory_gib", self.moe_memory_gib,
                   f"the leanest MPipeMoE setting (n={n}, {strategy}) needs {need / 2**30:.3g} GiB for the "
-                  f"{preset.num_layers} MoE layers of a {tokens}-token micro-batch ({self.preset}, --batch-size "
-                  f"{self.batch_size}): give --moe-memory-gib {math.ceil(need / 2**30 * 1000) / 1000:g} or more, "
-                  f"or a smaller --batch-size")
+                  f"{preset.num_layers} MoE layers of {'two' if in_flight > 1 else 'a'} {tokens}-token "
+                  f"micro-batch{'es in flight (--micro-batch-schedule overlapped)' if in_flight > 1 else ''} "
+                  f"({self.preset}, --batch-size {self.batch_size}): give --moe-memory-gib "
+                  f"{math.ceil(need / 2**30 * 1000) / 1000:g} or more, or a smaller --batch-size"
+                  + (", or --micro-batch-schedule auto" if in_flight > 1 else ""))
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
@@ -286,6 +297,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
         on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
+        micro_batch_schedule=job.micro_batch_schedule,
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
@@ -753,7 +765,7 @@ def summarize(history: list[dict]) -> dict:
     for key in ("model_tflops_per_s", "mfu"):  # model FLOPs (docs/training.md); MFU on known GPUs
         if all(key in m for m in steady):
             summary[key] = statistics.median(m[key] for m in steady)
-    for key in ("partitions", "strategy"):
+    for key in ("partitions", "strategy", "micro_batch_schedule"):
         if key in history[-1]:
             summary[key] = history[-1][key]
     evaluated = [m for m in history if "val_loss" in m]
@@ -1000,7 +1012,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                                       "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
                                       "final_val_ppl")},
                             step=summary.get("steps", 0))
-        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "checkpoint_path")
+        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "micro_batch_schedule", "checkpoint_path")
                       if summary.get(k) is not None})
         run.finish("FINISHED")
         for pruned in ckpt.prune(job.run_dir, job.keep_checkpoints):  # those of earlier fits too

@@ -30,7 +30,7 @@ from lm.data import default_data_dir
 from lm.errors import invocation
 from lm.model import PRESETS
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
-from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS
+from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 from workers.reshard import resumed_settings
 
 PRESET_NAMES = tuple(PRESETS)
@@ -162,6 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FSDP2 for the dense part: shards its parameters, gradients and AdamW state "
                              "(default: DDP, replicated); expert parameters are sharded by the MoE layer either way")
     add("--grad-accum", "micro-batches of --batch-size per optimizer step", type=int)
+    add("--micro-batch-schedule", "with --grad-accum >= 2: overlapped runs the forward of micro-batch k+1 "
+        "beside the backward of k (two micro-batches' activations live; DDP only); auto picks it when two fit "
+        "--moe-memory-gib", choices=SCHEDULE_CHOICES)
     add("--keep-checkpoints", "complete checkpoints to keep (older ones are deleted); 0 keeps all", type=int)
     parser.add_argument("--async-checkpoint", dest="async_checkpoint", action="store_true", default=None,
                         help="copy each checkpoint to host memory and write its shards while the next step trains")

@@ -178,6 +178,9 @@ class LayerNorm(nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
+STAGE_MARKS = ("mpipemoe.block.attention", "mpipemoe.block.moe")  # a block's stages in a trace
+
+
 class Block(nn.Module):
     def __init__(self, preset: ModelPreset, moe: nn.Module):
         super().__init__()
@@ -187,8 +190,12 @@ class Block(nn.Module):
         self.moe = moe
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BSD = x_BSD + self.attn(self.ln1(x_BSD))
-        moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))
+        # The two stages as named ranges of a profiler trace (the overlapped micro-batch
+        # schedule's timeline: app/timeline.py; a no-op without a profiler)
+        with torch.profiler.record_function(STAGE_MARKS[0]):
+            x_BSD = x_BSD + self.attn(self.ln1(x_BSD))                       # local
+        with torch.profiler.record_function(STAGE_MARKS[1]):
+            moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))                # collective (All-to-Alls)
         return x_BSD + moe_out_BSD, aux_loss
 
 
@@ -199,16 +206,17 @@ def preset_moe_config(preset: ModelPreset) -> MoEConfig:
 
 
 def leanest_moe_memory(preset: ModelPreset, tokens: int, world_size: int, dtype: torch.dtype,
-                       candidates: tuple[int, ...] = DEFAULT_CANDIDATES) -> tuple[int, int, str]:
+                       candidates: tuple[int, ...] = DEFAULT_CANDIDATES, in_flight: int = 1) -> tuple[int, int, str]:
     """(bytes, n, strategy): the least activation memory the MoE layers of ``preset``
     need together for ``tokens`` per rank (balanced routing), over the partition search's
-    ``candidates`` and every strategy — what a `MemoryBudget` for them must hold at least."""
+    ``candidates`` and every strategy — what a `MemoryBudget` for them must hold at least,
+    with ``in_flight`` micro-batches live at once (2: the overlapped schedule)."""
     config = preset_moe_config(preset)
     needs = []
     for n in candidates:
         for strategy in STRATEGIES:
             e = predict_memory(config, tokens, world_size, n, strategy, dtype=dtype)
-            needs.append((MemoryBudget(1, preset.num_layers).need_of(e), n, strategy))
+            needs.append((MemoryBudget(1, preset.num_layers, in_flight).need_of(e), n, strategy))
     return min(needs)
 
 
@@ -226,11 +234,15 @@ class MoETransformer(nn.Module):
                budget there is nothing to overlap nor to save, and n is 1).
     host_pool: host buffers for offloads, shared by the MoE layers (default: a new pool).
     memory_budget: bytes of activations for all MoE layers together (mpipemoe): each layer
-               gets MemoryBudget(memory_budget, layers=num_layers); None: no budget.
+               gets MemoryBudget(memory_budget, layers=num_layers, in_flight=in_flight);
+               None: no budget.
+    in_flight: micro-batches whose activations are live at once (2 under the overlapped
+               micro-batch schedule, workers/schedules.py).
     """
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
-                 partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None):
+                 partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None,
+                 in_flight: int = 1):
         super().__init__()
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -241,7 +253,8 @@ class MoETransformer(nn.Module):
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         host_pool = host_pool if host_pool is not None else HostBufferPool()
-        budget = None if memory_budget is None else MemoryBudget(memory_budget, layers=preset.num_layers)
+        budget = None if memory_budget is None else MemoryBudget(memory_budget, layers=preset.num_layers,
+                                                                     in_flight=in_flight)
         if partitions == "auto" and memory_budget is None and expert_ranks(group) == 1:
             # One rank sends no All-to-All for partitions to hide, and without a budget they
             # save no memory that is needed: one partition, the largest GEMMs (on an H200 the

@@ -85,14 +85,20 @@ class MemoryBudget:
     ``layers`` · saved + the larger working set <= ``bytes``. With layers=1 that is the
     layer's own activation peak (what an int ``memory_budget`` means).
 
+    ``in_flight``: micro-batches whose activations are live at once. The overlapped
+    micro-batch schedule (workers/schedules.py) runs one micro-batch's forward beside the
+    previous one's backward: two stacks of saved tensors and two working sets, so it
+    counts ``in_flight`` · (``layers`` · saved + working).
+
         MPipeMoE(config, memory_budget=MemoryBudget(bytes=6 * 2**30, layers=8))
     """
 
     bytes: int
     layers: int = 1
+    in_flight: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("bytes", "layers"):
+        for field in ("bytes", "layers", "in_flight"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemoryBudget.{field}={value!r} is invalid: give an integer >= 1")
@@ -109,8 +115,9 @@ class MemoryBudget:
 
     def need(self, saved_bytes: int, working_bytes: int) -> int:
         """Bytes the ``layers`` layers need when each saves ``saved_bytes`` and one pass
-        works in ``working_bytes`` (a MemoryEstimate's saved and larger working set)."""
-        return self.layers * saved_bytes + working_bytes
+        works in ``working_bytes`` (a MemoryEstimate's saved and larger working set), for
+        ``in_flight`` micro-batches at once."""
+        return self.in_flight * (self.layers * saved_bytes + working_bytes)
 
     def need_of(self, estimate: "SavedAndPeak") -> int:
         """`need` of an estimate or prediction of one layer (its saved bytes and its peak,

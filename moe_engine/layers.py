@@ -26,6 +26,9 @@ Shapes: see moe_engine's legend (moe_engine/__init__.py).
 from __future__ import annotations
 
 import collections
+import contextlib
+from typing import Iterator, Sequence
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -78,6 +81,49 @@ class MoELayerBase(nn.Module):
         # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
         # forwards never recomputed fall off the far end)
         self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
+        # Lanes of the overlapped micro-batch schedule (workers/schedules.py): lane 0 is the
+        # layer's own group and streams; lane i > 0 a process group of the same ranks and its
+        # own streams (set_lanes), so that two micro-batches in flight never pair each
+        # other's collectives nor queue behind each other's side streams.
+        self._lanes: list[tuple[ExpertGroup, dict[torch.device, StreamSet]]] = []
+
+    def set_lanes(self, groups: Sequence[dist.ProcessGroup | ExpertGroup | None]) -> None:
+        """Local. The process groups of lanes 1, 2, ... (each: the same ranks as the layer's
+        group, a distinct communicator); lane 0 stays the layer's own. Each lane gets its
+        own side streams."""
+        own = (self.group, self._streams)
+        lanes = [own]
+        for group in groups:
+            lane_group = group if isinstance(group, ExpertGroup) else ExpertGroup(group)
+            if (lane_group.size, lane_group.rank) != (self.group.size, self.group.rank):
+                raise ValueError(f"a lane's group has rank {lane_group.rank} of {lane_group.size}, the layer's "
+                                 f"{self.group.rank} of {self.group.size}: give a group of the layer's ranks")
+            lanes.append((lane_group, {}))
+        self._lanes = lanes
+
+    @property
+    def lanes(self) -> int:
+        """How many lanes the layer has (1 until `set_lanes`)."""
+        return max(1, len(self._lanes))
+
+    @contextlib.contextmanager
+    def lane(self, index: int) -> Iterator[None]:
+        """Local. Forwards inside run on lane ``index``'s group and streams (their backward
+        keeps them: a pass's PipelineRun holds its group and streams). Only the thread that
+        issues forwards may switch lanes; the planner follows the layer's group."""
+        if index == 0 and not self._lanes:
+            yield
+            return
+        if not 0 <= index < len(self._lanes):
+            raise ValueError(f"lane {index} does not exist: the layer has {self.lanes} (set_lanes adds more)")
+        previous = (self.group, self._streams)
+        self.group, self._streams = self._lanes[index]
+        self.planner.group = self.group
+        try:
+            yield
+        finally:
+            self.group, self._streams = previous
+            self.planner.group = self.group
 
     @property
     def host_bytes_held(self) -> int:

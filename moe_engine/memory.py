@@ -25,6 +25,7 @@ fit, the layer falls back to S4, which needs no host memory.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -175,6 +176,9 @@ class HostBufferPool:
         self._taken: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self.peak_request_bytes = 0  # the most bytes asked for by buffers out at once
         self._pinned: dict[int, bool] = {}  # buffer address -> allocated pinned (set at each allocation)
+        # The overlapped micro-batch schedule (workers/schedules.py) takes buffers in one
+        # micro-batch's forward while another's backward, on a second thread, gives them back.
+        self._lock = threading.RLock()
 
     def _is_pinned(self, buffer: torch.Tensor) -> bool:
         """Whether the pool allocated ``buffer`` pinned (noted then: asking the tensor is an
@@ -192,11 +196,18 @@ class HostBufferPool:
 
     def _live_taken(self) -> dict[int, tuple[StorageWeakRef, int, int]]:
         """The handed-out buffers still alive (dropped ones are forgotten)."""
-        self._taken = {ptr: entry for ptr, entry in self._taken.items() if not entry[0].expired()}
+        with self._lock:
+            self._taken = {ptr: entry for ptr, entry in self._taken.items() if not entry[0].expired()}
         return self._taken
 
     def take(self, numel: int, dtype: torch.dtype, pin: bool,
              stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Local. Thread-safe: see `_take`."""
+        with self._lock:
+            return self._take(numel, dtype, pin, stream)
+
+    def _take(self, numel: int, dtype: torch.dtype, pin: bool,
+              stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Local. A buffer of at least ``numel`` elements that no one holds and no queued
         copy still reads: the best-fitting free one (one whose copies are done if there is
         one, else the oldest, with ``stream`` (the CUDA stream that will write it) made to
@@ -229,13 +240,14 @@ class HostBufferPool:
         return buffer
 
     def give_back(self, buffer: torch.Tensor, in_use_until: torch.cuda.Event | None = None) -> None:
-        """Local. Return ``buffer`` (one `take` handed out; anything else is ignored) for
+        """Local, thread-safe. Return ``buffer`` (one `take` handed out; anything else is ignored) for
         reuse. in_use_until: a CUDA event recorded after the last queued copy that reads
         ``buffer`` (None when no copy is pending)."""
-        if self._taken.pop(buffer.data_ptr(), None) is None:
-            return
-        self._free.append((buffer, in_use_until))
-        self._release(int(self.REUSE_SLACK * self.peak_request_bytes))
+        with self._lock:
+            if self._taken.pop(buffer.data_ptr(), None) is None:
+                return
+            self._free.append((buffer, in_use_until))
+            self._release(int(self.REUSE_SLACK * self.peak_request_bytes))
 
     def _fits(self, numel: int, size: int, capacity: int) -> bool:
         """Whether a free buffer of ``size`` elements serves a request of ``numel`` whose new

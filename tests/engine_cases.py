@@ -162,3 +162,58 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
             load_params(layer, problem, rank)
             results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank)
     return results
+
+
+def check_micro_batch_schedules(rank: int, world_size: int, scenario_names: list, engines: list,
+                                schedule: str = "overlapped", micro_batches: int = 2) -> dict:
+    """Per rank: {(scenario, engine): {quantity: max error}} of ``micro_batches`` micro-batches
+    run by ``workers.schedules.forward_backward`` under ``schedule`` (the overlapped one: the
+    forward of k+1 beside the backward of k, each on its lane), against the reference summed
+    over the micro-batches: every micro-batch's output, aux loss and input gradient, and the
+    accumulated router and expert gradients."""
+    import dataclasses
+
+    from workers.schedules import Lanes, forward_backward
+
+    results: dict = {}
+    lanes = None
+    for scenario in SCENARIOS:
+        if scenario.name not in scenario_names:
+            continue
+        problems = [make_problem(dataclasses.replace(scenario, seed=scenario.seed + m), world_size)
+                    for m in range(micro_batches)]
+        for problem in problems:
+            problem.params = problems[0].params  # one model, different tokens per micro-batch
+            solve_reference(problem, scenario.config)
+        for spec in engines:
+            torch.manual_seed(0)
+            layer = build_engine(spec, scenario.config)
+            load_params(layer, problems[0], rank)
+            if schedule == "overlapped":
+                lanes = Lanes.create(layer) if lanes is None else lanes.reuse(layer)
+            leaves = [p.x[rank].clone().requires_grad_(True) for p in problems]
+
+            def loss_of(module, m):
+                y, aux = module(leaves[m])
+                loss = (y * problems[m].grad_y[rank]).sum() + problems[m].aux_coef * aux
+                return loss, (y.detach(), aux.detach())
+
+            records = forward_backward(layer, range(micro_batches), loss_of, schedule=schedule,
+                                       lanes=lanes if schedule == "overlapped" else None)
+            err = lambda a, b: float((a.reshape(b.shape).double() - b).abs().max()) if b.numel() else 0.0  # noqa: E731
+            errors = {}
+            for m, (problem, (y, aux)) in enumerate(zip(problems, records)):
+                errors[f"y[{m}]"] = err(y, problem.ref_y[rank])
+                errors[f"aux_loss[{m}]"] = err(aux, problem.ref_aux[rank])
+                errors[f"dx[{m}]"] = err(leaves[m].grad, problem.ref_dx[rank])
+            errors["router.weight.grad"] = err(layer.router.weight.grad,
+                                               sum(p.ref_router_grad[rank] for p in problems))
+            L = layer.local_experts
+            for name, param in layer.named_parameters():
+                if name.startswith("experts."):
+                    ref = sum(p.ref_expert_grads[name] for p in problems)[rank * L:(rank + 1) * L]
+                    errors[name + ".grad"] = err(param.grad if param.grad is not None else torch.zeros_like(param), ref)
+            results[(scenario.name, spec)] = errors
+    if lanes is not None:
+        lanes.close()
+    return results

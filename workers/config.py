@@ -16,6 +16,8 @@ from lm.data import MASK_ID
 from lm.model import ModelPreset
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 
+SCHEDULE_CHOICES = ("sequential", "overlapped", "auto")  # micro-batch schedules (workers/schedules.py)
+
 NONFINITE_POLICIES = ("halt", "skip")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
@@ -75,6 +77,8 @@ class WorkerConfig:
     torch_threads, cpus_per_worker: CPU threads per worker and the CPUs Ray reserves.
     on_nonfinite_loss:   "halt" or "skip" (workers/loop.py ``check_nonfinite_loss``).
     shard_dense:         FSDP2 for the dense part instead of DDP.
+    micro_batch_schedule: "sequential", "overlapped" (the forward of micro-batch k+1 beside the
+                         backward of k; DDP only) or "auto" (workers/schedules.py ``choose_schedule``).
     collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
     metrics_queue, stop_flag: Ray actor handles (the driver's queue and Ctrl-C flag) or None.
     resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
@@ -127,6 +131,7 @@ class WorkerConfig:
     eval_every: int = 0
     eval_batches: int = 4
     log_every: int = 10
+    micro_batch_schedule: str = "sequential"
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it
@@ -164,6 +169,11 @@ class WorkerConfig:
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose one of {', '.join(NONFINITE_POLICIES)}")
         check_optimisation(self, _fail)
+        if self.micro_batch_schedule not in SCHEDULE_CHOICES:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, f"choose one of {', '.join(SCHEDULE_CHOICES)}")
+        if self.micro_batch_schedule == "overlapped" and self.shard_dense:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, "FSDP2 (shard_dense) gathers and frees parameters "
+                  "per micro-batch, which two in flight would interleave: use sequential (or auto), or DDP")
         if self.data_shards is not None and not (_is_int(self.data_shards) and self.data_shards >= 1):
             _fail("data_shards", self.data_shards, "give an integer >= 1, or None (one rank stream per worker)")
         for name in ("start_batch", "max_batch", "steps_per_trial"):

@@ -92,10 +92,11 @@ class DenseParallel:
         self.compute_dtype = compute_dtype
         self.dense, self.expert = split_params(model)
         self.module = model
+        self.group: dist.ProcessGroup | None = None
         if world_size == 1:
             return
         # Collective: a group of its own for the dense collectives (see the module docstring).
-        group = new_group(timeout_s)
+        group = self.group = new_group(timeout_s)
         if mode == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
             self.module = DDP(model, process_group=group,
@@ -127,6 +128,23 @@ class DenseParallel:
             return contextlib.nullcontext() if last_micro_batch else self.module.no_sync()
         self.model.set_requires_gradient_sync(last_micro_batch)  # type: ignore[operator]  # (FSDP2 added it)
         return contextlib.nullcontext()
+
+    def reduce_dense_gradients(self) -> None:
+        """Collective (DDP mode): the dense gradients averaged over ranks as DDP would, in
+        one all-reduce per dtype, for a schedule that ran its forwards on the plain
+        ``model`` (workers/schedules.py: DDP's reducer prepares each backward in its
+        forward, which two micro-batches in flight on two threads would break)."""
+        if self.world_size == 1:
+            return
+        if self.mode != "ddp":
+            raise ValueError(f"reduce_dense_gradients needs mode 'ddp', not {self.mode!r}: FSDP2 reduces "
+                             f"its own gradients (use the sequential micro-batch schedule)")
+        grads = [p.grad for p in self.dense if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same]).div_(self.world_size)
+            dist.all_reduce(flat, group=self.group)
+            torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
 
     def finish_gradients(self) -> None:
         """Local. Expert grads / W (the MoE layer summed them over every rank's tokens; the

@@ -72,6 +72,7 @@ from workers.reshard import rank_batches
 from workers.control import StopPoller
 from workers.distributed import DenseParallel, all_reduce_sum_, new_group, reduce_max, reduce_sum
 from workers.load import ExpertLoad
+from workers.schedules import LANES, Lanes, ScheduleError, choose_schedule, forward_backward
 
 
 class StepError(RuntimeError):
@@ -218,9 +219,17 @@ class Trainer:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
         self.preset.check_world_size(world_size)
+        assert config.seq_len is not None  # WorkerConfig sets it from the preset
+        # the micro-batch schedule (workers/schedules.py); the overlapped one has two
+        # micro-batches' activations live, which the MoE layers' memory budget counts
+        self.schedule, self.schedule_reason = choose_schedule(
+            config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
+            budget_bytes=config.moe_memory_budget_bytes, preset=self.preset,
+            tokens=config.batch_size * config.seq_len, world_size=world_size, dtype=getattr(torch, config.dtype))
         model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
                                strategy=config.strategy, host_pool=host_pool,
-                               memory_budget=config.moe_memory_budget_bytes)
+                               memory_budget=config.moe_memory_budget_bytes,
+                               in_flight=LANES if self.schedule == "overlapped" else 1)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast
         init_parameters(model, config.seed, rank)
         if config.param_dtype != "float32":  # pure low-precision training, for comparison
@@ -230,9 +239,11 @@ class Trainer:
                                       compute_dtype=getattr(torch, config.dtype),
                                       timeout_s=config.collective_timeout_s)
         self.model = model
+        # Collective (every rank resolves the same schedule): the MoE layers' lanes
+        self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
+            if self.schedule == "overlapped" else None
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
         self.scheduler = build_scheduler(self.optimizer, config)
-        assert config.seq_len is not None  # WorkerConfig sets it from the preset
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
@@ -320,35 +331,37 @@ class Trainer:
         # host waits and then queues the backward (one read per step, not one per micro-batch).
         losses = torch.zeros(2, dtype=torch.float64, device=self.device)
         input_nonfinite = False
-        for micro in range(K):
+
+        def loss_of(module: torch.nn.Module, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # 1. the micro-batch; 2. forward under autocast (the ids were checked on the host:
+            #    _micro_batch, and mask_id by WorkerConfig)
             inputs_BS, targets_BS = self._micro_batch(step, micro)
-            with self.parallel.sync(last_micro_batch=micro == K - 1):
-                # 2. forward under autocast (engine errors are re-raised naming the step;
-                #    NaN/Inf in a MoE layer's input, raised on every rank together, counts as a
-                #    non-finite loss)
-                try:
-                    with self.parallel.autocast():
-                        # (the ids were checked on the host: _micro_batch, and mask_id by WorkerConfig)
-                        logits_BSV, aux_loss = self.parallel.module(inputs_BS, ids_checked=True)
-                        loss_lm = lm_loss(logits_BSV.float(), targets_BS)
-                    if nan_loss:
-                        loss_lm = loss_lm * float("nan")
-                    loss = loss_lm + config.aux_loss_weight * aux_loss.float()
-                    losses += torch.stack([loss_lm.detach(), aux_loss.detach()]).double()
-                except NonFiniteInputError:
-                    input_nonfinite = True
-                    break
-                except Exception as error:
-                    raise StepError(f"step {step} failed on rank {rank} (engine {config.engine}): "
-                                    f"{type(error).__name__}: {error}") from error
-                # 3. backward of this micro-batch's share of the step's loss (the dense
-                #    gradients are reduced in the last micro-batch, overlapped with backward)
-                try:
-                    (loss / K).backward()
-                except Exception as error:
-                    raise StepError(f"step {step} backward failed on rank {rank} (engine {config.engine}): "
-                                    f"{type(error).__name__}: {error}") from error
-                del loss, logits_BSV
+            with self.parallel.autocast():
+                logits_BSV, aux_loss = module(inputs_BS, ids_checked=True)
+                loss_lm = lm_loss(logits_BSV.float(), targets_BS)
+            if nan_loss:
+                loss_lm = loss_lm * float("nan")
+            loss = loss_lm + config.aux_loss_weight * aux_loss.float()
+            # 3. (below) backward of this micro-batch's share of the step's loss
+            return loss / K, torch.stack([loss_lm.detach(), aux_loss.detach()]).double()
+
+        # 2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
+        # forward of micro-batch k+1 beside the backward of k. The dense gradients are reduced
+        # over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
+        # are re-raised naming the step; NaN/Inf in a MoE layer's input, raised on every rank
+        # together, counts as a non-finite loss.
+        try:
+            for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
+                                           lanes=self.lanes):
+                losses += record
+        except ScheduleError as error:
+            cause = error.__cause__
+            if isinstance(cause, NonFiniteInputError):
+                input_nonfinite = True
+            else:
+                where = "backward failed" if error.phase == "backward" else "failed"
+                raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
+                                f"{type(cause).__name__}: {cause}") from cause
         # The next step's first batch, read from the data while the device runs this backward
         # (read after the losses, its host work left the GPU idle: 7 ms a step for gpt-xl at
         # batch 128 on an H200). A bad batch is not taken here: the next step reads it again
@@ -470,6 +483,7 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             "epoch": trainer.epoch_of(step),
             "attempt": attempt,
             **trainer.model.engine_choices(),
+            "micro_batch_schedule": trainer.schedule,  # (auto's choice; a tag, not a metric)
         }
         # 8a. collective, at log steps only: per-expert load since the last one (workers/load.py)
         last = step == config.steps or stopping

@@ -55,3 +55,23 @@ def test_pool_hands_out_distinct_buffers_and_reuses_returned_ones():
     assert a.data_ptr() != b.data_ptr() and a.numel() >= 1000
     pool.give_back(a)
     assert pool.take(900, torch.float32, pin=False).data_ptr() == a.data_ptr()
+
+
+# -- the overlapped micro-batch schedule (workers/schedules.py) --------------------------------
+# Two micro-batches, the forward of the second beside the backward of the first (each on its
+# lane: its own process group and streams), against the reference summed over both, for every
+# engine x n x strategy of the reference matrix, on 2 and 4 gloo ranks (and one process).
+SCHEDULE_SCENARIOS = ["k2_dropless_gelu", "empty_batch_on_some_ranks"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_overlapped_schedule_matches_reference(world_size):
+    from tests.engine_cases import ENGINES, check_micro_batch_schedules
+
+    per_rank = run_on_ranks(world_size, check_micro_batch_schedules, SCHEDULE_SCENARIOS, ENGINES)
+    failures = [f"rank {rank} {scenario} {engine}: {quantity} off by {error:.3g}"
+                for rank, results in enumerate(per_rank) for (scenario, engine), errors in results.items()
+                for quantity, error in errors.items() if not error <= 1e-9]
+    assert all(len(results) == len(SCHEDULE_SCENARIOS) * len(ENGINES) for results in per_rank)
+    assert not failures, f"{len(failures)} mismatches, e.g.\n" + "\n".join(failures[:20])

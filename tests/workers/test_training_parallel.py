@@ -7,7 +7,8 @@ compare the per-step losses:
 - bf16 compute stays within tolerance of float32 (and differs from it: autocast is on);
 - pure bf16 (``param_dtype``: parameters and AdamW state in bf16) trains, near both;
 - K=2 micro-batches of b sequences equal one batch of 2b (``aux_loss_weight=0``: the
-  load-balance loss of a batch is not the mean of its halves');
+  load-balance loss of a batch is not the mean of its halves'), and so do they under the
+  overlapped micro-batch schedule;
 - k steps, a sharded checkpoint (each rank writes its own folder, merged as Ray Train
   does), a fresh Trainer loading it, and N-k more steps equal N steps straight, for DDP
   (saved asynchronously while step k+1 trains: the checkpoint is step k's state) and
@@ -60,9 +61,13 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
     for name, change in (("ddp", {}), ("fsdp2", {"shard_dense": True}), ("bf16", {"dtype": "bfloat16"}),
                          ("accum", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0}),
                          ("whole", {"batch_size": 4, "aux_loss_weight": 0.0}),
+                         ("overlapped", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0,
+                                         "micro_batch_schedule": "overlapped"}),
                          ("fused", {"optimizer_impl": "fused"})):
         torch.manual_seed(rank)
-        results[name] = _losses(Trainer(_config(data_dir, **change), rank, world_size, device), range(1, N + 1))
+        trainer = Trainer(_config(data_dir, **change), rank, world_size, device)
+        results[name] = _losses(trainer, range(1, N + 1))
+        results[f"{name}_schedule"] = trainer.schedule
     torch.manual_seed(rank)
     pure = Trainer(_config(data_dir, dtype="bfloat16", param_dtype="bfloat16"), rank, world_size, device)
     results["pure_bf16"] = _losses(pure, range(1, N + 1))
@@ -147,6 +152,17 @@ def test_pure_bf16_parameters_train_in_bf16_near_mixed_precision(runs):
 def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger(runs):
     results, _ = runs
     assert results[0]["accum"] == pytest.approx(results[0]["whole"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.gloo
+def test_overlapped_micro_batch_schedule_equals_the_sequential_one(runs):
+    """The forward of micro-batch 2 beside the backward of micro-batch 1 (workers/schedules.py),
+    the dense gradients reduced after the last backward instead of by DDP: the same losses."""
+    results, _ = runs
+    for rank in range(2):
+        assert results[rank]["overlapped"] == pytest.approx(results[rank]["accum"], rel=1e-5, abs=1e-6)
+    assert results[0]["overlapped"] == results[1]["overlapped"]
+    assert (results[0]["overlapped_schedule"], results[0]["accum_schedule"]) == ("overlapped", "sequential")
 
 
 @pytest.mark.gloo

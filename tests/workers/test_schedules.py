@@ -1,0 +1,154 @@
+"""Tier 1 (one process, no process group): the micro-batch schedules of workers/schedules.py.
+The gloo tiers are tests/moe_engine/test_micro_batches.py (every engine x n x strategy
+against the reference, 2 and 4 ranks) and tests/workers/test_training_parallel.py (the
+trainer's losses, 2 ranks)."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lm.model import MoETransformer, get_preset, leanest_moe_memory
+from workers.config import WorkerConfig
+from workers.schedules import Lanes, ScheduleError, choose_schedule, forward_backward, profiler_config, trace_mark
+
+
+class _Gate(torch.autograd.Function):
+    """Identity whose backward waits (up to 20 s) for ``event``: a backward that can only end
+    once a later micro-batch's forward has run. ``seen``: whether each backward saw it."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x, event):
+        ctx.event = event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saw_event = ctx.event.wait(timeout=20)
+        _Gate.seen.append(ctx.saw_event)
+        return grad, None
+
+
+def _toy():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+
+
+def test_overlapped_runs_the_next_forward_beside_the_backward():
+    """Backward of micro-batch k waits for the forward of k+1 to start: it ends only under the
+    overlapped schedule (the forward of k+1 is issued while backward k runs on the helper
+    thread); the gradients equal the sequential schedule's."""
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    started = [threading.Event() for _ in xs]
+
+    def loss_of(module, k):
+        started[k].set()
+        gate = started[k + 1] if k + 1 < len(xs) else started[k]
+        return _Gate.apply(module(xs[k]), gate).square().sum(), k
+
+    _Gate.seen = []
+    model = _toy()
+    lanes = Lanes.create(model)
+    assert forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes) == [0, 1, 2]
+    assert _Gate.seen == [True, True, True]
+    overlapped = [p.grad.clone() for p in model.parameters()]
+    lanes.close()
+
+    reference = _toy()
+    for k in range(3):
+        reference(xs[k]).square().sum().backward()
+    for got, want in zip(overlapped, (p.grad for p in reference.parameters())):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same sums in the same order
+
+
+def test_a_failing_forward_waits_for_the_backward_in_flight_and_names_the_micro_batch():
+    model, finished = _toy(), []
+
+    def loss_of(module, k):
+        if k == 1:
+            raise ValueError("bad batch")
+        loss = module(torch.ones(2, 4)).sum()
+        loss.register_hook(lambda g: finished.append(k))
+        return loss, k
+
+    lanes = Lanes.create(model)
+    with pytest.raises(ScheduleError, match="micro-batch 1 forward: ValueError: bad batch") as caught:
+        forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes)
+    assert isinstance(caught.value.__cause__, ValueError) and caught.value.phase == "forward"
+    assert finished == [0]  # backward 0 finished before the error came out
+    lanes.close()
+
+
+def test_the_moe_layers_get_a_lane_each_and_forward_on_it():
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1")
+    lanes = Lanes.create(model)
+    layer = model.moe_layers()[0]
+    assert len(lanes.layers) == len(model.moe_layers()) and layer.lanes == 2
+    own = layer.group, layer._streams
+    with lanes.lane(1):
+        assert layer.group is not own[0] and layer._streams is not own[1] and layer.planner.group is layer.group
+    assert (layer.group, layer._streams) == own and layer.planner.group is own[0]
+    with pytest.raises(ValueError, match="lane 2 does not exist"):
+        with layer.lane(2):
+            pass
+    lanes.close()
+
+
+def test_schedule_arguments_are_checked():
+    model = _toy()
+    loss_of = lambda module, k: (module(torch.ones(1, 4)).sum(), k)  # noqa: E731
+    with pytest.raises(ValueError, match="schedule='pipelined' is unknown"):
+        forward_backward(model, range(2), loss_of, schedule="pipelined")
+    with pytest.raises(ValueError, match="needs lanes"):
+        forward_backward(model, range(2), loss_of, schedule="overlapped")
+    # one micro-batch: nothing to overlap, the sequential schedule (no lanes needed)
+    assert forward_backward(model, range(1), loss_of, schedule="overlapped") == [0]
+    with pytest.raises(ValueError, match="count=1 is invalid"):
+        Lanes(model, count=1)
+
+
+def test_profiler_ranges_name_each_micro_batch_phase():
+    model = _toy()
+    lanes = Lanes.create(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=profiler_config()) as prof:
+        forward_backward(model, range(2), lambda module, k: (module(torch.ones(2, 4)).sum(), k),
+                         schedule="overlapped", lanes=lanes)
+    names = {event.name for event in prof.events()}
+    lanes.close()
+    assert {trace_mark(k, phase) for k in range(2) for phase in ("forward", "backward")} <= names
+
+
+def test_auto_overlaps_two_or_more_micro_batches_that_fit_the_budget():
+    preset = get_preset("tiny-gpt")
+    tokens = 2 * preset.seq_len
+    one, _, _ = leanest_moe_memory(preset, tokens, 2, torch.float32)
+    two, _, _ = leanest_moe_memory(preset, tokens, 2, torch.float32, in_flight=2)
+    assert two == 2 * one
+
+    def choose(choice: str, micro_batches: int, **change: Any) -> tuple[str, str]:
+        return choose_schedule(choice, micro_batches, preset=preset, tokens=tokens, world_size=2,
+                               dtype=torch.float32, **change)
+
+    assert choose("auto", 2, budget_bytes=two)[0] == "overlapped"
+    assert choose("auto", 2)[0] == "overlapped"  # no budget: nothing to keep within
+    schedule, why = choose("auto", 2, budget_bytes=two - 1)
+    assert schedule == "sequential" and "over the" in why  # one in flight fits, two do not
+    assert choose("auto", 1)[0] == "sequential"
+    assert choose("auto", 4, shard_dense=True)[0] == "sequential"
+    assert choose("overlapped", 1)[0] == "overlapped"  # (runs sequentially: M = 1)
+
+
+def test_worker_config_checks_the_schedule():
+    base: dict[str, Any] = dict(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="/data")
+    with pytest.raises(ValueError, match="micro_batch_schedule='1f1b' is invalid: choose one of sequential, "
+                                         "overlapped, auto"):
+        WorkerConfig(**base, micro_batch_schedule="1f1b")
+    with pytest.raises(ValueError, match="FSDP2"):
+        WorkerConfig(**base, micro_batch_schedule="overlapped", shard_dense=True)
+    assert WorkerConfig(**base, micro_batch_schedule="auto", shard_dense=True).micro_batch_schedule == "auto"
