@@ -85,6 +85,7 @@ class TrialSettings:
     metric: str = tune_spaces.METRIC  # what the trials report each step and Tune ranks by
     experiment: str | None = None   # MLflow experiment (--experiment); None: the study's name
     gate: Any = None                # a TrialGate actor: trials whose jobs may run at once
+    rungs: tuple[int, ...] = ()     # steps where the scheduler (ASHA) may stop a trial
 
     @property
     def mlflow_experiment(self) -> str:
@@ -167,8 +168,9 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
         tune.report(record_outcome(settings, trial_id, name, config, sweep_rank.REFUSED, error))
         return
     reporter = StepReporter(settings, job)
+    held = tune_spaces.hold_steps(list(settings.rungs), job.steps, settings.metric, job.eval_every)
     try:
-        summary = run_job(job, on_step=reporter)
+        summary = run_job(job, on_step=reporter, extra_config={"hold_steps": held} if held else None)
     except (ValueError, RuntimeError) as error:
         outcome = sweep_rank.REFUSED if isinstance(error, ValueError) else sweep_rank.FAILED
         tune.report(record_outcome(settings, trial_id, name, config, outcome, error))
@@ -254,11 +256,11 @@ class StepReporter:
         return None
 
     def pruned_tags(self) -> dict:
-        """MLflow tags of a trial Tune stopped before its last step: ``pruned_at_step``, the
-        last step it reported."""
-        if self.stopped is None or not self.last or self.last.get("step", 0) >= self.job.steps:
+        """MLflow tags of a trial Tune stopped before its last step: ``pruned_at_step``, the step
+        whose report Tune stopped it at (its rung; the workers held there and trained no more)."""
+        if self.stopped is None or self.stopped >= self.job.steps:
             return {}
-        return {"pruned_at_step": self.last.get("step")}
+        return {"pruned_at_step": self.stopped}
 
 
 # A stopped trial's process waits this long for its Train job to stop (after its current
@@ -515,7 +517,8 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                              data_dir=str(Path(data_dir).resolve()),
                              parent_run_id=parent_run_id, use_gpu=plan.use_gpu,
                              cpus_per_worker=plan.cpus_per_worker, metric=metric, experiment=experiment,
-                             gate=gate)
+                             gate=gate, rungs=tuple(tune_spaces.asha_rungs(_constant(space, "steps", 50)))
+                             if scheduler == "asha" else ())
     fn = tune.with_resources(stopping_trainable(tune.with_parameters(gated(trainable), settings=settings),
                                                 stop_grace_s), plan.trial_resources)
     if tune.Tuner.can_restore(experiment_path):

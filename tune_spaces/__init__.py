@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -173,6 +174,28 @@ def ranking(module, space: dict) -> tuple[str, str]:
     if getattr(module, "RANK_BY", "throughput") == "loss":
         return loss_metric(space), "min"
     return METRIC, MODE
+
+
+def asha_rungs(steps: int) -> list[int]:
+    """The steps at which ASHA (``tune_config(scheduler="asha")``) may stop a trial of ``steps``
+    steps: ``GRACE_FRACTION * steps`` times powers of ``REDUCTION``, as many as Ray Tune's
+    ``ASHAScheduler`` makes for ``max_t = steps + 1``."""
+    grace = max(1, int(steps * GRACE_FRACTION))
+    count = int(math.log((steps + 1) / grace) / math.log(REDUCTION) + 1)
+    return [grace * REDUCTION**k for k in range(count)]
+
+
+def hold_steps(rungs: list[int], steps: int, metric: str, eval_every) -> tuple[int, ...]:
+    """The steps after which a trial's workers wait for Tune's decision: for each rung, the
+    first step at or after it that reports ``metric`` (every step, or every ``eval_every``-th
+    for the validation loss), before the last step. A trial ASHA stops ends right there."""
+    if metric == VAL_LOSS:
+        if not isinstance(eval_every, int) or eval_every < 1:
+            return ()
+        held = {-(-rung // eval_every) * eval_every for rung in rungs}
+    else:
+        held = set(rungs)
+    return tuple(sorted(step for step in held if step < steps))
 
 
 def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = None, metric: str = METRIC,

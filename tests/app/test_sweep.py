@@ -101,6 +101,7 @@ def test_optuna_search_and_asha_on_the_lr_study():
     assert isinstance(config.search_alg, OptunaSearch) and isinstance(config.scheduler, ASHAScheduler)
     assert (config.metric, config.mode, config.num_samples) == ("loss", "min", 12)
     assert [t for t, _ in config.scheduler._brackets[0]._rungs] == [30, 10]  # steps where ASHA may stop a trial
+    assert tune_spaces.asha_rungs(space["steps"]) == [10, 30]  # the same, where the trials' workers wait
     assert config.reuse_actors  # a finished trial's process runs the next trial
     plain = tune_spaces.tune_config()
     assert plain.search_alg is None and plain.scheduler is None and plain.metric == "tokens_per_s"
@@ -147,7 +148,7 @@ def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pru
     assert reported == [{"step": 2, "loss": 4.0, "val_loss": 4.5}] and reporter.pruned_tags() == {}
     assert reporter({"step": 4, "loss": 3.0, "val_loss": 3.9}) == STOP_JOB  # the job stops after this step
     assert reporter({"step": 5, "loss": 2.9, "val_loss": 3.8}) is None and len(reported) == 1  # nothing more
-    assert reporter.pruned_tags() == {"pruned_at_step": 2}  # the last step Tune saw
+    assert reporter.pruned_tags() == {"pruned_at_step": 4}  # the step whose report Tune stopped it at
     # the end-of-trial report: the summary, the newest val_loss, the steps as ASHA's time axis
     final = sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "tokens_per_s": 9.0, "name": "x"}, "val_loss",
                                 {"step": 40, "val_loss": 3.3, "loss": 3.0})
@@ -613,3 +614,64 @@ def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, ca
     assert all(r.data.tags["trial_id"] and "tokens" in r.data.tags["reason"] for r in trials)
     assert all(r.data.tags["mlflow.parentRunId"] for r in trials)
     assert os.path.isdir(os.path.join(sweep_dirs["storage_path"], "gran-cpu"))
+
+
+def test_hold_steps_are_the_first_metric_steps_at_each_rung():
+    assert tune_spaces.asha_rungs(8) == [2, 6] and tune_spaces.asha_rungs(3) == [1, 3]
+    assert tune_spaces.hold_steps([1, 3], 3, "loss", 0) == (1,)  # the last step needs no wait
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 10) == (10, 30)
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 4) == (12, 32)   # evaluations at 12 and 32
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 25) == (25,)     # 50 is past the end
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 0) == ()         # no validation loss
+    assert tune_spaces.hold_steps([2, 6], 8, "loss", 0) == (2, 6)
+
+
+def test_the_stop_flag_answers_a_held_step():
+    import asyncio
+
+    from workers.control import StopFlag
+
+    async def scenario():
+        flag = StopFlag()
+        waiting = asyncio.ensure_future(flag.verdict(3, timeout_s=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()              # rank 0 waits for the driver's decision
+        await flag.decide(3, False)
+        go_on = await waiting
+        silent = await flag.verdict(6, timeout_s=0.05)   # no answer: go on
+        await flag.decide(6, True)
+        return go_on, silent, await flag.verdict(6), await flag.wait()
+
+    assert asyncio.run(scenario()) == (False, False, True, True)
+
+
+@pytest.mark.ray
+def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local, sweep_dirs, monkeypatch):
+    """A trial ASHA stops at its rung (step 3 here) trains no further step: its workers wait at
+    the rung for Tune's decision (which takes a while: 1 s here) instead of training on. Its
+    MLflow run ends KILLED with ``pruned_at_step``."""
+    import ray.tune
+
+    from app.tracking import client, metric_history
+
+    seen = []
+
+    def report(metrics):
+        seen.append(metrics["step"])
+        if metrics["step"] == 3:
+            time.sleep(1.0)        # Tune's controller deciding (tiny-gpt steps take milliseconds)
+            raise SystemExit(0)    # the scheduler stopped the trial
+
+    monkeypatch.setattr(ray.tune, "report", report)
+    monkeypatch.setattr(ray.tune, "get_context", lambda: type("Context", (), {"get_trial_id": lambda self: "t0"})())
+    settings = sweep.TrialSettings(study="held", tracking_uri=sweep_dirs["tracking_uri"],
+                                   train_storage_path=sweep_dirs["storage_path"], data_dir=sweep_dirs["data_dir"],
+                                   parent_run_id=None, use_gpu=False, cpus_per_worker=0.9, metric="loss",
+                                   rungs=(2, 3))
+    sweep.train_trial({"preset": "tiny-gpt", "steps": 8, "num_workers": 1, "batch_size": 2, "seq_len": 32,
+                       "eval_every": 0, "checkpoint_every": 0, "log_every": 1}, settings=settings)
+    assert seen == [1, 2, 3]
+    mlflow = client(sweep_dirs["tracking_uri"])
+    [run] = mlflow.search_runs([mlflow.get_experiment_by_name("held").experiment_id])
+    assert (run.info.status, run.data.tags["pruned_at_step"], run.data.tags["outcome"]) == ("KILLED", "3", "pruned")
+    assert [step for step, _ in metric_history(sweep_dirs["tracking_uri"], run.info.run_id, "loss")] == [1, 2, 3]
