@@ -975,7 +975,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         if run.run_id:
             echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
         started = time.perf_counter()
-        with _MetricsPump(metrics_queue, run, job, echo, _stopping_hook(on_step, stop_flag), logged_through) as pump:
+        with _MetricsPump(metrics_queue, run, job, echo, _stopping_hook(on_step, stop_flag, config.hold_steps),
+                          logged_through) as pump:
             result, error, interrupted, abandoned = _fit_interruptibly(trainer, stop_flag, echo)
         done = pump.history[-1]["step"] if pump.history else None
         if interrupted and (abandoned or error is not None or done != job.steps):
@@ -1041,16 +1042,24 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
 STOP_JOB = "stop"  # ``on_step`` returns it to stop the job after the current step (a pruned sweep trial)
 
 
-def _stopping_hook(on_step, stop_flag):
+def _stopping_hook(on_step, stop_flag, hold_steps=()):
     """``on_step`` for the metrics pump: a return of STOP_JOB asks the workers to stop after
     their current step (as Ctrl-C does: with a checkpoint where the job writes them), so the
-    job ends and frees its workers' resources instead of being abandoned."""
-    if on_step is None:
+    job ends and frees its workers' resources instead of being abandoned. At a hold step
+    (``WorkerConfig.hold_steps``: rank 0 waits there) the hook always answers, go on or stop,
+    so a pruned sweep trial trains no step past its rung."""
+    if on_step is None and not hold_steps:
         return None
 
     def hook(metrics: dict) -> None:
-        if on_step(metrics) == STOP_JOB:
-            stop_flag.request.remote()
+        stop = False
+        try:
+            stop = on_step is not None and on_step(metrics) == STOP_JOB
+        finally:
+            if metrics["step"] in hold_steps:
+                stop_flag.decide.remote(metrics["step"], stop)
+            elif stop:
+                stop_flag.request.remote()
     return hook
 
 

@@ -45,9 +45,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tune_spaces
-from app.run_kinds import STUDY, kind_tags
+from app import sweep_rank
+from app.run_kinds import STUDY, TRAIN, kind_tags
 from app.tracking import RunLogger, check_store, find_run, resolve_tracking_uri
 from lm.data import ensure_default_data
 from lm.errors import invocation
@@ -73,7 +75,7 @@ class Plan:
 class TrialSettings:
     """What every trial of one study shares (passed with ``tune.with_parameters``)."""
 
-    study: str
+    study: str                      # the study's name (--name): tag ``study``, trial run names
     tracking_uri: str
     train_storage_path: str         # where the trials' TorchTrainers keep checkpoints
     data_dir: str                   # prepared training data (absolute: trials run in their own cwd)
@@ -81,6 +83,13 @@ class TrialSettings:
     use_gpu: bool
     cpus_per_worker: float | None
     metric: str = tune_spaces.METRIC  # what the trials report each step and Tune ranks by
+    experiment: str | None = None   # MLflow experiment (--experiment); None: the study's name
+    gate: Any = None                # a TrialGate actor: trials whose jobs may run at once
+    rungs: tuple[int, ...] = ()     # steps where the scheduler (ASHA) may stop a trial
+
+    @property
+    def mlflow_experiment(self) -> str:
+        return self.experiment or self.study
 
 
 def _floor2(value: float) -> float:
@@ -129,7 +138,15 @@ def _constant(space: dict, key: str, default):
 
 
 def train_trial(config: dict, *, settings: TrialSettings) -> None:
-    """One Tune trial: one ``app.jobs`` job with the trial's config; reports its summary."""
+    """One Tune trial: one ``app.jobs`` job with the trial's config; reports its summary.
+
+    A setting the job refuses (``ValueError``: more partitions than tokens, a budget no
+    setting meets, workers the cluster cannot hold) or whose training fails (``RuntimeError``:
+    out of memory, a crashed worker) is a result, not an error of the study: its MLflow run
+    (made here when the job made none) carries the study's tags, ``outcome`` (refused or
+    failed) and ``reason``, and the trial reports ``outcome`` with a NaN metric, so a resume
+    does not run it again. A trial the scheduler stopped (pruned) has its MLflow run tagged
+    ``pruned_at_step`` and marked KILLED."""
     from ray import tune
 
     from app.jobs import TrainJob, run_job
@@ -140,19 +157,64 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
     if unknown:
         raise ValueError(f"study {settings.study!r} sets {unknown}, which TrainJob does not have")
     extra = {"cpus_per_worker": settings.cpus_per_worker} if settings.cpus_per_worker else {}
-    job = TrainJob(**{"use_gpu": settings.use_gpu, **extra, **config},
-                   storage_path=settings.train_storage_path, name=f"{settings.study}-{trial_id}",
-                   data_dir=settings.data_dir,
-                   tracking_uri=settings.tracking_uri, experiment=settings.study,
-                   parent_run_id=settings.parent_run_id)
+    name = f"{settings.study}-{trial_id}"
+    try:
+        job = TrainJob(**{"use_gpu": settings.use_gpu, **extra, **config},
+                       storage_path=settings.train_storage_path, name=name,
+                       data_dir=settings.data_dir,
+                       tracking_uri=settings.tracking_uri, experiment=settings.mlflow_experiment,
+                       parent_run_id=settings.parent_run_id)
+    except ValueError as error:
+        tune.report(record_outcome(settings, trial_id, name, config, sweep_rank.REFUSED, error))
+        return
     reporter = StepReporter(settings, job)
-    summary = run_job(job, on_step=reporter)
+    held = tune_spaces.hold_steps(list(settings.rungs), job.steps, settings.metric, job.eval_every)
+    try:
+        summary = run_job(job, on_step=reporter, extra_config={"hold_steps": held} if held else None)
+    except (ValueError, RuntimeError) as error:
+        outcome = sweep_rank.REFUSED if isinstance(error, ValueError) else sweep_rank.FAILED
+        tune.report(record_outcome(settings, trial_id, name, config, outcome, error))
+        return
     run_id = summary.get("mlflow_run_id") or summary.get("run_id")
     if run_id:
-        RunLogger(settings.tracking_uri, run_id).set_tags({"study": settings.study, "trial_id": trial_id,
-                                                           **reporter.pruned_tags()})
+        run = RunLogger(settings.tracking_uri, run_id)
+        run.set_tags({"study": settings.study, "trial_id": trial_id, "outcome": sweep_rank.OK
+                      if reporter.stopped is None else sweep_rank.PRUNED, **reporter.pruned_tags()})
+        if summary.get("settled_peak_memory_bytes") is not None:
+            run.log_metrics({"summary_settled_peak_memory_bytes": summary["settled_peak_memory_bytes"]},
+                            step=summary.get("steps", 0), flush=True)
+        if reporter.stopped is not None:  # Tune ended it early: MLflow says so too
+            run.client.set_terminated(run_id, "KILLED")
     if reporter.stopped is None:  # a stopped trial reports nothing more: Tune has ended it
-        tune.report(trial_metrics(summary, settings.metric, reporter.last))
+        tune.report(metric_first(trial_metrics(summary, settings.metric, reporter.last), settings.metric))
+
+
+def record_outcome(settings: TrialSettings, trial_id: str, name: str, config: dict, outcome: str,
+                   error: BaseException) -> dict:
+    """A refused or failed setting as a result: its MLflow run (the job's, or a new FAILED one
+    with the trial's config as params) tagged with the study, ``outcome`` and ``reason``;
+    returns what the trial reports to Tune (``outcome``, ``reason``, a NaN metric)."""
+    reason = " ".join(str(error).split())[:500] or type(error).__name__
+    tags = {"study": settings.study, "trial_id": trial_id, "outcome": outcome, "reason": reason}
+    if settings.tracking_uri != "none":
+        run_id = find_run(settings.tracking_uri, settings.mlflow_experiment, "ray_train_name", name)
+        if run_id:
+            RunLogger(settings.tracking_uri, run_id).set_tags(tags)
+        else:
+            run = RunLogger.start(settings.tracking_uri, settings.mlflow_experiment, run_name=name,
+                                  parent_run_id=settings.parent_run_id,
+                                  tags={**kind_tags(TRAIN), "ray_train_name": name, **tags})
+            run.log_params({k: v for k, v in config.items() if v is not None})
+            run.finish("FAILED")
+    print(f"[mpipemoe sweep] trial {trial_id} {outcome}: {reason}", file=sys.stderr)
+    return {settings.metric: math.nan, "step": 0, "outcome": outcome, "reason": reason}
+
+
+def metric_first(metrics: dict, metric: str) -> dict:
+    """``metrics`` with the study's metric and the step first: Tune's live table shows the first
+    four numbers a trial reports (ray.tune.experimental.output), and a step's report holds dozens."""
+    first = [k for k in (metric, "step", tune_spaces.METRIC) if k in metrics]
+    return {**{k: metrics[k] for k in first}, **metrics}
 
 
 def _numbers(metrics: dict) -> dict:
@@ -186,7 +248,7 @@ class StepReporter:
         if self.stopped is not None or self.settings.metric not in numbers:
             return None
         try:
-            tune.report(numbers)
+            tune.report(metric_first(numbers, self.settings.metric))
         except SystemExit:
             self.stopped = int(numbers.get("step", 0))
             return STOP_JOB
@@ -194,11 +256,11 @@ class StepReporter:
         return None
 
     def pruned_tags(self) -> dict:
-        """MLflow tags of a trial Tune stopped before its last step: ``pruned_at_step``, the
-        last step it reported."""
-        if self.stopped is None or not self.last or self.last.get("step", 0) >= self.job.steps:
+        """MLflow tags of a trial Tune stopped before its last step: ``pruned_at_step``, the step
+        whose report Tune stopped it at (its rung; the workers held there and trained no more)."""
+        if self.stopped is None or self.stopped >= self.job.steps:
             return {}
-        return {"pruned_at_step": self.last.get("step")}
+        return {"pruned_at_step": self.stopped}
 
 
 # A stopped trial's process waits this long for its Train job to stop (after its current
@@ -274,68 +336,197 @@ def trial_metrics(summary: dict, metric: str = tune_spaces.METRIC, last_step: di
         metrics["step"] = metrics["steps"]
     if metric == tune_spaces.TRAIN_LOSS and "final_loss" in metrics:
         metrics.setdefault(metric, metrics["final_loss"])
+    for key in ("partitions", "strategy"):  # the settings an auto choice settled on
+        if summary.get(key) is not None:
+            metrics[key] = summary[key]
     if not math.isfinite(metrics.get(metric, math.nan)):
         raise RuntimeError(f"training run {summary.get('name')} reported no {metric}: "
                            f"see its MLflow run {summary.get('mlflow_run_id')}")
     return metrics
 
 
-def study_parent_run(tracking_uri: str, study: str, experiment_path: str, description: str) -> str:
+def study_parent_run(tracking_uri: str, experiment: str, experiment_path: str, description: str,
+                     study: str | None = None) -> str:
     """The MLflow parent run of this study's experiment directory, reused on resume."""
-    run_id = find_run(tracking_uri, study, "study_path", experiment_path)
+    study = study or experiment
+    run_id = find_run(tracking_uri, experiment, "study_path", experiment_path)
     if run_id:
         return RunLogger.resume(tracking_uri, run_id).run_id
-    run = RunLogger.start(tracking_uri, study, run_name=f"study-{study}",
+    run = RunLogger.start(tracking_uri, experiment, run_name=f"study-{study}",
                           tags={**kind_tags(STUDY), "study": study, "study_path": experiment_path})
     run.log_params({"study": study, "description": description})
     return run.run_id
 
 
+class TrialGate:
+    """A Ray actor: at most ``limit`` trials run their Train jobs at once. Tune's own cap
+    (``max_concurrent_trials``) does not hold for trials a restore starts again
+    (``Tuner.restore(resume_errored=True)`` starts every errored trial at once; each holds a
+    sliver of a CPU, their workers cannot all be placed and Ray Train retries forever):
+    every trial passes this gate, so fresh and resumed studies keep the plan's cap.
+    A trial id holds at most one place (a re-run of the same trial takes its own place)."""
+
+    def __init__(self, limit: int) -> None:
+        import asyncio
+
+        self.limit = limit
+        self.holders: set[str] = set()
+        self.changed = asyncio.Condition()
+        self.most = 0  # the most trials that held places at once
+
+    async def enter(self, trial_id: str) -> int:
+        async with self.changed:
+            await self.changed.wait_for(lambda: trial_id in self.holders or len(self.holders) < self.limit)
+            self.holders.add(trial_id)
+            self.most = max(self.most, len(self.holders))
+            return len(self.holders)
+
+    async def leave(self, trial_id: str) -> None:
+        async with self.changed:
+            self.holders.discard(trial_id)
+            self.changed.notify_all()
+
+    async def busiest(self) -> int:
+        return self.most
+
+
+def gated(trainable):
+    """``trainable(config, *, settings)`` that first takes a place at ``settings.gate`` (when set)
+    and gives it back when it returns (a stopped trial returns: ``stopping_trainable``)."""
+
+    def trial(config: dict, *, settings: TrialSettings) -> None:
+        if settings.gate is None:
+            return trainable(config, settings=settings)
+        import ray
+        from ray import tune
+
+        trial_id = tune.get_context().get_trial_id()
+        ray.get(settings.gate.enter.remote(trial_id))
+        try:
+            return trainable(config, settings=settings)
+        finally:
+            settings.gate.leave.remote(trial_id)
+
+    return trial
+
+
+def parse_value(text: str):
+    """A ``--set`` value: an int, a float, true/false, else the string ("auto", "none", "S1")."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
+    from app.jobs import TrainJob
+
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    overrides = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not text.strip():
+            raise ValueError(f"--set {item!r} is invalid: give KEY=VALUE or KEY=V1,V2 (e.g. --set partitions=1,2,auto)")
+        if key not in fields:
+            raise ValueError(f"--set {item!r}: {key!r} is not a train option: use one of "
+                             f"{', '.join(sorted(fields - SWEEP_OWNED))}")
+        if key in SWEEP_OWNED:
+            raise ValueError(f"--set {item!r}: the sweep sets {key} itself ({', '.join(sorted(SWEEP_OWNED))})")
+        values = [parse_value(v) for v in text.split(",")]
+        overrides[key] = values[0] if len(values) == 1 else {"grid_search": values}
+    return overrides
+
+
+# TrainJob fields a sweep sets for every trial (a space or --set may not)
+SWEEP_OWNED = frozenset({"storage_path", "name", "data_dir", "tracking_uri", "experiment", "parent_run_id"})
+ONE_PER_STUDY = ("num_workers", "steps", "use_gpu")  # the resource plan and ASHA are sized from them
+
+
+def study_space(module, search: str, overrides: dict | None = None) -> dict:
+    """The study's param space for ``search`` with ``overrides`` (``--set`` and the shortcut
+    flags) applied; a trial writes no checkpoints unless the space or an override asks."""
+    space = {**module.param_space(search), **(overrides or {})}
+    space.setdefault("checkpoint_every", 0)
+    for key in ONE_PER_STUDY:
+        _constant(space, key, None)
+    from app.jobs import TrainJob
+
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    if unknown := sorted(set(space) - fields):
+        raise ValueError(f"the study sets {unknown}, which are not train options: use TrainJob's fields "
+                         f"(mpipemoe train --help)")
+    if owned := sorted(set(space) & SWEEP_OWNED):
+        raise ValueError(f"the study sets {owned}: the sweep sets those itself (--name, --experiment, --data-dir)")
+    return space
+
+
 def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: int | None = None,
               max_concurrent: int | None = None, data_dir: str | None = None, trainable=train_trial,
-              search: str = "grid", scheduler: str = "fifo", max_failures: int = 0, seed: int = 0,
-              stop_grace_s: float = STOP_GRACE_S):
-    """Run (or resume) study ``study`` on the connected Ray cluster; returns the ResultGrid.
+              search: str | None = None, scheduler: str | None = None, max_failures: int = 0, seed: int = 0,
+              stop_grace_s: float = STOP_GRACE_S, name: str | None = None, experiment: str | None = None,
+              overrides: dict | None = None):
+    """Run (or resume) a study on the connected Ray cluster; returns the ResultGrid.
 
+    ``study``: a built-in study's name or a study file (``tune_spaces.load``); ``name``: the
+    study's name (its Tune folder ``<storage_path>/<name>``, tag and MLflow experiment; default
+    the study's name or the file's stem); ``experiment``: the MLflow experiment (default the
+    name); ``overrides``: param-space entries that replace the study's (``parse_overrides``).
     ``data_dir``: prepared training data; default ``./data/stdlib-bytes``, prepared here
     once if missing. ``trainable(config, *, settings)`` runs one trial; tests may pass a
-    lighter one. ``num_samples`` None: the study's ``NUM_SAMPLES``. ``search``, ``scheduler``:
-    see ``tune_spaces.tune_config``; ``max_failures``: Tune retries an errored trial that often.
+    lighter one. ``num_samples`` None: the study's ``NUM_SAMPLES``. ``search``, ``scheduler``
+    (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
+    ``tune_spaces.tune_config``; ``max_failures``: Tune retries an errored trial that often.
     ``stop_grace_s``: how long a stopped trial may take to stop its Train job (``stopping_trainable``).
     """
     import ray
     from ray import tune
 
     module = tune_spaces.load(study)
+    name = name or tune_spaces.study_name(study)
+    search = search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
     searches = getattr(module, "SEARCHES", tune_spaces.GRID_SEARCHES)
     if search not in searches:
-        raise ValueError(f"--search {search}: study {study!r} supports {', '.join(searches)} (its space is "
+        raise ValueError(f"--search {search}: study {name!r} supports {', '.join(searches)} (its space is "
                          f"{'a grid of categorical choices' if 'optuna' not in searches else 'not searchable so'})")
     if max_failures < 0:
         raise ValueError(f"--max-failures {max_failures} is invalid: give an integer >= 0")
-    space = module.param_space(search)
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise ValueError(f"--data-dir {data_dir}: no such directory: prepare it (mpipemoe data prepare) or leave "
+                         f"--data-dir out for the default data")
+    space = study_space(module, search, overrides)
     metric, mode = tune_spaces.ranking(module, space)
     storage_path = os.path.abspath(storage_path)  # Ray Train needs absolute paths
-    experiment_path = os.path.join(storage_path, study)
+    experiment_path = os.path.join(storage_path, name)
     plan = plan_resources(ray.cluster_resources(), num_workers=_constant(space, "num_workers", 2),
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
     space.pop("use_gpu", None)  # decided by the plan
     if data_dir is None:
         data_dir = ensure_default_data()
-    parent_run_id = study_parent_run(tracking_uri, study, experiment_path, module.DESCRIPTION)
-    settings = TrialSettings(study=study, tracking_uri=tracking_uri,
-                             train_storage_path=os.path.join(storage_path, f"{study}-train"),
+    parent_run_id = study_parent_run(tracking_uri, experiment or name, experiment_path, module.DESCRIPTION, name)
+    gate: Any = ray.remote(num_cpus=0)(TrialGate).remote(plan.max_concurrent_trials)
+    settings = TrialSettings(study=name, tracking_uri=tracking_uri,
+                             train_storage_path=os.path.join(storage_path, f"{name}-train"),
                              data_dir=str(Path(data_dir).resolve()),
                              parent_run_id=parent_run_id, use_gpu=plan.use_gpu,
-                             cpus_per_worker=plan.cpus_per_worker, metric=metric)
-    fn = tune.with_resources(stopping_trainable(tune.with_parameters(trainable, settings=settings), stop_grace_s),
-                             plan.trial_resources)
+                             cpus_per_worker=plan.cpus_per_worker, metric=metric, experiment=experiment,
+                             gate=gate, rungs=tuple(tune_spaces.asha_rungs(_constant(space, "steps", 50)))
+                             if scheduler == "asha" else ())
+    fn = tune.with_resources(stopping_trainable(tune.with_parameters(gated(trainable), settings=settings),
+                                                stop_grace_s), plan.trial_resources)
     if tune.Tuner.can_restore(experiment_path):
-        print(f"Restoring study {study!r} from {experiment_path}: finished trials are kept, "
-              f"unfinished and errored ones run (again)")
+        print(f"Restoring study {name!r} from {experiment_path}: finished trials are kept, "
+              f"unfinished and errored ones run (again), up to {plan.max_concurrent_trials} at once")
         tuner = tune.Tuner.restore(experiment_path, trainable=fn, resume_errored=True)
     else:
-        print(f"Study {study!r}: {module.DESCRIPTION}\n"
+        print(f"Study {name!r}: {module.DESCRIPTION}\n"
               f"  up to {plan.max_concurrent_trials} trial(s) at once, "
               f"{'1 GPU' if plan.use_gpu else f'{plan.cpus_per_worker} CPU'} per worker; "
               f"results in {experiment_path}")
@@ -346,18 +537,22 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                 num_samples=num_samples or getattr(module, "NUM_SAMPLES", 1),
                 max_concurrent_trials=plan.max_concurrent_trials, metric=metric, mode=mode, search=search,
                 scheduler=scheduler, steps=_constant(space, "steps", None), seed=seed),
-            run_config=tune.RunConfig(name=study, storage_path=storage_path,
-                                      failure_config=tune.FailureConfig(max_failures=max_failures)))
+            run_config=tune.RunConfig(name=name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=max_failures)))
     parent = RunLogger(tracking_uri, parent_run_id)
     try:
         results = tuner.fit()
     except BaseException:
         parent.finish("FAILED")
         raise
+    finally:
+        try:
+            results_busiest = ray.get(gate.busiest.remote())
+        finally:
+            ray.kill(gate)
     failed, finished = count_trials(results, metric)
     pruned = count_pruned(results, space)
     parent.log_metrics({"trials": len(results), "trials_failed": failed, "trials_finished": finished,
-                        "trials_pruned": pruned}, flush=True)
+                        "trials_pruned": pruned, "trials_at_once": results_busiest}, flush=True)
     best = best_trial(results, metric, mode)
     if best is not None:
         parent.set_tags({f"best_{k}": v for k, v in best.config.items() if k in _varying(results)})  # a resume may change it
@@ -403,10 +598,19 @@ def _varying(results) -> list[str]:
 FINAL_VAL_LOSS = "final_val_loss"  # run_job's summary: the validation loss at the last step
 
 
-def format_results(results, metric: str = tune_spaces.METRIC, steps: int | None = None) -> str:
+def format_results(results, metric: str = tune_spaces.METRIC, steps: int | None = None,
+                   mode: str | None = None) -> str:
     """A plain-text table: one line per trial, the varying config and the key metrics; a
-    trial the scheduler stopped early shows "pruned@STEP"."""
+    trial the scheduler stopped early shows "pruned@STEP", a refused or failed setting its
+    outcome. ``mode`` ("min"/"max"): trials sorted best first by ``metric`` (those without
+    it last); None: in Tune's order."""
     rows = [(r.config or {}, r.metrics or {}, r.error, _pruned(r, steps)) for r in results]
+    if mode is not None:
+        def key(row):
+            value = row[1].get(metric, math.nan)
+            scored = isinstance(value, (int, float)) and math.isfinite(value)
+            return (0, value if mode == "min" else -value) if scored else (1, 0.0)
+        rows.sort(key=key)
     varying = _varying(results)
     ranked = [metric] if metric not in (tune_spaces.METRIC, tune_spaces.TRAIN_LOSS) else []
     if metric != tune_spaces.VAL_LOSS and any(FINAL_VAL_LOSS in m for _, m, _, _ in rows):
@@ -416,8 +620,8 @@ def format_results(results, metric: str = tune_spaces.METRIC, steps: int | None 
     for config, metrics, error, pruned in rows:
         peak = metrics.get("peak_memory_bytes")
         loss = metrics.get("final_loss", metrics.get("loss"))
-        status = "ERROR" if error else f"pruned@{metrics.get('step')}" if pruned else \
-            "ok" if metric in metrics else "unfinished"
+        status = "ERROR" if error else str(metrics["outcome"]) if metrics.get("outcome") else \
+            f"pruned@{metrics.get('step')}" if pruned else "ok" if metric in metrics else "unfinished"
         lines.append([_cell(config.get(k)) for k in varying]
                      + [f"{metrics[m]:.4f}" if m in metrics else "-" for m in ranked] + [
             f"{metrics.get(tune_spaces.METRIC, float('nan')):.0f}",
@@ -432,21 +636,43 @@ def _cell(value) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("space", choices=tune_spaces.STUDIES, help="the study (a module of tune_spaces/)")
+    parser.add_argument("space", nargs="?", default=None,
+                        help=f"a built-in study ({', '.join(tune_spaces.STUDIES)}; tune_spaces/) or a study file "
+                             f"(.py, .toml, .yaml)")
+    parser.add_argument("--space", dest="space_file", default=None, metavar="FILE",
+                        help="a study file of your own: train options as Tune domains, with metric, mode, search "
+                             "and scheduler (docs/sweeps.md, \"Your own space\")")
+    parser.add_argument("--name", default=None,
+                        help="the study's name: its folder <storage-path>/<name> (the same name resumes it), MLflow "
+                             "tag and default experiment; default the study's (a file's stem)")
+    parser.add_argument("--experiment", default=None, help="MLflow experiment of the study's runs; default its name")
+    shortcuts = parser.add_argument_group(
+        "the model and hardware of every trial (override the study's; --set KEY=V1,V2 makes a grid)")
+    shortcuts.add_argument("--preset", default=None, help="model preset (mpipemoe train --preset)")
+    shortcuts.add_argument("--num-workers", type=int, default=None, help="Ray Train workers per trial")
+    shortcuts.add_argument("--steps", type=int, default=None, help="training steps per trial")
+    shortcuts.add_argument("--batch-size", type=int, default=None, help="sequences per worker per step")
+    shortcuts.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    shortcuts.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+                           help="any train option (TrainJob field, e.g. partitions=1,2,auto or lr_schedule=wsd): "
+                                "one value is a constant, several a grid; repeatable")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="also name the fastest setting whose settled peak memory fits this many GiB "
+                             "(throughput studies)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster address (e.g. 'auto' on the head node); default: embedded local Ray")
     parser.add_argument("--storage-path", default=DEFAULT_STORAGE,
                         help="Tune/Train results root, shared by all nodes on a cluster "
-                             "(e.g. /mnt/shared/ray_results); the study resumes from <storage-path>/<space>")
+                             "(e.g. /mnt/shared/ray_results); the study resumes from <storage-path>/<name>")
     parser.add_argument("--num-samples", type=int, default=None,
                         help="trials drawn from the param space (a grid: its repeats); default: the study's "
-                             "(lr: 12, the others: 1)")
-    parser.add_argument("--search", choices=tune_spaces.SEARCHES, default="grid",
+                             "(lr: 12, granularity and strategy: 2, the others: 1)")
+    parser.add_argument("--search", choices=tune_spaces.SEARCHES, default=None,
                         help="grid: the study's grid; random: draws from its distributions; optuna: "
-                             "Optuna's TPE (lr study)")
-    parser.add_argument("--scheduler", choices=tune_spaces.SCHEDULERS, default="fifo",
+                             "Optuna's TPE; default the study's, else grid")
+    parser.add_argument("--scheduler", choices=tune_spaces.SCHEDULERS, default=None,
                         help="fifo: every trial runs to its end; asha: stops trials whose metric lags "
-                             "(ASHA over the trials' per-step reports)")
+                             "(ASHA over the trials' per-step reports); default the study's, else fifo")
     parser.add_argument("--max-failures", type=int, default=0,
                         help="retries of a trial that fails (default 0: a failed trial stays failed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the optuna search")
@@ -461,9 +687,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
 
 
+SHORTCUTS = ("preset", "num_workers", "steps", "batch_size", "seq_len")
+
+
+def overrides_of(args: argparse.Namespace) -> dict:
+    """The param-space entries the command line sets: ``--set`` items, then the shortcut flags."""
+    overrides = parse_overrides(args.overrides)
+    overrides.update({k: getattr(args, k) for k in SHORTCUTS if getattr(args, k) is not None})
+    return overrides
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    spec = args.space_file or args.space
+    if spec is None or (args.space_file and args.space):
+        print("mpipemoe sweep: give one study: a built-in name (mpipemoe sweep smoke) or a file "
+              "(mpipemoe sweep --space my_space.toml)", file=sys.stderr)
+        return 2
+    try:  # before Ray starts: a bad file or option costs nothing
+        module = tune_spaces.load(spec)
+        overrides = overrides_of(args)
+        study_space(module, args.search or getattr(module, "SEARCH", None) or "grid", overrides)
+    except ValueError as error:
+        print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
+        return 2
+    name = args.name or tune_spaces.study_name(spec)
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
@@ -474,28 +723,34 @@ def run(args: argparse.Namespace) -> int:
                  logging_level="WARNING" if args.verbose else "ERROR", log_to_driver=args.verbose,
                  runtime_env={"env_vars": local_train_env()})
     try:
-        results = run_study(args.space, storage_path=args.storage_path, tracking_uri=tracking_uri,
+        results = run_study(spec, storage_path=args.storage_path, tracking_uri=tracking_uri,
                             num_samples=args.num_samples, max_concurrent=args.max_concurrent,
                             data_dir=args.data_dir, search=args.search, scheduler=args.scheduler,
-                            max_failures=args.max_failures, seed=args.seed)
+                            max_failures=args.max_failures, seed=args.seed, name=args.name,
+                            experiment=args.experiment, overrides=overrides)
     except ValueError as error:  # a study that does not fit the cluster, a bad option
-        print(f"mpipemoe sweep {args.space}: {error}", file=sys.stderr)
+        print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
         return 2
     finally:
         if started:
             ray.shutdown()
-    module = tune_spaces.load(args.space)
-    space = module.param_space(args.search)
+    search = args.search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = args.scheduler or getattr(module, "SCHEDULER", None) or "fifo"
+    space = study_space(module, search, overrides)
     metric, mode = tune_spaces.ranking(module, space)
-    print(format_results(results, metric, space.get("steps")))
+    print(format_results(results, metric, space.get("steps"), mode))
+    if metric == tune_spaces.METRIC:  # a time study: settings over repeats, the time/memory front
+        rows = [(r.config or {}, r.metrics or {}, r.error) for r in results]
+        print(sweep_rank.format_ranking(sweep_rank.points(rows), args.memory_cap_gib))
     pruned, best = count_pruned(results, space), best_trial(results, metric, mode)
     if best is not None:
         chosen = ", ".join(f"{k}={_cell(best.config.get(k))}" for k in _varying(results))
         print(f"Best trial ({'lowest' if mode == 'min' else 'highest'} {metric}): {chosen or best.path} "
               f"{metric} {best.metrics[metric]:.4g}" + (f"; {pruned} of {len(results)} trials pruned by "
-                                                        f"{args.scheduler}" if args.scheduler != "fifo" else ""))
-    print(f"MLflow experiment {args.space!r} in {tracking_uri}; next: {invocation()} report --experiment "
-          f"{args.space}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
+                                                        f"{scheduler}" if scheduler != "fifo" else ""))
+    experiment = args.experiment or name
+    print(f"MLflow experiment {experiment!r} in {tracking_uri}; next: {invocation()} report --experiment "
+          f"{experiment}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
     failed, finished = count_trials(results, metric)
     if failed + finished < len(results):
         print(f"Study interrupted ({finished}/{len(results)} trials finished): run the same command "

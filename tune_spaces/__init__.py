@@ -2,8 +2,10 @@
 
     mpipemoe sweep smoke            # 3 tiny CPU trials, a few minutes on 2 cores
     mpipemoe sweep lr --search optuna --scheduler asha   # 12 tiny CPU trials, pruned by ASHA
-    mpipemoe sweep granularity      # partitions x tokens per GPU x model (GPU cluster)
-    mpipemoe sweep strategy         # memory-reuse strategy x model x tokens (GPU cluster)
+    mpipemoe sweep granularity      # partitions n x strategy jointly, one model (GPU cluster)
+    mpipemoe sweep granularity --preset tiny-gpt --num-workers 2 --steps 6   # the same, on CPU
+    mpipemoe sweep strategy         # n x strategy x tokens per GPU (GPU cluster)
+    mpipemoe sweep --space my_space.toml   # a study of your own (Python, TOML or YAML file)
     mpipemoe sweep engines          # engine x model x tokens: MPipeMoE against the baselines
 
 Each study module gives:
@@ -21,6 +23,12 @@ Each study module gives:
   (``loss_metric``, min).
 - ``NUM_SAMPLES`` (optional, default 1): trials drawn when ``--num-samples`` is not given
   (a grid: its repeats).
+- ``METRIC`` and ``MODE`` (optional): rank by any number the trials report (a step metric or
+  a summary's, e.g. ``final_val_loss``), instead of ``RANK_BY``.
+- ``SEARCH``, ``SCHEDULER`` (optional): the defaults of ``--search`` and ``--scheduler``.
+
+A study may also be a file outside the package (``load(path)``): a Python file with the
+same names, or a TOML/YAML file (``load_data_file``, docs/sweeps.md "Your own space").
 
 Tokens per GPU in a MoE layer are ``batch_size * seq_len`` (each worker's local
 batch); the GPU studies cover the paper's 4k-32k tokens per GPU.
@@ -28,7 +36,10 @@ batch); the GPU studies cover the paper's 4k-32k tokens per GPU.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 STUDIES = ("smoke", "lr", "granularity", "strategy", "engines")
 SEARCHES = ("grid", "random", "optuna")
@@ -49,11 +60,101 @@ GRACE_FRACTION = 0.25
 REDUCTION = 3
 
 
-def load(name: str) -> ModuleType:
-    """The study module ``tune_spaces.<name>``; raises with the valid names otherwise."""
+DATA_SUFFIXES = (".toml", ".yaml", ".yml")
+# A TOML/YAML space entry {kind: arguments} -> the Tune domain (``grid`` is a grid search).
+DOMAINS = {"grid": "grid_search", "choice": "choice", "uniform": "uniform", "loguniform": "loguniform",
+           "randint": "randint", "quniform": "quniform", "qloguniform": "qloguniform"}
+
+
+def load(name: str) -> ModuleType | SimpleNamespace:
+    """The study named ``name`` (module ``tune_spaces.<name>``), or the study in the file ``name``
+    (``.py``: a module with the names above; ``.toml``/``.yaml``: ``load_data_file``); raises
+    ValueError naming the valid names otherwise."""
+    path = Path(name).expanduser()
+    if path.suffix == ".py" or path.suffix in DATA_SUFFIXES:
+        if not path.is_file():
+            raise ValueError(f"--space {name}: no such file: give the path of a .py, .toml or .yaml study file")
+        if path.suffix in DATA_SUFFIXES:
+            return load_data_file(path)
+        spec = importlib.util.spec_from_file_location(f"mpipemoe_space_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for needed in ("DESCRIPTION", "param_space"):
+            if not hasattr(module, needed):
+                raise ValueError(f"--space {name}: the file defines no {needed}: see docs/sweeps.md "
+                                 f"\"Your own space\" (DESCRIPTION and param_space(search))")
+        return module
     if name not in STUDIES:
-        raise ValueError(f"unknown study {name!r}: choose one of {', '.join(STUDIES)}")
+        raise ValueError(f"unknown study {name!r}: choose one of {', '.join(STUDIES)}, or give a study file "
+                         f"(--space my_space.toml)")
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def study_name(name: str) -> str:
+    """The default name of a study: a built-in study's name, a file's stem."""
+    return Path(name).stem if name not in STUDIES else name
+
+
+def _domain(key: str, value, where: str):
+    """A TOML/YAML space entry as a Tune domain: a constant stays; ``{grid = [...]}``,
+    ``{choice = [...]}``, ``{loguniform = [low, high]}``, ... become Tune's."""
+    from ray import tune
+
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1 or next(iter(value)) not in DOMAINS:
+        raise ValueError(f"{where}: space.{key} = {value!r} is invalid: give a constant or one of "
+                         f"{', '.join(f'{{{k} = [...]}}' for k in DOMAINS)}")
+    kind, arguments = next(iter(value.items()))
+    if not isinstance(arguments, list) or not arguments:
+        raise ValueError(f"{where}: space.{key}.{kind} = {arguments!r} is invalid: give a non-empty list")
+    if kind in ("grid", "choice"):
+        return getattr(tune, DOMAINS[kind])(arguments)
+    return getattr(tune, DOMAINS[kind])(*arguments)
+
+
+def load_data_file(path: Path) -> SimpleNamespace:
+    """A study from a TOML or YAML file: top-level ``description``, optional ``metric``/``mode``
+    (or ``rank_by``), ``search``, ``scheduler``, ``num_samples``, and a ``space`` table whose
+    keys are ``mpipemoe train`` options (TrainJob fields) with constants or domains."""
+    import yaml  # type: ignore[import-untyped]  # the ray extra pins pyyaml
+
+    try:
+        if path.suffix == ".toml":
+            try:  # the standard library's from Python 3.11
+                toml = importlib.import_module("tomllib")
+            except ImportError as error:
+                raise ValueError(f"--space {path}: TOML study files need Python 3.11 or later (tomllib): "
+                                 f"write the study as YAML (.yaml) instead") from error
+            data = toml.loads(path.read_text())
+        else:
+            data = yaml.safe_load(path.read_text())
+    except (ValueError, yaml.YAMLError) as error:  # tomllib.TOMLDecodeError is a ValueError
+        if str(error).startswith("--space"):
+            raise
+        raise ValueError(f"--space {path}: not valid {path.suffix[1:].upper()}: {error}") from error
+    if not isinstance(data, dict) or not isinstance(data.get("space"), dict) or not data["space"]:
+        raise ValueError(f"--space {path}: the file has no [space] table: give one with train options as keys")
+    known = {"description", "metric", "mode", "rank_by", "search", "scheduler", "num_samples", "space"}
+    if unknown := sorted(set(data) - known):
+        raise ValueError(f"--space {path}: unknown top-level key(s) {unknown}: use {', '.join(sorted(known))}")
+    where = f"--space {path}"
+    entries = dict(data["space"])
+    for key, value in entries.items():  # checked now; param_space builds fresh domains per call
+        _domain(key, value, where)
+    searchable = any(isinstance(v, dict) and next(iter(v)) not in ("grid",) for v in entries.values())
+    study = SimpleNamespace(
+        DESCRIPTION=str(data.get("description") or f"study file {path.name}"),
+        param_space=lambda search="grid": {k: _domain(k, v, where) for k, v in entries.items()},
+        SEARCHES=SEARCHES if searchable else GRID_SEARCHES,
+        NUM_SAMPLES=int(data.get("num_samples", 1)),
+        SEARCH=data.get("search"), SCHEDULER=data.get("scheduler"))
+    if "rank_by" in data:
+        study.RANK_BY = data["rank_by"]
+    if "metric" in data:
+        study.METRIC, study.MODE = data["metric"], data.get("mode", "min")
+    return study
 
 
 def loss_metric(job_fields: dict) -> str:
@@ -63,11 +164,38 @@ def loss_metric(job_fields: dict) -> str:
     return VAL_LOSS if isinstance(every, int) and every > 0 else TRAIN_LOSS
 
 
-def ranking(module: ModuleType, space: dict) -> tuple[str, str]:
-    """(metric, mode) of a study module."""
+def ranking(module, space: dict) -> tuple[str, str]:
+    """(metric, mode) of a study: its ``METRIC``/``MODE`` when set, else by ``RANK_BY``."""
+    if getattr(module, "METRIC", None):
+        mode = getattr(module, "MODE", "min")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r} is invalid: choose min or max")
+        return module.METRIC, mode
     if getattr(module, "RANK_BY", "throughput") == "loss":
         return loss_metric(space), "min"
     return METRIC, MODE
+
+
+def asha_rungs(steps: int) -> list[int]:
+    """The steps at which ASHA (``tune_config(scheduler="asha")``) may stop a trial of ``steps``
+    steps: ``GRACE_FRACTION * steps`` times powers of ``REDUCTION``, as many as Ray Tune's
+    ``ASHAScheduler`` makes for ``max_t = steps + 1``."""
+    grace = max(1, int(steps * GRACE_FRACTION))
+    count = int(math.log((steps + 1) / grace) / math.log(REDUCTION) + 1)
+    return [grace * REDUCTION**k for k in range(count)]
+
+
+def hold_steps(rungs: list[int], steps: int, metric: str, eval_every) -> tuple[int, ...]:
+    """The steps after which a trial's workers wait for Tune's decision: for each rung, the
+    first step at or after it that reports ``metric`` (every step, or every ``eval_every``-th
+    for the validation loss), before the last step. A trial ASHA stops ends right there."""
+    if metric == VAL_LOSS:
+        if not isinstance(eval_every, int) or eval_every < 1:
+            return ()
+        held = {-(-rung // eval_every) * eval_every for rung in rungs}
+    else:
+        held = set(rungs)
+    return tuple(sorted(step for step in held if step < steps))
 
 
 def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = None, metric: str = METRIC,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ray import tune
 
-DESCRIPTION = "engine {mpipemoe, fastmoe, fastermoe} x tokens/GPU {4k..32k} x {gpt-s, gpt-xl, bert-l}, 8 GPUs per trial"
+DESCRIPTION = "engine {mpipemoe, fastmoe, fastermoe} x tokens/GPU {4k..32k} x {gpt-s, gpt-xl, bert-l}, 8 workers per trial"
 
 
 def param_space(search: str = "grid") -> dict:
@@ -22,6 +22,6 @@ def param_space(search: str = "grid") -> dict:
         "strategy": "auto",
         "steps": 30,
         "num_workers": 8,
-        "use_gpu": True,
+        "checkpoint_every": 0,
     }
 

@@ -1,30 +1,36 @@
-"""Granularity study: pipeline partitions n x tokens per GPU x model (docs/design.md §2, §7).
+"""Granularity study: pipeline partitions n x memory strategy, jointly, for one model and
+batch (docs/design.md §2, §5, §7): which setting is fastest, and which fits a memory cap.
 
     mpipemoe sweep granularity --address auto --storage-path /mnt/shared/ray_results
+    mpipemoe sweep granularity --preset tiny-gpt --num-workers 2 --steps 6 --batch-size 4 \
+        --set partitions=1,2,auto --set strategy=none,S1,auto      # on 2 CPU cores
 
-Fixed n from 1 to 8 plus "auto" (the online search), for each paper model and
-4k-32k tokens per GPU (batch 8-64 x 512). ``strategy`` is "none" so only the
-pipelining varies; the report plots the best n against tokens, marks any
-violation of the assumed monotonicity, and compares "auto" with the grid best.
-One node (8 GPUs) per trial: eight trials at once on the 8-node cluster.
+Every n in {1, 2, 4, 8, auto} with every strategy in {none, S1..S4, auto}, each point run
+twice (``NUM_SAMPLES``: the spread shows in the ranking). The command ranks the settings by
+throughput, prints the time/memory Pareto front and, with ``--memory-cap-gib``, the fastest
+setting under the cap (memory: the settled peak, after the online choice of an ``auto``
+setting). The model, batch, workers and steps are the defaults below; ``mpipemoe sweep
+granularity --preset P --batch-size B --num-workers W --steps S`` asks it of your own.
 """
 from __future__ import annotations
 
 from ray import tune
 
-DESCRIPTION = "partitions {1,2,4,8,auto} x tokens/GPU {4k..32k} x {gpt-s, gpt-xl, bert-l}, 8 GPUs per trial"
+DESCRIPTION = "partitions {1,2,4,8,auto} x strategy {none,S1..S4,auto} on one model and batch, ranked by time and memory"
+NUM_SAMPLES = 2          # each setting twice: the ranking shows the spread
+PARTITIONS = [1, 2, 4, 8, "auto"]
+STRATEGIES = ["none", "S1", "S2", "S3", "S4", "auto"]
 
 
 def param_space(search: str = "grid") -> dict:
     return {
         "engine": "mpipemoe",
-        "preset": tune.grid_search(["gpt-s", "gpt-xl", "bert-l"]),
-        "batch_size": tune.grid_search([8, 16, 32, 64]),  # x seq_len 512 = 4k..32k tokens per GPU
-        "seq_len": 512,          # bert-l's maximum; the same for every model
-        "partitions": tune.grid_search([1, 2, 4, 8, "auto"]),
-        "strategy": "none",
-        "steps": 30,          # the first steps warm up and run the online search
+        "preset": "gpt-xl",
+        "batch_size": 16,        # x seq_len 512 = 8k tokens per GPU
+        "seq_len": 512,
+        "partitions": tune.grid_search(PARTITIONS),
+        "strategy": tune.grid_search(STRATEGIES),
+        "steps": 30,             # the first steps warm up and run the online search
         "num_workers": 8,
-        "use_gpu": True,
+        "checkpoint_every": 0,   # a timing trial needs no checkpoint
     }
-

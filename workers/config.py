@@ -81,6 +81,8 @@ class WorkerConfig:
                          backward of k; DDP only) or "auto" (workers/schedules.py ``choose_schedule``).
     collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
     metrics_queue, stop_flag: Ray actor handles (the driver's queue and Ctrl-C flag) or None.
+    hold_steps:          steps after which rank 0 waits for the driver's decision to go on or stop
+                         (``stop_flag``): a sweep's ASHA rungs, so a pruned trial ends at its rung.
     resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
     data_shards:         rank streams the data is read as (None: one per worker); a run resumed on
                          another worker count keeps its first count (workers/reshard.py).
@@ -118,6 +120,7 @@ class WorkerConfig:
     mask_id: int = MASK_ID
     metrics_queue: Any = None  # (Ray actor handles: typed by Ray as Any)
     stop_flag: Any = None
+    hold_steps: tuple[int, ...] = ()
     resume_from: str | None = None
     data_shards: int | None = None
     fault: dict[str, Any] | None = None

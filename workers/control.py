@@ -4,6 +4,8 @@
     flag.request.remote()            # driver, on Ctrl-C
     poller = StopPoller(flag)        # rank 0
     poller.requested()               # rank 0, once per step: a local, non-blocking check
+    flag.decide.remote(step, stop)   # driver, at a hold step (a sweep's ASHA rung)
+    poller.verdict(step)             # rank 0, at a hold step: waits for the driver's decision
 
 Only rank 0 polls; the loop carries its answer in the step's max-reduction that every rank
 already makes, so all ranks stop after the same step (no extra collective, no hang).
@@ -49,18 +51,46 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# Rank 0 waits at most this long at a hold step for the driver's decision, then goes on
+# (a driver that never answers must not hang the job; under the default collective timeout, 600 s).
+HOLD_TIMEOUT_S = 300.0
+
+
 class StopFlag:
-    """Set once by the driver; ``wait`` returns when it is set."""
+    """Set once by the driver; ``wait`` returns when it is set. At a hold step the driver
+    also ``decide``s whether the job stops there; ``verdict`` waits for that decision."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._decided: dict[int, bool] = {}
+        self._changed = asyncio.Condition()
 
     async def request(self) -> None:
         self._event.set()
+        async with self._changed:
+            self._changed.notify_all()
 
     async def wait(self) -> bool:
         await self._event.wait()
         return True
+
+    async def decide(self, step: int, stop: bool) -> None:
+        async with self._changed:
+            self._decided[step] = stop
+            if stop:
+                self._event.set()
+            self._changed.notify_all()
+
+    async def verdict(self, step: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+        """True when the driver decided to stop after ``step`` or asked to stop (Ctrl-C);
+        False when it decided to go on, or said nothing within ``timeout_s``."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: step in self._decided or self._event.is_set()), timeout_s)
+            except asyncio.TimeoutError:
+                return False
+            return self._event.is_set() or self._decided.get(step, False)
 
 
 def new_stop_flag() -> Any:
@@ -74,6 +104,7 @@ class StopPoller:
     """Rank 0's view of a StopFlag: one pending ``wait`` call, checked without blocking."""
 
     def __init__(self, flag: Any) -> None:  # a StopFlag actor handle, or None
+        self._flag = flag
         self._pending = flag.wait.remote() if flag is not None else None
 
     def requested(self) -> bool:
@@ -84,3 +115,12 @@ class StopPoller:
 
         ready, _ = ray.wait([self._pending], timeout=0)
         return bool(ready)
+
+    def verdict(self, step: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+        """Local (no collective), blocking: the driver's decision on stopping after ``step``
+        (False without a flag)."""
+        if self._flag is None:
+            return False
+        import ray
+
+        return bool(ray.get(self._flag.verdict.remote(step, timeout_s)))

@@ -494,6 +494,10 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             metrics.update(trainer.evaluate())
         if queue is not None:
             queue.put(metrics)
+        # 8c. at a hold step (a sweep's ASHA rung): rank 0 waits for the driver's decision on
+        # these metrics; a pruned trial stops here (collective: every rank learns it)
+        if step in config.hold_steps and not stopping and step < config.steps:
+            stopping = reduce_max([float(stop.verdict(step))], device, world_size)[0]
         saver.finish()  # the previous step's async checkpoint, if any
         every = config.checkpoint_every  # 0 = no checkpoints
         if every and (step % every == 0 or step == config.steps or stopping):

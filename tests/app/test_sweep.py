@@ -60,15 +60,20 @@ def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
     assert (metric, mode) == (("val_loss", "min") if study == "lr" else ("tokens_per_s", "max"))
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     points = list(_grid_points(module.param_space()))
-    assert len(points) == {"smoke": 3, "lr": 7, "granularity": 60, "strategy": 72, "engines": 36}[study]
+    assert len(points) == {"smoke": 3, "lr": 7, "granularity": 30, "strategy": 24, "engines": 36}[study]
     for point in points:
         assert set(point) <= fields
         TrainJob(**point, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="sqlite:////x.db")
+    # a sweep writes no checkpoints unless its space asks (lr's and the GPU studies' say 0 themselves)
+    assert sweep.study_space(module, "grid")["checkpoint_every"] == 0
 
 
 def test_unknown_study_names_the_choices():
-    with pytest.raises(ValueError, match="choose one of smoke, lr, granularity, strategy, engines"):
+    with pytest.raises(ValueError, match="choose one of smoke, lr, granularity, strategy, engines, or give a "
+                                         "study file"):
         tune_spaces.load("nope")
+    with pytest.raises(ValueError, match="no such file"):
+        tune_spaces.load("/nonexistent/space.toml")
 
 
 def test_results_table_shows_the_validation_loss_where_trials_have_one():
@@ -96,6 +101,7 @@ def test_optuna_search_and_asha_on_the_lr_study():
     assert isinstance(config.search_alg, OptunaSearch) and isinstance(config.scheduler, ASHAScheduler)
     assert (config.metric, config.mode, config.num_samples) == ("loss", "min", 12)
     assert [t for t, _ in config.scheduler._brackets[0]._rungs] == [30, 10]  # steps where ASHA may stop a trial
+    assert tune_spaces.asha_rungs(space["steps"]) == [10, 30]  # the same, where the trials' workers wait
     assert config.reuse_actors  # a finished trial's process runs the next trial
     plain = tune_spaces.tune_config()
     assert plain.search_alg is None and plain.scheduler is None and plain.metric == "tokens_per_s"
@@ -142,7 +148,7 @@ def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pru
     assert reported == [{"step": 2, "loss": 4.0, "val_loss": 4.5}] and reporter.pruned_tags() == {}
     assert reporter({"step": 4, "loss": 3.0, "val_loss": 3.9}) == STOP_JOB  # the job stops after this step
     assert reporter({"step": 5, "loss": 2.9, "val_loss": 3.8}) is None and len(reported) == 1  # nothing more
-    assert reporter.pruned_tags() == {"pruned_at_step": 2}  # the last step Tune saw
+    assert reporter.pruned_tags() == {"pruned_at_step": 4}  # the step whose report Tune stopped it at
     # the end-of-trial report: the summary, the newest val_loss, the steps as ASHA's time axis
     final = sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "tokens_per_s": 9.0, "name": "x"}, "val_loss",
                                 {"step": 40, "val_loss": 3.3, "loss": 3.0})
@@ -370,3 +376,302 @@ def test_the_sweep_record_tool_reads_the_printed_table():
     assert (made["trials"], made["pruned"], made["finished"], made["pruned_at"]) == (2, 1, 1, {"pruned@10": 1})
     assert made["best"] == {"lr": 3e-3, "val_loss": 2.51, "status": "ok"}
     assert [t["status"] for t in made["per_trial"]] == ["ok", "pruned@10"]
+
+
+# ---------------------------------------------------------------- study files, overrides, ranking
+
+WSD_SPACE_TOML = """
+description = "lr x weight decay over wsd"
+metric = "val_loss"
+mode = "min"
+search = "random"
+scheduler = "asha"
+num_samples = 4
+
+[space]
+lr = {loguniform = [1e-4, 1e-2]}
+weight_decay = {choice = [0.0, 0.1]}
+lr_schedule = "wsd"
+steps = 8
+num_workers = 1
+"""
+
+
+def test_a_toml_study_file_gives_tune_domains_metric_search_and_scheduler(tmp_path):
+    from ray.tune.search.sample import Categorical, Float
+
+    path = tmp_path / "lr_wd.toml"
+    path.write_text(WSD_SPACE_TOML)
+    study = tune_spaces.load(str(path))
+    space = sweep.study_space(study, study.SEARCH)
+    assert isinstance(space["lr"], Float) and (space["lr"].lower, space["lr"].upper) == (1e-4, 1e-2)
+    assert isinstance(space["weight_decay"], Categorical) and space["weight_decay"].categories == [0.0, 0.1]
+    assert (space["lr_schedule"], space["checkpoint_every"]) == ("wsd", 0)
+    assert tune_spaces.ranking(study, space) == ("val_loss", "min")
+    assert (study.SEARCH, study.SCHEDULER, study.NUM_SAMPLES) == ("random", "asha", 4)
+    assert "optuna" in study.SEARCHES and tune_spaces.study_name(str(path)) == "lr_wd"
+    yaml_path = tmp_path / "grid.yaml"
+    yaml_path.write_text("description: d\nspace:\n  partitions: {grid: [1, 2]}\n  steps: 4\n")
+    grid = tune_spaces.load(str(yaml_path))
+    assert grid.param_space()["partitions"] == {"grid_search": [1, 2]} and grid.SEARCHES == ("grid", "random")
+    assert tune_spaces.ranking(grid, grid.param_space()) == ("tokens_per_s", "max")
+
+
+def test_a_python_study_file_outside_the_package(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text("DESCRIPTION = 'mine'\nRANK_BY = 'loss'\n"
+                    "def param_space(search='grid'):\n    return {'lr': 0.01, 'eval_every': 0, 'steps': 3}\n")
+    study = tune_spaces.load(str(path))
+    assert tune_spaces.ranking(study, study.param_space()) == ("loss", "min")
+    (tmp_path / "empty.py").write_text("X = 1\n")
+    with pytest.raises(ValueError, match="defines no DESCRIPTION"):
+        tune_spaces.load(str(tmp_path / "empty.py"))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("space = {lr = {normal = [0, 1]}}", r"space.lr = \{'normal': \[0, 1\]\} is invalid: give a constant or one of"),
+    ("description = 'x'", "has no \\[space\\] table"),
+    ("metrc = 'x'\n[space]\nlr = 1", r"unknown top-level key\(s\) \['metrc'\]"),
+    ("[space\nlr = 1", "not valid TOML"),
+])
+def test_bad_study_files_are_refused_naming_the_entry(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        tune_spaces.load(str(path))
+
+
+def test_overrides_set_any_train_option_as_a_constant_or_a_grid():
+    assert sweep.parse_overrides(["partitions=1,2,auto", "lr=3e-3", "shard-dense=true", "strategy=none"]) == {
+        "partitions": {"grid_search": [1, 2, "auto"]}, "lr": 3e-3, "shard_dense": True, "strategy": "none"}
+    with pytest.raises(ValueError, match="'partition' is not a train option: use one of"):
+        sweep.parse_overrides(["partition=2"])
+    with pytest.raises(ValueError, match="the sweep sets name itself"):
+        sweep.parse_overrides(["name=x"])
+    with pytest.raises(ValueError, match="give KEY=VALUE"):
+        sweep.parse_overrides(["lr"])
+    module = tune_spaces.load("granularity")
+    space = sweep.study_space(module, "grid", {"preset": "tiny-gpt", "num_workers": 2, "steps": 6,
+                                               "partitions": {"grid_search": [1, "auto"]}})
+    assert (space["preset"], space["num_workers"], space["partitions"]) == ("tiny-gpt", 2, {"grid_search": [1, "auto"]})
+    assert space["strategy"] == {"grid_search": ["none", "S1", "S2", "S3", "S4", "auto"]}  # jointly with n
+    with pytest.raises(ValueError, match="num_workers' must be a constant"):
+        sweep.study_space(module, "grid", {"num_workers": {"grid_search": [1, 2]}})
+
+
+def test_the_command_line_overrides_reach_the_space():
+    import argparse as argparse_lib
+
+    parser = argparse_lib.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "6",
+                              "--batch-size", "4", "--set", "partitions=1,auto", "--memory-cap-gib", "1.5"])
+    assert sweep.overrides_of(args) == {"preset": "tiny-gpt", "num_workers": 2, "steps": 6, "batch_size": 4,
+                                        "partitions": {"grid_search": [1, "auto"]}}
+    assert (args.space, args.space_file, args.memory_cap_gib, args.search) == ("granularity", None, 1.5, None)
+
+
+def _row(n, strategy, rate, peak_mib, **extra):
+    return ({"partitions": n, "strategy": strategy, "steps": 6},
+            {"tokens_per_s": rate, "settled_peak_memory_bytes": peak_mib * 2**20, **extra}, None)
+
+
+def test_settings_merge_their_repeats_and_rank_on_the_time_memory_front():
+    from app import sweep_rank
+
+    nan = float("nan")
+    rows = [_row(1, "none", 100.0, 500), _row(1, "none", 120.0, 510),   # two repeats: median 110
+            _row(2, "none", 150.0, 600), _row(2, "none", 130.0, 590),   # median 140, the fastest
+            _row(2, "S1", 90.0, 400), _row(2, "S1", 95.0, 400),         # leanest
+            _row(4, "S1", 80.0, 450), _row(4, "S1", 85.0, 450),         # slower and fatter than (2, S1)
+            ({"partitions": 1000, "strategy": "none", "steps": 6},
+             {"tokens_per_s": nan, "outcome": "refused", "reason": "partitions: too many"}, None),
+            ({"partitions": 8, "strategy": "none", "steps": 6}, {}, "RuntimeError: out of memory")]
+    points = sweep_rank.points(rows)
+    assert [p.label for p in points][:2] == ["partitions=1 strategy=none", "partitions=2 strategy=none"]
+    first = points[0]
+    assert (first.samples, first.tokens_per_s, first.tokens_per_s_low, first.tokens_per_s_high) == (2, 110.0, 100.0, 120.0)
+    assert first.peak_bytes == 510 * 2**20  # the largest settled peak of the repeats
+    front = sweep_rank.pareto_front(points)
+    assert [p.label for p in front] == ["partitions=2 strategy=none", "partitions=1 strategy=none",
+                                        "partitions=2 strategy=S1"]
+    assert sweep_rank.fastest_under(points, 550 * 2**20).label == "partitions=1 strategy=none"
+    assert sweep_rank.fastest_under(points, 420 * 2**20).label == "partitions=2 strategy=S1"
+    assert sweep_rank.fastest_under(points, 100 * 2**20) is None
+    assert [p.outcome for p in points[-2:]] == ["refused", "failed"]
+    text = sweep_rank.format_ranking(points, cap_gib=550 / 1024).splitlines()
+    assert text[1].split()[:2] == ["partitions=2", "strategy=none"] and "140 [130-150] x2" in text[1]
+    assert text[-4].startswith("partitions=1000") and text[-4].endswith("refused: partitions: too many")
+    assert text[-3].startswith("partitions=8") and text[-3].endswith("failed: RuntimeError: out of memory")
+    assert text[-2] == ("Pareto front (time against settled peak memory, fastest first): partitions=2 strategy=none, "
+                        "partitions=1 strategy=none, partitions=2 strategy=S1")
+    assert text[-1] == "Fastest under 0.537109 GiB: partitions=1 strategy=none (110 tokens/s, settled peak 510.0 MiB)"
+
+
+def test_the_final_table_is_sorted_by_the_metric_and_shows_refusals():
+    from types import SimpleNamespace as Result
+
+    results = [Result(config={"lr": 1e-3}, metrics={"val_loss": 3.0, "tokens_per_s": 1.0, "step": 8, "steps": 8},
+                      error=None),
+               Result(config={"lr": 1e-1}, metrics={"val_loss": float("nan"), "outcome": "refused", "step": 0},
+                      error=None),
+               Result(config={"lr": 3e-3}, metrics={"val_loss": 2.5, "tokens_per_s": 1.0, "step": 8, "steps": 8},
+                      error=None)]
+    rows = [line.split() for line in sweep.format_results(results, "val_loss", 8, "min").splitlines()[1:]]
+    assert [(row[0], row[-1]) for row in rows] == [("0.003", "ok"), ("0.001", "ok"), ("0.1", "refused")]
+    rows = [line.split() for line in sweep.format_results(results, "val_loss", 8, "max").splitlines()[1:]]
+    assert [row[0] for row in rows] == ["0.001", "0.003", "0.1"]
+
+
+def test_step_reports_put_the_metric_first_for_tunes_live_table():
+    reported = sweep.metric_first({"loss": 3.0, "lm_loss": 2.9, "aux_loss": 0.1, "lr": 1e-3, "val_loss": 3.1,
+                                   "step": 10, "tokens_per_s": 9.0}, "val_loss")
+    assert list(reported)[:3] == ["val_loss", "step", "tokens_per_s"] and len(reported) == 7
+
+
+# ---------------------------------------------------------------- tier 3: local Ray, light trials
+
+def _erroring_trial(log: Path, fail_marker: Path):
+    """A light trainable (no Ray Train): logs its start and end times; errors while
+    ``fail_marker`` exists, else reports a throughput."""
+
+    def trial(config: dict, *, settings) -> None:
+        from ray import tune
+
+        with open(log, "a") as f:
+            f.write(f"start {time.time()} {config['engine']}\n")
+        time.sleep(1.0)
+        with open(log, "a") as f:
+            f.write(f"end {time.time()} {config['engine']}\n")
+        if fail_marker.exists():
+            raise RuntimeError("this trial errs")
+        tune.report({"tokens_per_s": 1.0})
+
+    return trial
+
+
+def _most_at_once(log: Path) -> int:
+    events = sorted((float(t), 1 if kind == "start" else -1) for kind, t, _ in
+                    (line.split() for line in log.read_text().splitlines()))
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.ray
+def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_local, sweep_dirs, tmp_path):
+    """Tuner.restore(resume_errored=True) starts every errored trial at once; the trial gate
+    keeps the plan's cap (here 1), so the resumed study runs them one by one and ends."""
+    log, marker = tmp_path / "starts.txt", tmp_path / "fail"
+    marker.touch()
+    common = dict(storage_path=sweep_dirs["storage_path"], tracking_uri=sweep_dirs["tracking_uri"],
+                  data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=_erroring_trial(log, marker),
+                  stop_grace_s=0)
+    first = sweep.run_study("smoke", **common)
+    assert sweep.count_trials(first) == (3, 0)
+    marker.unlink()
+    log.write_text("")
+    second = sweep.run_study("smoke", **common)  # Tuner.restore with the errored trials
+    assert sweep.count_trials(second) == (0, 3)
+    assert sorted(line.split()[2] for line in log.read_text().splitlines() if line.startswith("start")) == [
+        "fastermoe", "fastmoe", "mpipemoe"]
+    assert _most_at_once(log) == 1
+
+    from app.tracking import client
+
+    mlflow = client(sweep_dirs["tracking_uri"])
+    parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
+    assert [(r.info.status, r.data.metrics["trials_at_once"]) for r in parents] == [("FINISHED", 1.0)]
+
+
+@pytest.mark.ray
+def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, capsys):
+    """`mpipemoe sweep granularity` from the command line alone on CPU, every setting refused
+    before any Train job starts (more partitions than a micro-batch's tokens): each is a
+    FAILED MLflow run with the study's tags, outcome and reason, and the ranking lists it."""
+    from app.tracking import client
+
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "2",
+                              "--batch-size", "1", "--set", "partitions=100000", "--set", "strategy=none,S1",
+                              "--num-samples", "1", "--name", "gran-cpu", "--experiment", "mine",
+                              "--memory-cap-gib", "1",
+                              *[f"--{k.replace('_', '-')}={sweep_dirs[k]}" for k in ("storage_path", "tracking_uri",
+                                                                                    "data_dir")]])
+    assert sweep.run(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^strategy=none +- +- +- +refused: TrainJob.partitions=100000 is invalid", out, flags=re.M), out
+    assert "Pareto front (time against settled peak memory, fastest first): no setting measured" in out
+    assert "Fastest under 1 GiB: no setting fits" in out
+    mlflow = client(sweep_dirs["tracking_uri"])
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name("mine").experiment_id])
+    trials = sorted((r for r in runs if run_kind(r.data.tags) == "train"), key=lambda r: r.data.params["strategy"])
+    assert [(r.info.status, r.data.params["strategy"], r.data.tags["study"], r.data.tags["outcome"])
+            for r in trials] == [("FAILED", "S1", "gran-cpu", "refused"), ("FAILED", "none", "gran-cpu", "refused")]
+    assert all(r.data.tags["trial_id"] and "tokens" in r.data.tags["reason"] for r in trials)
+    assert all(r.data.tags["mlflow.parentRunId"] for r in trials)
+    assert os.path.isdir(os.path.join(sweep_dirs["storage_path"], "gran-cpu"))
+
+
+def test_hold_steps_are_the_first_metric_steps_at_each_rung():
+    assert tune_spaces.asha_rungs(8) == [2, 6] and tune_spaces.asha_rungs(3) == [1, 3]
+    assert tune_spaces.hold_steps([1, 3], 3, "loss", 0) == (1,)  # the last step needs no wait
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 10) == (10, 30)
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 4) == (12, 32)   # evaluations at 12 and 32
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 25) == (25,)     # 50 is past the end
+    assert tune_spaces.hold_steps([10, 30], 40, "val_loss", 0) == ()         # no validation loss
+    assert tune_spaces.hold_steps([2, 6], 8, "loss", 0) == (2, 6)
+
+
+def test_the_stop_flag_answers_a_held_step():
+    import asyncio
+
+    from workers.control import StopFlag
+
+    async def scenario():
+        flag = StopFlag()
+        waiting = asyncio.ensure_future(flag.verdict(3, timeout_s=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()              # rank 0 waits for the driver's decision
+        await flag.decide(3, False)
+        go_on = await waiting
+        silent = await flag.verdict(6, timeout_s=0.05)   # no answer: go on
+        await flag.decide(6, True)
+        return go_on, silent, await flag.verdict(6), await flag.wait()
+
+    assert asyncio.run(scenario()) == (False, False, True, True)
+
+
+@pytest.mark.ray
+def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local, sweep_dirs, monkeypatch):
+    """A trial ASHA stops at its rung (step 3 here) trains no further step: its workers wait at
+    the rung for Tune's decision (which takes a while: 1 s here) instead of training on. Its
+    MLflow run ends KILLED with ``pruned_at_step``."""
+    import ray.tune
+
+    from app.tracking import client, metric_history
+
+    seen = []
+
+    def report(metrics):
+        seen.append(metrics["step"])
+        if metrics["step"] == 3:
+            time.sleep(1.0)        # Tune's controller deciding (tiny-gpt steps take milliseconds)
+            raise SystemExit(0)    # the scheduler stopped the trial
+
+    monkeypatch.setattr(ray.tune, "report", report)
+    monkeypatch.setattr(ray.tune, "get_context", lambda: type("Context", (), {"get_trial_id": lambda self: "t0"})())
+    settings = sweep.TrialSettings(study="held", tracking_uri=sweep_dirs["tracking_uri"],
+                                   train_storage_path=sweep_dirs["storage_path"], data_dir=sweep_dirs["data_dir"],
+                                   parent_run_id=None, use_gpu=False, cpus_per_worker=0.9, metric="loss",
+                                   rungs=(2, 3))
+    sweep.train_trial({"preset": "tiny-gpt", "steps": 8, "num_workers": 1, "batch_size": 2, "seq_len": 32,
+                       "eval_every": 0, "checkpoint_every": 0, "log_every": 1}, settings=settings)
+    assert seen == [1, 2, 3]
+    mlflow = client(sweep_dirs["tracking_uri"])
+    [run] = mlflow.search_runs([mlflow.get_experiment_by_name("held").experiment_id])
+    assert (run.info.status, run.data.tags["pruned_at_step"], run.data.tags["outcome"]) == ("KILLED", "3", "pruned")
+    assert [step for step, _ in metric_history(sweep_dirs["tracking_uri"], run.info.run_id, "loss")] == [1, 2, 3]
