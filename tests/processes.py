@@ -60,3 +60,41 @@ def start_mlflow_server(port: int, db: Path, log: Path, env: dict) -> subprocess
          "--workers", "1", "--backend-store-uri", f"sqlite:///{db}",
          "--artifacts-destination", str(db.parent / "artifacts")],
         env={**env, "MLFLOW_DISABLE_TELEMETRY": "true"}, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def ray_client_port_flag(port: int) -> list[str]:
+    """``--ray-client-server-port``: our own port where Ray Client is installed (else the head
+    would take the shared default 10001); nothing where it is not (Ray refuses the flag then)."""
+    from ray._private.utils import get_ray_client_dependency_error
+    return [f"--ray-client-server-port={port}"] if get_ray_client_dependency_error() is None else []
+
+
+def start_ray_node(log: Path, env: dict, *, head_address: str | None = None, num_cpus: int,
+                   temp_dir: str | None = None, resources: dict | None = None,
+                   dashboard_port: int | None = None) -> subprocess.Popen:
+    """``ray start --block`` on 127.0.0.1 with every port of its own (none of Ray's shared
+    defaults, so it never meets another Ray on the machine): a head (``head_address`` None;
+    its GCS on the first of its ports, returned as ``process.gcs_port``, its dashboard and job
+    server on ``dashboard_port``) or a worker node joining ``head_address``. ``env`` carries
+    the token authentication (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``) and a private HOME.
+    Returns at once; stop it with ``stop`` (SIGTERM stops the node's own processes)."""
+    import json
+    import sys
+
+    gcs, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(6)
+    flags = [f"--num-cpus={num_cpus}", "--node-ip-address=127.0.0.1",
+             f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
+             "--object-store-memory=100000000", "--disable-usage-stats"]
+    if resources:
+        flags.append(f"--resources={json.dumps(resources)}")
+    if head_address is None:
+        flags += ["--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", *ray_client_port_flag(client),
+                  *([f"--dashboard-port={dashboard_port}"] if dashboard_port else []),
+                  *([f"--temp-dir={temp_dir}"] if temp_dir else [])]
+    else:
+        flags.append(f"--address={head_address}")
+    process = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--block", *flags],
+                               env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    process.gcs_port = gcs  # type: ignore[attr-defined]  # (the head's GCS: worker nodes join 127.0.0.1:gcs_port)
+    return process

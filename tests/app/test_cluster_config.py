@@ -146,3 +146,27 @@ def test_mlflow_tracking_server_on_the_head(config):
     assert "sqlite:////mnt/shared" not in everything  # no SQLite store on NFS/EFS
     docs = (ROOT / "docs" / "cluster.md").read_text()
     assert "sqlite:////mnt/shared" not in docs and "ray get-auth-token --generate" in docs
+
+
+def test_nccl_efa_settings_reach_the_ray_train_workers(config, tmp_path):
+    """The setup writes the NCCL/EFA variables to a file that every node's `ray start` line
+    sources; Ray Train workers inherit the raylet's environment. Run here in a shell, the
+    setup's line and each start line (with `env` in place of `ray start`) give the workers'
+    environment."""
+    writes = [c for c in config["setup_commands"] if "mpipemoe-nccl.env" in c]
+    assert len(writes) == 1
+    shell = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    subprocess.run(["bash", "-c", writes[0]], env=shell, check=True)
+    for line in _ray_start_lines(config):
+        prefix = line.split("$HOME/mpipemoe-venv/bin/ray start")[0].replace("ulimit -n 65536;", "")
+        seen = subprocess.run(["bash", "-c", prefix + " env"], env=shell, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+        for setting in ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1", "NCCL_SOCKET_IFNAME=^lo,docker",
+                        "RAY_AUTH_MODE=token"):
+            assert setting in seen, (setting, line)
+
+
+def test_venv_package_is_installed_on_ubuntu_22_04(config):
+    venv = [i for i, c in enumerate(config["setup_commands"]) if "python3 -m venv" in c]
+    apt = [i for i, c in enumerate(config["setup_commands"]) if "apt-get install" in c and "python3.10-venv" in c]
+    assert venv and apt and apt[0] < venv[0]

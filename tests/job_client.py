@@ -1,0 +1,73 @@
+"""A Ray job client for the tests of ``ray job submit`` (tests/app/test_jobs.py,
+tests/app/test_cluster_multinode.py), run as its own process so that the token it
+authenticates with is that process's (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` in its
+environment), never the test session's. Prints one JSON line:
+
+    python -m tests.job_client submit ADDRESS ENTRYPOINT ENV_JSON TIMEOUT_S
+        {"job_id", "status", "logs"}: the job submitted through Ray's job SDK, waited for
+        (stopped after TIMEOUT_S); {"refused": ...} where the client cannot connect
+    python -m tests.job_client nodes ADDRESS COUNT TIMEOUT_S
+        {"alive": n}: once COUNT nodes are alive (or TIMEOUT_S passed)
+    python -m tests.job_client placement ADDRESS
+        {"nodes": {node_id: {"state", "resources"}}, "train_workers": [{"node_id",
+        "placement_group_id", "state"}]}: the cluster's nodes and every Ray Train worker
+        actor that ran on it (Ray's state API through the dashboard)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def submit(address: str, entrypoint: str, env_vars: dict, timeout_s: float) -> dict:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as error:  # what a client without the cluster's token sees
+        return {"refused": f"{type(error).__name__}: {error}"}
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env_vars})
+    deadline = time.monotonic() + timeout_s
+    while client.get_job_status(job_id) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        if time.monotonic() > deadline:
+            client.stop_job(job_id)
+            break
+        time.sleep(1)
+    return {"job_id": job_id, "status": str(client.get_job_status(job_id)),
+            "logs": client.get_job_logs(job_id)[-20000:]}
+
+
+def placement(address: str) -> dict:
+    from ray.util.state import list_actors, list_nodes
+
+    nodes = {n.node_id: {"state": n.state, "resources": n.resources_total}
+             for n in list_nodes(address=address, limit=1000)}
+    workers = [{"node_id": a.node_id, "placement_group_id": a.placement_group_id, "state": a.state}
+               for a in list_actors(address=address, filters=[("class_name", "=", "RayTrainWorker")],
+                                    limit=10000, detail=True)]
+    return {"nodes": nodes, "train_workers": workers}
+
+
+def wait_nodes(address: str, count: int, timeout_s: float) -> dict:
+    from ray.util.state import list_nodes
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = sum(n.state == "ALIVE" for n in list_nodes(address=address, limit=1000))
+        except Exception:  # the state API answers a moment after the dashboard does
+            alive = 0
+        if alive >= count or time.monotonic() > deadline:
+            return {"alive": alive}
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "submit":
+        out = submit(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), float(sys.argv[5]))
+    elif sys.argv[1] == "nodes":
+        out = wait_nodes(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        out = placement(sys.argv[2])
+    print(json.dumps(out))
