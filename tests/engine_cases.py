@@ -4,7 +4,10 @@ The engines run in float64 (the experts' per-expert loop: the grouped kernel has
 float64) and in float32 (the grouped kernel, `torch._grouped_mm`, on CPU).
 
 Runs inside each rank (see tests/distributed.py); returns, per (scenario, engine),
-the largest error of each compared quantity, so the test can name what broke.
+the largest error of each compared quantity, so the test can name what broke. With an
+expert-parallel degree P < W (``check_matrix(..., degree=P)``) the layers run on expert
+groups of P consecutive ranks (workers/distributed.py), and a rank's expert gradients are
+the reference's summed over its expert group's ranks only.
 """
 from __future__ import annotations
 
@@ -63,6 +66,12 @@ class Problem:
     ref_dx: list = field(default_factory=list)
     ref_router_grad: list = field(default_factory=list)   # per rank (its own loss only)
     ref_expert_grads: dict = field(default_factory=dict)  # summed over ranks
+    ref_expert_grads_by_rank: list = field(default_factory=list)  # each rank's own loss
+
+    def expert_grads_of(self, ranks) -> dict:
+        """The reference expert gradients summed over the losses of ``ranks``."""
+        return {name: sum(self.ref_expert_grads_by_rank[r][name] for r in ranks)
+                for name in self.ref_expert_grads_by_rank[0]}
 
 
 def make_problem(s: Scenario, world_size: int, dtype=torch.float64) -> Problem:
@@ -95,11 +104,10 @@ def make_problem(s: Scenario, world_size: int, dtype=torch.float64) -> Problem:
 
 def solve_reference(problem: Problem, config: MoEConfig) -> None:
     """Fill in the reference answer with autograd over the brute-force layer."""
-    total = 0
-    leaves = {k: v.clone().requires_grad_(True) for k, v in problem.params.items()}
-    for r, (x, gy) in enumerate(zip(problem.x, problem.grad_y)):
+    for x, gy in zip(problem.x, problem.grad_y):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in problem.params.items()}
         x = x.clone().requires_grad_(True)
-        router_w = problem.params["router.weight"].clone().requires_grad_(True)
+        router_w = leaves["router.weight"]
         y, aux = reference_moe(x, router_w, leaves["experts.w1"], leaves.get("experts.b1"),
                                leaves["experts.w2"], leaves.get("experts.b2"), leaves.get("experts.w3"), config)
         loss = (y * gy).sum() + problem.aux_coef * aux
@@ -108,11 +116,13 @@ def solve_reference(problem: Problem, config: MoEConfig) -> None:
         problem.ref_aux.append(aux.detach())
         problem.ref_dx.append(x.grad if x.grad is not None else torch.zeros_like(x))
         problem.ref_router_grad.append(router_w.grad if router_w.grad is not None else torch.zeros_like(router_w))
-    problem.ref_expert_grads = {k: v.grad if v.grad is not None else torch.zeros_like(v)
-                                for k, v in leaves.items() if k.startswith("experts.")}
+        problem.ref_expert_grads_by_rank.append({k: v.grad if v.grad is not None else torch.zeros_like(v)
+                                                 for k, v in leaves.items() if k.startswith("experts.")})
+    problem.ref_expert_grads = problem.expert_grads_of(range(len(problem.x)))
 
 
 def load_params(layer, problem: Problem, rank: int) -> None:
+    """Load the global parameters; ``rank``: the layer's rank in its expert group."""
     L = layer.local_experts
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -120,8 +130,9 @@ def load_params(layer, problem: Problem, rank: int) -> None:
             p.copy_(full if name == "router.weight" else full[rank * L:(rank + 1) * L])
 
 
-def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
-    """Run the layer on this rank's problem; largest |engine − reference| per quantity."""
+def max_errors(layer, problem: Problem, scenario: Scenario, rank: int, degree: int | None = None) -> dict:
+    """Run the layer on this rank's problem; largest |engine − reference| per quantity.
+    ``degree``: the expert-parallel degree P (None: all ranks, one expert group)."""
     dtype = layer.router.weight.dtype
     x = problem.x[rank].clone().to(dtype)
     if scenario.three_d:
@@ -132,6 +143,10 @@ def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
     loss = (y.reshape(-1, y.shape[-1]) * problem.grad_y[rank].to(dtype)).sum() + problem.aux_coef * aux
     loss.backward()
     L = layer.local_experts
+    P = degree or len(problem.x)
+    first = rank - rank % P  # this rank's expert group: ranks first .. first + P - 1
+    expert_grads = problem.expert_grads_of(range(first, first + P))
+    expert_rank = rank % P
     err = lambda a, b: float((a.reshape(b.shape).double() - b).abs().max()) if b.numel() else 0.0  # noqa: E731
     errors = {
         "y": err(y.detach(), problem.ref_y[rank]),
@@ -141,15 +156,20 @@ def max_errors(layer, problem: Problem, scenario: Scenario, rank: int) -> dict:
     }
     for name, p in layer.named_parameters():
         if name.startswith("experts."):
-            ref = problem.ref_expert_grads[name][rank * L:(rank + 1) * L]
+            ref = expert_grads[name][expert_rank * L:(expert_rank + 1) * L]
             errors[name + ".grad"] = err(p.grad if p.grad is not None else torch.zeros_like(p), ref)
     return errors
 
 
 def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list,
-                 dtype: torch.dtype = torch.float64) -> dict:
+                 dtype: torch.dtype = torch.float64, degree: int | None = None) -> dict:
     """Per rank: {(scenario, engine): {quantity: max error}}, the engines run in `dtype`
-    against the float64 reference."""
+    against the float64 reference, on expert groups of ``degree`` ranks (None: the world)."""
+    from moe_engine.comm import ExpertGroup
+    from workers.distributed import ExpertLayout, expert_groups
+
+    layout = ExpertLayout(rank, world_size, degree or world_size)
+    group = ExpertGroup(expert_groups(layout)[0]) if world_size > 1 else None
     results = {}
     for scenario in SCENARIOS:
         if scenario.name not in scenario_names:
@@ -158,9 +178,9 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
         solve_reference(problem, scenario.config)
         for spec in engines:
             torch.manual_seed(0)
-            layer = build_engine(spec, scenario.config, dtype=dtype)
-            load_params(layer, problem, rank)
-            results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank)
+            layer = build_layer(spec, scenario.config, group, dtype=dtype)
+            load_params(layer, problem, layout.expert_rank)
+            results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank, layout.degree)
     return results
 
 

@@ -79,6 +79,8 @@ class WorkerConfig:
     shard_dense:         FSDP2 for the dense part instead of DDP.
     micro_batch_schedule: "sequential", "overlapped" (the forward of micro-batch k+1 beside the
                          backward of k; DDP only) or "auto" (workers/schedules.py ``choose_schedule``).
+    expert_parallel:     the expert-parallel degree P: expert groups of P consecutive ranks, each
+                         holding every expert once (workers/distributed.py); None: the world.
     collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
     metrics_queue, stop_flag: Ray actor handles (the driver's queue and Ctrl-C flag) or None.
     hold_steps:          steps after which rank 0 waits for the driver's decision to go on or stop
@@ -135,6 +137,7 @@ class WorkerConfig:
     eval_batches: int = 4
     log_every: int = 10
     micro_batch_schedule: str = "sequential"
+    expert_parallel: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it
@@ -179,6 +182,10 @@ class WorkerConfig:
                   "per micro-batch, which two in flight would interleave: use sequential (or auto), or DDP")
         if self.data_shards is not None and not (_is_int(self.data_shards) and self.data_shards >= 1):
             _fail("data_shards", self.data_shards, "give an integer >= 1, or None (one rank stream per worker)")
+        if self.expert_parallel is not None and not (_is_int(self.expert_parallel) and self.expert_parallel >= 1
+                                                      and self.preset.num_experts % self.expert_parallel == 0):
+            _fail("expert_parallel", self.expert_parallel, f"give a divisor of the {self.preset.num_experts} experts "
+                  f"per MoE layer that divides the worker count, or None (the world)")
         for name in ("start_batch", "max_batch", "steps_per_trial"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):

@@ -1,17 +1,22 @@
 """Data parallelism of the dense part, the global gradient clip and metric collectives.
 
-Parallel layout (docs/design.md §3): W ranks in the default process group, which is also the
-expert-parallel group. The dense part (embeddings, attention, norms, routers) is
-replicated (or, with ``shard_dense``, sharded) and data parallel; each rank holds E/W
-experts of every MoE layer.
+Parallel layout (docs/design.md §3): W ranks in the default process group, cut into W / P
+expert groups of P consecutive ranks (P, the expert-parallel degree, divides W; P = W: one
+group, the whole world). Rank r is expert rank ``r % P`` of expert group ``r // P``; each
+holds num_experts / P experts of every MoE layer, and the MoE layers' count exchange,
+All-to-Alls and agreements run on its expert group. The ranks holding the same experts
+(``r % P`` equal: one per expert group) form an expert-data-parallel group of W / P ranks
+(``ExpertLayout``). The dense part (embeddings, attention, norms, routers) is replicated (or,
+with ``shard_dense``, sharded) and data parallel over all W ranks.
 
 Gradient rule, so the update equals that of the mean loss over all W ranks' tokens:
 - dense parameters: PyTorch's data parallelism averages them over ranks:
   ``DistributedDataParallel`` (bucketed all-reduce overlapped with backward), or FSDP2's
   ``fully_shard`` (reduce-scatter; parameters, gradients and AdamW state sharded);
 - expert parameters (marked where they are created, see ``lm.model.is_expert_param``):
-  the MoE layer already summed the gradient over every rank's tokens; they are excluded
-  from DDP/FSDP2 and only divided by W (``DenseParallel.finish_gradients``).
+  the MoE layer already summed the gradient over its expert group's tokens; they are
+  excluded from DDP/FSDP2, summed over the expert-data-parallel group (its own process
+  group; nothing when P = W) and divided by W (``DenseParallel.finish_gradients``).
 
 Mixed precision: parameters and AdamW state stay float32 (the master weights); the
 forward runs under ``torch.autocast`` at the compute dtype, so gradients arrive in float32
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +78,95 @@ def new_group(timeout_s: float | None = None, backend: str | None = None) -> dis
     return group
 
 
+def divisors(n: int) -> list[int]:
+    """Local. The divisors of ``n`` (>= 1), ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
+    """Local. The expert-parallel degrees P that ``world_size`` ranks can run ``num_experts``
+    experts per MoE layer with: P divides both (whole experts per rank, whole expert groups)."""
+    return [p for p in divisors(world_size) if num_experts % p == 0]
+
+
+def check_expert_degree(degree: int, num_experts: int, world_size: int, what: str = "expert_parallel") -> None:
+    """Local. Raise ValueError naming the valid degrees unless ``degree`` divides both the
+    ``world_size`` and ``num_experts``."""
+    if isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1 \
+            and world_size % degree == 0 and num_experts % degree == 0:
+        return
+    valid = ", ".join(str(p) for p in valid_expert_degrees(num_experts, world_size))
+    raise ValueError(f"{what}={degree!r} is invalid: the expert-parallel degree must divide both the "
+                     f"{world_size} workers and the {num_experts} experts per MoE layer; use --expert-parallel "
+                     f"{valid} (or another --num-workers / --num-experts)")
+
+
+def default_expert_degree(num_experts: int, world_size: int, gpus_per_node: int | None = None) -> int:
+    """Local. The expert-parallel degree a run gets unless it names one: the GPUs of one node
+    where they divide the experts and the workers (every All-to-All then stays inside a node),
+    else the world (also on CPU: ``gpus_per_node`` None)."""
+    if gpus_per_node and gpus_per_node < world_size and world_size % gpus_per_node == 0 \
+            and num_experts % gpus_per_node == 0:
+        return gpus_per_node
+    return world_size
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where rank ``rank`` of ``world_size`` sits with expert-parallel degree ``degree``
+    (the module docstring): expert groups of ``degree`` consecutive ranks, expert-data-
+    parallel groups of the ranks ``degree`` apart."""
+
+    rank: int
+    world_size: int
+    degree: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.degree, int) and self.degree >= 1 and self.world_size % self.degree == 0):
+            raise ValueError(f"ExpertLayout.degree={self.degree!r} is invalid: it must divide the world size "
+                             f"{self.world_size}; use one of {', '.join(map(str, divisors(self.world_size)))}")
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's place in its expert group (which experts it holds)."""
+        return self.rank % self.degree
+
+    @property
+    def replicas(self) -> int:
+        """Expert groups (copies of every expert): W / P."""
+        return self.world_size // self.degree
+
+    def expert_group_ranks(self, group: int) -> list[int]:
+        return [group * self.degree + j for j in range(self.degree)]
+
+    def replica_group_ranks(self, expert_rank: int) -> list[int]:
+        return [g * self.degree + expert_rank for g in range(self.replicas)]
+
+
+def expert_groups(layout: ExpertLayout, timeout_s: float | None = None
+                  ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Collective (every rank of the default group, in the same order): (expert group,
+    expert-data-parallel group) of this rank. The expert group is the default group when
+    P = W (None without one: a single process); the expert-data-parallel group is None
+    when P = W (nothing to reduce). ``timeout_s``: their collective timeout (a new group does
+    not inherit the default group's)."""
+    if layout.world_size == 1 or not dist.is_initialized():
+        return None, None
+    if layout.degree == layout.world_size:
+        return dist.group.WORLD, None
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    mine: dict[str, dist.ProcessGroup] = {}
+    # every rank creates every group (torch.distributed's rule), the expert groups first
+    for kind, count, ranks_of in (("expert", layout.replicas, layout.expert_group_ranks),
+                                  ("replica", layout.degree, layout.replica_group_ranks)):
+        for index in range(count):
+            ranks = ranks_of(index)
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if layout.rank in ranks:
+                mine[kind] = group
+    return mine["expert"], mine["replica"]
+
+
 class DenseParallel:
     """The model wrapped for data parallelism of its dense part (collective at construction).
 
@@ -80,16 +175,19 @@ class DenseParallel:
     wrapped. ``compute_dtype``: the autocast dtype of ``autocast()`` (float32: none).
     ``timeout_s``: the dense group's collective timeout; give the default group's (a new
     group does not inherit it: DDP's bucket rebuild in the second forward would otherwise
-    wait 30 minutes for a dead rank).
+    wait 30 minutes for a dead rank). ``replica_group``: the expert-data-parallel group
+    (``expert_groups``; None: each expert on one rank, P = W) with ``replicas`` ranks.
     """
 
     def __init__(self, model: torch.nn.Module, *, mode: str = "ddp", world_size: int = 1,
                  device: torch.device = torch.device("cpu"), compute_dtype: torch.dtype = torch.float32,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, replica_group: dist.ProcessGroup | None = None,
+                 replicas: int = 1):
         if mode not in DENSE_MODES:
             raise ValueError(f"dense parallelism {mode!r} is unknown: choose one of {', '.join(DENSE_MODES)}")
         self.model, self.mode, self.world_size, self.device = model, mode, world_size, device
         self.compute_dtype = compute_dtype
+        self.replica_group, self.replicas = replica_group, replicas
         self.dense, self.expert = split_params(model)
         self.module = model
         self.group: dist.ProcessGroup | None = None
@@ -147,10 +245,13 @@ class DenseParallel:
             torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
 
     def finish_gradients(self) -> None:
-        """Local. Expert grads / W (the MoE layer summed them over every rank's tokens; the
-        dense ones were averaged by DDP/FSDP2)."""
+        """Collective with expert replicas (else local). Expert grads summed over the
+        expert-data-parallel group, then / W (the MoE layer summed them over its expert
+        group's tokens; the dense ones were averaged by DDP/FSDP2)."""
         if self.world_size == 1:
             return
+        if self.replica_group is not None:
+            reduce_expert_grads(self.expert, self.replica_group)
         for param in self.expert:
             if param.grad is not None:
                 param.grad.div_(self.world_size)
@@ -159,14 +260,30 @@ class DenseParallel:
         """Collective: exact global gradient norm over the dense part and every rank's expert
         shard; clips to ``max_norm``. Returns the norm before clipping (the same on every
         rank). ``max_norm <= 0`` only measures."""
-        return clip_grad_norm(self.dense, self.expert, max_norm, self.world_size)
+        return clip_grad_norm(self.dense, self.expert, max_norm, self.world_size, self.replicas)
 
     def clip_divisor(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective, no host reads: (norm, divisor) as 0-dim float32 device tensors, the
         divisor ``(norm + 1e-6) / max_norm`` where the norm exceeds ``max_norm``, else 1. The
         gradients stay as they are: the fused AdamW divides them by it as it reads them
         (its ``grad_scale``), saving clip_grad_norm's pass over every gradient."""
-        return clip_divisor(self.dense, self.expert, max_norm, self.world_size)
+        return clip_divisor(self.dense, self.expert, max_norm, self.world_size, self.replicas)
+
+
+def reduce_expert_grads(expert: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Collective (the expert-data-parallel ``group``): every expert gradient summed over the
+    group, in place; one all-reduce per dtype over the gradients flattened into one buffer.
+    A missing gradient counts as zeros (every rank must send the same buffer)."""
+    for param in expert:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [param.grad for param in expert if param.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        chosen = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in chosen])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(chosen, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in chosen]),
+                                                                           chosen)])
 
 
 def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -181,14 +298,17 @@ def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
 
 
 def _global_norm(dense: list[torch.nn.Parameter], expert: list[torch.nn.Parameter],
-                 world_size: int) -> torch.Tensor:
-    """Collective: the global gradient norm as a 0-dim float32 tensor on the device."""
+                 world_size: int, replicas: int = 1) -> torch.Tensor:
+    """Collective: the global gradient norm as a 0-dim float32 tensor on the device. Each
+    expert is held by ``replicas`` ranks (the same reduced gradient): its square counts once."""
     from torch.distributed.tensor import DTensor
 
     device = (dense or expert)[0].device
     sharded = [p.grad.to_local() for p in dense if isinstance(p.grad, DTensor)]
     replicated = [p.grad for p in dense if p.grad is not None and not isinstance(p.grad, DTensor)]
-    summed = _square_sum(sharded + [p.grad for p in expert if p.grad is not None], device)
+    expert_grads = [p.grad for p in expert if p.grad is not None]
+    summed = _square_sum(sharded, device) + _square_sum(expert_grads, device) / replicas if replicas > 1 \
+        else _square_sum(sharded + expert_grads, device)
     if world_size > 1:
         dist.all_reduce(summed)
     return (_square_sum(replicated, device) + summed).sqrt()
@@ -201,13 +321,13 @@ def _local_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 
 def clip_grad_norm(dense: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], max_norm: float,
-                   world_size: int) -> float:
+                   world_size: int, replicas: int = 1) -> float:
     """Collective: global gradient norm (expert shards and FSDP2-sharded dense grads summed
     over ranks, replicated dense grads counted once); clips to ``max_norm``.
 
     Returns the norm before clipping (the same on every rank). ``max_norm <= 0`` only measures.
     """
-    norm = float(_global_norm(dense, expert, world_size))
+    norm = float(_global_norm(dense, expert, world_size, replicas))
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         grads = _local_grads(dense + expert)
@@ -217,11 +337,11 @@ def clip_grad_norm(dense: list[torch.nn.Parameter], expert: list[torch.nn.Parame
 
 
 def clip_divisor(dense: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], max_norm: float,
-                 world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 world_size: int, replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective, no host reads: (norm, divisor) of ``DenseParallel.clip_divisor``; dividing
     by the divisor clips as ``clip_grad_norm`` does (its factor's reciprocal: the same
     gradients up to float32 rounding). ``max_norm <= 0``: the divisor is 1."""
-    norm = _global_norm(dense, expert, world_size)
+    norm = _global_norm(dense, expert, world_size, replicas)
     if max_norm <= 0:
         return norm, torch.ones_like(norm)
     return norm, torch.where(norm > max_norm, (norm + 1e-6) / max_norm, torch.ones_like(norm))

@@ -2,7 +2,9 @@
 
 Ray Train's ``TorchTrainer`` has already created the default process group (gloo on CPU,
 NCCL on GPU, with a timeout) before this function starts; that group is the
-expert-parallel group of every MoE layer and the data-parallel group of the dense part.
+data-parallel group of the dense part, and ``Trainer`` cuts it into the expert groups of
+``expert_parallel`` consecutive ranks (the MoE layers' group; the whole world by default)
+and the expert-data-parallel groups across them (workers/distributed.py).
 
 The model's parameters and AdamW state are float32 (master weights; ``param_dtype``
 bfloat16 keeps them in bf16 instead, for comparison); ``Trainer`` wraps
@@ -70,7 +72,8 @@ from workers import checkpoint as ckpt
 from workers.config import WorkerConfig
 from workers.reshard import rank_batches
 from workers.control import StopPoller
-from workers.distributed import DenseParallel, all_reduce_sum_, new_group, reduce_max, reduce_sum
+from workers.distributed import (DenseParallel, ExpertLayout, all_reduce_sum_, check_expert_degree, expert_groups,
+                                 new_group, reduce_max, reduce_sum)
 from workers.load import ExpertLoad
 from workers.schedules import LANES, Lanes, ScheduleError, choose_schedule, forward_backward
 
@@ -218,26 +221,31 @@ class Trainer:
                  host_pool: HostBufferPool | None = None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
-        self.preset.check_world_size(world_size)
+        degree = config.expert_parallel or world_size
+        check_expert_degree(degree, self.preset.num_experts, world_size)
+        self.layout = ExpertLayout(rank, world_size, degree)
         assert config.seq_len is not None  # WorkerConfig sets it from the preset
         # the micro-batch schedule (workers/schedules.py); the overlapped one has two
         # micro-batches' activations live, which the MoE layers' memory budget counts
         self.schedule, self.schedule_reason = choose_schedule(
             config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
             budget_bytes=config.moe_memory_budget_bytes, preset=self.preset,
-            tokens=config.batch_size * config.seq_len, world_size=world_size, dtype=getattr(torch, config.dtype))
-        model = MoETransformer(self.preset, engine=config.engine, group=None, partitions=config.partitions,
+            tokens=config.batch_size * config.seq_len, world_size=degree, dtype=getattr(torch, config.dtype))
+        # Collective: the expert groups and the expert-data-parallel groups (workers/distributed.py)
+        expert_group, replica_group = expert_groups(self.layout, config.collective_timeout_s)
+        model = MoETransformer(self.preset, engine=config.engine, group=expert_group, partitions=config.partitions,
                                strategy=config.strategy, host_pool=host_pool,
                                memory_budget=config.moe_memory_budget_bytes,
                                in_flight=LANES if self.schedule == "overlapped" else 1)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast
-        init_parameters(model, config.seed, rank)
+        init_parameters(model, config.seed, self.layout.expert_rank)
         if config.param_dtype != "float32":  # pure low-precision training, for comparison
             model.to(dtype=getattr(torch, config.param_dtype))
         self.parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp",
                                       world_size=world_size, device=device,
                                       compute_dtype=getattr(torch, config.dtype),
-                                      timeout_s=config.collective_timeout_s)
+                                      timeout_s=config.collective_timeout_s, replica_group=replica_group,
+                                      replicas=self.layout.replicas)
         self.model = model
         # Collective (every rank resolves the same schedule): the MoE layers' lanes
         self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
@@ -383,7 +391,7 @@ class Trainer:
                                  self.nonfinite_in_a_row, config)
         grad_norm, lr = math.nan, self.optimizer.param_groups[0]["lr"]  # the scheduler's rate for this step
         if not skip:
-            # 5. expert grads / W (dense ones were averaged by DDP/FSDP2)
+            # 5. expert grads summed over the expert replicas, / W (dense ones were averaged by DDP/FSDP2)
             self.parallel.finish_gradients()
             # 6. global clip, update; the schedule advances on skipped steps too (rate = f(step))
             if self.optimizer.defaults.get("fused") and config.grad_clip > 0:

@@ -1,6 +1,8 @@
 """Tier 2 (gloo, CPU): every engine path against the brute-force reference (float64),
 on 1, 2 and 4 ranks: outputs, aux loss, input gradients and every parameter gradient.
-The engines run in float64 (per-expert loop) and float32 (the grouped kernel)."""
+The engines run in float64 (per-expert loop) and float32 (the grouped kernel). On 4 ranks
+also with expert-parallel degrees 1 and 2 (expert groups of that many ranks; 4: the world),
+in float64 only: the grouped kernel sees the same per-rank shapes as in the 4-rank group."""
 import pytest
 import torch
 
@@ -13,18 +15,22 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5}
 _results: dict = {}
 
 
-def matrix_results(world_size: int, dtype: torch.dtype) -> list:
-    if (world_size, dtype) not in _results:
+def matrix_results(world_size: int, dtype: torch.dtype, degree: int | None = None) -> list:
+    if (world_size, dtype, degree) not in _results:
         names = [s.name for s in SCENARIOS]
-        _results[world_size, dtype] = run_on_ranks(world_size, check_matrix, names, ENGINES, dtype)
-    return _results[world_size, dtype]
+        _results[world_size, dtype, degree] = run_on_ranks(world_size, check_matrix, names, ENGINES, dtype, degree)
+    return _results[world_size, dtype, degree]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32-grouped"])
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+LAYOUTS = [pytest.param(w, None, dtype, id=f"W{w}-{name}") for w in (1, 2, 4)
+           for dtype, name in ((torch.float64, "float64"), (torch.float32, "float32-grouped"))] \
+    + [pytest.param(4, p, torch.float64, id=f"W4-P{p}-float64") for p in (2, 1)]
+
+
+@pytest.mark.parametrize("world_size,degree,dtype", LAYOUTS)
 @pytest.mark.parametrize("scenario", [s.name for s in SCENARIOS])
-def test_engines_match_reference(world_size, scenario, dtype):
-    per_rank = matrix_results(world_size, dtype)
+def test_engines_match_reference(world_size, degree, scenario, dtype):
+    per_rank = matrix_results(world_size, dtype, degree)
     failures = []
     for rank, results in enumerate(per_rank):
         for (scen, engine), errors in results.items():
