@@ -63,7 +63,7 @@ def run(tmp_path_factory):
     job = TrainJob(preset="tiny-gpt", name="r", steps=2, num_workers=1, batch_size=2, seq_len=16,
                    storage_path=str(root / "runs"), data_dir=str(root / "data"), tracking_uri="none")
     save_job(job)
-    keep_copy(job.data_dir, job.run_dir / RUN_DATA)
+    keep_copy(str(root / "data"), job.run_dir / RUN_DATA)
     config = worker_config(job, use_gpu=False)
     trainer = Trainer(config, 0, 1, torch.device("cpu"))
     for step in (1, 2):
