@@ -386,8 +386,9 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     bias = config.bias
 
     # Saved by every engine: X (router GEMM), router probabilities, top-k indices and
-    # weights, f (balance loss), the (token, choice) rows and weights of un-permute.
-    saved = s * (T * D + T * K * D + T * K) + r * (T * E + E) + index * 2 * T * K + T * K  # + keep mask (bool)
+    # weights, f (balance loss), the (token, choice) rows and weights of un-permute (the
+    # combine keeps its weights in the router's dtype, float32 or wider: dispatcher.unpermute).
+    saved = s * (T * D + T * K * D) + r * (T * K + T * E + E) + index * 2 * T * K + T * K  # + keep mask (bool)
     if K > 1:
         saved += r * (T * K + T)  # top-k values and their sum (renormalisation)
     if not policy.share_buffers:
