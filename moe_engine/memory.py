@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -178,6 +178,16 @@ class HostBufferPool:
         self._pinned: dict[int, bool] = {}  # buffer address -> allocated pinned (set at each allocation)
         # The overlapped micro-batch schedule (workers/schedules.py) takes buffers in one
         # micro-batch's forward while another's backward, on a second thread, gives them back.
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy`` of a model holding the pool) gets its own lock."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._lock = threading.RLock()
 
     def _is_pinned(self, buffer: torch.Tensor) -> bool:
