@@ -224,3 +224,19 @@ def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
                                                        build_variants(settings, settings.preset(), group,
                                                                       torch.device("cpu"))[0].model.parameters()))
     reduction.remove()
+
+
+def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_bound_cpu_twin(tmp_path):
+    """The GPU test's command at CPU sizes: a network file of its own, every engine's
+    record written with its bound terms."""
+    network = tmp_path / "slow.json"
+    network.write_text(json.dumps({"name": "slow", "intra_bytes_per_s": 1e9, "inter_bytes_per_s": 1e9}))
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "2x2", "--network",
+                 str(network), "--tokens", "256", "--micro-batches", "1", "--partitions", "1",
+                 "--strategies", "none", "--rounds", "1", "--repeats", "1", "--tracking-uri", "none",
+                 "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["engine"] for r in records} >= {"fastmoe", "fastermoe", "mpipemoe"}
+    for r in records:
+        assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] >= r["compute_ms"]

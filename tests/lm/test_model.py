@@ -238,3 +238,9 @@ def test_one_rank_without_a_memory_budget_runs_one_partition():
     assert all(block.moe.partitions == 1 for block in _model("tiny-gpt").blocks)
     budgeted = MoETransformer(get_preset("tiny-gpt"), memory_budget=2**30)
     assert all(block.moe.partitions == "auto" for block in budgeted.blocks)
+
+
+def test_a_bert_batch_on_cuda_is_the_cpu_one_and_does_not_wait_for_the_device_cpu_twin():
+    """The GPU test's setup on CPU: the same seed gives the same masked batch."""
+    for got, want in zip(_bert_batch_on(torch.device("cpu")), _bert_batch_on(torch.device("cpu"))):
+        assert torch.equal(got, want)

@@ -148,7 +148,7 @@ def _bf16_combine_error(device, weights_dtype=torch.float32):
     return differs.double().mean().item(), ((y_TD.double() - exact_TD).abs() / ulp_TD).max().item()
 
 
-def test_the_combine_keeps_the_gate_weights_in_float32_under_a_bf16_output():
+def test_the_combine_keeps_the_gate_weights_in_float32_under_a_bf16_output_on_cuda_cpu_twin():
     """The sum is formed from the float32 weights and rounded once: it agrees with the
     once-rounded exact sum but within float32's error of a rounding boundary (here: all
     agree, worst 0.500005 ulp). Weights rounded to bf16 first (the combine before issue

@@ -73,3 +73,10 @@ def test_the_sync_probe_tells_a_sync_free_call_from_one_that_syncs():
         offs = torch.tensor([16, 64], dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
         assert runs_without_host_sync(lambda: torch._grouped_mm(a_KM.t(), a_KM, offs=offs, out_dtype=torch.float32))
+
+
+def test_the_sync_probe_tells_a_sync_free_call_from_one_that_syncs_cpu_twin():
+    """On CPU the widening grouped kernel is never probed: the per-expert path runs."""
+    from moe_engine.experts import _grouped_kernel_widens
+
+    assert _grouped_kernel_widens("cpu") is False

@@ -352,3 +352,16 @@ def test_the_pinned_pool_holds_what_torchs_host_allocator_says_and_frees_what_it
     del buffer, buffers
     pool._release(0)
     assert pool.bytes_held == 0 and allocated() == before
+
+
+def test_the_pinned_pool_holds_what_torchs_host_allocator_says_and_frees_what_it_releases_cpu_twin():
+    """The GPU test's pool on CPU with pageable buffers: what it holds covers the requests,
+    and a full release frees every buffer given back."""
+    pool = HostBufferPool(available_bytes=lambda: PLENTY)
+    buffers = [pool.take(numel, torch.bfloat16, pin=False) for numel in (3000, 70_001, 1 << 20)]
+    assert pool.bytes_held >= 2 * (3000 + 70_001 + (1 << 20))
+    for buffer in buffers:
+        pool.give_back(buffer)
+    del buffer, buffers
+    pool._release(0)
+    assert pool.bytes_held == 0

@@ -126,7 +126,7 @@ def test_every_masked_triton_load_reads_zero_in_the_masked_lanes():
         assert other and isinstance(other[0], ast.Constant) and other[0].value == 0.0, ast.unparse(node)
 
 
-def test_every_triton_launch_enters_its_tensors_device():
+def test_every_triton_launch_enters_its_tensors_device_on_cuda_cpu_twin():
     """CPU twin of the GPU test below: each kernel launch (`kernel[grid](...)`) sits inside
     `with on_device_of(tensor)`, so it runs on the tensors' device, not the current one."""
     import ast
@@ -170,3 +170,9 @@ def test_the_fused_kernels_run_on_a_device_that_is_not_current():
     with torch.cuda.device(0):
         _combine_equals_the_pytorch_one(torch.device("cuda", 1), torch.bfloat16, torch.float32, 333, 2, 200, 7)
         _gelu_backward_equals_pytorchs(torch.device("cuda", 1), torch.bfloat16, (300, 70))
+
+
+def test_the_fused_kernels_run_on_a_device_that_is_not_current_cpu_twin():
+    """The two-GPU test's comparisons, on CPU (where the PyTorch formulas run)."""
+    _combine_equals_the_pytorch_one(torch.device("cpu"), torch.bfloat16, torch.float32, 333, 2, 200, 7)
+    _gelu_backward_equals_pytorchs(torch.device("cpu"), torch.bfloat16, (300, 70))

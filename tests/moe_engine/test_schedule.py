@@ -167,3 +167,19 @@ def test_the_sm_carve_out_is_clamped_restored_and_the_per_expert_loop_honours_it
     assert torch._C._get_sm_carveout_experimental() is None
     assert torch.backends.cuda.preferred_blas_library() == library
     torch.testing.assert_close(carved, plain)
+
+
+def test_the_sm_carve_out_is_clamped_restored_and_the_per_expert_loop_honours_it_cpu_twin():
+    """The GPU test's weight gradients on CPU: the same numbers inside a reservation (a
+    no-op on CPU) as without."""
+    from moe_engine.experts import ExpertSegments, grouped_weight_grad
+    from moe_engine.streams import StreamSet
+
+    device = torch.device("cpu")
+    streams = StreamSet(device)
+    seg = ExpertSegments.from_counts([100, 0, 37, 300], device)
+    x_NI, dy_NO = torch.randn(437, 64), torch.randn(437, 96)
+    plain = grouped_weight_grad(x_NI, dy_NO, seg)
+    with streams.reserving_sms(10**6):
+        carved = grouped_weight_grad(x_NI, dy_NO, seg)
+    assert torch.equal(plain, carved)
