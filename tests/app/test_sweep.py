@@ -277,9 +277,10 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     from app import report
     from app.tracking import client
 
-    args = argparse.Namespace(space="smoke", address=None, num_samples=None, max_concurrent=None,
-                              verbose=False, search="grid", scheduler="fifo", max_failures=0, seed=0, **{k: sweep_dirs[k] for k in ("storage_path", "tracking_uri",
-                                                                           "data_dir")})
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
+    args = parser.parse_args(["smoke", "--search", "grid", "--scheduler", "fifo"])
+    vars(args).update({k: sweep_dirs[k] for k in ("storage_path", "tracking_uri", "data_dir")})
     assert sweep.run(args) == 0
     table = capsys.readouterr().out
     assert "0.99 CPU per worker" in table

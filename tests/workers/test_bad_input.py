@@ -66,11 +66,12 @@ def test_cli_user_error_is_one_line_without_traceback(capsys, tmp_path):
 
 
 def test_cli_unknown_engine_and_space_are_usage_errors(capsys):
-    for argv, wanted in ((["train", "--engine", "tutel"], "invalid choice: 'tutel'"),
-                         (["sweep", "nope"], "invalid choice: 'nope'")):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(argv)
-        assert exit_info.value.code == 2 and wanted in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--engine", "tutel"])
+    assert exit_info.value.code == 2 and "invalid choice: 'tutel'" in capsys.readouterr().err
+    # a study is a built-in name or a file (issue 41): an unknown one is refused before Ray starts
+    assert cli.main(["sweep", "nope"]) == 2
+    assert "unknown study 'nope': choose one of smoke" in capsys.readouterr().err
 
 
 # ---- data: missing, unreadable, empty, too small, outside the vocabulary -----------------
