@@ -614,7 +614,7 @@ def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated
      "TrainJob.moe_memory_gib=4.0 is invalid: the budget steers the automatic choices: give --partitions auto "
      "or --strategy auto (or drop --moe-memory-gib)"),
     (["--moe-memory-gib", "0.0001"],  # tiny-gpt, 2 workers, batch 8 x 64: about 1.7 MiB at least
-     "TrainJob.moe_memory_gib=0.0001 is invalid: the leanest MPipeMoE setting (n=16, S1) needs 0.00165 GiB for "
+     "TrainJob.moe_memory_gib=0.0001 is invalid: the leanest MPipeMoE setting (n=16, S1) needs 0.00166 GiB for "
      "the 2 MoE layers of a 512-token micro-batch (tiny-gpt, --batch-size 8): give --moe-memory-gib 0.002 or "
      "more, or a smaller --batch-size"),
 ])
