@@ -404,9 +404,13 @@ def test_validation_covers_every_record_and_names_the_term_off(parts):
     assert len(rows) == sum(e in ("fastmoe", "fastermoe", "mpipemoe") for e in engines)
     assert all(math.isfinite(r["simulated_ms"]) and r["simulated_ms"] > 0 for r in rows)
     assert all(bool(r["term_off"]) == (abs(r["error"]) > 0.15) for r in rows)
-    assert all(r["memory_model_current"] for r in rows)
+    # The records were measured before the combine kept its weights in float32 (issue 39,
+    # GPU defect 8): the memory model now prices k·T·2 bytes more than they stored, so they
+    # are flagged "earlier engine" and left out of the memory summary until re-measured.
+    current = [r for r in rows if r["memory_model_current"]]
     summary = result["summary"]["bench-h200.json"]
-    assert summary["memory_records"] == len(rows) and summary["memory_within_15pct"] == len(rows)
+    assert summary["memory_records"] == len(current) and summary["memory_within_15pct"] == len(current)
+    assert summary["memory_model_changed"] == len(rows) - len(current)
 
 
 def test_memory_is_checked_against_records_of_the_current_memory_model(parts, tmp_path):
