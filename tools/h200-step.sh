@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issues 36-39: the training step on the emulated 8x8 cluster, the layer targets with
+# yardsticks that are floors, and the GPU tests at the landing code. Run with the `device`
+# tool after `bash tools/stamp-commit.sh`, carrying `.git-commit` (and `.whl` for torchtitan):
+#   bash tools/h200-step.sh gpu-tests step-xl
+#   bash tools/h200-step.sh layer-xl layer-small
+# Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
+set -u
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small layer-xl layer-small"; exit 2; }
+source "$(dirname "$0")/device-setup.sh"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+LAYER="--emulate 8x8 --experts 64 --network dgx-h200 --routing uniform,skewed --partitions 1,2,4,8
+       --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none"
+STEP="--step --emulate 8x8 --experts 64 --network dgx-h200 --routing uniform --partitions 1,2,4
+      --strategies none,S4 --tracking-uri none"
+for stage in "$@"; do case $stage in
+gpu-tests)  # every GPU test
+  step gpu-tests-$(cut -c1-7 .git-commit 2>/dev/null || echo tree) ${GPU_TESTS_LIMIT:-280} \
+      python3 -m pytest -q -rs -p no:cacheprovider -m gpu ;;
+step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches
+  step step-xl ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
+      --micro-batches 1,2 --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-xl.json" ;;
+step-small)  # gpt-s (4 layers) at 16k tokens per GPU
+  step step-small ${STEP_LIMIT:-200} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
+      --micro-batches 1,2 --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-s.json" ;;
+layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
+  step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
+      --out "$OUT/bench-h200-emulated-8x8-dgx-h200.json" ;;
+layer-small)
+  step layer-small ${LAYER_LIMIT:-160} python3 -m app.cli bench $LAYER --model bert-l,gpt-s --tokens 32768 \
+      --out "$OUT/bench-h200-emulated-8x8-dgx-h200-32k.json" ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac; done
