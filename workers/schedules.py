@@ -119,7 +119,7 @@ class Lanes:
         process groups of the same ranks, given to the layers as lanes 1... Without a
         process group (one process) the lanes need none: they only get their own streams.
         A layer whose group makes its own lanes (a ``lane_groups(count)`` method: the
-        emulated cluster's stand-in group, moe_sim/emulation.py) gets them from it."""
+        emulated cluster's stand-in, moe_sim's EmulatedExpertGroup) gets them from it."""
         from datetime import timedelta
 
         lanes = cls(model, count)

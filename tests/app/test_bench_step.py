@@ -3,6 +3,7 @@ controlled numbers, the modelled data-parallel reduction against DDP's buckets a
 network model, the parameters shared by the engines' models, and every field of a real
 tiny run's records with the bound's terms consistent with the modelled collectives."""
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ def test_the_engines_models_share_one_set_of_parameters():
 @pytest.mark.parametrize("flags,message", [
     (["--tokens", "100"], "whole sequences of 64 tokens; give a multiple of 128"),
     (["--schedule", "interleaved"], "--schedule 'interleaved' is unknown"),
+    (["--schedule", "sequential,overlaped"], "--schedule 'overlaped' is unknown: choose from sequential, overlapped, auto"),
+    (["--schedule", "sequential,"], "--schedule '' is unknown"),
     (["--routing", "replay:/nonexistent.json"], "no such file"),
     (["--experts", "6"], "multiple of the 4 emulated ranks"),
     (["--peers", "torchtitan"], "drop --peers"),
@@ -240,3 +243,105 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
     assert {r["engine"] for r in records} >= {"fastmoe", "fastermoe", "mpipemoe"}
     for r in records:
         assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] >= r["compute_ms"]
+
+
+def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> None:
+    """Each engine's step body (no optimizer step) by both schedules from the same weights on
+    the emulated 2x2 cluster, with the bench's models and its lanes: the same losses, the same
+    gradients, the same modelled collectives and reduction (the lane clones log into the
+    group; the reduction is issued whole after the last backward)."""
+    from app.bench_step import StepParts, run_micro_batches, step_batches
+    from workers.distributed import DenseParallel
+    from workers.schedules import Lanes
+
+    settings = StepSettings(model="tiny-gpt", tokens=[64 * micro_batches], layers=2, emulate="2x2",
+                            partitions=(2,), strategies=("S4",), dtype="fp32")
+    group = settings.cluster.build()
+    if device.type == "cuda":
+        group.timing.link = torch.cuda.Stream(device)
+    variants = [v for v in build_variants(settings, settings.preset(), group, device) if v.chosen_by != "auto"]
+    parallel = DenseParallel(variants[0].model, device=device)
+    reduction = GradientReduction(parallel.dense, group, device)
+    batches = step_batches(settings.preset(), 64 * micro_batches, micro_batches, device, seed=5)
+    try:
+        for variant in variants:
+            lanes = Lanes.create(variant.model)
+            own_group: Any = variant.model.moe_layers()[0].group  # FasterMoE's: a sibling with its own log
+            parts = StepParts(variant.model, DenseParallel(variant.model, device=device), None, reduction,  # type: ignore[arg-type]
+                              own_group, device, torch.float32, lanes)
+            outcome = {}
+            for schedule in ("sequential", "overlapped"):
+                variant.model.zero_grad(set_to_none=True)
+                with own_group.logging_calls() as calls:
+                    losses = run_micro_batches(schedule, parts, batches)
+                grads = {name: p.grad.clone() for name, p in variant.model.named_parameters() if p.grad is not None}
+                outcome[schedule] = (losses, grads, sorted((c.kind, c.seconds) for c in calls),
+                                     list(reduction.issued))
+            lanes.close()
+            (seq_losses, seq_grads, seq_calls, seq_issued), (ovl_losses, ovl_grads, ovl_calls, ovl_issued) = \
+                outcome["sequential"], outcome["overlapped"]
+            torch.testing.assert_close(ovl_losses, seq_losses, rtol=1e-6, atol=0, msg=variant.engine)
+            assert seq_grads.keys() == ovl_grads.keys() and len(seq_grads) == len(list(variant.model.parameters()))
+            for name, grad in seq_grads.items():
+                torch.testing.assert_close(ovl_grads[name], grad, rtol=1e-5, atol=1e-7, msg=f"{variant.engine} {name}")
+            assert any(kind.startswith("all_to_all") for kind, _ in ovl_calls) and ovl_calls == seq_calls
+            assert sorted(ovl_issued) == pytest.approx(sorted(seq_issued)) and len(ovl_issued) == len(
+                reduction.buckets)
+    finally:
+        reduction.remove()
+        variants[0].model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_the_overlapped_step_has_the_sequential_steps_losses_and_gradients_on_the_emulated_cluster(micro_batches):
+    _overlapped_against_sequential(torch.device("cpu"), micro_batches)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link():
+    """On the GPU: the lanes' compute streams and the shared link stream (both lanes' waits
+    on it) give the sequential step's losses and gradients in fp32."""
+    _overlapped_against_sequential(torch.device("cuda"), 2)
+
+
+def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link_cpu_twin():
+    _overlapped_against_sequential(torch.device("cpu"), 2)
+
+
+def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--micro-batches", "1,2", "--partitions", "2", "--strategies", "S4", "--no-grid", "--rounds", "1",
+                 "--repeats", "1", "--warmup", "0", "--tracking-uri", "none", "--schedule", "sequential,auto",
+                 "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    one = [r for r in records if r["micro_batches"] == 1]
+    two = [r for r in records if r["micro_batches"] == 2]
+    assert {(r["schedule"], tuple(r["schedule_asked"]), r["schedule_reason"]) for r in one} == {
+        ("sequential", ("sequential", "auto"), "one micro-batch a step: nothing to overlap")}
+    assert [(r["engine"], r["schedule"]) for r in two] == [(e, s) for e in ("fastmoe", "fastermoe", "mpipemoe")
+                                                           for s in ("sequential", "overlapped")]
+    for r in two:
+        assert r["schedule_asked"] == (["auto"] if r["schedule"] == "overlapped" else ["sequential"])
+        assert "step_bound_ms" in r and "exposed_all_to_all_ms" in r and "peak_memory_bytes" in r
+    by = {(r["engine"], r["schedule"]): r for r in two}
+    for engine in ("fastmoe", "fastermoe", "mpipemoe"):  # the same transfers, the same reduction
+        assert by[engine, "overlapped"]["all_to_all_ms"] == pytest.approx(by[engine, "sequential"]["all_to_all_ms"])
+        assert by[engine, "overlapped"]["reduction_ms"] == pytest.approx(by[engine, "sequential"]["reduction_ms"])
+    assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe | baseline | 1 | none | overlapped |" in (
+        tmp_path / "step.md").read_text()
+
+
+def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_moe_budget():
+    from app.bench_step import point_schedules
+
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
+                            schedule="auto", moe_memory_gib=1e-6)
+    [(ran, entry)] = point_schedules(settings, settings.preset(), 128, 2, torch.float32).items()
+    assert ran == "sequential" and entry["schedule_asked"] == ["auto"]
+    assert "two micro-batches in flight need" in entry["schedule_reason"] and "over the" in entry["schedule_reason"]
+    roomy = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
+                         schedule="auto", moe_memory_gib=64.0)
+    assert list(point_schedules(roomy, roomy.preset(), 128, 2, torch.float32)) == ["overlapped"]
+    with pytest.raises(ValueError, match="moe_memory_gib=0"):
+        StepSettings(model="tiny-gpt", tokens=[128], emulate="1x2", moe_memory_gib=0)
