@@ -477,7 +477,7 @@ def _expert_load(model: MoETransformer, step: Callable[[], Any], device: torch.d
 def point_schedules(settings: StepSettings, preset: ModelPreset, tokens: int, micro_batches: int,
                     dtype: torch.dtype) -> dict[str, dict]:
     """The schedules a point runs, each once: {schedule: {"schedule_asked": the settings of
-    --schedule that come to it, "schedule_reason": why}}. "auto" takes choose_schedule's
+    --schedule that come to it (a comma list), "schedule_reason": why}}. "auto" takes choose_schedule's
     choice (two micro-batches in flight within ``settings.moe_memory_gib``, when given); one
     micro-batch a step runs the sequential schedule whatever was asked."""
     budget = None if settings.moe_memory_gib is None else int(settings.moe_memory_gib * 2**30)
@@ -487,8 +487,8 @@ def point_schedules(settings: StepSettings, preset: ModelPreset, tokens: int, mi
                                    tokens=tokens // micro_batches, world_size=settings.cluster.ranks, dtype=dtype)
         if ran == "overlapped" and micro_batches < 2:
             ran, why = "sequential", "one micro-batch a step: nothing to overlap"
-        entry = resolved.setdefault(ran, {"schedule_asked": [], "schedule_reason": "asked for"})
-        entry["schedule_asked"].append(asked)
+        entry = resolved.setdefault(ran, {"schedule_asked": "", "schedule_reason": "asked for"})
+        entry["schedule_asked"] = ",".join(filter(None, (entry["schedule_asked"], asked)))
         if why != "asked for":
             entry["schedule_reason"] = why
     return resolved
@@ -722,7 +722,7 @@ def log_step_records(result: dict, tracking_uri: str | None, experiment: str, pr
     meta = result["meta"]
     for row in result["records"]:
         run = RunLogger.start(uri, experiment, run_name=f"step-{row['model']}-{row['tokens']}-k{row['micro_batches']}-"
-                                                        f"{row['engine']}-{row['chosen_by']}",
+                                                        f"{row['engine']}-{row['chosen_by']}-{row.get('schedule', 'sequential')}",
                               tags={**kind_tags(BENCH_STEP), "device": meta["device"], "command": meta["command"][:250],
                                     "measured_as": "emulated"})
         run.log_params({k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)})

@@ -168,6 +168,28 @@ def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe()
     assert "**0.96x**" in line and "| 5% | 32.0% |" in line
 
 
+def test_the_report_takes_the_best_of_every_schedule_against_the_baselines_plain_step():
+    from app.step_report import section_steps, step_summaries
+
+    point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
+             "tokens": 32768.0, "micro_batches": 2.0}
+    row = lambda engine, chosen_by, n, schedule, ms, **more: {  # noqa: E731
+        **point, "engine": engine, "chosen_by": chosen_by, "partitions": n, "strategy": "none", "schedule": schedule,
+        "step_ms": ms, **more}
+    rows = [row("fastmoe", "baseline", 1, "overlapped", 200.0), row("fastmoe", "baseline", 1, "sequential", 300.0),
+            row("fastermoe", "baseline", 16, "sequential", 240.0),
+            row("mpipemoe", "auto", 2, "sequential", 250.0, schedule_asked="sequential"),
+            row("mpipemoe", "auto", 2, "overlapped", 230.0, schedule_asked="overlapped,auto"),
+            row("mpipemoe", "grid", 4, "sequential", 220.0), row("mpipemoe", "grid", 4, "overlapped", 180.0)]
+    [summary] = step_summaries(rows)
+    assert (summary["best_setting"], summary["best_schedule"], summary["best_step_ms"]) == ("4/none", "overlapped",
+                                                                                          180.0)
+    assert summary["fastmoe_step_ms"] == 300.0 and summary["best_vs_fastmoe"] == pytest.approx(300 / 180)
+    assert (summary["auto_step_ms"], summary["auto_schedule"]) == (230.0, "overlapped")
+    line = section_steps(rows)[-2]
+    assert "| 300.0 | 240.0 | 230.0 | 180.0 (4/none) | overlapped | 1.67x | 1.33x | 1.04x |" in line
+
+
 def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
     import app.bench_step as bench_step
 
@@ -317,12 +339,12 @@ def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_p
     records = json.loads(out.read_text())["records"]
     one = [r for r in records if r["micro_batches"] == 1]
     two = [r for r in records if r["micro_batches"] == 2]
-    assert {(r["schedule"], tuple(r["schedule_asked"]), r["schedule_reason"]) for r in one} == {
-        ("sequential", ("sequential", "auto"), "one micro-batch a step: nothing to overlap")}
+    assert {(r["schedule"], r["schedule_asked"], r["schedule_reason"]) for r in one} == {
+        ("sequential", "sequential,auto", "one micro-batch a step: nothing to overlap")}
     assert [(r["engine"], r["schedule"]) for r in two] == [(e, s) for e in ("fastmoe", "fastermoe", "mpipemoe")
                                                            for s in ("sequential", "overlapped")]
     for r in two:
-        assert r["schedule_asked"] == (["auto"] if r["schedule"] == "overlapped" else ["sequential"])
+        assert r["schedule_asked"] == ("auto" if r["schedule"] == "overlapped" else "sequential")
         assert "step_bound_ms" in r and "exposed_all_to_all_ms" in r and "peak_memory_bytes" in r
     by = {(r["engine"], r["schedule"]): r for r in two}
     for engine in ("fastmoe", "fastermoe", "mpipemoe"):  # the same transfers, the same reduction
@@ -338,7 +360,7 @@ def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_
     settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
                             schedule="auto", moe_memory_gib=1e-6)
     [(ran, entry)] = point_schedules(settings, settings.preset(), 128, 2, torch.float32).items()
-    assert ran == "sequential" and entry["schedule_asked"] == ["auto"]
+    assert ran == "sequential" and entry["schedule_asked"] == "auto"
     assert "two micro-batches in flight need" in entry["schedule_reason"] and "over the" in entry["schedule_reason"]
     roomy = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
                          schedule="auto", moe_memory_gib=64.0)
