@@ -2,18 +2,24 @@
 cluster, every engine side by side (docs/emulation.md, "The training step").
 
     mpipemoe bench --step --model gpt-xl --layers 4 --emulate 8x8 --network dgx-h200 --tokens 32768 \\
-        --micro-batches 1,2 --partitions 1,2,4 --strategies none,S4
+        --micro-batches 1,2 --partitions 1,2,4 --strategies none,S4 --schedule sequential,overlapped
     mpipemoe bench --step --model tiny-gpt --emulate 2x2 --tokens 256 --micro-batches 1,2   # CPU, seconds
 
 What one step is (as workers/loop.py's Trainer.step runs it): K micro-batches of the
 step's tokens, each a forward under autocast (embeddings, attention, norms, every MoE layer,
-LM head, loss) and a backward; the dense gradients reduced across the data-parallel ranks
-during the last backward; the expert gradients divided by W; the global gradient norm (one
-small collective), the clip and the fused AdamW step. The MoE layers' collectives are
+LM head, loss) and a backward, in the order of the micro-batch schedule
+(workers/schedules.py forward_backward: "sequential", or "overlapped": the forward of k+1
+beside the backward of k, on the MoE layers' lanes); the dense gradients reduced across the
+data-parallel ranks during the last backward (sequential) or after it (overlapped); the
+expert gradients divided by W; the global gradient norm (one small collective), the clip
+and the fused AdamW step. Each schedule of --schedule (sequential, overlapped, auto:
+choose_schedule's pick) is a setting of its own, timed once per point (point_schedules). The MoE layers' collectives are
 emulated as `mpipemoe bench --emulate` does (moe_sim/emulation.py). The data-parallel
 reduction is modelled (`GradientReduction`): DDP's buckets, each a ring all-reduce over the
-data-parallel ranks priced by moe_sim/network.py, issued when its last gradient is ready and
-waited for at the end of backward. All modelled transfers take their time one after another
+data-parallel ranks priced by moe_sim/network.py, issued when its last gradient is ready
+(sequential) or all after the last backward (overlapped), and waited for at the end of
+backward. The overlapped schedule's lane 1 uses lane clones of the emulated group
+(EmulatedExpertGroup.lane_groups): the same link. All modelled transfers take their time one after another
 on one stream standing for the node's link (EmulatedTiming.link): the All-to-Alls and the
 reduction share the NICs.
 
