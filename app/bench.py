@@ -233,7 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", default="1",
                         help="with --step: comma list of micro-batches per step (--tokens is per GPU per step)")
     parser.add_argument("--schedule", default="sequential",
-                        help="with --step: the micro-batch schedule (sequential)")
+                        help="with --step: comma list of micro-batch schedules, each timed: sequential, overlapped "
+                             "(the forward of micro-batch k+1 beside the backward of k), auto (overlapped with >= 2 "
+                             "micro-batches a step)")
     parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json; "
                         "with --layers out/stacked-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,

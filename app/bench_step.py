@@ -2,18 +2,24 @@
 cluster, every engine side by side (docs/emulation.md, "The training step").
 
     mpipemoe bench --step --model gpt-xl --layers 4 --emulate 8x8 --network dgx-h200 --tokens 32768 \\
-        --micro-batches 1,2 --partitions 1,2,4 --strategies none,S4
+        --micro-batches 1,2 --partitions 1,2,4 --strategies none,S4 --schedule sequential,overlapped
     mpipemoe bench --step --model tiny-gpt --emulate 2x2 --tokens 256 --micro-batches 1,2   # CPU, seconds
 
 What one step is (as workers/loop.py's Trainer.step runs it): K micro-batches of the
 step's tokens, each a forward under autocast (embeddings, attention, norms, every MoE layer,
-LM head, loss) and a backward; the dense gradients reduced across the data-parallel ranks
-during the last backward; the expert gradients divided by W; the global gradient norm (one
-small collective), the clip and the fused AdamW step. The MoE layers' collectives are
+LM head, loss) and a backward, in the order of the micro-batch schedule
+(workers/schedules.py forward_backward: "sequential", or "overlapped": the forward of k+1
+beside the backward of k, on the MoE layers' lanes); the dense gradients reduced across the
+data-parallel ranks during the last backward (sequential) or after it (overlapped); the
+expert gradients divided by W; the global gradient norm (one small collective), the clip
+and the fused AdamW step. Each schedule of --schedule (sequential, overlapped, auto:
+choose_schedule's pick) is a setting of its own, timed once per point (point_schedules). The MoE layers' collectives are
 emulated as `mpipemoe bench --emulate` does (moe_sim/emulation.py). The data-parallel
 reduction is modelled (`GradientReduction`): DDP's buckets, each a ring all-reduce over the
-data-parallel ranks priced by moe_sim/network.py, issued when its last gradient is ready and
-waited for at the end of backward. All modelled transfers take their time one after another
+data-parallel ranks priced by moe_sim/network.py, issued when its last gradient is ready
+(sequential) or all after the last backward (overlapped), and waited for at the end of
+backward. The overlapped schedule's lane 1 uses lane clones of the emulated group
+(EmulatedExpertGroup.lane_groups): the same link. All modelled transfers take their time one after another
 on one stream standing for the node's link (EmulatedTiming.link): the All-to-Alls and the
 reduction share the NICs.
 
@@ -54,8 +60,10 @@ from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_sim.network import all_reduce_s
 from workers.distributed import DenseParallel
 from workers.loop import build_optimizer, peak_flops
+from workers.schedules import SCHEDULES as RUN_SCHEDULES
+from workers.schedules import Lanes, choose_schedule, forward_backward
 
-SCHEDULES = ("sequential",)  # the micro-batch schedule (run_micro_batches); h5's overlapped one joins here
+SCHEDULES = (*RUN_SCHEDULES, "auto")  # --schedule's settings (run_micro_batches; auto: choose_schedule)
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 BOUND_SLACK = 0.98             # a record faster than this share of its bound fails the run
 AUX_LOSS_WEIGHT = 0.01         # WorkerConfig's default
@@ -86,7 +94,8 @@ class StepSettings:
     partitions: tuple = (1, 2, 4)
     strategies: tuple = ("none", "S4")
     grid: bool = True
-    schedule: str = "sequential"
+    schedule: str = "sequential"       # --schedule: a comma list of SCHEDULES, each timed (schedules)
+    moe_memory_gib: float | None = None  # the MoE activation budget auto's choice keeps within
     dtype: str = "auto"
     warmup: int = 1
     repeats: int = 2
@@ -95,6 +104,7 @@ class StepSettings:
     trace: str | None = None
     seed: int = 0
     cluster: EmulatedCluster = field(init=False, repr=False)
+    schedules: tuple = field(init=False)  # the settings of --schedule, in order, each once
 
     def __post_init__(self) -> None:
         preset = get_preset(self.model)  # names the presets
@@ -109,8 +119,15 @@ class StepSettings:
                              f"ranks of --emulate {self.emulate}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers {self.layers} is invalid: give the model's layers, >= 1")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule {self.schedule!r} is unknown: choose from {', '.join(SCHEDULES)}")
+        names = [name.strip() for name in str(self.schedule).split(",")]
+        for name in names:
+            if name not in SCHEDULES:
+                raise ValueError(f"--schedule {name!r} is unknown: choose from {', '.join(SCHEDULES)} (a comma "
+                                 f"list times each, e.g. sequential,overlapped)")
+        self.schedules = tuple(dict.fromkeys(names))
+        if self.moe_memory_gib is not None and not self.moe_memory_gib > 0:
+            raise ValueError(f"moe_memory_gib={self.moe_memory_gib!r} is invalid: give the MoE layers' activation "
+                             f"budget in GiB, > 0 (or None: auto's choice of schedule then ignores memory)")
         if not self.micro_batches or any(k < 1 for k in self.micro_batches):
             raise ValueError(f"--micro-batches {list(self.micro_batches)} is invalid: give counts >= 1, e.g. 1,2")
         seq_len = self.seq_len or preset.seq_len
@@ -243,37 +260,38 @@ class StepParts:
     group: EmulatedExpertGroup
     device: torch.device
     dtype: torch.dtype
-
-
-def micro_batch_pass(parts: StepParts, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, scale: float
-                     ) -> torch.Tensor:
-    """Forward (autocast) and backward of one micro-batch's share ``scale`` of the step's loss;
-    returns the detached [lm, aux] losses."""
-    with parts.parallel.autocast():
-        logits_BSV, aux_loss = parts.model(inputs_BS, ids_checked=True)
-        loss_lm = lm_loss(logits_BSV.float(), targets_BS)
-    loss = loss_lm + AUX_LOSS_WEIGHT * aux_loss.float()
-    (loss * scale).backward()
-    return torch.stack([loss_lm.detach(), aux_loss.detach().float()])
+    lanes: Lanes | None = None  # the model's lanes (Lanes.create), for the overlapped schedule
 
 
 def run_micro_batches(schedule: str, parts: StepParts, batches: list) -> torch.Tensor:
-    """The step's forwards and backwards over its micro-batches, by ``schedule``; the dense
-    gradients' reduction is armed for the last backward. Returns the summed [lm, aux] losses.
+    """The step's forwards and backwards over its micro-batches by ``schedule``
+    (workers/schedules.py forward_backward, as Trainer.step runs them), each micro-batch's
+    share 1/K of the step's loss; returns the summed [lm, aux] losses (detached).
 
-    "sequential": each micro-batch's forward and backward before the next (Trainer.step
-    today). An overlapped schedule (a micro-batch's forward beside the previous one's
-    backward) is a function in workers/ that this dispatches to."""
-    if schedule != "sequential":
-        raise ValueError(f"schedule={schedule!r} is unknown: choose from {', '.join(SCHEDULES)}")
-    losses = torch.zeros(2, device=parts.device)
+    The modelled dense reduction follows the trainer: "sequential" reduces in the last
+    micro-batch's backward (DDP: each bucket issued when its gradients are ready);
+    "overlapped" reduces once after the last backward (DenseParallel.reduce_dense_gradients:
+    every bucket issued then). With one micro-batch both are the sequential schedule."""
+    if schedule not in RUN_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown: choose from {', '.join(RUN_SCHEDULES)}")
     K = len(batches)
-    for index, (inputs_BS, targets_BS) in enumerate(batches):
-        if index == K - 1:
+    in_backward = schedule == "sequential" or K < 2  # else after the last backward
+
+    def loss_of(module: nn.Module, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs_BS, targets_BS = batches[index]
+        if in_backward and index == K - 1:
             parts.reduction.arm()
-        losses += micro_batch_pass(parts, inputs_BS, targets_BS, 1.0 / K)
+        with parts.parallel.autocast():
+            logits_BSV, aux_loss = module(inputs_BS, ids_checked=True)
+            loss_lm = lm_loss(logits_BSV.float(), targets_BS)
+        loss = loss_lm + AUX_LOSS_WEIGHT * aux_loss.float()
+        return loss * (1.0 / K), torch.stack([loss_lm.detach(), aux_loss.detach().float()])
+
+    records = forward_backward(parts.parallel, range(K), loss_of, schedule=schedule, lanes=parts.lanes)
+    if not in_backward:
+        parts.reduction.arm()  # nothing ready yet: finish issues every bucket, after the last backward
     parts.reduction.finish()
-    return losses
+    return torch.stack(records).sum(0)
 
 
 def training_step(schedule: str, parts: StepParts, batches: list) -> list[float]:
@@ -462,47 +480,77 @@ def _expert_load(model: MoETransformer, step: Callable[[], Any], device: torch.d
             "hot_expert_share": max(max(row) for row in shares_LE)}
 
 
+def point_schedules(settings: StepSettings, preset: ModelPreset, tokens: int, micro_batches: int,
+                    dtype: torch.dtype) -> dict[str, dict]:
+    """The schedules a point runs, each once: {schedule: {"schedule_asked": the settings of
+    --schedule that come to it (a comma list), "schedule_reason": why}}. "auto" takes choose_schedule's
+    choice (two micro-batches in flight within ``settings.moe_memory_gib``, when given); one
+    micro-batch a step runs the sequential schedule whatever was asked."""
+    budget = None if settings.moe_memory_gib is None else int(settings.moe_memory_gib * 2**30)
+    resolved: dict[str, dict] = {}
+    for asked in settings.schedules:
+        ran, why = choose_schedule(asked, micro_batches, budget_bytes=budget, preset=preset,
+                                   tokens=tokens // micro_batches, world_size=settings.cluster.ranks, dtype=dtype)
+        if ran == "overlapped" and micro_batches < 2:
+            ran, why = "sequential", "one micro-batch a step: nothing to overlap"
+        entry = resolved.setdefault(ran, {"schedule_asked": "", "schedule_reason": "asked for"})
+        entry["schedule_asked"] = ",".join(filter(None, (entry["schedule_asked"], asked)))
+        if why != "asked for":
+            entry["schedule_reason"] = why
+    return resolved
+
+
+@dataclass
+class Timed:
+    """One engine and setting under one schedule at a point: what the interleaved rounds time."""
+
+    variant: Variant
+    schedule: str
+    step: Callable[[], Any]
+    slot: list = field(default_factory=list)  # its indices among the timed functions
+
+
 def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list[Variant], pushes: RoutingPushes,
                      parts_of: Callable[[Variant], StepParts], routing: str, tokens: int, micro_batches: int,
                      device: torch.device, log: Callable[[dict], None]) -> list[dict]:
     group = parts_of(variants[0]).group
+    dtype = settings.compute_dtype(device)
+    schedules = point_schedules(settings, preset, tokens, micro_batches, dtype)
     batches = step_batches(preset, tokens, micro_batches, device, settings.seed)
     pushes.set(routing, variants[0].model, tokens // micro_batches, group.size, settings.seed)
-    steps: list[Callable[[], Any]] = []
-    for variant in variants:
-        steps.append(functools.partial(training_step, settings.schedule, parts_of(variant), batches))
-    for variant, step in zip(variants, steps):
-        _settle(variant, step)
-    modelled = [_logged_step(parts_of(v), settings.schedule, batches) for v in variants]
-    load = _expert_load(variants[0].model, steps[0], device)
-    # Three timings per engine and setting, interleaved: as modelled, without the All-to-Alls,
-    # compute alone; the automatic one only as modelled when the grid has its setting.
+    # variant-major: a setting's schedules side by side in the records
+    timed = [Timed(v, schedule, functools.partial(training_step, schedule, parts_of(v), batches))
+             for v in variants for schedule in schedules]
+    for entry in timed:
+        _settle(entry.variant, entry.step)
+    modelled = [_logged_step(parts_of(t.variant), t.schedule, batches) for t in timed]
+    load = _expert_load(variants[0].model, timed[0].step, device)
+    # Three timings per engine, setting and schedule, interleaved: as modelled, without the
+    # All-to-Alls, compute alone; the automatic one only as modelled when the grid has its setting.
     grid_settings = {chosen_setting(v.model.moe_layers()[0]) for v in variants if v.chosen_by == "grid"}
     fns: list[Callable[[], object]] = []
-    slots: list[list[int]] = []
-    for variant, step in zip(variants, steps):
-        parts = parts_of(variant)
-        slot = [len(fns)]
-        fns.append(step)
-        if variant.chosen_by != "auto" or chosen_setting(variant.model.moe_layers()[0]) not in grid_settings:
-            slot.append(len(fns))
-            fns.append(_with_network(parts, 0.0, 1.0, step))
-            slot.append(len(fns))
-            fns.append(_with_network(parts, 0.0, 0.0, step))
-        slots.append(slot)
+    for entry in timed:
+        parts = parts_of(entry.variant)
+        entry.slot = [len(fns)]
+        fns.append(entry.step)
+        if entry.variant.chosen_by != "auto" or chosen_setting(entry.variant.model.moe_layers()[0]) not in grid_settings:
+            entry.slot.append(len(fns))
+            fns.append(_with_network(parts, 0.0, 1.0, entry.step))
+            entry.slot.append(len(fns))
+            fns.append(_with_network(parts, 0.0, 0.0, entry.step))
     timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
     flops_per_token = model_flops_per_token(preset)
-    dtype = settings.compute_dtype(device)
     peak = peak_flops(device, str(dtype).replace("torch.", ""))
     records = []
-    for variant, step, slot, comm in zip(variants, steps, slots, modelled):
+    for entry, comm in zip(timed, modelled):
+        variant, slot = entry.variant, entry.slot
         n, strategy = chosen_setting(variant.model.moe_layers()[0])
-        memory = _peak_memory(step, device)
+        memory = _peak_memory(entry.step, device)
         step_ms = timings[slot[0]].median_ms
         record: dict[str, Any] = {
             "kind": "step", "engine": variant.engine, "chosen_by": variant.chosen_by, "partitions": n,
-            "strategy": strategy, "schedule": settings.schedule, "model": settings.model, "layers": preset.num_layers,
-            "tokens": tokens, "micro_batches": micro_batches,
+            "strategy": strategy, "schedule": entry.schedule, **schedules[entry.schedule], "model": settings.model,
+            "layers": preset.num_layers, "tokens": tokens, "micro_batches": micro_batches,
             "batch_size": tokens // (micro_batches * preset.seq_len), "seq_len": preset.seq_len,
             "routing": routing, "step_ms": step_ms, "step_ms_std": timings[slot[0]].spread_s * 1e3,
             "tokens_per_s": tokens / (step_ms / 1e3), **comm,
@@ -522,17 +570,18 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             record["search_decisions"] = first.search.decisions  # the first layer's
         records.append(record)
     for record in records:
-        if "compute_ms" not in record:  # the automatic setting: its grid twin's bound terms
+        if "compute_ms" not in record:  # the automatic setting: its grid twin's bound terms (same schedule)
             twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
-                         and r["strategy"] == record["strategy"] and "compute_ms" in r), None)
+                         and r["strategy"] == record["strategy"] and r["schedule"] == record["schedule"]
+                         and "compute_ms" in r), None)
             if twin is not None:
                 record.update(no_all_to_all_ms=twin["no_all_to_all_ms"], compute_ms=twin["compute_ms"],
                               bound_terms_from="grid twin")
         add_bound_account(record)
     if settings.trace:
-        for record, step in zip(records, steps):
+        for record, entry in zip(records, timed):
             path = os.path.join(settings.trace, step_trace_name(record))
-            record["timeline"] = trace_step(_procedure(step), device, path)
+            record["timeline"] = trace_step(_procedure(entry.step), device, path)
             record["trace_file"] = path
     for record in records:
         record.setdefault("timeline", {})
@@ -577,7 +626,7 @@ def step_trace_name(record: dict) -> str:
 
     parts = ["step", record["model"], str(record["layers"]), str(record["tokens"]), f"k{record['micro_batches']}",
              record["routing"].rsplit("/", 1)[-1], record["engine"], record["chosen_by"],
-             f"{record['partitions']}-{record['strategy']}"]
+             f"{record['partitions']}-{record['strategy']}", record.get("schedule", "sequential")]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in parts) + ".json.gz"
 
 
@@ -596,9 +645,13 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
                              compute_dtype=settings.compute_dtype(device))
     optimizer = build_optimizer(parallel, LR, 0.1)
     reduction = GradientReduction(parallel.dense, group, device)
+    # The overlapped schedule's lanes: the MoE layers' lane clones of the emulated group
+    # (EmulatedExpertGroup.lane_groups: the same link), a compute stream per lane on CUDA.
+    overlaps = settings.schedules != ("sequential",) and max(settings.micro_batches) >= 2
+    lanes = {id(v): Lanes.create(v.model) for v in variants} if overlaps else {}
     all_parts = {id(v): StepParts(v.model, DenseParallel(v.model, world_size=1, device=device,
                                                          compute_dtype=settings.compute_dtype(device)),
-                                  optimizer, reduction, group, device, settings.compute_dtype(device))
+                                  optimizer, reduction, group, device, settings.compute_dtype(device), lanes.get(id(v)))
                  for v in variants}
     pushes = RoutingPushes(variants)
     records: list[dict] = []
@@ -611,7 +664,19 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
     finally:
         pushes.remove()
         reduction.remove()
+        for lane in lanes.values():
+            lane.close()
     return records
+
+
+def plain_baselines(point: list[dict]) -> dict[str, float]:
+    """{engine: step ms} of the baselines at one point: their sequential (plain) step, or
+    their only schedule's when the run timed no sequential one."""
+    base: dict[str, float] = {}
+    for q in point:
+        if q["chosen_by"] == "baseline" and (q["engine"] not in base or q.get("schedule", "sequential") == "sequential"):
+            base[q["engine"]] = q["step_ms"]
+    return base
 
 
 def step_markdown(result: dict) -> str:
@@ -622,19 +687,22 @@ def step_markdown(result: dict) -> str:
              f"Command: `{meta.command}`  ", f"torch {meta.torch}, Python {meta.python}, git {meta.git_commit or '?'}",
              "", "Generated by `mpipemoe bench --step` from the JSON beside this file; do not edit. "
              "Bound = max(compute alone, All-to-Alls + reduction on the link); exposed All-to-All = step − "
-             "the step with the All-to-Alls at zero time (docs/emulation.md, \"The training step\").", "",
-             "| model | layers | routing | tokens | K | engine | chosen by | n | strategy | step ms | ± | "
+             "the step with the All-to-Alls at zero time; schedule = the micro-batch schedule that ran (a setting's "
+             "schedules on adjacent rows, with their peak memory); vs FastMoE / FasterMoE = against their "
+             "sequential (plain) step at the point (docs/emulation.md, \"The training step\").", "",
+             "| model | layers | routing | tokens | K | engine | chosen by | n | strategy | schedule | step ms | ± | "
              "bound ms | vs bound | compute ms | All-to-All ms | exposed A2A ms | reduction ms | MFU | peak GiB | "
-             "vs FastMoE | vs FasterMoE |", "|" + "---|" * 21]
+             "vs FastMoE | vs FasterMoE |", "|" + "---|" * 22]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in result["records"]:
         point = [q for q in result["records"] if (q["model"], q["routing"], q["tokens"], q["micro_batches"])
                  == (r["model"], r["routing"], r["tokens"], r["micro_batches"])]
-        base = {q["engine"]: q["step_ms"] for q in point if q["chosen_by"] == "baseline"}
+        base = plain_baselines(point)
         peak = r.get("peak_memory_bytes")
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['routing']} | {r['tokens']} | {r['micro_batches']} | {r['engine']} | "
-            f"{r['chosen_by']} | {r['partitions']} | {r['strategy']} | {r['step_ms']:.2f} | {r['step_ms_std']:.2f} | "
+            f"{r['chosen_by']} | {r['partitions']} | {r['strategy']} | {r.get('schedule', 'sequential')} | "
+            f"{r['step_ms']:.2f} | {r['step_ms_std']:.2f} | "
             f"{fmt(r.get('step_bound_ms'), '.2f')} | {fmt(r.get('step_vs_bound'), '+.1%')} | "
             f"{fmt(r.get('compute_ms'), '.2f')} | {r['all_to_all_ms']:.2f} | "
             f"{fmt(r.get('exposed_all_to_all_ms'), '.2f')} | {r['reduction_ms']:.2f} | {fmt(r.get('mfu'), '.1%')} | "
@@ -660,7 +728,7 @@ def log_step_records(result: dict, tracking_uri: str | None, experiment: str, pr
     meta = result["meta"]
     for row in result["records"]:
         run = RunLogger.start(uri, experiment, run_name=f"step-{row['model']}-{row['tokens']}-k{row['micro_batches']}-"
-                                                        f"{row['engine']}-{row['chosen_by']}",
+                                                        f"{row['engine']}-{row['chosen_by']}-{row.get('schedule', 'sequential')}",
                               tags={**kind_tags(BENCH_STEP), "device": meta["device"], "command": meta["command"][:250],
                                     "measured_as": "emulated"})
         run.log_params({k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)})
@@ -683,7 +751,7 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
     cluster = settings.cluster
     printer(f"Timing the training step of {settings.model} ({settings.preset().num_layers} layers, "
             f"{settings.num_experts} experts) at {settings.tokens} tokens per GPU, micro-batches "
-            f"{list(settings.micro_batches)}, on 1 x {name} as rank 0 of an emulated {cluster.name} "
+            f"{list(settings.micro_batches)}, schedules {', '.join(settings.schedules)}, on 1 x {name} as rank 0 of an emulated {cluster.name} "
             f"{cluster.network.name} cluster: FastMoE, FasterMoE, MPipeMoE auto"
             f"{' and the n x strategy grid' if settings.grid else ''}...")
     started = time.time()
@@ -710,7 +778,8 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
         finished.append(record)
         printer(f"  [{time.time() - started:6.0f} s] {record['model']} {record['routing']:<8} {record['tokens']:>6} tok "
                 f"K={record['micro_batches']} {record['engine']:<10} {record['chosen_by']:<8} "
-                f"n={record['partitions']:<2} {record['strategy']:<4} {record['step_ms']:9.2f} ms"
+                f"n={record['partitions']:<2} {record['strategy']:<4} {record.get('schedule', 'sequential'):<10} "
+                f"{record['step_ms']:9.2f} ms"
                 + (f"  bound {record['step_bound_ms']:.2f}" if record.get("step_bound_ms") else ""))
         write(complete=False)
 

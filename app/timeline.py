@@ -27,6 +27,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from workers.schedules import profiler_config
+
 # Kernels that are communication: NCCL's, and the emulated link's wall-clock wait (moe_sim/emulation.py).
 COMM_KERNEL = re.compile(r"nccl|spin_for_ns|spin_until|stamp_now", re.IGNORECASE)
 HOST_COPY = re.compile(r"Memcpy (DtoH|HtoD)", re.IGNORECASE)
@@ -116,7 +118,8 @@ def _roles(events: list[dict]) -> list[str]:
 def stream_account(trace: dict) -> dict:
     """Local. The account of a trace of one pass (module docstring): its span, and the busy
     and idle milliseconds of communication, compute and host copies, how long communication
-    ran beside compute, how long nothing ran, and the device event count."""
+    ran beside compute and how long with none beside it (exposed), how long nothing ran,
+    and the device event count."""
     events = device_events(trace)
     if not events:
         return {}
@@ -133,8 +136,10 @@ def stream_account(trace: dict) -> dict:
         account[f"{role}_busy_ms"] = _length_us(ivs) / 1e3
         account[f"{role}_idle_ms"] = span_ms - account[f"{role}_busy_ms"]
     account["all_idle_ms"] = span_ms - _length_us(_union_us([iv for ivs in busy.values() for iv in ivs])) / 1e3
-    if "comm" in busy and "compute" in busy:
-        account["comm_beside_compute_ms"] = _intersection_us(busy["comm"], busy["compute"]) / 1e3
+    if "comm" in busy:
+        beside = _intersection_us(busy["comm"], busy["compute"]) / 1e3 if "compute" in busy else 0.0
+        account["comm_beside_compute_ms"] = beside
+        account["comm_exposed_ms"] = account["comm_busy_ms"] - beside  # communication with no compute beside it
     return account
 
 
@@ -173,13 +178,17 @@ def trace_step(step: Callable[[], None], device: torch.device, path: str, passes
     """Runs `step` `passes` times back to back under torch.profiler (after one untraced call),
     each inside a `PASS_MARK` range, writes the trace to `path` (gzip when it ends in .gz)
     and returns the stream account of the last pass: the steady state, where a pass's first
-    kernels wait behind the previous pass as they do in training."""
+    kernels wait behind the previous pass as they do in training. Every host thread is
+    recorded (workers/schedules.py profiler_config): the overlapped micro-batch schedule
+    launches its backwards from a helper thread, and the account keeps only kernels whose
+    launch it saw."""
     step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with _without_profiler_chatter(), torch.profiler.profile(activities=activities) as profiler:
+    with _without_profiler_chatter(), torch.profiler.profile(activities=activities,
+                                                             experimental_config=profiler_config()) as profiler:
         for _ in range(passes):
             with torch.profiler.record_function(PASS_MARK):
                 step()

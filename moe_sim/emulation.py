@@ -327,6 +327,7 @@ class EmulatedExpertGroup(ExpertGroup):
         self._seconds: dict[tuple, float] = {}       # price per (splits, row bytes): passes repeat them
         self._source_steps: dict[tuple, torch.Tensor] = {}
         self._free_transfers = False  # within `free_transfers()`
+        self.lane_of: EmulatedExpertGroup | None = None  # the group a lane clone stands beside (lane_groups)
 
     @contextlib.contextmanager
     def free_transfers(self) -> Iterator[None]:
@@ -361,6 +362,24 @@ class EmulatedExpertGroup(ExpertGroup):
         sibling = copy.copy(self)
         sibling.peer_group_size = min(group_size, self.size)
         return sibling
+
+    def lane_groups(self, count: int) -> list["EmulatedExpertGroup"]:
+        """Local. ``count`` groups for lanes 1... of the overlapped micro-batch schedule
+        (workers/schedules.py Lanes, which calls this on a layer's group): the same cluster,
+        prices, clock and `timing` (its link stream too: both lanes' transfers share the node's
+        NICs); their collectives are logged in this group's `calls` and follow its
+        `free_transfers()`, as the other lane's do."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count={count!r} is invalid: give the lanes beside lane 0, >= 0")
+        clones = [copy.copy(self) for _ in range(count)]
+        for clone in clones:
+            clone.lane_of = self.lane_of or self
+        return clones
+
+    @property
+    def _lane_origin(self) -> "EmulatedExpertGroup":
+        """The group whose log and transfer switch a lane clone follows (itself otherwise)."""
+        return self.lane_of or self
 
     # -- counts ---------------------------------------------------------------------------------
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
@@ -461,8 +480,9 @@ class EmulatedExpertGroup(ExpertGroup):
 
     def broadcast_object(self, obj):
         """Collective (emulated). Rank 0's object is everyone's."""
-        if self.calls is not None:
-            self.calls.append(EmulatedCall("broadcast_object", (), (), (), (), 0.0))
+        calls = self._lane_origin.calls
+        if calls is not None:
+            calls.append(EmulatedCall("broadcast_object", (), (), (), (), 0.0))
         return obj
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -472,7 +492,7 @@ class EmulatedExpertGroup(ExpertGroup):
         copy started (the copy is part of the modelled transfer, not extra time). With a
         `timing.link`, the wait runs there after the copy and the current stream waits for it.
         Nothing within `free_transfers()`."""
-        if self._free_transfers:
+        if self._lane_origin._free_transfers:
             return
         seconds *= self.timing.scale
         link = self.timing.link
@@ -515,6 +535,7 @@ class EmulatedExpertGroup(ExpertGroup):
 
     def _log(self, kind: str, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
              input_splits: Sequence[int], seconds: float) -> None:
-        if self.calls is not None:
-            self.calls.append(EmulatedCall(kind, tuple(output.shape), tuple(input.shape), tuple(output_splits),
+        calls = self._lane_origin.calls
+        if calls is not None:
+            calls.append(EmulatedCall(kind, tuple(output.shape), tuple(input.shape), tuple(output_splits),
                                            tuple(input_splits), seconds))

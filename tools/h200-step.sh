@@ -21,12 +21,12 @@ for stage in "$@"; do case $stage in
 gpu-tests)  # every GPU test
   step gpu-tests-$(cut -c1-7 .git-commit 2>/dev/null || echo tree) ${GPU_TESTS_LIMIT:-280} \
       python3 -m pytest -q -rs -p no:cacheprovider -m gpu ;;
-step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches
-  step step-xl ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
-      --micro-batches 1,2 --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-xl.json" ;;
-step-small)  # gpt-s (4 layers) at 16k tokens per GPU
-  step step-small ${STEP_LIMIT:-200} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
-      --micro-batches 1,2 --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-s.json" ;;
+step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, both schedules (issue 37)
+  step step-xl ${STEP_LIMIT:-450} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
+      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-xl.json" ;;
+step-small)  # gpt-s (4 layers) at 16k tokens per GPU, both schedules
+  step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
+      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-s.json" ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
   step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
       --out "$OUT/bench-h200-emulated-8x8-dgx-h200.json" ;;

@@ -117,7 +117,9 @@ class Lanes:
         """Collective (every rank of the default group calls it, with the same ``count``):
         for each distinct expert-parallel group among ``model``'s MoE layers, ``count`` - 1
         process groups of the same ranks, given to the layers as lanes 1... Without a
-        process group (one process) the lanes need none: they only get their own streams."""
+        process group (one process) the lanes need none: they only get their own streams.
+        A layer whose group makes its own lanes (a ``lane_groups(count)`` method: the
+        emulated cluster's stand-in, moe_sim's EmulatedExpertGroup) gets them from it."""
         from datetime import timedelta
 
         lanes = cls(model, count)
@@ -149,6 +151,10 @@ class Lanes:
         from moe_engine.comm import ExpertGroup
 
         for layer in self.layers:
+            lane_groups = getattr(layer.group, "lane_groups", None)
+            if lane_groups is not None:  # a stand-in group (the emulated cluster) makes its own lane clones
+                layer.set_lanes(lane_groups(self.count - 1))
+                continue
             if layer.group.group is None:
                 layer.set_lanes([ExpertGroup(None)] * (self.count - 1))
                 continue

@@ -3,6 +3,7 @@ controlled numbers, the modelled data-parallel reduction against DDP's buckets a
 network model, the parameters shared by the engines' models, and every field of a real
 tiny run's records with the bound's terms consistent with the modelled collectives."""
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ def test_the_engines_models_share_one_set_of_parameters():
 @pytest.mark.parametrize("flags,message", [
     (["--tokens", "100"], "whole sequences of 64 tokens; give a multiple of 128"),
     (["--schedule", "interleaved"], "--schedule 'interleaved' is unknown"),
+    (["--schedule", "sequential,overlaped"], "--schedule 'overlaped' is unknown: choose from sequential, overlapped, auto"),
+    (["--schedule", "sequential,"], "--schedule '' is unknown"),
     (["--routing", "replay:/nonexistent.json"], "no such file"),
     (["--experts", "6"], "multiple of the 4 emulated ranks"),
     (["--peers", "torchtitan"], "drop --peers"),
@@ -121,23 +124,27 @@ def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
 @pytest.mark.gpu
 def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_bound(tmp_path):
     """A slow network (1 GB/s links) makes the transfers milliseconds: FastMoE's step, which
-    overlaps nothing but the reduction, takes at least its link time; the All-to-Alls are
-    partly exposed; the compute alone is shorter than the step; and the run's own check
-    (no record below 0.98x its bound) passes."""
+    overlaps nothing but the reduction, takes at least its link time; its sequential step's
+    All-to-Alls are partly exposed; the compute alone is shorter than the step; the run's own
+    check (no record below 0.98x its bound) passes under both schedules; the timeline of each
+    step holds every modelled wait on the link (the overlapped step's helper thread too)."""
     network = tmp_path / "slow.json"
     network.write_text(json.dumps({"name": "slow", "intra_bytes_per_s": 1e9, "inter_bytes_per_s": 1e9}))
     out = tmp_path / "step.json"
     assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "2", "--emulate", "2x2", "--network",
                  str(network), "--tokens", "4096", "--micro-batches", "1,2", "--partitions", "1,2",
                  "--strategies", "none,S4", "--rounds", "2", "--repeats", "2", "--tracking-uri", "none",
-                 "--out", str(out), "--trace", str(tmp_path / "traces")]) == 0
+                 "--schedule", "sequential,overlapped", "--out", str(out), "--trace", str(tmp_path / "traces")]) == 0
     records = json.loads(out.read_text())["records"]
+    assert any(r["schedule"] == "overlapped" for r in records)
     for r in records:
         assert r["step_ms"] >= BOUND_SLACK * r["step_bound_ms"] and r["mfu"] is not None and r["peak_memory_bytes"]
-        assert r["timeline"]["comm_busy_ms"] > 0  # the waits on the link stream are communication
+        assert r["timeline"]["comm_busy_ms"] >= 0.9 * r["all_to_all_ms"]  # the link's waits, both lanes'
     for r in (r for r in records if r["engine"] == "fastmoe"):
         assert r["step_ms"] >= 0.98 * (r["all_to_all_ms"] + r["reduction_ms"]) and r["all_to_all_ms"] > 1.0
-        assert r["exposed_all_to_all_ms"] > 0.5 * r["all_to_all_ms"] and r["compute_ms"] < r["step_ms"]
+        assert r["compute_ms"] < r["step_ms"]
+        if r["schedule"] == "sequential":
+            assert r["exposed_all_to_all_ms"] > 0.5 * r["all_to_all_ms"]
 
 
 def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe():
@@ -163,6 +170,28 @@ def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe()
     line = section_steps(rows)[-2]
     assert line.startswith("| dgx-h200 | 8x8 | gpt-xl | 4 | uniform | 32768 | 2 | 300.0 | 240.0 | 250.0 | 210.0 (4/S4)")
     assert "**0.96x**" in line and "| 5% | 32.0% |" in line
+
+
+def test_the_report_takes_the_best_of_every_schedule_against_the_baselines_plain_step():
+    from app.step_report import section_steps, step_summaries
+
+    point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
+             "tokens": 32768.0, "micro_batches": 2.0}
+    row = lambda engine, chosen_by, n, schedule, ms, **more: {  # noqa: E731
+        **point, "engine": engine, "chosen_by": chosen_by, "partitions": n, "strategy": "none", "schedule": schedule,
+        "step_ms": ms, **more}
+    rows = [row("fastmoe", "baseline", 1, "overlapped", 200.0), row("fastmoe", "baseline", 1, "sequential", 300.0),
+            row("fastermoe", "baseline", 16, "sequential", 240.0),
+            row("mpipemoe", "auto", 2, "sequential", 250.0, schedule_asked="sequential"),
+            row("mpipemoe", "auto", 2, "overlapped", 230.0, schedule_asked="overlapped,auto"),
+            row("mpipemoe", "grid", 4, "sequential", 220.0), row("mpipemoe", "grid", 4, "overlapped", 180.0)]
+    [summary] = step_summaries(rows)
+    assert (summary["best_setting"], summary["best_schedule"], summary["best_step_ms"]) == ("4/none", "overlapped",
+                                                                                          180.0)
+    assert summary["fastmoe_step_ms"] == 300.0 and summary["best_vs_fastmoe"] == pytest.approx(300 / 180)
+    assert (summary["auto_step_ms"], summary["auto_schedule"]) == (230.0, "overlapped")
+    line = section_steps(rows)[-2]
+    assert "| 300.0 | 240.0 | 230.0 | 180.0 (4/none) | overlapped | 1.67x | 1.33x | 1.04x |" in line
 
 
 def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
@@ -233,10 +262,144 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
     network.write_text(json.dumps({"name": "slow", "intra_bytes_per_s": 1e9, "inter_bytes_per_s": 1e9}))
     out = tmp_path / "step.json"
     assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "2x2", "--network",
-                 str(network), "--tokens", "256", "--micro-batches", "1", "--partitions", "1",
+                 str(network), "--tokens", "256", "--micro-batches", "2", "--partitions", "1",
                  "--strategies", "none", "--rounds", "1", "--repeats", "1", "--tracking-uri", "none",
-                 "--out", str(out)]) == 0
+                 "--schedule", "sequential,overlapped", "--out", str(out)]) == 0
     records = json.loads(out.read_text())["records"]
     assert {r["engine"] for r in records} >= {"fastmoe", "fastermoe", "mpipemoe"}
+    assert {r["schedule"] for r in records} == {"sequential", "overlapped"}
     for r in records:
         assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] >= r["compute_ms"]
+
+
+def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> None:
+    """Each engine's step body (no optimizer step) by both schedules from the same weights on
+    the emulated 2x2 cluster, with the bench's models and its lanes: the same losses, the same
+    gradients, the same modelled collectives and reduction (the lane clones log into the
+    group; the reduction is issued whole after the last backward)."""
+    from app.bench_step import StepParts, run_micro_batches, step_batches
+    from workers.distributed import DenseParallel
+    from workers.schedules import Lanes
+
+    settings = StepSettings(model="tiny-gpt", tokens=[64 * micro_batches], layers=2, emulate="2x2",
+                            partitions=(2,), strategies=("S4",), dtype="fp32")
+    group = settings.cluster.build()
+    if device.type == "cuda":
+        group.timing.link = torch.cuda.Stream(device)
+    variants = [v for v in build_variants(settings, settings.preset(), group, device) if v.chosen_by != "auto"]
+    parallel = DenseParallel(variants[0].model, device=device)
+    reduction = GradientReduction(parallel.dense, group, device)
+    batches = step_batches(settings.preset(), 64 * micro_batches, micro_batches, device, seed=5)
+    try:
+        for variant in variants:
+            lanes = Lanes.create(variant.model)
+            own_group: Any = variant.model.moe_layers()[0].group  # FasterMoE's: a sibling with its own log
+            parts = StepParts(variant.model, DenseParallel(variant.model, device=device), None, reduction,  # type: ignore[arg-type]
+                              own_group, device, torch.float32, lanes)
+            outcome = {}
+            for schedule in ("sequential", "overlapped"):
+                variant.model.zero_grad(set_to_none=True)
+                with own_group.logging_calls() as calls:
+                    losses = run_micro_batches(schedule, parts, batches)
+                grads = {name: p.grad.clone() for name, p in variant.model.named_parameters() if p.grad is not None}
+                outcome[schedule] = (losses, grads, sorted((c.kind, c.seconds) for c in calls),
+                                     list(reduction.issued))
+            lanes.close()
+            (seq_losses, seq_grads, seq_calls, seq_issued), (ovl_losses, ovl_grads, ovl_calls, ovl_issued) = \
+                outcome["sequential"], outcome["overlapped"]
+            torch.testing.assert_close(ovl_losses, seq_losses, rtol=1e-6, atol=0, msg=variant.engine)
+            assert seq_grads.keys() == ovl_grads.keys() and len(seq_grads) == len(list(variant.model.parameters()))
+            for name, grad in seq_grads.items():
+                torch.testing.assert_close(ovl_grads[name], grad, rtol=1e-5, atol=1e-7, msg=f"{variant.engine} {name}")
+            assert any(kind.startswith("all_to_all") for kind, _ in ovl_calls) and ovl_calls == seq_calls
+            assert sorted(ovl_issued) == pytest.approx(sorted(seq_issued)) and len(ovl_issued) == len(
+                reduction.buckets)
+    finally:
+        reduction.remove()
+        variants[0].model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_the_overlapped_step_has_the_sequential_steps_losses_and_gradients_on_the_emulated_cluster(micro_batches):
+    _overlapped_against_sequential(torch.device("cpu"), micro_batches)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link():
+    """On the GPU: the lanes' compute streams and the shared link stream (both lanes' waits
+    on it) give the sequential step's losses and gradients in fp32."""
+    _overlapped_against_sequential(torch.device("cuda"), 2)
+
+
+def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link_cpu_twin():
+    _overlapped_against_sequential(torch.device("cpu"), 2)
+
+
+def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--micro-batches", "1,2", "--partitions", "2", "--strategies", "S4", "--no-grid", "--rounds", "1",
+                 "--repeats", "1", "--warmup", "0", "--tracking-uri", "none", "--schedule", "sequential,auto",
+                 "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    one = [r for r in records if r["micro_batches"] == 1]
+    two = [r for r in records if r["micro_batches"] == 2]
+    assert {(r["schedule"], r["schedule_asked"], r["schedule_reason"]) for r in one} == {
+        ("sequential", "sequential,auto", "one micro-batch a step: nothing to overlap")}
+    assert [(r["engine"], r["schedule"]) for r in two] == [(e, s) for e in ("fastmoe", "fastermoe", "mpipemoe")
+                                                           for s in ("sequential", "overlapped")]
+    for r in two:
+        assert r["schedule_asked"] == ("auto" if r["schedule"] == "overlapped" else "sequential")
+        assert "step_bound_ms" in r and "exposed_all_to_all_ms" in r and "peak_memory_bytes" in r
+    by = {(r["engine"], r["schedule"]): r for r in two}
+    for engine in ("fastmoe", "fastermoe", "mpipemoe"):  # the same transfers, the same reduction
+        assert by[engine, "overlapped"]["all_to_all_ms"] == pytest.approx(by[engine, "sequential"]["all_to_all_ms"])
+        assert by[engine, "overlapped"]["reduction_ms"] == pytest.approx(by[engine, "sequential"]["reduction_ms"])
+    assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe | baseline | 1 | none | overlapped |" in (
+        tmp_path / "step.md").read_text()
+
+
+def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_moe_budget():
+    from app.bench_step import point_schedules
+
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
+                            schedule="auto", moe_memory_gib=1e-6)
+    [(ran, entry)] = point_schedules(settings, settings.preset(), 128, 2, torch.float32).items()
+    assert ran == "sequential" and entry["schedule_asked"] == "auto"
+    assert "two micro-batches in flight need" in entry["schedule_reason"] and "over the" in entry["schedule_reason"]
+    roomy = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
+                         schedule="auto", moe_memory_gib=64.0)
+    assert list(point_schedules(roomy, roomy.preset(), 128, 2, torch.float32)) == ["overlapped"]
+    with pytest.raises(ValueError, match="moe_memory_gib=0"):
+        StepSettings(model="tiny-gpt", tokens=[128], emulate="1x2", moe_memory_gib=0)
+
+
+def test_the_overlapped_steps_timeline_holds_both_micro_batches_of_the_last_step(tmp_path):
+    """--trace records the helper thread too: the last traced step shows both micro-batches'
+    forwards (main thread) and backwards (helper thread), and the account says how much
+    communication ran with no compute beside it."""
+    import gzip
+
+    from app.timeline import PASS_MARK
+    from workers.schedules import trace_mark
+
+    out, traces = tmp_path / "step.json", tmp_path / "traces"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--micro-batches", "2", "--partitions", "1", "--strategies", "none", "--no-grid", "--rounds", "1",
+                 "--repeats", "1", "--warmup", "0", "--tracking-uri", "none", "--schedule", "overlapped",
+                 "--out", str(out), "--trace", str(traces)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["schedule"] for r in records} == {"overlapped"}
+    for record in records:
+        assert record["trace_file"].endswith("-overlapped.json.gz")
+        with gzip.open(record["trace_file"], "rt") as handle:
+            events = json.load(handle)["traceEvents"]
+        last = max((e for e in events if e.get("name") == PASS_MARK), key=lambda e: float(e["ts"]))
+        inside = [e for e in events if e.get("ph") == "X" and float(last["ts"]) <= float(e.get("ts", -1))
+                  <= float(last["ts"]) + float(last["dur"])]
+        threads = {phase: {e["tid"] for e in inside if e["name"] in (trace_mark(0, phase), trace_mark(1, phase))}
+                   for phase in ("forward", "backward")}
+        for k in (0, 1):
+            for phase in ("forward", "backward"):
+                assert any(e["name"] == trace_mark(k, phase) for e in inside), (record["engine"], k, phase)
+        assert threads["forward"].isdisjoint(threads["backward"])  # the backwards ran on the helper thread

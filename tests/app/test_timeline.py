@@ -31,6 +31,7 @@ def test_account_counts_busy_idle_and_overlap_by_role():
     assert account["compute_busy_ms"] == pytest.approx(1.7)     # 0.5-2.2 ms, the union
     assert account["copy_busy_ms"] == pytest.approx(1.0)
     assert account["comm_beside_compute_ms"] == pytest.approx(1.0)  # 0.5-1.5 ms
+    assert account["comm_exposed_ms"] == pytest.approx(0.5)         # 0-0.5 ms: nothing computed beside it
     assert account["all_idle_ms"] == pytest.approx(0.8)         # 2.2-3.0 ms
     assert account["compute_idle_ms"] == pytest.approx(2.3)
     assert account["device_events"] == 5
@@ -54,8 +55,8 @@ def test_account_takes_the_last_pass_by_launch_time():
 def test_a_blocking_all_to_all_on_the_compute_stream_is_still_communication():
     trace = {"traceEvents": [kernel("spin_until", 0, 1000, 7), kernel("cutlass_gemm", 1000, 1000, 7)]}
     account = stream_account(trace)
-    assert (account["comm_busy_ms"], account["compute_busy_ms"], account["comm_beside_compute_ms"]) == \
-        pytest.approx((1.0, 1.0, 0.0))
+    assert (account["comm_busy_ms"], account["compute_busy_ms"], account["comm_beside_compute_ms"],
+            account["comm_exposed_ms"]) == pytest.approx((1.0, 1.0, 0.0, 1.0))
 
 
 def test_overlap_account_is_the_share_of_the_ideal_saving():

@@ -375,3 +375,25 @@ def test_reserving_sms_is_a_no_op_off_cuda():
 
     with StreamSet(torch.device("cpu")).reserving_sms(16):
         assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_lane_clones_share_the_cluster_prices_and_link_and_log_into_their_group():
+    group = EmulatedCluster.parse("1x2", "dgx-a100").build()
+    faster = group.for_peer_steps(1)
+    [lane] = faster.lane_groups(1)
+    [nested] = lane.lane_groups(1)
+    assert lane is not faster and lane.lane_of is faster and nested.lane_of is faster
+    assert lane.timing is group.timing and lane.cluster is group.cluster and lane.peer_group_size == 1
+    assert (lane.size, lane.rank, lane.group) == (2, 0, None)
+    send, recv = torch.arange(6.0).view(6, 1), torch.zeros(5, 1)
+    with faster.logging_calls() as calls:
+        lane.all_to_all(recv, send, [3, 2], [4, 2])
+        lane.all_reduce_max(torch.ones(2))
+    assert [c.kind for c in calls] == ["all_to_all", "all_reduce_max"] and recv.flatten().tolist() == [0, 1, 2, 3, 0]
+    recv.fill_(-1.0)
+    with faster.free_transfers():
+        nested.all_to_all(recv, send, [3, 2], [4, 2])
+    assert recv.flatten().tolist() == [-1.0] * 5  # the clone follows its group's free_transfers
+    assert faster.lane_groups(0) == []
+    with pytest.raises(ValueError, match="count=-1 is invalid"):
+        group.lane_groups(-1)
