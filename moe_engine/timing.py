@@ -81,6 +81,11 @@ class RoundsTiming:
     def median_ms(self) -> float:
         return self.median_s * 1e3
 
+    @property
+    def fastest_ms(self) -> float:
+        """The fastest round's mean: what a floor of this function's time is built from."""
+        return min(self.round_means_s) * 1e3
+
 
 def time_interleaved(fns: list[Callable[[], object]], device: torch.device, rounds: int = 5, warmup: int = 1,
                      repeats: int = 3) -> list[RoundsTiming]:

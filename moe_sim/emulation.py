@@ -331,8 +331,8 @@ class EmulatedExpertGroup(ExpertGroup):
 
     @contextlib.contextmanager
     def free_transfers(self) -> Iterator[None]:
-        """Within: All-to-Alls are priced and logged but move nothing and take no time (their
-        outputs keep whatever they held): the pass without its transfers, in its own routing,
+        """Within: All-to-Alls are priced and logged and their rows copied, at no modelled
+        time: the pass without its transfers, in its own routing,
         streams and SM reservation (the bench's compute stage). Agreements still cost theirs."""
         previous, self._free_transfers = self._free_transfers, True
         try:
@@ -491,8 +491,11 @@ class EmulatedExpertGroup(ExpertGroup):
         """Local, on the current stream: the rows' copy, then the wait until `seconds` after the
         copy started (the copy is part of the modelled transfer, not extra time). With a
         `timing.link`, the wait runs there after the copy and the current stream waits for it.
-        Nothing within `free_transfers()`."""
+        Within `free_transfers()` the copy only: the rows arrive as they would, at no modelled
+        time (an output left as it was would feed the experts whatever the buffer held —
+        denormals and NaNs, slow on CPUs — and no longer be the pass it stands for)."""
         if self._lane_origin._free_transfers:
+            fill_from_own_block(output, input, input_splits)
             return
         seconds *= self.timing.scale
         link = self.timing.link

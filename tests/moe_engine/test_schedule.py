@@ -166,7 +166,8 @@ def test_the_sm_carve_out_is_clamped_restored_and_the_per_expert_loop_honours_it
             assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     assert torch._C._get_sm_carveout_experimental() is None
     assert torch.backends.cuda.preferred_blas_library() == library
-    torch.testing.assert_close(carved, plain)
+    # cuBLASLt and cuBLAS may sum a float32 product in another order: the same numbers to float32 rounding
+    torch.testing.assert_close(carved, plain, rtol=1e-4, atol=1e-4)
 
 
 def test_the_sm_carve_out_is_clamped_restored_and_the_per_expert_loop_honours_it_cpu_twin():
