@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lm.model import is_expert_param
+from lm.model import is_expert_param, valid_expert_degrees
 
 DENSE_MODES = ("ddp", "fsdp2")
 
@@ -81,12 +81,6 @@ def new_group(timeout_s: float | None = None, backend: str | None = None) -> dis
 def divisors(n: int) -> list[int]:
     """Local. The divisors of ``n`` (>= 1), ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
-    """Local. The expert-parallel degrees P that ``world_size`` ranks can run ``num_experts``
-    experts per MoE layer with: P divides both (whole experts per rank, whole expert groups)."""
-    return [p for p in divisors(world_size) if num_experts % p == 0]
 
 
 def check_expert_degree(degree: int, num_experts: int, world_size: int, what: str = "expert_parallel") -> None:
@@ -188,6 +182,7 @@ class DenseParallel:
         self.model, self.mode, self.world_size, self.device = model, mode, world_size, device
         self.compute_dtype = compute_dtype
         self.replica_group, self.replicas = replica_group, replicas
+        self.checkpoint_mesh: DeviceMesh | None = None  # the experts' mesh of workers/checkpoint.py, made once
         self.dense, self.expert = split_params(model)
         self.module = model
         self.group: dist.ProcessGroup | None = None
