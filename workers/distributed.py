@@ -38,7 +38,7 @@ import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,17 @@ class ExpertLayout:
 
     def replica_group_ranks(self, expert_rank: int) -> list[int]:
         return [g * self.degree + expert_rank for g in range(self.replicas)]
+
+
+def expert_groups_across_nodes(node_of_rank: Sequence[str], degree: int) -> list[list[int]]:
+    """Local. The expert groups (as their ranks) whose ranks sit on more than one node, given
+    each rank's node (``node_of_rank[r]``); empty when every group's All-to-All stays inside a
+    node. Ray Train numbers its workers node by node (2.60: ``WorkerGroup.
+    _sort_workers_by_gpu_id_grouped_by_node``), so groups of ``degree`` consecutive ranks stay
+    on one node whenever each node holds a multiple of ``degree`` workers (8 GPUs, P = 8)."""
+    layout = ExpertLayout(0, len(node_of_rank), degree)
+    groups = [layout.expert_group_ranks(g) for g in range(layout.replicas)]
+    return [ranks for ranks in groups if len({node_of_rank[r] for r in ranks}) > 1]
 
 
 def expert_groups(layout: ExpertLayout, timeout_s: float | None = None
