@@ -60,7 +60,8 @@ class ModelPreset:
     d_hidden:        hidden width of each expert FFN.
     num_layers:      transformer blocks; every block's FFN is a MoE layer.
     num_heads:       attention heads; must divide d_model.
-    num_experts:     experts per MoE layer; a multiple of the number of workers.
+    num_experts:     experts per MoE layer; a multiple of the expert-parallel degree (the
+                     workers of one expert group, ``check_world_size``).
     seq_len:         default training sequence length (and the position-embedding size).
     top_k:           experts per token.
     capacity_factor: None = dropless routing.
@@ -97,13 +98,27 @@ class ModelPreset:
         """A copy with some fields changed (validated again); None values are ignored."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise unless the experts spread evenly over ``world_size`` expert-parallel ranks."""
-        if self.num_experts % world_size:
-            _fail("num_experts", self.num_experts,
-                  f"it must be a multiple of the number of workers ({world_size}); "
-                  f"use --num-experts {world_size * max(1, self.num_experts // world_size)} "
-                  f"or change --num-workers")
+    def check_world_size(self, world_size: int, expert_parallel: int | None = None) -> None:
+        """Raise unless ``world_size`` workers can run this model with expert-parallel degree
+        ``expert_parallel`` (None: the world): the degree divides both the workers (whole
+        expert groups) and ``num_experts`` (whole experts per worker). The error names the
+        valid ``--expert-parallel`` values."""
+        degree = world_size if expert_parallel is None else expert_parallel
+        if self.num_experts % degree == 0 and world_size % degree == 0:
+            return
+        valid = ", ".join(str(p) for p in valid_expert_degrees(self.num_experts, world_size))
+        which = "the number of workers" if expert_parallel is None else "--expert-parallel"
+        _fail("num_experts", self.num_experts,
+              f"it must be a multiple of the expert-parallel degree ({degree}, {which}), which must divide "
+              f"the {world_size} workers; use --expert-parallel {valid} (expert groups of that many workers, "
+              f"the experts replicated across the groups), or --num-experts "
+              f"{world_size * max(1, self.num_experts // world_size)} with one expert group over all workers")
+
+
+def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
+    """Local. The expert-parallel degrees P that ``world_size`` ranks can run ``num_experts``
+    experts per MoE layer with: P divides both (whole experts per rank, whole expert groups)."""
+    return [p for p in range(1, world_size + 1) if world_size % p == 0 and num_experts % p == 0]
 
 
 # The paper's models (docs/design.md §6) plus tiny ones that train on 2 CPU cores in a minute.

@@ -47,8 +47,8 @@ from moe_engine.comm import DEFAULT_COMM_SMS, ExpertGroup
 from moe_engine.dispatcher import STATS
 from moe_engine.streams import Pending, StreamSet
 
-from .network import (ClusterLayout, NetworkProfile, flat_all_to_all_s, hierarchical_all_to_all_s, load_network,
-                      rank_traffic, small_collective_s)
+from .network import (EXPERT_PARALLEL_FLAG, ClusterLayout, NetworkProfile, all_reduce_s, expert_group_layouts,
+                      flat_all_to_all_s, hierarchical_all_to_all_s, load_network, rank_traffic, small_collective_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +63,11 @@ class EmulatedCluster:
                   1 (default) models the least SM contention; NCCL uses a few.
     comm_sms:     SMs the expert GEMMs leave free while a transfer runs beside them
                   (ExpertGroup.comm_sms): default what real runs leave NCCL (DEFAULT_COMM_SMS).
+    expert_parallel: the expert-parallel degree P (None: W). Rank 0's expert group is ranks
+                  0..P-1 (network.expert_group_layouts): the All-to-Alls, the count exchange
+                  and the agreements run over them (with P = 8 on 8x8 inside one node, on
+                  NVLink), each rank holding E / P experts; the expert gradients are reduced
+                  over the W / P replicas (``expert_reduction_s``).
     """
 
     layout: ClusterLayout
@@ -70,6 +75,7 @@ class EmulatedCluster:
     hierarchical: bool = False
     transfer_ctas: int = 1
     comm_sms: int = DEFAULT_COMM_SMS
+    expert_parallel: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ClusterLayout):
@@ -86,21 +92,37 @@ class EmulatedCluster:
         if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 0:
             raise ValueError(f"EmulatedCluster.comm_sms={self.comm_sms!r} is invalid: give the SMs the GEMMs leave "
                              f"to communication, >= 0 ({DEFAULT_COMM_SMS}, what real runs leave NCCL, is the default)")
+        if type(self.expert_parallel) is int and self.expert_parallel < 2:
+            raise ValueError(f"EmulatedCluster.expert_parallel={self.expert_parallel!r} is invalid: one rank per expert "
+                             f"group has no All-to-All to emulate; give {EXPERT_PARALLEL_FLAG} >= 2")
+        expert_group_layouts(self.layout, self.expert_parallel)  # raises naming --expert-parallel
 
     @classmethod
     def parse(cls, spec: str, network: str = "dgx-a100", *, hierarchical: bool = False,
-              transfer_ctas: int = 1, comm_sms: int = DEFAULT_COMM_SMS) -> "EmulatedCluster":
+              transfer_ctas: int = 1, comm_sms: int = DEFAULT_COMM_SMS,
+              expert_parallel: int | None = None) -> "EmulatedCluster":
         """From ``NODESxGPUS`` (``8x8``: 8 nodes of 8 GPUs) and a network preset or JSON file."""
         match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(spec))
         if not match:
             raise ValueError(f"emulated cluster {spec!r} is invalid: give NODESxGPUS, e.g. 8x8 for 8 nodes of 8 GPUs")
         layout = ClusterLayout(int(match.group(1)), int(match.group(2)))
         return cls(layout=layout, network=load_network(network), hierarchical=hierarchical,
-                   transfer_ctas=transfer_ctas, comm_sms=comm_sms)
+                   transfer_ctas=transfer_ctas, comm_sms=comm_sms, expert_parallel=expert_parallel)
 
     @property
     def ranks(self) -> int:
+        """W: every rank of the cluster (the dense part's data parallelism)."""
         return self.layout.ranks
+
+    @property
+    def expert_ranks(self) -> int:
+        """P: the ranks of rank 0's expert group (the emulated expert group's size)."""
+        return self.expert_layout.ranks
+
+    @property
+    def expert_layout(self) -> ClusterLayout:
+        """Rank 0's expert group on the nodes (network.expert_group_layouts)."""
+        return expert_group_layouts(self.layout, self.expert_parallel)[0]
 
     @property
     def name(self) -> str:
@@ -111,20 +133,27 @@ class EmulatedCluster:
         return {"measured_as": "emulated", "network": self.network.name, "emulated_cluster": self.name,
                 "nodes": self.layout.nodes, "gpus_per_node": self.layout.gpus_per_node,
                 "hierarchical": self.hierarchical, "world_size": self.ranks, "transfer_ctas": self.transfer_ctas,
-                "comm_sms": self.comm_sms}
+                "comm_sms": self.comm_sms, "expert_parallel": self.expert_ranks}
 
     def all_to_all_s(self, output_splits: Sequence[int], input_splits: Sequence[int], row_bytes: int, *,
                      flat: bool = False) -> float:
-        """Seconds of rank 0's All-to-All: it sends input_splits[r] rows of `row_bytes` to
-        rank r and receives output_splits[r] from it."""
-        traffic = rank_traffic(self.layout, 0, list(input_splits), list(output_splits))
+        """Seconds of rank 0's All-to-All over its expert group: it sends input_splits[r] rows
+        of `row_bytes` to the group's rank r and receives output_splits[r] from it."""
+        layout = self.expert_layout
+        traffic = rank_traffic(layout, 0, list(input_splits), list(output_splits))
         if self.hierarchical and not flat:
-            return hierarchical_all_to_all_s(self.network, self.layout, traffic, row_bytes)
+            return hierarchical_all_to_all_s(self.network, layout, traffic, row_bytes)
         return flat_all_to_all_s(self.network, traffic, row_bytes)
 
-    def small_collective_s(self) -> float:
-        """Seconds of the count exchange or an agreement (a few bytes from every rank)."""
-        return small_collective_s(self.network, self.layout)
+    def small_collective_s(self, *, world: bool = False) -> float:
+        """Seconds of the count exchange or an agreement (a few bytes from every rank of the
+        expert group); ``world``: from every rank of the cluster (the step's losses and norm)."""
+        return small_collective_s(self.network, self.layout if world else self.expert_layout)
+
+    def expert_reduction_s(self, nbytes: float) -> float:
+        """Seconds of the expert gradients' all-reduce (``nbytes`` per rank) over the W / P
+        ranks that hold the same experts; 0 with one expert group."""
+        return all_reduce_s(self.network, expert_group_layouts(self.layout, self.expert_parallel)[1], nbytes)
 
     def build(self, *, keep_log: bool = False) -> "EmulatedExpertGroup":
         return EmulatedExpertGroup(self, keep_log=keep_log)
@@ -314,7 +343,7 @@ class EmulatedExpertGroup(ExpertGroup):
         if not isinstance(cluster, EmulatedCluster):
             raise TypeError(f"cluster must be an EmulatedCluster, got {type(cluster).__name__}")
         self.group = None
-        self.size = cluster.ranks
+        self.size = cluster.expert_ranks
         self.rank = 0
         self.always_communicate = False
         self.comm_sms = cluster.comm_sms  # the SMs pipelined GEMMs leave free, as for NCCL

@@ -145,6 +145,35 @@ class ClusterLayout:
         return rank // self.gpus_per_node
 
 
+EXPERT_PARALLEL_FLAG = "--expert-parallel"
+
+
+def expert_degrees(layout: ClusterLayout) -> list[int]:
+    """The expert-parallel degrees P the simulator and the emulator take on ``layout``: P
+    divides W and every expert group lies alike on the nodes (P divides a node's GPUs, or
+    is whole nodes)."""
+    G = layout.gpus_per_node
+    return [p for p in range(1, layout.ranks + 1) if layout.ranks % p == 0 and (G % p == 0 or p % G == 0)]
+
+
+def expert_group_layouts(layout: ClusterLayout, degree: int | None) -> tuple[ClusterLayout, ClusterLayout]:
+    """(expert group, expert-data-parallel group) of ``layout`` with expert-parallel degree
+    ``degree`` (None: W, one expert group): the P consecutive ranks whose All-to-Alls run
+    together (inside one node when P <= G), and the W / P ranks P apart that hold the same
+    experts and reduce their gradients (one per node when P >= G; G / P per node otherwise).
+    Raises ValueError naming ``--expert-parallel`` and the valid degrees."""
+    W, G = layout.ranks, layout.gpus_per_node
+    degree = W if degree is None else degree
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree not in expert_degrees(layout):
+        valid = ", ".join(str(p) for p in expert_degrees(layout))
+        raise ValueError(f"expert_parallel={degree!r} is invalid on {layout.nodes}x{G}: the expert-parallel degree "
+                         f"must divide the {W} ranks and either divide a node's {G} GPUs or be whole nodes; use "
+                         f"{EXPERT_PARALLEL_FLAG} {valid}")
+    if degree >= G:
+        return ClusterLayout(degree // G, G), ClusterLayout(W // degree, 1)
+    return ClusterLayout(1, degree), ClusterLayout(layout.nodes, G // degree)
+
+
 # -- routing ----------------------------------------------------------------------------------
 
 def uniform_load(num_experts: int) -> list[float]:

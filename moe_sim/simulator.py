@@ -50,8 +50,9 @@ from moe_engine.memory import RestorePolicy, predict_memory
 from moe_engine.perf_model import SAVING_SLACK
 from moe_engine.schedule import COMPUTE, backward_schedule, forward_schedule
 
-from .network import (ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
-                      flat_all_to_all_s, hierarchical_all_to_all_s, small_collective_s, uniform_load)
+from .network import (EXPERT_PARALLEL_FLAG, ClusterLayout, NetworkProfile, Traffic, all_reduce_s, all_to_all_traffic,
+                      expert_degrees, expert_group_layouts, flat_all_to_all_s, hierarchical_all_to_all_s,
+                      small_collective_s, uniform_load)
 from .parts import HOST_LAYER, HostCost, input_grad_share
 
 GPU_STREAMS = ("compute", "comm", "copy")
@@ -832,6 +833,8 @@ class StepResult:
     micro_batches: int = 1
     exposed_reduction_s: float = 0.0  # the part of all_reduce_s the last backward did not hide
     small_collectives_s: float = 0.0  # the losses' and the gradient norm's all-reduces
+    expert_parallel: int = 1          # P: the ranks of one expert group (W: no expert replicas)
+    expert_reduction_s: float = 0.0   # expert gradients in float32 over the W / P replicas, after the backward
 
 
 def dense_flops_per_s(parts, d_model: int, d_hidden: int, rows: int) -> float:
@@ -849,7 +852,8 @@ def memory_bytes_per_s(parts, d_model: int) -> float:
 
 def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster, parts, partitions: int = 1,
                   strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2,
-                  shard_dense: bool = False, micro_batches: int = 1, overlap_reduction: bool = False) -> StepResult:
+                  shard_dense: bool = False, micro_batches: int = 1, overlap_reduction: bool = False,
+                  expert_parallel: int | None = None) -> StepResult:
     """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank,
     trained as ``workers/loop.py`` does: float32 master weights, compute in ``dtype_bytes``.
 
@@ -861,6 +865,13 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     of that backward is exposed; without it the reduction follows the backward (the
     simulator's earlier, serial price). The step's two small collectives (losses, norm) are
     priced by the network model.
+
+    ``expert_parallel``: the expert-parallel degree P (None: W). The MoE layers run on one
+    expert group (P consecutive ranks: inside a node when P <= G, so their All-to-Alls use
+    NVLink only), each rank holding E / P experts; the expert gradients (float32) are then
+    all-reduced over the W / P ranks holding the same experts (one per node when P >= G),
+    after the backward as ``DenseParallel.finish_gradients`` does (``expert_reduction_s``,
+    never hidden).
 
     The MoE layer is simulated (simulate_layer) and repeated per block; the dense parts are
     their FLOPs at the GPU's GEMM rate (attention kernels assumed at that rate too) plus
@@ -876,8 +887,16 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
             or tokens % micro_batches:
         raise ValueError(f"micro_batches={micro_batches!r} is invalid: give a count >= 1 that divides tokens={tokens}")
     K = micro_batches
+    W = cluster.layout.ranks
+    group_layout, replica_layout = expert_group_layouts(cluster.layout, expert_parallel)
+    P = group_layout.ranks
+    if model.num_experts % P:
+        raise ValueError(f"ModelShape.num_experts={model.num_experts} is not a multiple of the expert-parallel degree "
+                         f"{P}: use {EXPERT_PARALLEL_FLAG} "
+                         f"{', '.join(str(p) for p in expert_degrees(cluster.layout) if model.num_experts % p == 0)}")
+    expert_cluster = replace(cluster, layout=group_layout)
     layer_shape = model.layer(tokens // K)
-    moe = simulate_layer(engine, layer_shape, cluster, parts, partitions, strategy, group_size)
+    moe = simulate_layer(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size)
     D, T, S = model.d_model, tokens // K, model.seq_len
     rate = dense_flops_per_s(parts, D, model.d_hidden, T)
     bandwidth = memory_bytes_per_s(parts, D)
@@ -885,14 +904,15 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     elementwise = 4 * 2 * T * D * dtype_bytes / bandwidth
     head = 2 * T * D * model.vocab_size
     dense = model.num_layers * (3 * attention / rate + 3 * elementwise) + 3 * head / rate
-    W = cluster.layout.ranks
-    params = model.replicated_params + model.expert_params(W)
+    params = model.replicated_params + model.expert_params(P)
     reduce = all_reduce_s(cluster.network, cluster.layout, model.replicated_params * 4) if W > 1 else 0.0
+    expert_reduce = all_reduce_s(cluster.network, replica_layout, model.expert_params(P) * 4)
     dense_here = -(-model.replicated_params // W) if shard_dense else model.replicated_params
-    master = dense_here + model.expert_params(W)
+    master = dense_here + model.expert_params(P)
     optimizer = 28 * master / bandwidth
-    memory = _memory(moe.engine, layer_shape, cluster, _build(engine, layer_shape, cluster, parts, partitions, strategy,
-                                                             group_size)[1], moe.partitions, moe.strategy)
+    memory = _memory(moe.engine, layer_shape, expert_cluster,
+                     _build(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size)[1],
+                     moe.partitions, moe.strategy)
     attention_saved = 7 * T * D * dtype_bytes + T * model.num_heads * 4
     activations = model.num_layers * (attention_saved + memory.saved_bytes)
     state = 16 * master + (params * dtype_bytes if dtype_bytes != 4 else 0)
@@ -904,6 +924,6 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
         backward = model.num_layers * (moe.backward_s + 2 * attention / rate + 2 * elementwise) + 2 * head / rate
         first_bucket = (backward - 2 * head / rate) / model.num_layers + 2 * head / rate
         exposed = max(0.0, reduce - (backward - first_bucket))
-    step = K * (model.num_layers * moe.total_s + dense) + exposed + optimizer + small
+    step = K * (model.num_layers * moe.total_s + dense) + exposed + expert_reduce + optimizer + small
     return StepResult(engine, moe.partitions, moe.strategy, step, K * model.num_layers * moe.total_s, K * dense, reduce,
-                      optimizer, peak, state, activations, K, exposed, small)
+                      optimizer, peak, state, activations, K, exposed, small, P, expert_reduce)

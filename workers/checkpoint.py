@@ -14,8 +14,8 @@ A checkpoint directory ``checkpoint_NNNNNN/`` holds, merged by Ray Train from ev
 a checkpoint whose marker is missing, empty or unreadable, or one of whose files is missing,
 unreadable or shorter/longer than recorded (with ``checksums``: or whose bytes changed), is
 incomplete; ``choose`` picks the newest complete one.
-A checkpoint loads on another world size that keeps whole experts per rank, and into any
-engine and either dense mode, since DCP reshards (workers/reshard.py: the rules, and how the
+A checkpoint loads on another world size or expert-parallel degree that keeps whole experts
+per rank, and into any engine and either dense mode, since DCP reshards (workers/reshard.py: the rules, and how the
 data continues at the same global sample).
 
 DCP and DTensor (``torch.distributed.checkpoint``, ``.tensor``) are imported where a
@@ -58,21 +58,32 @@ def checkpoint_name(step: int) -> str:
 
 def _state(parallel: DenseParallel, optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> dict[str, Any]:
     """Collective when W > 1 (DeviceMesh). The DCP state dict: model and optimizer by fully
-    qualified name, expert tensors as ``Shard(0)`` DTensors of the global expert tensor (DCP
-    would otherwise keep one rank's copy of a name), and this rank's RNG state."""
+    qualified name, expert tensors as DTensors of the global expert tensor (DCP would otherwise
+    keep one rank's copy of a name), and this rank's RNG state.
+
+    The expert tensors are ``Shard(0)`` over the P ranks of an expert group and, with W / P > 1
+    expert groups (``parallel.replicas``), ``Replicate()`` across the groups: a (W / P, P) mesh
+    whose rows are the expert groups of consecutive ranks (workers/distributed.py). DCP writes
+    a replicated chunk once (its save planner keeps one of the ranks holding it), and any
+    layout of ranks reads its own slices back."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     # (DCP types the values as a union of every state kind; these are nested dicts of tensors)
     model_sd, optim_sd = cast(tuple[dict[str, Any], dict[str, Any]], get_state_dict(parallel.model, optimizer))
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import Placement
 
-        mesh = init_device_mesh(parallel.device.type, (world_size,))
+        replicas = parallel.replicas
+        placements: list[Placement] = [Shard(0)] if replicas == 1 else [Replicate(), Shard(0)]
+        mesh = parallel.checkpoint_mesh or init_device_mesh(
+            parallel.device.type, (world_size,) if replicas == 1 else (replicas, world_size // replicas))
+        parallel.checkpoint_mesh = mesh  # (a mesh of two dimensions creates process groups: once per run)
         for name in expert_param_names(parallel.model):
-            model_sd[name] = DTensor.from_local(model_sd[name], mesh, [Shard(0)], run_check=False)
+            model_sd[name] = DTensor.from_local(model_sd[name], mesh, placements, run_check=False)
             if name in optim_sd["state"]:  # a new dict: the optimizer's own must stay plain tensors
-                optim_sd["state"][name] = {key: DTensor.from_local(value, mesh, [Shard(0)], run_check=False)
+                optim_sd["state"][name] = {key: DTensor.from_local(value, mesh, placements, run_check=False)
                                            if key in _EXPERT_MOMENTS else value
                                            for key, value in optim_sd["state"][name].items()}
     rng = {"torch": torch.get_rng_state()}
@@ -203,7 +214,8 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
     """Collective: restore this rank's state from ``directory``; returns its meta dict.
 
     ``preset`` (the model settings as a dict), when given, must match the checkpoint's.
-    ``world_size`` may differ from the checkpoint's when every rank keeps whole experts;
+    ``world_size`` and the expert-parallel degree (``parallel``'s) may differ from the
+    checkpoint's when every rank keeps whole experts;
     ``data_shards`` (the run's data layout, None: one stream per rank) must be the
     checkpoint's (workers/reshard.py). Resharded, the RNG state starts afresh (it was per rank).
     Raises ValueError naming the file and the fix for an incomplete checkpoint."""
@@ -221,7 +233,7 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
         changed = sorted(k for k in preset if meta.get("preset", {}).get(k) != preset[k])
         raise ValueError(f"checkpoint in {directory} was written for another model ({', '.join(changed)} "
                          f"differ): resume with the model settings of that run")
-    check_checkpoint_layout(meta, world_size, data_shards, directory)
+    check_checkpoint_layout(meta, world_size, data_shards, directory, world_size // parallel.replicas)
     state = _state(parallel, optimizer, rank, world_size)
     resharding = meta["world_size"] != world_size
     if resharding:  # DCP cuts the global tensors for W ranks; the RNG states were per rank

@@ -38,14 +38,14 @@ import contextlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lm.model import is_expert_param
+from lm.model import is_expert_param, valid_expert_degrees
 
 DENSE_MODES = ("ddp", "fsdp2")
 
@@ -81,12 +81,6 @@ def new_group(timeout_s: float | None = None, backend: str | None = None) -> dis
 def divisors(n: int) -> list[int]:
     """Local. The divisors of ``n`` (>= 1), ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
-    """Local. The expert-parallel degrees P that ``world_size`` ranks can run ``num_experts``
-    experts per MoE layer with: P divides both (whole experts per rank, whole expert groups)."""
-    return [p for p in divisors(world_size) if num_experts % p == 0]
 
 
 def check_expert_degree(degree: int, num_experts: int, world_size: int, what: str = "expert_parallel") -> None:
@@ -143,6 +137,17 @@ class ExpertLayout:
         return [g * self.degree + expert_rank for g in range(self.replicas)]
 
 
+def expert_groups_across_nodes(node_of_rank: Sequence[str], degree: int) -> list[list[int]]:
+    """Local. The expert groups (as their ranks) whose ranks sit on more than one node, given
+    each rank's node (``node_of_rank[r]``); empty when every group's All-to-All stays inside a
+    node. Ray Train numbers its workers node by node (2.60: ``WorkerGroup.
+    _sort_workers_by_gpu_id_grouped_by_node``), so groups of ``degree`` consecutive ranks stay
+    on one node whenever each node holds a multiple of ``degree`` workers (8 GPUs, P = 8)."""
+    layout = ExpertLayout(0, len(node_of_rank), degree)
+    groups = [layout.expert_group_ranks(g) for g in range(layout.replicas)]
+    return [ranks for ranks in groups if len({node_of_rank[r] for r in ranks}) > 1]
+
+
 def expert_groups(layout: ExpertLayout, timeout_s: float | None = None
                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """Collective (every rank of the default group, in the same order): (expert group,
@@ -188,6 +193,7 @@ class DenseParallel:
         self.model, self.mode, self.world_size, self.device = model, mode, world_size, device
         self.compute_dtype = compute_dtype
         self.replica_group, self.replicas = replica_group, replicas
+        self.checkpoint_mesh: DeviceMesh | None = None  # the experts' mesh of workers/checkpoint.py, made once
         self.dense, self.expert = split_params(model)
         self.module = model
         self.group: dist.ProcessGroup | None = None

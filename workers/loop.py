@@ -536,7 +536,8 @@ class CheckpointSaver:
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
                 "shard_dense": config.shard_dense, "lr_scheduler": self.trainer.schedule_state(),
-                "data_shards": config.data_shards or self.world_size, "batch_size": config.batch_size}
+                "data_shards": config.data_shards or self.world_size, "batch_size": config.batch_size,
+                "expert_parallel": self.trainer.layout.degree}
 
     def start(self, step: int, metrics: dict[str, Any]) -> None:
         with ckpt.write_errors_explained(step):  # a full disk: one line naming the file and the fix

@@ -1,9 +1,10 @@
 """Resuming a run on another number of workers: the rules, and the data each rank reads.
 
 A run's checkpoint holds every expert tensor and its AdamW moments as ``Shard(0)`` slices of
-the global ``[E, ...]`` tensor (workers/checkpoint.py), so DCP can load it on W' ranks as
-long as each rank keeps whole experts: ``E % W' == 0``. The model and optimizer state are
-then the same tensors, cut differently.
+the global ``[E, ...]`` tensor (workers/checkpoint.py; written once however many expert groups
+hold copies), so DCP can load it on W' ranks in expert groups of P' ranks as long as each rank
+keeps whole experts: ``E % P' == 0`` (P' = W' without expert replicas). The model and optimizer
+state are then the same tensors, cut differently.
 
 The data must continue at the same global sample. A run that started on D workers reads its
 data as D rank streams (lm/data.py: rank d of D reads rows d, d+D, ...), and step s's global
@@ -41,14 +42,26 @@ def divisors_fitting(num_experts: int, global_batch: int) -> list[int]:
     return [w for w in range(1, num_experts + 1) if num_experts % w == 0 and global_batch % w == 0]
 
 
-def check_worker_count(num_experts: int, global_batch: int, workers: int, where: str) -> None:
-    """Local. Raise ValueError naming the fix unless ``workers`` ranks can each hold whole
-    experts (``num_experts % workers == 0``) and an equal slice of the ``global_batch``."""
-    if num_experts % workers == 0 and global_batch % workers == 0:
+def check_worker_count(num_experts: int, global_batch: int, workers: int, where: str,
+                       expert_parallel: int | None = None) -> None:
+    """Local. Raise ValueError naming the fix unless ``workers`` ranks in expert groups of
+    ``expert_parallel`` (None: one group of all of them) can each hold whole experts
+    (``num_experts % degree == 0``, the degree dividing ``workers``) and an equal slice of
+    the ``global_batch``."""
+    degree = expert_parallel or workers
+    if num_experts % degree == 0 and workers % degree == 0 and global_batch % workers == 0:
         return
-    why = (f"its {num_experts} experts per MoE layer do not split into whole experts per worker"
-           if num_experts % workers else
-           f"its global batch of {global_batch} sequences does not split evenly over {workers} workers")
+    if expert_parallel is None or (num_experts % degree == 0 and workers % degree == 0):
+        why = (f"its {num_experts} experts per MoE layer do not split into whole experts per worker"
+               if num_experts % degree else
+               f"its global batch of {global_batch} sequences does not split evenly over {workers} workers")
+    else:
+        from lm.model import valid_expert_degrees
+
+        valid = ", ".join(str(p) for p in valid_expert_degrees(num_experts, workers))
+        raise ValueError(f"{where} cannot continue on {workers} workers with --expert-parallel {expert_parallel}: "
+                         f"the degree must divide both the {workers} workers and the {num_experts} experts per MoE "
+                         f"layer; use --expert-parallel {valid}")
     counts = ", ".join(str(w) for w in divisors_fitting(num_experts, global_batch))
     raise ValueError(f"{where} cannot continue on {workers} workers: {why}; use --num-workers {counts} "
                      f"(each keeps whole experts and an equal share of the batch)")
@@ -69,7 +82,7 @@ def resumed_settings(recorded: dict[str, Any], given: dict[str, Any], name: str)
     global_batch = recorded["batch_size"] * old_workers
     experts = merged.get("num_experts") or _preset_experts(merged["preset"])
     where = f"run {name} (trained on {old_workers} workers)"
-    check_worker_count(experts, global_batch, new_workers, where)
+    check_worker_count(experts, global_batch, new_workers, where, merged.get("expert_parallel"))
     per_worker = global_batch // new_workers
     if "batch_size" in given and given["batch_size"] != per_worker:
         raise ValueError(f"{where} cannot continue with --batch-size {given['batch_size']} on {new_workers} workers: "
@@ -87,17 +100,23 @@ def _preset_experts(preset: str) -> int:
 
 
 def check_checkpoint_layout(meta: dict[str, Any], world_size: int, data_shards: int | None,
-                            directory: str | Path) -> None:
+                            directory: str | Path, expert_parallel: int | None = None) -> None:
     """Local. Raise ValueError naming the fix unless a checkpoint (its ``meta.json``) can
-    load on ``world_size`` ranks reading the data as ``data_shards`` streams (None: one per
-    rank): whole experts per rank, and the data layout the checkpoint's run reads."""
+    load on ``world_size`` ranks in expert groups of ``expert_parallel`` (None: the world)
+    reading the data as ``data_shards`` streams (None: one per rank): whole experts per rank,
+    and the data layout the checkpoint's run reads."""
     written_by = meta["world_size"]
     layout = meta.get("data_shards", written_by)
     wanted = data_shards or world_size
     experts = meta.get("preset", {}).get("num_experts")
-    if experts and experts % world_size:
+    degree = expert_parallel or world_size
+    if experts and experts % degree:
+        from lm.model import valid_expert_degrees
+
+        valid = ", ".join(str(p) for p in valid_expert_degrees(experts, world_size))
         raise ValueError(f"checkpoint in {directory} holds {experts} experts per MoE layer, which do not split into "
-                         f"whole experts over {world_size} workers: resume with --num-workers "
+                         f"whole experts over expert groups of {degree} workers: resume with --expert-parallel "
+                         f"{valid} on {world_size} workers, or with --num-workers "
                          f"{' or '.join(str(w) for w in range(1, experts + 1) if experts % w == 0)}")
     if layout != wanted:
         raise ValueError(f"checkpoint in {directory} was written by a run reading its data as {layout} rank "

@@ -47,9 +47,19 @@ def test_bad_preset_names_the_field(change, field):
         get_preset("tiny-gpt").replace(**change)
 
 
-def test_experts_must_divide_by_workers():
-    with pytest.raises(ValueError, match=r"num_experts=4 .*multiple of the number of workers \(3\)"):
-        get_preset("tiny-gpt").check_world_size(3)
+def test_experts_must_divide_by_the_expert_parallel_degree():
+    preset = get_preset("tiny-gpt")  # 4 experts
+    with pytest.raises(ValueError, match=r"num_experts=4 .*multiple of the expert-parallel degree \(3, the number "
+                                         r"of workers\).* use --expert-parallel 1 "):
+        preset.check_world_size(3)
+    preset.check_world_size(8, expert_parallel=4)  # fewer experts than workers: 2 expert groups of 4
+    preset.check_world_size(8, expert_parallel=2)
+    with pytest.raises(ValueError, match=r"degree \(8, --expert-parallel\), which must divide the 8 workers; use "
+                                         r"--expert-parallel 1, 2, 4 "):
+        preset.check_world_size(8, expert_parallel=8)
+    with pytest.raises(ValueError, match=r"use --expert-parallel 1, 2 \("):
+        preset.check_world_size(6, expert_parallel=4)  # divides the experts, not the workers
+    assert get_preset("gpt-s").check_world_size(64, expert_parallel=8) is None
     with pytest.raises(ValueError, match="preset='nope' is unknown"):
         get_preset("nope")
 

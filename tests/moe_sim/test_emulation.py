@@ -14,7 +14,7 @@ from app.cli import main
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_sim.emulation import EmulatedCall, EmulatedCluster, fill_from_own_block
-from moe_sim.network import (PRESETS, ClusterLayout, all_to_all_traffic, flat_all_to_all_s,
+from moe_sim.network import (PRESETS, ClusterLayout, all_reduce_s, all_to_all_traffic, flat_all_to_all_s,
                                 hierarchical_all_to_all_s, rank_traffic, small_collective_s, uniform_load)
 from tests.distributed import run_on_ranks
 
@@ -219,6 +219,39 @@ def test_cluster_settings_are_checked():
     with pytest.raises(ValueError, match="one entry per rank"):
         EmulatedCluster.parse("1x2").build().all_to_all(torch.empty(2, 1), torch.empty(2, 1), [2], [2])
 
+
+
+def test_an_expert_group_of_one_node_exchanges_over_nvlink_and_reduces_across_nodes():
+    """8x8 with P = 8: rank 0's group is node 0's 8 GPUs: its All-to-All and count exchange are
+    priced on NVLink alone, the layer holds E / 8 experts, and the expert gradients reduce over
+    the 8 copies (one per node). P = 64 (the default) prices the whole cluster and reduces nothing."""
+    network = PRESETS["dgx-h200"]
+    node = EmulatedCluster.parse("8x8", "dgx-h200", expert_parallel=8)
+    world = EmulatedCluster.parse("8x8", "dgx-h200")
+    group = node.build(keep_log=True)
+    assert (group.size, node.expert_ranks, world.build().size) == (8, 8, 64)
+    assert node.record_fields()["expert_parallel"] == 8 and world.record_fields()["expert_parallel"] == 64
+    balanced = torch.randn(8 * 64, 16)
+    group.all_to_all(torch.empty_like(balanced), balanced, [64] * 8, [64] * 8)
+    row_bytes = 16 * 4
+    nvlink = 7 * network.intra_message_s + 7 * 64 * row_bytes / network.intra_bytes_per_s
+    assert group.calls[-1].seconds == pytest.approx(network.collective_s + nvlink)
+    assert world.all_to_all_s([8] * 64, [8] * 64, row_bytes) > 3 * group.calls[-1].seconds  # 56 of 63 peers off the node
+    group.exchange_counts(torch.zeros(8, 5, dtype=torch.int64))
+    assert group.calls[-1].seconds == small_collective_s(network, ClusterLayout(1, 8)) \
+        < world.small_collective_s() == node.small_collective_s(world=True)
+    assert node.expert_reduction_s(2**30) == all_reduce_s(network, ClusterLayout(8, 1), 2**30) > 0
+    assert world.expert_reduction_s(2**30) == 0.0
+    layer = MPipeMoE(MoEConfig(d_model=16, d_hidden=32, num_experts=64), group=group, partitions=1, strategy="none")
+    assert layer.experts.w1.shape[0] == 8
+
+
+@pytest.mark.parametrize("degree, message", [(3, r"expert_parallel=3 is invalid on 8x8: .* --expert-parallel 1, 2, 4, "),
+                                             (1, r"expert_parallel=1 is invalid: one rank per expert group has no "
+                                                 r"All-to-All to emulate; give --expert-parallel >= 2")])
+def test_an_expert_degree_the_cluster_cannot_take_is_refused_naming_the_flag(degree, message):
+    with pytest.raises(ValueError, match=message):
+        EmulatedCluster.parse("8x8", expert_parallel=degree)
 
 def streams_on_cpu():
     from moe_engine.streams import StreamSet

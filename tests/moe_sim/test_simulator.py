@@ -22,12 +22,13 @@ from app.simulate import SimulateSettings, validate
 from app.simulate_report import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
-                                hierarchical_all_to_all_s, hot_expert_load, load_network, rank_load, routing_load,
-                                uniform_load)
+                                all_reduce_s, expert_group_layouts, hierarchical_all_to_all_s, hot_expert_load,
+                                load_network, rank_load, routing_load, uniform_load)
 from moe_sim.parts import GpuParts, interpolate
 from moe_engine.perf_model import SAVING_SLACK, HardwareProfile, PerformanceModel
 from moe_sim.simulator import (STRATEGIES, Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts,
-                                  compare_engines, run_schedule, simulate_layer, simulate_step, single_gpu)
+                                  compare_engines, memory_bytes_per_s, run_schedule, simulate_layer, simulate_step,
+                                  single_gpu)
 
 PARTS = "results/sim-parts-h200.json"
 
@@ -343,6 +344,42 @@ def test_training_step_counts_every_layer_and_the_dense_parts(parts):
     keep = simulate_step("fastermoe", model, 8192, _cluster(8), parts)
     assert step.activation_bytes < keep.activation_bytes and step.state_bytes == keep.state_bytes
 
+
+
+@pytest.mark.parametrize("network", ["dgx-a100", "dgx-h200"])
+def test_expert_groups_inside_a_node_trade_the_all_to_all_for_the_expert_reduction(parts, network):
+    """64 experts on 8x8: P = 8 keeps every All-to-All on NVLink (each rank holds 8 experts, the
+    8 copies of each reduce their float32 gradients across the nodes, one rank per node);
+    P = 64 sends 7/8 of every All-to-All over the NICs and reduces no expert gradient."""
+    model = ModelShape(1024, 4096, 24, 16, 1024, 64)
+    cluster = Cluster(ClusterLayout(8, 8), PRESETS[network])
+    node = simulate_step("mpipemoe", model, 8192, cluster, parts, 2, "S3", expert_parallel=8)
+    world = simulate_step("mpipemoe", model, 8192, cluster, parts, 2, "S3", expert_parallel=64)
+    assert world == simulate_step("mpipemoe", model, 8192, cluster, parts, 2, "S3")  # None: P = W
+    assert (node.expert_parallel, world.expert_parallel, world.expert_reduction_s) == (8, 64, 0.0)
+    inside = simulate_layer("mpipemoe", model.layer(8192), Cluster(ClusterLayout(1, 8), PRESETS[network]), parts,
+                            2, "S3")
+    assert node.moe_s == pytest.approx(24 * inside.total_s) and node.moe_s < world.moe_s
+    assert node.expert_reduction_s == all_reduce_s(PRESETS[network], ClusterLayout(8, 1), model.expert_params(8) * 4)
+    assert node.all_reduce_s == world.all_reduce_s  # the dense part is data parallel over all 64 either way
+    more = model.expert_params(8) - model.expert_params(64)  # 8 experts per rank instead of 1, in every layer
+    assert node.state_bytes - world.state_bytes == (16 + 2) * more  # float32 state and the bf16 copy
+    assert node.step_s == pytest.approx(world.step_s - world.moe_s + node.moe_s + node.expert_reduction_s
+                                        + 28 * more / memory_bytes_per_s(parts, 1024))
+
+
+def test_the_expert_parallel_degree_is_checked_naming_the_flag(parts):
+    assert expert_group_layouts(ClusterLayout(8, 8), 4) == (ClusterLayout(1, 4), ClusterLayout(8, 2))
+    assert expert_group_layouts(ClusterLayout(8, 8), 16) == (ClusterLayout(2, 8), ClusterLayout(4, 1))
+    assert expert_group_layouts(ClusterLayout(8, 8), None) == (ClusterLayout(8, 8), ClusterLayout(1, 1))
+    with pytest.raises(ValueError, match=r"expert_parallel=3 is invalid on 8x8: .* use --expert-parallel 1, 2, 4, 8, "
+                                         r"16, 32, 64$"):
+        expert_group_layouts(ClusterLayout(8, 8), 3)
+    gpt_s = ModelShape(1024, 4096, 24, 16, 1024, 8)
+    with pytest.raises(ValueError, match=r"num_experts=8 is not a multiple of the expert-parallel degree 64: use "
+                                         r"--expert-parallel 1, 2, 4, 8$"):
+        simulate_step("mpipemoe", gpt_s, 8192, _cluster(8), parts)
+    assert simulate_step("mpipemoe", gpt_s, 8192, _cluster(8), parts, expert_parallel=8).expert_reduction_s > 0
 
 # -- parts ---------------------------------------------------------------------------------------------------
 
