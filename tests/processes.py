@@ -98,3 +98,62 @@ def start_ray_node(log: Path, env: dict, *, head_address: str | None = None, num
                                env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     process.gcs_port = gcs  # type: ignore[attr-defined]  # (the head's GCS: worker nodes join 127.0.0.1:gcs_port)
     return process
+
+
+
+def _children() -> dict[int, list[tuple[int, str]]]:
+    """{parent pid: [(pid, command name)]} of every process now, read from /proc."""
+    tree: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its last ")"
+        comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        tree.setdefault(int(rest[1]), []).append((int(text.split()[0]), comm))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every process below ``pid`` (children, their children, ...)."""
+    tree, found, todo = _children(), [], [pid]
+    while todo:
+        for child, _ in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def child_pid(process: subprocess.Popen, name: str) -> int:
+    """The pid of ``process``'s child whose command name is ``name`` (e.g. the ``raylet`` of a
+    node started by ``ray start --block``); fails naming the children it found."""
+    children = _children().get(process.pid, [])
+    pids = [pid for pid, comm in children if comm == name]
+    assert len(pids) == 1, f"{name!r} among the children of {process.pid}: {children}"
+    return pids[0]
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and everything it started, at once (no grace: for processes whose
+    state nobody keeps, such as a test's Ray nodes); a pid reused since is left alone."""
+    import os
+
+    below = {pid: _started_at(pid) for pid in descendants(process.pid)}
+    process.kill()
+    process.wait()
+    for pid, started_at in below.items():
+        if started_at is not None and _started_at(pid) == started_at:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended just now
+                pass
+
+
+def _started_at(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat), None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])

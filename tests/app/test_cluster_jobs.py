@@ -1,25 +1,24 @@
-"""DRAFT, not collected by pytest (issue 42, unfinished): on this 2-core machine under load a
-worker node's raylet aborted at start ("Timed out waiting for file ...dashboard_agent_listen_port":
-its dashboard agent came up after the raylet's wait), so the fixture never had both worker
-nodes; the assertions below never ran. Rename to test_*.py once the nodes start reliably.
-
-The cluster path on one machine, the local rehearsal of a cluster launch (docs/cluster.md):
+"""The cluster path on one machine, the local rehearsal of a cluster launch (docs/cluster.md):
 a Ray head and two worker nodes started as ``ray start --block`` processes (token
 authentication on, everything on 127.0.0.1, every port their own, a private HOME and temp
 dir), an MLflow tracking server over HTTP, and jobs submitted through Ray's job server as
-``ray job submit`` does; the test stops every process by its pid.
+``ray job submit`` does; the test stops every process it started by its pid.
 
 - ``mpipemoe train`` as a job: one worker on each worker node (none on the head, which has
   too little CPU for one), its run logged to the tracking server, checkpoints on the shared
-  storage path; one worker node removed mid-run (its ``ray start`` stopped) and another one
-  added: Ray Train restarts the worker group from the last checkpoint on the new node, and
+  storage path; then one worker node is lost mid-run (its raylet killed) and another one
+  joins: Ray Train restarts the worker group from the last checkpoint on the new node, and
   the job finishes with the losses of the straight run (2 gloo ranks, no Ray).
-- ``mpipemoe sweep smoke`` as a job: its trials run at once, one on each worker node, and
-  log their runs to the tracking server; Tune's state on the shared storage path.
+- ``mpipemoe sweep smoke`` as a job (two of its trials): both run at once, one on each
+  worker node, and log their runs to the tracking server; Tune's state on the shared path.
 
 Each worker node carries 2 CPUs and a marker resource naming it (``mn_a`` ...), so that
 the state API's node ids can be told apart; nothing asks for the markers. The nodes share
-one IP, so Ray reports ``node_rank=0`` for all.
+one IP, so Ray reports ``node_rank=0`` for all. Where Ray is installed but a node cannot
+start here (the machine, not the install), the tests skip saying why; a missing package
+fails them.
+
+    pytest -m ray tests/app/test_cluster_jobs.py -s   # prints each job's wall time
 """
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ import json
 import os
 import re
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,13 +36,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import free_ports, start_mlflow_server, start_ray_node, stop, wait_http
+from tests.processes import child_pid, free_ports, kill_tree, start_mlflow_server, start_ray_node, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
-N, K = 30, 2     # steps of the training job; a checkpoint every K steps
+N, K = 20, 2     # steps of the training job; a checkpoint every K steps
 WORKER_CPUS = 2  # per worker node; a training worker asks for 1.5, so one fits on each
+NODE_START_S = 60  # a worker node's start, at most (about 10 s on an idle 2-core machine)
 
 
 def _dashboard_missing() -> str | None:
@@ -75,20 +77,39 @@ class LocalCluster:
         dashboard_port, mlflow_port = free_ports(2)
         self.address = f"http://127.0.0.1:{dashboard_port}"
         self.tracking_uri = f"http://127.0.0.1:{mlflow_port}"
-        temp_dir = tempfile.mkdtemp(prefix="rm", dir="/tmp")  # short: socket paths have a length limit
+        self.temp_dir = tempfile.mkdtemp(prefix="rm", dir="/tmp")  # short: socket paths have a length limit
         # 1 CPU: the drivers (and the Tune trials, pinned to the head) fit, no training worker does
-        head = start_ray_node(root / "head.log", self.env, num_cpus=1, temp_dir=temp_dir,
+        head = start_ray_node(root / "head.log", self.env, num_cpus=1, temp_dir=self.temp_dir,
                               resources={"mn_head": 1}, dashboard_port=dashboard_port)
         self.processes["head"] = head
         self.gcs = f"127.0.0.1:{head.gcs_port}"  # type: ignore[attr-defined]
         self.processes["mlflow"] = start_mlflow_server(mlflow_port, root / "server.db", root / "mlflow.log", self.env)
 
     def add_node(self, name: str) -> None:
-        self.processes[name] = start_ray_node(self.root / f"{name}.log", self.env, head_address=self.gcs,
-                                              num_cpus=WORKER_CPUS, resources={f"mn_{name}": 1})
+        """Start worker node ``name`` and wait until the cluster counts it alive; one more try
+        where it is not (seen when two nodes joined at once, and when a raylet gave up waiting for
+        its agents on a busy machine), then a skip naming its log: Ray cannot run here, the
+        product is not at fault."""
+        for attempt in (1, 2):
+            node = start_ray_node(self.root / f"{name}.log", self.env, head_address=self.gcs,
+                                  num_cpus=WORKER_CPUS, resources={f"mn_{name}": 1})
+            self.processes[name] = node
+            if not self.answer(self.client("nodes", f"mn_{name}", str(NODE_START_S)))["missing"] \
+                    and node.poll() is None:
+                return
+            log = (self.root / f"{name}.log").read_text()[-1500:]
+            kill_tree(self.processes.pop(name))
+            print(f"worker node {name} not alive after {NODE_START_S} s (try {attempt} of 2): {log}")
+        pytest.skip(f"Ray could not start worker node {name} on this machine (not alive after {NODE_START_S} s, "
+                    f"twice): {log}")
 
-    def remove_node(self, name: str) -> None:
-        stop(self.processes.pop(name))
+    def lose_node(self, name: str) -> None:
+        """Kill node ``name``'s raylet (SIGKILL, as a machine that dies): its workers end with it,
+        its ``ray start --block`` sees the raylet gone and ends too; what is left is killed."""
+        node = self.processes.pop(name)
+        os.kill(child_pid(node, "raylet"), signal.SIGKILL)
+        node.wait(timeout=60)
+        kill_tree(node)
 
     def client(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "tests.job_client", args[0], self.address, *args[1:]],
@@ -102,13 +123,10 @@ class LocalCluster:
     def submit(self, entrypoint: str, timeout_s: float = 240) -> subprocess.Popen:
         return self.client("submit", entrypoint, json.dumps(self.job_env), str(timeout_s))
 
-    def wait_nodes(self, count: int) -> None:
-        alive = self.answer(self.client("nodes", str(count), "120"))["alive"]
-        assert alive == count, f"{alive} of {count} Ray nodes alive: {self.logs()}"
-
-    def placement(self) -> dict:
-        """{"names": {node_id: name}, "groups": [[node name of each worker] per worker group]}."""
-        seen = self.answer(self.client("placement"))
+    def placement(self, ray_job_id: str) -> dict:
+        """{"names": {node_id: name}, "groups": [[node name of each worker] per worker group]} of
+        the Ray Train workers the job started, as Ray's state API reports them."""
+        seen = self.answer(self.client("placement", ray_job_id))
         names = {node_id: next(k[3:] for k in node["resources"] if k.startswith("mn_"))
                  for node_id, node in seen["nodes"].items()}
         groups: dict[str, list[str]] = {}
@@ -116,14 +134,21 @@ class LocalCluster:
             groups.setdefault(worker["placement_group_id"], []).append(names[worker["node_id"]])
         return {"names": names, "groups": [sorted(g) for g in groups.values()]}
 
+    @staticmethod
+    def said(result: dict) -> str:
+        """What a job's own lines said (mpipemoe's, errors), without Ray's and MLflow's chatter."""
+        lines = result.get("logs", "").splitlines()
+        return "\n".join(line for line in lines if "mpipemoe" in line or "Error" in line or "error" in line)[-4000:]
+
     def logs(self) -> str:
         return "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.root.glob("*.log")))
 
     def shutdown(self) -> None:
+        """Every process the test started, gone: nothing of this cluster is kept, so no grace."""
+        stop(self.processes.pop("mlflow"))
         for name in list(self.processes):
-            if name != "head":
-                stop(self.processes.pop(name))
-        stop(self.processes.pop("head"))
+            kill_tree(self.processes.pop(name))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,20 +157,27 @@ def cluster(tmp_path_factory):
     if missing:
         pytest.fail(missing)  # a missing package is a broken install here, not a reason to skip
     from lm.data import prepare_dataset
-    from tests.processes import wait_http
 
     root = tmp_path_factory.mktemp("mn")
+    started = time.monotonic()
     cluster = LocalCluster(root)
     try:
         prepare_dataset(cluster.shared / "data", max_bytes=2**17)
-        wait_http(f"{cluster.address}/api/version", cluster.processes["head"], root / "head.log")
-        for count, name in enumerate(("a", "b"), start=2):  # one at a time: two joining at once timed out
+        print(f"data: {time.monotonic() - started:.0f} s")
+        try:
+            wait_http(f"{cluster.address}/api/version", cluster.processes["head"], root / "head.log")
+        except AssertionError as error:  # the install is complete (checked above): the machine is at fault
+            pytest.skip(f"Ray could not start a head node on this machine: {error}")
+        print(f"head: {time.monotonic() - started:.0f} s")
+        for name in ("a", "b"):  # one at a time: two joining at once missed the 90 s (twice in a row)
             cluster.add_node(name)
-            cluster.wait_nodes(count)
         wait_http(f"{cluster.tracking_uri}/health", cluster.processes["mlflow"], root / "mlflow.log")
+        print(f"head, worker nodes a and b, MLflow server: {time.monotonic() - started:.0f} s")
         yield cluster
     finally:
+        stopping = time.monotonic()
         cluster.shutdown()
+        print(f"cluster stopped: {time.monotonic() - stopping:.0f} s")
 
 
 def _straight_losses(job) -> list[float]:
@@ -193,20 +225,21 @@ def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
     started = time.monotonic()
     job = cluster.submit(f"{sys.executable} -m app.cli train --address auto --no-gpu --log-every 1 {options} "
                          f"--summary-json {summary_json}")
-    # 1. a node is lost once Ray Train has a checkpoint of the run; another one joins
+    # 1. worker node b dies once Ray Train has a checkpoint of the run; node c joins
     run_dir = storage / "mn-train"
     while _registered_checkpoints(run_dir) == 0:
         assert job.poll() is None and time.monotonic() - started < 180, (job.communicate(), cluster.logs())
         time.sleep(0.2)
-    cluster.remove_node("b")
+    cluster.lose_node("b")
+    lost_at = time.monotonic()
     cluster.add_node("c")
-    cluster.wait_nodes(3)
     result = cluster.answer(job)
-    assert result["status"] == "SUCCEEDED", (result, cluster.logs())
+    print(f"training job: b lost after {lost_at - started:.0f} s, done after {time.monotonic() - started:.0f} s")
+    assert result["status"] == "SUCCEEDED", cluster.said(result) + cluster.logs()
     logs = result["logs"]
 
     # 2. one worker on each worker node; after the loss, on the node left and the new one
-    placement = cluster.placement()
+    placement = cluster.placement(result["ray_job_id"])
     assert sorted(placement["names"].values()) == ["a", "b", "c", "head"]
     assert sorted(placement["groups"]) == [["a", "b"], ["a", "c"]], placement
 
@@ -218,7 +251,9 @@ def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
     assert sorted(p.name for p in run_dir.glob("checkpoint_*"))  # kept on the shared path
     summary = json.loads(summary_json.read_text())
     assert summary["restarts"] == 1 and [m["step"] for m in summary["history"]] == list(range(1, N + 1))
+    straight_started = time.monotonic()
     straight = _straight_losses(TrainJob(**flags))
+    print(f"straight run: {time.monotonic() - straight_started:.0f} s")
     assert [m["loss"] for m in summary["history"]] == pytest.approx(straight, rel=1e-5)
 
     # 4. the run, over HTTP: finished, the restart recorded, steps after the checkpoint ran twice
@@ -229,4 +264,39 @@ def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
     steps = [s for s, _ in metric_history(cluster.tracking_uri, run_id, "loss")]
     assert sorted(set(steps)) == list(range(1, N + 1))
     assert all(steps.count(step) == 1 for step in range(1, resumed_at))  # only steps after it re-ran
-    print(f"training job with a lost node: {time.monotonic() - started:.0f} s")
+    print(f"training job with a lost node, checked: {time.monotonic() - started:.0f} s")
+
+
+def test_submitted_sweep_runs_a_trial_on_each_worker_node(cluster):
+    """``mpipemoe sweep smoke`` (two of its engines) as a job: the resource plan lets two trials
+    run at once (5 CPUs: 1 on the head, 2 on each worker node), each trial's 2 workers fit on
+    one worker node only (1 CPU each; the head keeps less than 1 free), so one trial per node."""
+    from app.run_kinds import run_kind
+    from app.tracking import client
+
+    storage = cluster.shared / "ray_results"
+    started = time.monotonic()
+    result = cluster.answer(cluster.submit(
+        f"{sys.executable} -m app.cli sweep smoke --address auto --set engine=mpipemoe,fastmoe --name mn-sweep "
+        f"--storage-path {storage} --data-dir {cluster.shared / 'data'} --tracking-uri {cluster.tracking_uri}"))
+    print(f"sweep job: {time.monotonic() - started:.0f} s")
+    assert result["status"] == "SUCCEEDED", cluster.said(result) + cluster.logs()
+    logs = result["logs"]
+    assert "up to 2 trial(s) at once, 1.0 CPU per worker" in logs, logs
+    for engine in ("mpipemoe", "fastmoe"):
+        assert re.search(rf"^{engine} .* ok *$", logs, flags=re.M), logs
+
+    # each trial's two workers on one worker node, the two trials on different ones
+    placement = cluster.placement(result["ray_job_id"])
+    groups = placement["groups"]
+    assert len(groups) == 2 and all(len(set(g)) == 1 and len(g) == 2 for g in groups), placement
+    assert groups[0][0] != groups[1][0] and "head" not in groups[0] + groups[1], placement
+
+    # Tune's state on the shared path; the study and its trials' runs over HTTP
+    assert (storage / "mn-sweep").is_dir() and list((storage / "mn-sweep").glob("experiment_state*.json"))
+    mlflow = client(cluster.tracking_uri)
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name("mn-sweep").experiment_id])
+    trials = [r for r in runs if run_kind(r.data.tags) == "train"]
+    assert [run_kind(r.data.tags) for r in runs].count("study") == 1
+    assert sorted(r.data.params["engine"] for r in trials) == ["fastmoe", "mpipemoe"]
+    assert all(r.info.status == "FINISHED" for r in trials)
