@@ -43,10 +43,10 @@ from app.bench_stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_poi
 from app.layer_shapes import DTYPES, LAYER_SHAPES
 from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
 from app.routing_replay import check_routing
-from app.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
-from app.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
+from app.tracking.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
+from app.tracking.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.timeline import trace_name, trace_step
-from app.tracking import RunLogger, resolve_tracking_uri
+from app.tracking.store import RunLogger, resolve_tracking_uri
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import DEFAULT_COMM_SMS, ExpertGroup
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup

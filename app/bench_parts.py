@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from app.layer_shapes import LAYER_SHAPES
-from app.records import RecordMeta
+from app.tracking.records import RecordMeta
 from app.routing_replay import routing_push
 from moe_engine import FasterMoE, MoEConfig
 

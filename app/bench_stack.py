@@ -208,7 +208,7 @@ def progress_line(r: dict, elapsed_s: float) -> str:
 
 def stack_markdown(result: dict) -> str:
     """The Markdown beside a stacked bench's JSON: memory against time, one row per setting."""
-    from app.records import RecordMeta
+    from app.tracking.records import RecordMeta
 
     meta, records = RecordMeta.from_json(result["meta"]), result["records"]
     lines = markdown_head("Stacked MoE layers", meta)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from app.bench_parts import FASTERMOE_GROUP_SIZE, chosen_setting
-from app.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
+from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
 from app.routing_replay import check_routing, routing_push
 from app.timeline import trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
@@ -651,8 +651,8 @@ def log_step_records(result: dict, tracking_uri: str | None, experiment: str, pr
     except ImportError:
         printer("MLflow is not installed here: the step records stay in the JSON.")
         return 0
-    from app.run_kinds import BENCH_STEP, kind_tags
-    from app.tracking import RunLogger, resolve_tracking_uri
+    from app.tracking.run_kinds import BENCH_STEP, kind_tags
+    from app.tracking.store import RunLogger, resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     if uri == "none":

@@ -16,7 +16,7 @@ import json
 import torch
 
 from app.layer_shapes import DTYPES, LAYER_SHAPES
-from app.records import DEFAULT_OUT_DIR
+from app.tracking.records import DEFAULT_OUT_DIR
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup
 from moe_engine.perf_model import ProfileStore, calibrate

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from app.jobs import TrainJob, build_trainer, ensure_data, init_ray
-from app.records import DEFAULT_OUT_DIR, CapacityResult, EngineCapacity, RecordMeta, record_meta
-from app.run_kinds import CAPACITY, kind_tags
-from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
+from app.tracking.records import DEFAULT_OUT_DIR, CapacityResult, EngineCapacity, RecordMeta, record_meta
+from app.tracking.run_kinds import CAPACITY, kind_tags
+from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri
 from lm.model import PRESETS
 from moe_engine.config import ENGINES
 from workers.capacity import capacity_fn_per_worker

@@ -2,8 +2,8 @@
 their MLflow runs, read back, and the Markdown table of each engine's largest batch."""
 from __future__ import annotations
 
-from app.run_kinds import CAPACITY
-from app.tracking import finished_runs_of_kind
+from app.tracking.run_kinds import CAPACITY
+from app.tracking.store import finished_runs_of_kind
 
 
 def load_capacity_runs(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:

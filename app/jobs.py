@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from app.offline import PENDING_FILE, is_remote
-from app.run_kinds import SEGMENTS_TAG, TRAIN, kind_tags, run_segments
-from app.runlock import RunLock
-from app.tracking import (NO_TRACKING, NullRun, RunLogger, check_store, check_store_form, client, find_run,
+from app.tracking.offline import PENDING_FILE, is_remote
+from app.tracking.run_kinds import SEGMENTS_TAG, TRAIN, kind_tags, run_segments
+from app.tracking.runlock import RunLock
+from app.tracking.store import (NO_TRACKING, NullRun, RunLogger, check_store, check_store_form, client, find_run,
                           metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error

@@ -185,8 +185,8 @@ def plot_memory_time(rows: list[MemoryTimeRow], path: Path) -> bool:
 
 def load_memory_time(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:
     """The measured (not emulated) bench runs' params and metrics, one dict per run."""
-    from app.run_kinds import BENCH
-    from app.tracking import finished_runs_of_kind
+    from app.tracking.run_kinds import BENCH
+    from app.tracking.store import finished_runs_of_kind
 
     return [{**run.data.params, **run.data.metrics} for _, run in finished_runs_of_kind(tracking_uri, experiments, BENCH)
             if run.data.tags.get("measured_as") != "emulated"]

@@ -46,9 +46,9 @@ from app.capacity_report import load_capacity_runs, section_capacity
 from app.emulated_report import load_emulated, section_emulated
 from app.step_report import load_steps, section_steps
 from app.memory_time import as_float as _float, as_int as _int, load_memory_time, section_memory_time
-from app.run_kinds import BENCH, TRAIN, run_kind, run_segments
+from app.tracking.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.simulate_report import load_simulations, section_simulations
-from app.tracking import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
+from app.tracking.store import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
 from app.training_report import load_training_curves, section_training
 from lm.errors import invocation, os_error
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from app.routing_replay import extract_routing, save_routing
-from app.tracking import resolve_tracking_uri
+from app.tracking.store import resolve_tracking_uri
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -203,7 +203,7 @@ def extract_routing(tracking_uri: str, run: str, step: int | None = None, experi
                     ) -> RoutingFile:
     """The routing a `mpipemoe train` run logged at ``step`` (None: its last log step), from
     the MLflow store; ``run`` is a run id or a run name (the newest run of that name)."""
-    from app.tracking import client, metric_history
+    from app.tracking.store import client, metric_history
 
     mlflow_client = client(tracking_uri)
     run_id = _find_run(mlflow_client, run, experiment)

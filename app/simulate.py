@@ -24,8 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from app.records import DEFAULT_OUT_DIR, command_line, utc_timestamp
-from app.run_kinds import SIMULATE, kind_tags
+from app.tracking.records import DEFAULT_OUT_DIR, command_line, utc_timestamp
+from app.tracking.run_kinds import SIMULATE, kind_tags
 
 DEFAULT_PARTS = "results/sim-parts-h200.json"
 DEFAULT_PARTITIONS = (1, 2, 4, 8, 16)
@@ -282,7 +282,7 @@ def _sweep_text(points: list, settings: SimulateSettings) -> str:
 def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
     """One MLflow run per (point, engine), tag kind=simulate."""
     try:
-        from app.tracking import NO_TRACKING, RunLogger, resolve_tracking_uri
+        from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri
         import mlflow  # noqa: F401
     except ImportError:
         printer("MLflow is not installed here: results stay in the JSON.")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from app.run_kinds import SIMULATE
-from app.tracking import finished_runs_of_kind
+from app.tracking.run_kinds import SIMULATE
+from app.tracking.store import finished_runs_of_kind
 
 
 def load_simulations(tracking_uri: str, experiments: list[str] | None = None) -> list[dict]:

@@ -6,8 +6,8 @@ one against FasterMoE (flagged where slower), the best setting's step against it
 its exposed share of the All-to-All and its MFU."""
 from __future__ import annotations
 
-from app.run_kinds import BENCH_STEP
-from app.tracking import finished_runs_of_kind
+from app.tracking.run_kinds import BENCH_STEP
+from app.tracking.store import finished_runs_of_kind
 
 POINT = ("network", "emulated_cluster", "model", "layers", "routing", "tokens", "micro_batches")
 

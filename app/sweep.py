@@ -49,8 +49,8 @@ from typing import Any
 
 import tune_spaces
 from app import sweep_rank
-from app.run_kinds import STUDY, TRAIN, kind_tags
-from app.tracking import RunLogger, check_store, find_run, resolve_tracking_uri
+from app.tracking.run_kinds import STUDY, TRAIN, kind_tags
+from app.tracking.store import RunLogger, check_store, find_run, resolve_tracking_uri
 from lm.data import ensure_default_data
 from lm.errors import invocation
 

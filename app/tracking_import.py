@@ -1,5 +1,5 @@
 """``mpipemoe tracking import FILE``: send the metrics a run kept while its MLflow tracking
-server was unreachable (app/offline.py keeps them).
+server was unreachable (app/tracking/offline.py keeps them).
 
     mpipemoe tracking import ray_results/RUN/mlflow_pending.jsonl   # send what a run kept
 """
@@ -9,8 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-from app.offline import PENDING_FILE, reachable, replay_file
-from app.tracking import client
+from app.tracking.offline import PENDING_FILE, reachable, replay_file
+from app.tracking.store import client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from app.jobs import (COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, check_run_name, checkpoint_settings,
                       continue_command, resume_command, run_job)
-from app.records import record_meta
-from app.run_kinds import COMPARE, kind_tags
-from app.tracking import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
+from app.tracking.records import record_meta
+from app.tracking.run_kinds import COMPARE, kind_tags
+from app.tracking.store import NO_TRACKING, NullRun, RunLogger, resolve_tracking_uri
 from lm.data import default_data_dir
 from lm.errors import invocation
 from lm.model import PRESETS

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from app.run_kinds import TRAIN
-from app.tracking import finished_runs_of_kind, metric_history
+from app.tracking.run_kinds import TRAIN
+from app.tracking.store import finished_runs_of_kind, metric_history
 
 VAL = "val_loss"
 IMBALANCE = "moe_load/imbalance_max"

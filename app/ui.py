@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from app.tracking import TRAINING_VIEW, resolve_tracking_uri
+from app.tracking.store import TRAINING_VIEW, resolve_tracking_uri
 
 LOCAL_HOST = "127.0.0.1"
 

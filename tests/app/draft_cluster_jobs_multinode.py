@@ -181,7 +181,7 @@ def _registered_checkpoints(run_dir: Path) -> int:
 
 def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
     from app.jobs import TrainJob
-    from app.tracking import client, find_run, metric_history
+    from app.tracking.store import client, find_run, metric_history
 
     storage = cluster.shared / "ray_results"
     summary_json = cluster.root / "train-summary.json"

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.tracking import RunLogger, client, metric_history
+from app.tracking.store import RunLogger, client, metric_history
 from lm.data import MANIFEST, prepare_dataset
 
 pytestmark = pytest.mark.faults

@@ -26,7 +26,7 @@ import pytest
 from app import cli
 from app.jobs import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
 from app.report import load_records, write_report
-from app.tracking import RunLogger, client
+from app.tracking.store import RunLogger, client
 from app.train import steps_done
 from lm.data import MANIFEST, prepare_dataset
 from tests.app.test_faults import REPO, _cli, _listing, _read_only_view
@@ -162,7 +162,7 @@ def test_plain_path_and_file_tracking_uris_name_sqlite(data, tmp_path, capsys, g
 
 _CREATE = """
 import sys, time
-from app.tracking import RunLogger, check_store
+from app.tracking.store import RunLogger, check_store
 uri, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # both processes, mlflow imported, begin together
 check_store(uri)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.records import BenchPoint, BenchResult, CapacityResult, RecordMeta, command_line, record_meta
+from app.tracking.records import BenchPoint, BenchResult, CapacityResult, RecordMeta, command_line, record_meta
 
 
 def test_command_line_reads_as_the_user_typed_it(monkeypatch):
@@ -62,7 +62,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
     from pathlib import Path
 
     from app import bench, calibrate, capacity, report, simulate
-    from app.records import DEFAULT_OUT_DIR
+    from app.tracking.records import DEFAULT_OUT_DIR
 
     defaults = {}
     for module in (bench, calibrate, capacity, report, simulate):
@@ -133,7 +133,7 @@ def test_git_commit_is_the_code_that_ran_even_in_a_copy_without_git(tmp_path, mo
     import shutil
     import subprocess
 
-    from app.records import COMMIT_STAMP, git_commit, source_commit, write_commit_stamp
+    from app.tracking.records import COMMIT_STAMP, git_commit, source_commit, write_commit_stamp
 
     checkout = tmp_path / "checkout"
     (checkout / "app").mkdir(parents=True)
@@ -162,7 +162,7 @@ def test_git_commit_is_the_code_that_ran_even_in_a_copy_without_git(tmp_path, mo
 
 
 def test_the_commit_stamp_is_ignored_by_git_and_written_by_the_tool():
-    from app.records import CHECKOUT, COMMIT_STAMP
+    from app.tracking.records import CHECKOUT, COMMIT_STAMP
 
     import subprocess
     assert subprocess.run(["git", "-C", str(CHECKOUT), "check-ignore", "-q", COMMIT_STAMP]).returncode == 0

@@ -12,7 +12,7 @@ pytest.importorskip("mlflow")
 pytest.importorskip("matplotlib")
 
 from app import report  # noqa: E402
-from app.tracking import RunLogger  # noqa: E402
+from app.tracking.store import RunLogger  # noqa: E402
 
 MIB = 2 ** 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

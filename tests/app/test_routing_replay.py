@@ -59,8 +59,8 @@ def test_the_pushes_route_the_tokens_as_the_file_says(tmp_path):
 
 
 def test_routing_extracts_a_runs_logged_loads_from_mlflow(tmp_path, capsys):
-    from app.run_kinds import TRAIN, kind_tags
-    from app.tracking import RunLogger
+    from app.tracking.run_kinds import TRAIN, kind_tags
+    from app.tracking.store import RunLogger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run = RunLogger.start(uri, "mpipemoe", run_name="gpt-s-run", tags=kind_tags(TRAIN))

@@ -17,7 +17,7 @@ import pytest
 
 import tune_spaces
 from app import sweep
-from app.run_kinds import run_kind
+from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -275,7 +275,7 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
     then `mpipemoe report`."""
     from app import report
-    from app.tracking import client
+    from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
     sweep.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
@@ -349,7 +349,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     assert starts.count("fastmoe") == 2 and starts.count("fastermoe") == 1
     assert sweep.count_trials(second) == (0, 3)
 
-    from app.tracking import client  # one parent run, reopened by the resume and closed again
+    from app.tracking.store import client  # one parent run, reopened by the resume and closed again
 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
@@ -580,7 +580,7 @@ def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_lo
         "fastermoe", "fastmoe", "mpipemoe"]
     assert _most_at_once(log) == 1
 
-    from app.tracking import client
+    from app.tracking.store import client
 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
@@ -592,7 +592,7 @@ def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, ca
     """`mpipemoe sweep granularity` from the command line alone on CPU, every setting refused
     before any Train job starts (more partitions than a micro-batch's tokens): each is a
     FAILED MLflow run with the study's tags, outcome and reason, and the ranking lists it."""
-    from app.tracking import client
+    from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
     sweep.add_arguments(parser)
@@ -653,7 +653,7 @@ def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local,
     MLflow run ends KILLED with ``pruned_at_step``."""
     import ray.tune
 
-    from app.tracking import client, metric_history
+    from app.tracking.store import client, metric_history
 
     seen = []
 

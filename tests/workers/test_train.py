@@ -198,7 +198,7 @@ def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
 
 
 def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
-    from app.tracking import NullRun
+    from app.tracking.store import NullRun
     from app.jobs import _MetricsPump
 
     lines = []

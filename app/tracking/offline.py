@@ -1,7 +1,7 @@
 """Metrics kept in a local file while the MLflow tracking server is unreachable.
 
 On a cluster, drivers log to the head's tracking server over HTTP. If it stops answering
-mid-run, training goes on: ``RunLogger`` (app/tracking.py) appends the metrics, tags and
+mid-run, training goes on: ``RunLogger`` (app/tracking/store.py) appends the metrics, tags and
 final status it could not send to ``<run dir>/mlflow_pending.jsonl``, says so once, and
 sends them (in order, then renames the file ``*.sent``) as soon as the server answers
 again; if the run ends first, ``mpipemoe tracking import FILE`` (app/tracking_import.py)

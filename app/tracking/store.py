@@ -27,9 +27,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from app.offline import MetricSpool, reachable
-from app.records import CHECKOUT, source_commit
-from app.run_kinds import kind_filters
+from app.tracking.offline import MetricSpool, reachable
+from app.tracking.records import CHECKOUT, source_commit
+from app.tracking.run_kinds import kind_filters
 from lm.errors import invocation
 
 PARENT_TAG = "mlflow.parentRunId"
@@ -201,7 +201,7 @@ def flatten(values: dict, prefix: str = "") -> dict:
 def git_tags(root: str | Path = CHECKOUT) -> dict[str, str]:
     """The commit the code runs from and whether the checkout has uncommitted changes to
     tracked files, as run tags: ``mlflow.source.git.commit`` (the UI shows it), ``git_commit``
-    and ``git_dirty`` ("true"/"false"). From `app.records.source_commit`: the git checkout at
+    and ``git_dirty`` ("true"/"false"). From `app.tracking.records.source_commit`: the git checkout at
     ``root`` (an installed copy inside some other repository counts as none), else the commit
     stamped beside a copy; empty when neither says."""
     found = source_commit(root)
@@ -237,12 +237,12 @@ class RunLogger:
         self.run_id = run_id
         self.client = client(tracking_uri)
         self._pending = []
-        self.spool = None  # a MetricSpool (app/offline.py) once keep_offline() is called
+        self.spool = None  # a MetricSpool (app/tracking/offline.py) once keep_offline() is called
         self.monitor = None  # a started SystemMetricsMonitor (system_metrics=True), stopped by finish()
 
     def keep_offline(self, path: str | Path, echo=None, retry_every_s: float = 30.0) -> None:
         """If the (HTTP) tracking server stops answering, keep metrics, tags and the final
-        status in ``path`` and send them once it is back, instead of failing (app/offline.py)."""
+        status in ``path`` and send them once it is back, instead of failing (app/tracking/offline.py)."""
         self.spool = MetricSpool(path, self.run_id, self.tracking_uri, echo, retry_every_s)
 
     def _down(self) -> bool:
@@ -407,7 +407,7 @@ def finished_runs(tracking_uri: str, experiments: list[str] | None = None, where
 
 
 def finished_runs_of_kind(tracking_uri: str, experiments: list[str] | None, kind: str, where: str = ""):
-    """``finished_runs`` of the runs tagged ``kind`` (app/run_kinds.py), under the tag or
+    """``finished_runs`` of the runs tagged ``kind`` (app/tracking/run_kinds.py), under the tag or
     the old one, each run once."""
     seen = set()
     for kind_filter in kind_filters(kind):

@@ -42,7 +42,7 @@ def hardware_name(use_gpu: bool) -> str:
 
 # The folder of the code that runs (app/..): a git checkout, or a copy of one (the GPU machine
 # gets the working tree without .git), or an installed copy.
-CHECKOUT = Path(__file__).resolve().parent.parent
+CHECKOUT = Path(__file__).resolve().parents[2]  # app/tracking/records.py -> the checkout
 # Beside a copy without .git: the commit it was copied from, written before the copy is made
 # (tools/stamp-commit.sh; ignored by git). "<40 hex digits>" or "<40 hex digits>+dirty".
 COMMIT_STAMP = ".git-commit"

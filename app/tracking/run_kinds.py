@@ -32,7 +32,7 @@ def run_kind(tags: dict) -> str | None:
 
 def kind_filters(kind: str) -> tuple[str, str]:
     """MLflow filters for runs of ``kind`` under the tag and under the old one (MLflow
-    filters have no OR, so a reader runs both: ``app.tracking.finished_runs_of_kind``)."""
+    filters have no OR, so a reader runs both: ``app.tracking.store.finished_runs_of_kind``)."""
     return f"tags.`{KIND_TAG}` = '{kind}'", f"tags.{OLD_KIND_TAG} = '{kind}'"
 
 
