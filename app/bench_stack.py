@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
                              point_config)
-from app.memory_time import CKPT, memory_time_table, reference_setting
+from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup

@@ -8,7 +8,7 @@ whose workers cap their GPU memory and search the batch size with real training 
 tokens/s and peak memory, and the ratios to the first engine; writes a JSON record (with
 the command, the hardware and the date) and, unless ``--tracking-uri none``, one MLflow
 run per engine. On CPU there is no memory cap: the search stops at ``--max-batch``.
-`mpipemoe report`'s section on these runs is app/capacity_report.py.
+`mpipemoe report`'s section on these runs is app/reports/capacity.py.
 
 Ray (the ``ray`` extra) is imported where the search starts, as in app/jobs.py.
 """

@@ -12,7 +12,7 @@ from the parts measured on one GPU (--parts); the network from a profile (--netw
 dgx-a100, dgx-h200, or a JSON file of measured figures; moe_sim/network.py lists the
 datasheet defaults). Results print as a table, go to a JSON file (--out) and to MLflow
 (tag kind=simulate; --tracking-uri none to skip); `mpipemoe report` plots them
-(app/simulate_report.py).
+(app/reports/simulate.py).
 See docs/simulate.md.
 """
 from __future__ import annotations

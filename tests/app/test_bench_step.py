@@ -141,7 +141,7 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
 
 
 def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe():
-    from app.step_report import section_steps, step_summaries
+    from app.reports.step import section_steps, step_summaries
 
     point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
              "tokens": 32768.0, "micro_batches": 2.0}

@@ -548,7 +548,7 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
     assert data.params["strategy"] == "S1" and data.params["segment.2.strategy"] == "S2"
     assert [(s["from_step"], s["strategy"]) for s in json.loads(data.tags["mpipemoe.segments"])] == \
         [(1, "S1"), (r["newest"] + 1, "S2")]
-    from app.report import load_records
+    from app.reports.report import load_records
 
     (record,) = [rec for rec in load_records(env["uri"], ["faults"]) if rec.run_id == run.info.run_id]
     assert record.strategy == "S2" and f"from step {r['newest'] + 1}: strategy S2" in record.segments

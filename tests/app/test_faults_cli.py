@@ -25,7 +25,7 @@ import pytest
 
 from app import cli
 from app.jobs import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
-from app.report import load_records, write_report
+from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client
 from app.train import steps_done
 from lm.data import MANIFEST, prepare_dataset
@@ -374,7 +374,7 @@ def test_sigterm_asks_the_workers_to_stop_as_ctrl_c_does():
 def test_sigterm_ends_a_command_with_its_own_status_and_line(monkeypatch, capsys):
     import signal
 
-    from app import report
+    from app.reports import report
     from app.jobs import TrainingInterrupted
 
     def stopped(args):

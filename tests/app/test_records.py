@@ -61,7 +61,8 @@ def test_generated_records_default_to_the_ignored_out_folder():
     import argparse
     from pathlib import Path
 
-    from app import bench, calibrate, capacity, report, simulate
+    from app import bench, calibrate, capacity, simulate
+    from app.reports import report
     from app.tracking.records import DEFAULT_OUT_DIR
 
     defaults = {}
@@ -71,7 +72,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
         args = parser.parse_args([])
         defaults[module.__name__] = getattr(args, "out", None) or getattr(args, "profiles", None)
     assert defaults["app.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
-    assert defaults["app.report"].startswith(f"{DEFAULT_OUT_DIR}/")
+    assert defaults["app.reports.report"].startswith(f"{DEFAULT_OUT_DIR}/")
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert f"/{DEFAULT_OUT_DIR}/" in ignored

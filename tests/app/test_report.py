@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("matplotlib")
 
-from app import report  # noqa: E402
+from app.reports import report  # noqa: E402
 from app.tracking.store import RunLogger  # noqa: E402
 
 MIB = 2 ** 20
@@ -141,7 +141,7 @@ def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, m
     """Emulated bench runs (tag measured_as=emulated) are not measurements: sections 1-4
     ignore them; section 7 shows speedup, overlap efficiency, best n and memory vs time."""
     from app.bench import log_to_mlflow
-    from app.emulated_report import load_emulated
+    from app.reports.emulated import load_emulated
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -184,7 +184,7 @@ def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, mo
     time stacks, not single layers: only section 9, memory against time, shows them,
     relative to the peer without checkpointing; single-layer runs with peak memory too."""
     from app.bench import log_to_mlflow
-    from app.memory_time import load_memory_time
+    from app.reports.memory_time import load_memory_time
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -274,7 +274,7 @@ def sweep_dirs(tmp_path, monkeypatch):
 def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
     then `mpipemoe report`."""
-    from app import report
+    from app.reports import report
     from app.tracking.store import client
 
     parser = argparse.ArgumentParser()

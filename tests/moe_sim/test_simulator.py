@@ -19,7 +19,7 @@ import torch
 
 from app import cli
 from app.simulate import SimulateSettings, validate
-from app.simulate_report import section_simulations
+from app.reports.simulate import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
                                 hierarchical_all_to_all_s, hot_expert_load, load_network, rank_load, routing_load,

@@ -14,14 +14,14 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 3. the best number of partitions n against tokens, with every violation of the
    assumed monotonicity (best n non-decreasing in tokens) marked;
 4. predicted against measured peak memory;
-5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/simulate_report.py).
-6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/capacity_report.py).
+5. simulated clusters (``mpipemoe simulate`` runs, tag ``kind=simulate``; app/reports/simulate.py).
+6. the largest batch under a memory cap (``mpipemoe capacity`` runs; app/reports/capacity.py).
 7. emulated clusters (``mpipemoe bench --emulate`` runs, tag ``measured_as=emulated``;
-   app/emulated_report.py), and 7b their training steps (``mpipemoe bench --step``;
-   app/step_report.py). Emulated runs never enter sections 1–4.
-8. training runs' validation loss and per-expert load over steps (app/training_report.py).
+   app/reports/emulated.py), and 7b their training steps (``mpipemoe bench --step``;
+   app/reports/step.py). Emulated runs never enter sections 1–4.
+8. training runs' validation loss and per-expert load over steps (app/reports/training.py).
 9. memory against time: every setting of a bench point, time and memory relative to the
-   peer (torchtitan) or FastMoE (app/memory_time.py); stacks of layers (``mpipemoe bench
+   peer (torchtitan) or FastMoE (app/reports/memory_time.py); stacks of layers (``mpipemoe bench
    --layers L``) appear only here, single layers where peak memory was measured.
 
 Runs of the two kinds are never compared with each other. Time is the layer's
@@ -42,14 +42,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.capacity_report import load_capacity_runs, section_capacity
-from app.emulated_report import load_emulated, section_emulated
-from app.step_report import load_steps, section_steps
-from app.memory_time import as_float as _float, as_int as _int, load_memory_time, section_memory_time
+from app.reports.capacity import load_capacity_runs, section_capacity
+from app.reports.emulated import load_emulated, section_emulated
+from app.reports.step import load_steps, section_steps
+from app.reports.memory_time import as_float as _float, as_int as _int, load_memory_time, section_memory_time
 from app.tracking.run_kinds import BENCH, TRAIN, run_kind, run_segments
-from app.simulate_report import load_simulations, section_simulations
+from app.reports.simulate import load_simulations, section_simulations
 from app.tracking.store import check_store, client, finished_runs, resolve_tracking_uri, unfinished_runs
-from app.training_report import load_training_curves, section_training
+from app.reports.training import load_training_curves, section_training
 from lm.errors import invocation, os_error
 
 ENGINE = "mpipemoe"
@@ -559,13 +559,13 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
                  emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None,
                  memory_time: list[dict] | None = None, steps: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
-    ``simulations``: rows of ``app.simulate_report.load_simulations`` (section 5 when there are any);
-    ``capacities``: rows of ``app.capacity_report.load_capacity_runs`` (section 6 when there are any);
-    ``emulated``: (summaries, records) of ``app.emulated_report.load_emulated`` (section 7
-    when there are any); ``training``: rows of ``app.training_report.load_training_curves``
-    (section 8 when there are any); ``memory_time``: rows of ``app.memory_time.load_memory_time``
+    ``simulations``: rows of ``app.reports.simulate.load_simulations`` (section 5 when there are any);
+    ``capacities``: rows of ``app.reports.capacity.load_capacity_runs`` (section 6 when there are any);
+    ``emulated``: (summaries, records) of ``app.reports.emulated.load_emulated`` (section 7
+    when there are any); ``training``: rows of ``app.reports.training.load_training_curves``
+    (section 8 when there are any); ``memory_time``: rows of ``app.reports.memory_time.load_memory_time``
     (section 9 when a stack, or a layer with peak memory, was measured); ``steps``: rows of
-    ``app.step_report.load_steps`` (7b, the training steps of ``bench --step``, when there are any)."""
+    ``app.reports.step.load_steps`` (7b, the training steps of ``bench --step``, when there are any)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger

@@ -4,7 +4,7 @@ The simulate command logs one MLflow run per engine and point (tag ``kind=simula
 here they are read back, and each engine's simulated layer time, and MPipeMoE's speedup
 and memory against FasterMoE, are drawn and tabled as the cluster grows.
 
-matplotlib is imported where a figure is drawn, as in app/report.py.
+matplotlib is imported where a figure is drawn, as in app/reports/report.py.
 """
 from __future__ import annotations
 

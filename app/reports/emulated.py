@@ -9,7 +9,7 @@ measurements; here, per network:
 - the best n of the grid and the online search's n against tokens;
 - memory against time for every n × strategy of the grid, both relative to FastMoE.
 
-matplotlib is imported where a figure is drawn, as in app/report.py.
+matplotlib is imported where a figure is drawn, as in app/reports/report.py.
 """
 from __future__ import annotations
 
