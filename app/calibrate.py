@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from app.layer_shapes import DTYPES, LAYER_SHAPES
+from app.bench.shapes import DTYPES, LAYER_SHAPES
 from app.tracking.records import DEFAULT_OUT_DIR
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup

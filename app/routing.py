@@ -1,5 +1,5 @@
 """``mpipemoe routing``: the per-expert loads a training run logged, as a routing file the
-benchmarks replay (``mpipemoe bench --routing replay:FILE``; app/routing_replay.py).
+benchmarks replay (``mpipemoe bench --routing replay:FILE``; app/bench/routing_replay.py).
 
     mpipemoe routing --run NAME --step 50 --out out/routing-NAME-50.json
     mpipemoe routing --run NAME --out out/routing-NAME-last.json     # its last log step
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.routing_replay import extract_routing, save_routing
+from app.bench.routing_replay import extract_routing, save_routing
 from app.tracking.store import resolve_tracking_uri
 
 

@@ -2,7 +2,7 @@
 time and its memory, both also relative to a reference setting (issue 27).
 
 Used by the Markdown beside a stacked bench's JSON (`mpipemoe bench --layers L`,
-app/bench_stack.py) and by section 9 of `mpipemoe report` (bench runs in MLflow, stacked or
+app/bench/stack.py) and by section 9 of `mpipemoe report` (bench runs in MLflow, stacked or
 not). A record is a bench record as JSON or as an MLflow run's params and metrics (strings
 and floats): a stacked one names its ``setting`` and has ``activation_bytes``; an ordinary
 one has ``engine``, ``chosen_by``, ``partitions``, ``strategy`` and ``peak_memory_bytes``

@@ -1,4 +1,4 @@
-"""Section 5 of ``mpipemoe report``: simulated clusters (``mpipemoe simulate``, app/simulate.py).
+"""Section 5 of ``mpipemoe report``: simulated clusters (``mpipemoe simulate``, app/bench/simulate.py).
 
 The simulate command logs one MLflow run per engine and point (tag ``kind=simulate``);
 here they are read back, and each engine's simulated layer time, and MPipeMoE's speedup

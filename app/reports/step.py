@@ -1,5 +1,5 @@
 """Section 7's training steps in ``mpipemoe report``: the step records of ``mpipemoe bench
---step`` (tag ``mpipemoe.kind=bench-step``; app/bench_step.py, docs/emulation.md "The training
+--step`` (tag ``mpipemoe.kind=bench-step``; app/bench/step.py, docs/emulation.md "The training
 step"), one row per (network, cluster, model, layers, routing, tokens, micro-batches):
 the engines' step times, the best MPipeMoE setting against both baselines, the automatic
 one against FasterMoE (flagged where slower), the best setting's step against its bound,

@@ -180,7 +180,7 @@ class RecordMeta(_FieldsAndExtra):
 
 @dataclass
 class BenchPoint(_FieldsAndExtra):
-    """One engine at one model, token count and routing (app/bench.py `bench_point`): the keys
+    """One engine at one model, token count and routing (app/bench/layer.py `bench_point`): the keys
     every committed point has; the rest (routing, stage times, probes, emulation ...) in ``extra``."""
     engine: str
     model: str

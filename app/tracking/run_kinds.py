@@ -13,10 +13,10 @@ OLD_KIND_TAG = "kind"
 TRAIN = "train"                  # mpipemoe train, and each sweep trial (app/jobs.py)
 COMPARE = "compare"              # the parent of mpipemoe train --engines (app/train.py)
 CAPACITY = "capacity"            # one engine's batch-size search (app/capacity.py)
-BENCH = "bench"                  # one measured layer configuration (app/bench.py)
-BENCH_SUMMARY = "bench-summary"  # one model and token count of a bench, over engines (app/bench.py)
-BENCH_STEP = "bench-step"        # one engine's training step on an emulated cluster (app/bench_step.py)
-SIMULATE = "simulate"            # one simulated configuration (app/simulate.py)
+BENCH = "bench"                  # one measured layer configuration (app/bench/layer.py)
+BENCH_SUMMARY = "bench-summary"  # one model and token count of a bench, over engines (app/bench/layer.py)
+BENCH_STEP = "bench-step"        # one engine's training step on an emulated cluster (app/bench/step.py)
+SIMULATE = "simulate"            # one simulated configuration (app/bench/simulate.py)
 STUDY = "study"                  # the parent run of a sweep (app/sweep.py)
 
 

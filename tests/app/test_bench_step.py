@@ -1,4 +1,4 @@
-"""Tier 1: ``mpipemoe bench --step`` (app/bench_step.py) on CPU: the bound and its check with
+"""Tier 1: ``mpipemoe bench --step`` (app/bench/step.py) on CPU: the bound and its check with
 controlled numbers, the modelled data-parallel reduction against DDP's buckets and the
 network model, the parameters shared by the engines' models, and every field of a real
 tiny run's records with the bound's terms consistent with the modelled collectives."""
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app.bench_step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
+from app.bench.step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
                             build_variants, check_bounds, step_bound_ms)
 from app.cli import main
 from lm.model import param_counts
@@ -166,7 +166,7 @@ def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe()
 
 
 def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
-    import app.bench_step as bench_step
+    import app.bench.step as bench_step
 
     def one_then_stop(settings, device, log):
         log({"model": "tiny-gpt", "routing": "uniform", "tokens": 128, "micro_batches": 1, "engine": "fastmoe",
@@ -189,7 +189,7 @@ def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
     model (FastMoE on the emulated group) from the same weights."""
     import copy
 
-    from app.bench_step import GRAD_CLIP, LR, StepParts, step_batches, training_step
+    from app.bench.step import GRAD_CLIP, LR, StepParts, step_batches, training_step
     from lm.model import lm_loss
     from workers.distributed import DenseParallel
     from workers.loop import build_optimizer

@@ -61,7 +61,9 @@ def test_generated_records_default_to_the_ignored_out_folder():
     import argparse
     from pathlib import Path
 
-    from app import bench, calibrate, capacity, simulate
+    from app import calibrate, capacity
+    from app.bench import layer as bench
+    from app.bench import simulate
     from app.reports import report
     from app.tracking.records import DEFAULT_OUT_DIR
 
@@ -122,7 +124,7 @@ def test_unknown_top_level_keys_are_refused():
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("**/bench-*.json")), ids=lambda p: p.name)
 def test_bench_markdown_is_the_same_from_the_typed_result(path):
-    from app.bench import markdown_table  # torch: only this test needs it
+    from app.bench.layer import markdown_table  # torch: only this test needs it
 
     data = json.loads(path.read_text())
     assert markdown_table(BenchResult.from_json(data)) == markdown_table(data)  # early files too

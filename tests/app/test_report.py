@@ -140,7 +140,7 @@ def test_empty_store_says_no_data(tmp_path, monkeypatch):
 def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, monkeypatch):
     """Emulated bench runs (tag measured_as=emulated) are not measurements: sections 1-4
     ignore them; section 7 shows speedup, overlap efficiency, best n and memory vs time."""
-    from app.bench import log_to_mlflow
+    from app.bench.layer import log_to_mlflow
     from app.reports.emulated import load_emulated
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -183,7 +183,7 @@ def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, mo
     """`mpipemoe bench --layers L` records (logged to MLflow as bench runs with `layers`)
     time stacks, not single layers: only section 9, memory against time, shows them,
     relative to the peer without checkpointing; single-layer runs with peak memory too."""
-    from app.bench import log_to_mlflow
+    from app.bench.layer import log_to_mlflow
     from app.reports.memory_time import load_memory_time
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")

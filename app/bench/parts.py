@@ -1,4 +1,4 @@
-"""Pieces of `mpipemoe bench` that its stacked mode (app/bench_stack.py) shares: a point's
+"""Pieces of `mpipemoe bench` that its stacked mode (app/bench/stack.py) shares: a point's
 layer configuration and inputs, the n/strategy a layer ran, the peak-memory measurement,
 and the Markdown head. (No app module imports a command module: tests/test_layers.py.)"""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from app.layer_shapes import LAYER_SHAPES
+from app.bench.shapes import LAYER_SHAPES
 from app.tracking.records import RecordMeta
-from app.routing_replay import routing_push
+from app.bench.routing_replay import routing_push
 from moe_engine import FasterMoE, MoEConfig
 
 FASTERMOE_GROUP_SIZE = 4  # FasterMoE's peers per exchange step (layers.FasterMoE's default, FasterMoE's own)
@@ -30,7 +30,7 @@ def peak_memory_bytes(step, device) -> int | None:
 def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str, top_k: int = 2) -> torch.Tensor:
     """This rank's tokens; ``skewed`` pushes the first half of them towards expert 0,
     ``replay:FILE`` each towards top-k experts drawn from the file's most imbalanced layer
-    (app/routing_replay.py)."""
+    (app/bench/routing_replay.py)."""
     x = torch.randn(tokens, router_weight.shape[1], device=router_weight.device, dtype=router_weight.dtype)
     if routing == "skewed":
         hot = router_weight[0].float()

@@ -474,7 +474,7 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
 
 
 def _step_row(source: str, r: dict, cluster, parts) -> dict:
-    """A step record (app/bench_step.py) against `simulator.simulate_step` for its model,
+    """A step record (app/bench/step.py) against `simulator.simulate_step` for its model,
     tokens, micro-batches and setting, the reduction overlapped with the last backward as
     the bench models it. Step rows carry what layer rows do (no host probe, no dilation)."""
     from moe_sim.simulator import ModelShape, simulate_step

@@ -5,7 +5,7 @@ setting by setting (issue 27).
     mpipemoe bench --model gpt-xl --tokens 32768 --layers 8 --activation swiglu --no-bias \\
         --peers torchtitan --partitions 1,2,4,8 --strategies none,S3,S4           # one GPU
 
-The settings are the bench's own (app/bench.py: FastMoE, FasterMoE, MPipeMoE auto/auto and
+The settings are the bench's own (app/bench/layer.py: FastMoE, FasterMoE, MPipeMoE auto/auto and
 the --partitions × --strategies grid) and the --peers (torchtitan), each run with and/or
 without torch.utils.checkpoint (non-reentrant) around every layer (--checkpointing), and
 ``auto@budget``: MPipeMoE auto/auto under MemoryBudget(budget, layers=L) (each layer's saved
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
+from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
                              point_config)
 from app.reports.memory_time import CKPT, memory_time_table, reference_setting
-from app.peers import build_peer
+from app.bench.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
 from moe_engine.granularity import GranularitySearch

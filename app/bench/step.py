@@ -42,10 +42,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from app.bench_parts import FASTERMOE_GROUP_SIZE, chosen_setting
+from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting
 from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
-from app.routing_replay import check_routing, routing_push
-from app.timeline import trace_step
+from app.bench.routing_replay import check_routing, routing_push
+from app.bench.timeline import trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import device_name
@@ -344,7 +344,7 @@ def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedE
 
 
 class RoutingPushes:
-    """Per MoE layer, the push towards the routing asked for (app/routing_replay.py), added to
+    """Per MoE layer, the push towards the routing asked for (app/bench/routing_replay.py), added to
     the layer's input by a forward pre-hook on every model; set per point."""
 
     def __init__(self, variants: list[Variant]):

@@ -12,7 +12,7 @@ For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeM
 with partitions="auto" and strategy="auto" (after its online search settles), an
 exhaustive grid of MPipeMoE over partitions × strategies, the dense-GEMM floor of the
 same routed work and, with --peers, other libraries' layers on the same inputs and
-weights (app/peers.py). All of a point's layers are
+weights (app/bench/peers.py). All of a point's layers are
 timed together in interleaved rounds (`--rounds`, each a warm-up and `--repeats` timed
 steps of every layer in turn) and each one's time is the median over rounds, so a
 slow spell of the machine falls on every engine alike. It measures peak memory
@@ -36,16 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.bench_parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
+from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
                              point_config)
-from app.bench_step import StepSettings, run_and_write
-from app.bench_stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
-from app.layer_shapes import DTYPES, LAYER_SHAPES
-from app.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
-from app.routing_replay import check_routing
+from app.bench.step import StepSettings, run_and_write
+from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
+from app.bench.shapes import DTYPES, LAYER_SHAPES
+from app.bench.peers import PEERS, build_peer, check_peers, dense_floor_step, peer_summary, peer_table, require_peers
+from app.bench.routing_replay import check_routing
 from app.tracking.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.tracking.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
-from app.timeline import trace_name, trace_step
+from app.bench.timeline import trace_name, trace_step
 from app.tracking.store import RunLogger, resolve_tracking_uri
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import DEFAULT_COMM_SMS, ExpertGroup
@@ -59,7 +59,7 @@ from moe_engine.timing import Stopwatch, synchronize, time_fn, time_interleaved
 
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
 # skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
-# replay:FILE: the loads a training run logged (`mpipemoe routing`; app/routing_replay.py).
+# replay:FILE: the loads a training run logged (`mpipemoe routing`; app/bench/routing_replay.py).
 ROUTINGS = ("uniform", "skewed", "replay:FILE")
 
 
@@ -80,13 +80,13 @@ class BenchSettings:
     world_size: int = 1
     routings: tuple = ("uniform",)
     bias: bool = True       # expert FFN biases b1, b2 (MoEConfig.bias); --no-bias drops them
-    peers: tuple = ()       # other libraries' layers timed beside ours (app/peers.py)
+    peers: tuple = ()       # other libraries' layers timed beside ours (app/bench/peers.py)
     emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_sim/emulation.py)
     network: str = "dgx-a100"   # the emulated cluster's network (moe_sim/network.py presets, or a JSON file)
     transfer_ctas: int = 1      # thread blocks each emulated transfer holds (EmulatedCluster.transfer_ctas)
     comm_sms: int | None = None  # SMs the emulated cluster's GEMMs leave to communication (default: NCCL's 16)
-    trace: str | None = None    # a folder: one torch.profiler timeline per engine and setting (app/timeline.py)
-    layers: int = 1             # > 1: time stacks of residual layers, setting by setting (app/bench_stack.py)
+    trace: str | None = None    # a folder: one torch.profiler timeline per engine and setting (app/bench/timeline.py)
+    layers: int = 1             # > 1: time stacks of residual layers, setting by setting (app/bench/stack.py)
     checkpointing: str | None = None  # stacks: off, on or both (default both)
     memory_budget_share: float | None = None  # stacks: auto@budget's budget, a share of the reference's memory
     memory_budget_gib: float | None = None    # ... or in GiB
@@ -216,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(emulated points carry the account without it)")
     parser.add_argument("--layers", type=int, default=None,
                         help="time stacks of L residual layers, h = h + layer(h), setting by setting, with memory "
-                             "against time (app/bench_stack.py; default 1: single layers in interleaved rounds)")
+                             "against time (app/bench/stack.py; default 1: single layers in interleaved rounds)")
     parser.add_argument("--checkpointing", default=None, choices=CHECKPOINTING,
                         help="with --layers: each setting without (off), with (on) or both (the default) "
                              "torch.utils.checkpoint around each layer")
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", action="store_true",
                         help="time the whole training step of --model (an lm preset: gpt-s, gpt-xl, bert-l, "
                              "tiny-gpt, ...; --layers of them) on one device as rank 0 of --emulate "
-                             "(app/bench_step.py; docs/emulation.md, \"The training step\")")
+                             "(app/bench/step.py; docs/emulation.md, \"The training step\")")
     parser.add_argument("--micro-batches", default="1",
                         help="with --step: comma list of micro-batches per step (--tokens is per GPU per step)")
     parser.add_argument("--schedule", default="sequential",
@@ -429,7 +429,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
         measured_rows.append(getattr(layer, "last_rows", None))
         layers.append(layer)
-    # Peers (app/peers.py) copy the source's weights into their own layout themselves.
+    # Peers (app/bench/peers.py) copy the source's weights into their own layout themselves.
     for peer in settings.peers:
         variants.append((peer, "peer", None))
         layers.append(build_peer(peer, config, source, device, dtype))
@@ -636,7 +636,7 @@ def check_bounds(records: list, out: str) -> None:
 
 
 def trace_records(records: list, layers: list, x, grad_y, folder: str, device, keep_files: bool = True) -> None:
-    """In place: one timeline per record that has a layer (app/timeline.py), its stream account
+    """In place: one timeline per record that has a layer (app/bench/timeline.py), its stream account
     under ``timeline`` and, with `keep_files`, its file under ``trace_file``."""
     for record, layer in zip(records, layers):
         if layer is None:
@@ -950,7 +950,7 @@ def run_bench(settings: BenchSettings, printer=print, on_record=None) -> list:
 
 
 def _progress_line(r: dict, elapsed_s: float) -> str:
-    if "setting" in r:  # a stack's (app/bench_stack.py)
+    if "setting" in r:  # a stack's (app/bench/stack.py)
         return progress_line(r, elapsed_s)
     peak = r.get("peak_memory_bytes")
     return (f"  [{elapsed_s:6.0f} s] {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<11} {r['chosen_by']:<8} n={r['partitions']:<2} "
@@ -994,7 +994,7 @@ def _split(text: str, cast=str) -> list:
 
 
 def run_step(args) -> int:
-    """`mpipemoe bench --step`: the flags as app/bench_step.py's settings."""
+    """`mpipemoe bench --step`: the flags as app/bench/step.py's settings."""
     layer_only = [flag for flag, given in (("--peers", args.peers), ("--world-size", args.world_size != 1),
                                            ("--checkpointing", args.checkpointing),
                                            ("--memory-budget-share", args.memory_budget_share is not None),
