@@ -10,7 +10,7 @@ the command, the hardware and the date) and, unless ``--tracking-uri none``, one
 run per engine. On CPU there is no memory cap: the search stops at ``--max-batch``.
 `mpipemoe report`'s section on these runs is app/reports/capacity.py.
 
-Ray (the ``ray`` extra) is imported where the search starts, as in app/jobs.py.
+Ray (the ``ray`` extra) is imported where the search starts, as in app/jobs/launch.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from app.jobs import TrainJob, build_trainer, ensure_data, init_ray
+from app.jobs.launch import TrainJob, build_trainer, ensure_data, init_ray
 from app.tracking.records import DEFAULT_OUT_DIR, CapacityResult, EngineCapacity, RecordMeta, record_meta
 from app.tracking.run_kinds import CAPACITY, kind_tags
 from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri

@@ -33,7 +33,7 @@ SUBCOMMANDS = {
     "train": ("app.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
     "data": ("app.data", "prepare tokenized Parquet shards from real text"),
     "bench": ("app.bench.layer", "benchmark the MoE layer engines side by side"),
-    "sweep": ("app.sweep", "run a Ray Tune study from tune_spaces/"),
+    "sweep": ("app.jobs.sweep", "run a Ray Tune study from tune_spaces/"),
     "report": ("app.reports.report", "generate a Markdown report with plots from MLflow runs"),
     "ui": ("app.ui", "start the MLflow UI on 127.0.0.1"),
     "check": ("app.check", "run the engine on gloo processes and compare with the reference"),
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
     try:
-        with sigterm_as_interrupt():  # a job stops on SIGTERM as on Ctrl-C (app/jobs.py)
+        with sigterm_as_interrupt():  # a job stops on SIGTERM as on Ctrl-C (app/jobs/launch.py)
             return int(module.run(args) or 0)
     except USER_ERRORS as error:
         if debug:

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from app.trained import trained_run
+from app.jobs.trained import trained_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

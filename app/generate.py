@@ -7,14 +7,14 @@ Greedy by default (``--top-k 1``; ``--temperature 0`` is greedy too); otherwise 
 sampling, seeded by ``--seed`` (lm/sampling.py). The model is loaded in this process with
 every expert, whatever number of workers trained it (workers/weights.py). The prompt and
 its continuation go to stdout; where they came from goes to stderr.
-The run is loaded by ``app.trained.trained_run`` (shared with ``mpipemoe export``).
+The run is loaded by ``app.jobs.trained.trained_run`` (shared with ``mpipemoe export``).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from app.trained import trained_run
+from app.jobs.trained import trained_run
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="NAME", help="a training run (mpipemoe train --name)")

@@ -5,7 +5,7 @@
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
 
-The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs.py,
+The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs/launch.py,
 shared with the sweep and capacity commands; this module is the command line, the
 ``--engines`` comparison and the summary it prints. MLflow is imported only to quiet its
 logger (``_quiet_mlflow``): ``--tracking-uri none`` runs without it.
@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from app.jobs import (COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, check_run_name, checkpoint_settings,
+from app.jobs.launch import (COMPUTE_DTYPES, JOB_FILE, PARAM_DTYPES, TrainJob, check_run_name, checkpoint_settings,
                       continue_command, resume_command, run_job)
 from app.tracking.records import record_meta
 from app.tracking.run_kinds import COMPARE, kind_tags

@@ -7,7 +7,7 @@ parsed with ``ast``, imports inside functions included, and checked against one 
 A module may import its own package and the packages its row of ``MAY_IMPORT`` names,
 never one above it. Inside ``app``, a command module (one per ``mpipemoe`` subcommand, as
 ``app.cli.SUBCOMMANDS`` lists them) shares code with the others only through modules below
-it (app/jobs.py, app/tracking/store.py, ...): no app module imports a command module.
+it (app/jobs/launch.py, app/tracking/store.py, ...): no app module imports a command module.
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
         device, dtype = params.get("device", "?"), params.get("dtype", "?")
         time_ms = _float(metrics.get("fwd_bwd_ms"))
         peak = _float(metrics.get("peak_memory_bytes"))
-    else:  # mpipemoe train (app.jobs.run_job): TrainJob fields, resolved settings under "resolved."
+    else:  # mpipemoe train (app.jobs.launch.run_job): TrainJob fields, resolved settings under "resolved."
         auto_partitions = params.get("partitions") == "auto"
         auto_strategy = params.get("strategy") == "auto"
         seq_len = _int(params.get("seq_len")) or _int(params.get("resolved.seq_len"))

@@ -10,14 +10,14 @@ KIND_TAG = "mpipemoe.kind"
 # readers accept it too, so the runs of existing local MLflow stores still report.
 OLD_KIND_TAG = "kind"
 
-TRAIN = "train"                  # mpipemoe train, and each sweep trial (app/jobs.py)
+TRAIN = "train"                  # mpipemoe train, and each sweep trial (app/jobs/launch.py)
 COMPARE = "compare"              # the parent of mpipemoe train --engines (app/train.py)
 CAPACITY = "capacity"            # one engine's batch-size search (app/capacity.py)
 BENCH = "bench"                  # one measured layer configuration (app/bench/layer.py)
 BENCH_SUMMARY = "bench-summary"  # one model and token count of a bench, over engines (app/bench/layer.py)
 BENCH_STEP = "bench-step"        # one engine's training step on an emulated cluster (app/bench/step.py)
 SIMULATE = "simulate"            # one simulated configuration (app/bench/simulate.py)
-STUDY = "study"                  # the parent run of a sweep (app/sweep.py)
+STUDY = "study"                  # the parent run of a sweep (app/jobs/sweep.py)
 
 
 def kind_tags(kind: str) -> dict:
@@ -38,7 +38,7 @@ def kind_filters(kind: str) -> tuple[str, str]:
 
 # A training run resumed with other settings (engine, partitions, strategy, ...): the tag holds
 # JSON, one object per segment: {"from_step": first step, the segment's settings}; written
-# by app/jobs.py (record_segment), read by the report.
+# by app/jobs/launch.py (record_segment), read by the report.
 SEGMENTS_TAG = "mpipemoe.segments"
 
 

@@ -179,7 +179,7 @@ def test_read_only_store(env, tmp_path, capsys):
 # ---- refused resumes change nothing ----------------------------------------------------------
 
 def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
-    from app.jobs import JOB_FILE, TrainJob, save_job
+    from app.jobs.launch import JOB_FILE, TrainJob, save_job
 
     storage = tmp_path / "rr"
     save_job(TrainJob(preset="tiny-gpt", seq_len=32, storage_path=str(storage), name="base", tracking_uri="none",
@@ -360,7 +360,7 @@ def test_report_names_the_runs_it_leaves_out(tmp_path, capsys):
 
 
 def test_sweep_trial_metrics_are_never_nan():
-    from app.sweep import trial_metrics
+    from app.jobs.sweep import trial_metrics
 
     assert trial_metrics({"name": "t", "tokens_per_s": 12.5, "steps": 3, "status": "FINISHED"}) == \
         {"tokens_per_s": 12.5, "steps": 3, "step": 3}  # step: the schedulers' time axis
@@ -556,8 +556,8 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
     """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
-    from app.sweep import trial_metrics
-    from app.jobs import run_job
+    from app.jobs.sweep import trial_metrics
+    from app.jobs.launch import run_job
     from app.train import job_from_args, add_arguments
     import argparse
 

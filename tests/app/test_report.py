@@ -50,7 +50,7 @@ def store(tmp_path, monkeypatch):
     # noise the report must ignore: a run still RUNNING, a study parent run
     bench(uri, "fastmoe", 8192, 1.0, 1, status="RUNNING")
     RunLogger.start(uri, "bench-synthetic", tags={"kind": "study"}).finish()
-    # one training run as app.jobs.run_job logs it: tokens = batch_size * resolved seq_len,
+    # one training run as app.jobs.launch.run_job logs it: tokens = batch_size * resolved seq_len,
     # summary_* (median tokens/s, max peak) win over the last step's values
     run = RunLogger.start(uri, "smoke", run_name="smoke-run", tags={"mpipemoe.kind": "train", "strategy": "S2"})
     run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "num_workers": 2,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import tune_spaces
-from app import sweep
+from app.jobs import sweep
 from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,7 +52,7 @@ def _grid_points(space: dict):
 
 @pytest.mark.parametrize("study", tune_spaces.STUDIES)
 def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION
@@ -79,7 +79,7 @@ def test_unknown_study_names_the_choices():
 def test_results_table_shows_the_validation_loss_where_trials_have_one():
     from types import SimpleNamespace
 
-    from app.sweep import format_results
+    from app.jobs.sweep import format_results
 
     results = [SimpleNamespace(config={"lr": lr}, metrics=metrics, error=None) for lr, metrics in (
         (1e-3, {"tokens_per_s": 10.0, "final_loss": 3.0, "final_val_loss": 2.5}),
@@ -116,7 +116,7 @@ def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
 
 
 def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     assert TrainJob().eval_every > 0   # what loss_metric assumes of a study that does not set it
     assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"
@@ -128,7 +128,7 @@ def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
 def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pruned(tmp_path, monkeypatch):
     import ray.tune
 
-    from app.jobs import STOP_JOB, TrainJob
+    from app.jobs.launch import STOP_JOB, TrainJob
 
     job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
     settings = sweep.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
@@ -478,7 +478,7 @@ def _row(n, strategy, rate, peak_mib, **extra):
 
 
 def test_settings_merge_their_repeats_and_rank_on_the_time_memory_front():
-    from app import sweep_rank
+    from app.jobs import sweep_rank
 
     nan = float("nan")
     rows = [_row(1, "none", 100.0, 500), _row(1, "none", 120.0, 510),   # two repeats: median 110

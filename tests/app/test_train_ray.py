@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.jobs import TrainJob, run_job
+from app.jobs.launch import TrainJob, run_job
 from app.tracking.store import client, metric_history
 from app.train import add_arguments, compare_engines, run
 from lm.data import prepare_dataset

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs import TrainJob, _MetricsPump, build_trainer, check_resources, ensure_data, summarize
+from app.jobs.launch import TrainJob, _MetricsPump, build_trainer, check_resources, ensure_data, summarize
 from app.train import add_arguments, job_from_args
 from lm.data import MANIFEST, Manifest, load_rank_tokens, prepare_dataset
 from lm.model import MoETransformer, get_preset

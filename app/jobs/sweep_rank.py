@@ -1,7 +1,7 @@
 """Ranking the settings of a partition/strategy study: repeats merged into one point each,
 the time/memory Pareto front, and the fastest setting under a memory cap.
 
-Pure functions of trial rows ``(config, metrics, error)``: ``app/sweep.py`` passes Ray Tune's
+Pure functions of trial rows ``(config, metrics, error)``: ``app/jobs/sweep.py`` passes Ray Tune's
 results, the report (``app/reports/report.py``) passes the study's MLflow runs. A point's time is the
 median of its repeats' throughputs (``tokens_per_s``, the run's median step) with their
 range; its memory is the settled peak (``settled_peak_memory_bytes``: the second half of the

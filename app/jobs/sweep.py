@@ -6,8 +6,8 @@
 
 Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
 is not allowed): the driver builds a ``Tuner`` around the function trainable
-``train_trial``; each trial turns its config into an ``app.jobs.TrainJob`` and
-calls ``app.jobs.run_job``, which builds and fits a ``TorchTrainer`` and logs the
+``train_trial``; each trial turns its config into an ``app.jobs.launch.TrainJob`` and
+calls ``app.jobs.launch.run_job``, which builds and fits a ``TorchTrainer`` and logs the
 job as one MLflow run. The trial reports every step to Tune (``StepReporter``, the
 job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job's summary.
 
@@ -32,7 +32,7 @@ job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job'
   finished trials are kept, unfinished and errored ones run again.
 
 Ray and Ray Tune (the ``ray`` extra) are imported inside the functions that use them, as
-in app/jobs.py; so is app/jobs.py itself, which loads torch (about 2 s): only a trial runs a
+in app/jobs/launch.py; so is app/jobs/launch.py itself, which loads torch (about 2 s): only a trial runs a
 job, and `mpipemoe sweep --help` stays fast.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import tune_spaces
-from app import sweep_rank
+from app.jobs import sweep_rank
 from app.tracking.run_kinds import STUDY, TRAIN, kind_tags
 from app.tracking.store import RunLogger, check_store, find_run, resolve_tracking_uri
 from lm.data import ensure_default_data
@@ -138,7 +138,7 @@ def _constant(space: dict, key: str, default):
 
 
 def train_trial(config: dict, *, settings: TrialSettings) -> None:
-    """One Tune trial: one ``app.jobs`` job with the trial's config; reports its summary.
+    """One Tune trial: one ``app.jobs.launch`` job with the trial's config; reports its summary.
 
     A setting the job refuses (``ValueError``: more partitions than tokens, a budget no
     setting meets, workers the cluster cannot hold) or whose training fails (``RuntimeError``:
@@ -149,7 +149,7 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
     ``pruned_at_step`` and marked KILLED."""
     from ray import tune
 
-    from app.jobs import TrainJob, run_job
+    from app.jobs.launch import TrainJob, run_job
 
     trial_id = tune.get_context().get_trial_id()
     fields = {f.name for f in dataclasses.fields(TrainJob)}
@@ -228,7 +228,7 @@ class StepReporter:
 
     When Tune stops the trial (ASHA pruned it, or the study was interrupted), its next
     report raises ``SystemExit`` (Ray Tune's function trainable ends a trial that way).
-    The reporter then returns ``app.jobs.STOP_JOB``: the Train workers stop after their
+    The reporter then returns ``app.jobs.launch.STOP_JOB``: the Train workers stop after their
     step and the job ends normally, releasing their resources (a trial process that
     simply exited would leave its workers' placement group reserved: Ray Train's cleaner
     needs the State API, which embedded Ray without a dashboard lacks; measured: the next
@@ -242,7 +242,7 @@ class StepReporter:
     def __call__(self, metrics: dict) -> str | None:
         from ray import tune
 
-        from app.jobs import STOP_JOB
+        from app.jobs.launch import STOP_JOB
 
         numbers = _numbers(metrics)
         if self.stopped is not None or self.settings.metric not in numbers:
@@ -425,7 +425,7 @@ def parse_value(text: str):
 
 def parse_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     overrides = {}
@@ -456,7 +456,7 @@ def study_space(module, search: str, overrides: dict | None = None) -> dict:
     space.setdefault("checkpoint_every", 0)
     for key in ONE_PER_STUDY:
         _constant(space, key, None)
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     if unknown := sorted(set(space) - fields):
