@@ -90,7 +90,7 @@ class WorkerConfig:
                          another worker count keeps its first count (workers/reshard.py).
     fault:               fault-injection tests only (workers/loop.py ``fault_here``).
     memory_cap_bytes, start_batch, max_batch, steps_per_trial: the capacity search only
-                         (app/capacity.py ``CapacitySearch``).
+                         (app/commands/capacity.py ``CapacitySearch``).
     """
 
     preset: ModelPreset
@@ -196,7 +196,7 @@ class WorkerConfig:
         which the search needs set."""
         value = getattr(self, name)
         if value is None:
-            _fail(name, value, "the capacity search needs it (app/capacity.py CapacitySearch sets it)")
+            _fail(name, value, "the capacity search needs it (app/commands/capacity.py CapacitySearch sets it)")
         return int(value)
 
     def replace(self, **changes: Any) -> WorkerConfig:

@@ -1,6 +1,6 @@
 """A trained run loaded into this process: the newest intact checkpoint's model (every expert)
-and the tokenizer the run trained with. Shared by ``mpipemoe generate`` (app/generate.py) and
-``mpipemoe export`` (app/export.py).
+and the tokenizer the run trained with. Shared by ``mpipemoe generate`` (app/commands/generate.py) and
+``mpipemoe export`` (app/commands/export.py).
 
 The checkpoint is chosen as ``train --resume`` chooses it (``workers.checkpoint.choose``:
 sizes and CRC-32 checksums against its ``meta.json``; newer damaged ones are named and

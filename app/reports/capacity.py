@@ -1,4 +1,4 @@
-"""`mpipemoe report`'s section on the capacity searches (``mpipemoe capacity``, app/capacity.py):
+"""`mpipemoe report`'s section on the capacity searches (``mpipemoe capacity``, app/commands/capacity.py):
 their MLflow runs, read back, and the Markdown table of each engine's largest batch."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ On a cluster, drivers log to the head's tracking server over HTTP. If it stops a
 mid-run, training goes on: ``RunLogger`` (app/tracking/store.py) appends the metrics, tags and
 final status it could not send to ``<run dir>/mlflow_pending.jsonl``, says so once, and
 sends them (in order, then renames the file ``*.sent``) as soon as the server answers
-again; if the run ends first, ``mpipemoe tracking import FILE`` (app/tracking_import.py)
+again; if the run ends first, ``mpipemoe tracking import FILE`` (app/commands/tracking.py)
 sends them later.
 
 File format: JSON lines; the first is ``{"run_id", "tracking_uri"}``, then

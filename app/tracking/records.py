@@ -238,7 +238,7 @@ class BenchResult:
 
 @dataclass
 class EngineCapacity(_FieldsAndExtra):
-    """One engine's capacity search (app/capacity.py `find_capacity`): the largest batch that fit,
+    """One engine's capacity search (app/commands/capacity.py `find_capacity`): the largest batch that fit,
     the trial at it (None when none fit), and every trial."""
     engine: str
     largest_batch_size: int | None

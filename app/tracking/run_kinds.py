@@ -11,8 +11,8 @@ KIND_TAG = "mpipemoe.kind"
 OLD_KIND_TAG = "kind"
 
 TRAIN = "train"                  # mpipemoe train, and each sweep trial (app/jobs/launch.py)
-COMPARE = "compare"              # the parent of mpipemoe train --engines (app/train.py)
-CAPACITY = "capacity"            # one engine's batch-size search (app/capacity.py)
+COMPARE = "compare"              # the parent of mpipemoe train --engines (app/commands/train.py)
+CAPACITY = "capacity"            # one engine's batch-size search (app/commands/capacity.py)
 BENCH = "bench"                  # one measured layer configuration (app/bench/layer.py)
 BENCH_SUMMARY = "bench-summary"  # one model and token count of a bench, over engines (app/bench/layer.py)
 BENCH_STEP = "bench-step"        # one engine's training step on an emulated cluster (app/bench/step.py)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.capacity import CapacitySearch, add_arguments, run
+from app.commands.capacity import CapacitySearch, add_arguments, run
 from lm.data import prepare_dataset
 from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting

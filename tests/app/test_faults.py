@@ -558,7 +558,7 @@ def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, r
     """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
     from app.jobs.sweep import trial_metrics
     from app.jobs.launch import run_job
-    from app.train import job_from_args, add_arguments
+    from app.commands.train import job_from_args, add_arguments
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -27,7 +27,7 @@ from app import cli
 from app.jobs.launch import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
 from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client
-from app.train import steps_done
+from app.commands.train import steps_done
 from lm.data import MANIFEST, prepare_dataset
 from tests.app.test_faults import REPO, _cli, _listing, _read_only_view
 from workers import checkpoint as ckpt

@@ -150,7 +150,7 @@ def test_generate_bounds_its_tokens_and_names_a_run_without_checkpoints(run, tmp
 
 
 def test_generated_text_streams_whole_characters():
-    from app.generate import TextStream
+    from app.commands.generate import TextStream
     from lm.tokenizer import ByteTokenizer
     import io
 

@@ -61,7 +61,8 @@ def test_generated_records_default_to_the_ignored_out_folder():
     import argparse
     from pathlib import Path
 
-    from app import calibrate, capacity
+    from app.commands import calibrate
+    from app.commands import capacity
     from app.bench import layer as bench
     from app.bench import simulate
     from app.reports import report
@@ -73,7 +74,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
         module.add_arguments(parser)
         args = parser.parse_args([])
         defaults[module.__name__] = getattr(args, "out", None) or getattr(args, "profiles", None)
-    assert defaults["app.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
+    assert defaults["app.commands.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
     assert defaults["app.reports.report"].startswith(f"{DEFAULT_OUT_DIR}/")
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app import ui
+from app.commands import ui
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -97,7 +97,7 @@ def test_system_metrics_are_logged_where_psutil_is_and_off_cleanly_where_not(tmp
 
 
 def test_ui_serves_the_store_on_localhost_only():
-    from app.ui import server_command
+    from app.commands.ui import server_command
 
     command = server_command("sqlite:////x/mlflow.db", 5050)
     assert command[command.index("--host") + 1] == "127.0.0.1"

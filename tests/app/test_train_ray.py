@@ -25,7 +25,7 @@ import pytest
 from app import cli
 from app.jobs.launch import TrainJob, run_job
 from app.tracking.store import client, metric_history
-from app.train import add_arguments, compare_engines, run
+from app.commands.train import add_arguments, compare_engines, run
 from lm.data import prepare_dataset
 from lm.model import ENGINES
 

@@ -154,7 +154,7 @@ def test_the_options_reach_the_workers_and_bad_ones_fail_before_ray(data_dir, tm
     import argparse
 
     from app.jobs.launch import TrainJob, worker_config
-    from app.train import add_arguments, job_from_args
+    from app.commands.train import add_arguments, job_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
