@@ -32,7 +32,7 @@ from workers.control import SIGTERM_EXIT_CODE, sigterm_as_interrupt
 SUBCOMMANDS = {
     "train": ("app.commands.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
     "data": ("app.commands.data", "prepare tokenized Parquet shards from real text"),
-    "bench": ("app.bench.layer", "benchmark the MoE layer engines side by side"),
+    "bench": ("app.commands.bench", "benchmark the MoE layer engines side by side"),
     "sweep": ("app.jobs.sweep", "run a Ray Tune study from tune_spaces/"),
     "report": ("app.reports.report", "generate a Markdown report with plots from MLflow runs"),
     "ui": ("app.commands.ui", "start the MLflow UI on 127.0.0.1"),

@@ -63,7 +63,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
 
     from app.commands import calibrate
     from app.commands import capacity
-    from app.bench import layer as bench
+    from app.commands import bench
     from app.bench import simulate
     from app.reports import report
     from app.tracking.records import DEFAULT_OUT_DIR
