@@ -34,7 +34,7 @@ SUBCOMMANDS = {
     "data": ("app.commands.data", "prepare tokenized Parquet shards from real text"),
     "bench": ("app.commands.bench", "benchmark the MoE layer engines side by side"),
     "sweep": ("app.jobs.sweep", "run a Ray Tune study from tune_spaces/"),
-    "report": ("app.reports.report", "generate a Markdown report with plots from MLflow runs"),
+    "report": ("app.commands.report", "generate a Markdown report with plots from MLflow runs"),
     "ui": ("app.commands.ui", "start the MLflow UI on 127.0.0.1"),
     "check": ("app.commands.check", "run the engine on gloo processes and compare with the reference"),
     "calibrate": ("app.commands.calibrate", "measure the hardware profile used by the performance model"),

@@ -1,5 +1,5 @@
-"""The MoE-layer benchmark of `mpipemoe bench` (app/commands/bench.py), every engine side by side in one process on the
-same inputs and parameters (docs/design.md §7).
+"""The MoE-layer benchmark of `mpipemoe bench` (app/commands/bench.py): every engine side by side
+in one process on the same inputs and parameters (docs/design.md §7).
 
 For each (model, tokens) it times forward+backward of FastMoE, FasterMoE, MPipeMoE
 with partitions="auto" and strategy="auto" (after its online search settles), an

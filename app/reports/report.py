@@ -1,7 +1,5 @@
-"""``mpipemoe report``: a Markdown report with PNG plots, generated from MLflow runs.
-
-    mpipemoe report                                  # every experiment in the default store
-    mpipemoe report --experiment smoke --out out/report-smoke
+"""The report of ``mpipemoe report`` (app/commands/report.py): Markdown with PNG plots, generated
+from MLflow runs.
 
 Reads two kinds of runs (tag ``kind``): layer benchmarks (``kind=bench``, from
 ``mpipemoe bench``: fwd_bwd_ms, peak/predicted memory) and training runs
@@ -34,7 +32,6 @@ figures, and the tests of its tables, need none.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -605,14 +602,6 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
     return path
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--experiment", action="append", default=None,
-                        help="MLflow experiment to read (repeat for several); default: all")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
-
-
 def check_out(out: str | os.PathLike) -> None:
     """Raise ValueError naming ``--out`` and the fix unless the report can be written there:
     a folder (or a path whose nearest existing folder) this process may write."""
@@ -636,31 +625,33 @@ def _write(records: list[Record], out: str, **sources) -> Path:
         raise os_error(error, f"cannot write the report to {out}", "free space there or give another --out") from error
 
 
-def run(args: argparse.Namespace) -> int:
-    check_out(args.out)  # before the store is read: nothing is done for a report that cannot be written
-    tracking_uri = resolve_tracking_uri(args.tracking_uri)
+def report_from_store(out: str, experiments: list[str] | None, tracking_uri: str | None) -> int:
+    """`mpipemoe report`: read the store (``tracking_uri``, default as ``resolve_tracking_uri``), write
+    the report into ``out`` and say where; notes on stderr name missing experiments and unfinished runs."""
+    check_out(out)  # before the store is read: nothing is done for a report that cannot be written
+    tracking_uri = resolve_tracking_uri(tracking_uri)
     check_store(tracking_uri, write=False)  # a typo'd folder is an error, never a new empty store
     store = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else None
     if store is not None and not store.exists():  # nothing recorded yet: an empty report, no new store
         print(f"note: no MLflow store at {store} yet: train or sweep first, or check --tracking-uri",
               file=sys.stderr)
-        path = _write([], args.out, source=tracking_uri)
+        path = _write([], out, source=tracking_uri)
         print(f"Wrote {path.resolve()} (0 run(s), figures: none)")
         return 0
     known = {e.name for e in client(tracking_uri).search_experiments()}
-    missing = [name for name in args.experiment or [] if name not in known]
+    missing = [name for name in experiments or [] if name not in known]
     if missing:
         print(f"note: no MLflow experiment {', '.join(map(repr, missing))} in {tracking_uri} "
               f"(there are: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
-    records = load_records(tracking_uri, args.experiment)
-    path = _write(records, args.out, source=tracking_uri,
-                  simulations=load_simulations(tracking_uri, args.experiment),
-                  capacities=load_capacity_runs(tracking_uri, args.experiment),
-                  emulated=load_emulated(tracking_uri, args.experiment),
-                  training=load_training_curves(tracking_uri, args.experiment),
-                  memory_time=load_memory_time(tracking_uri, args.experiment),
-                  steps=load_steps(tracking_uri, args.experiment))
-    left_out = unfinished_runs(tracking_uri, args.experiment)
+    records = load_records(tracking_uri, experiments)
+    path = _write(records, out, source=tracking_uri,
+                  simulations=load_simulations(tracking_uri, experiments),
+                  capacities=load_capacity_runs(tracking_uri, experiments),
+                  emulated=load_emulated(tracking_uri, experiments),
+                  training=load_training_curves(tracking_uri, experiments),
+                  memory_time=load_memory_time(tracking_uri, experiments),
+                  steps=load_steps(tracking_uri, experiments))
+    left_out = unfinished_runs(tracking_uri, experiments)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))
         print(f"note: {sum(left_out.values())} run(s) did not finish and are left out ({counts}); "

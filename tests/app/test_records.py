@@ -65,7 +65,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
     from app.commands import capacity
     from app.commands import bench
     from app.bench import simulate
-    from app.reports import report
+    from app.commands import report
     from app.tracking.records import DEFAULT_OUT_DIR
 
     defaults = {}
@@ -75,7 +75,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
         args = parser.parse_args([])
         defaults[module.__name__] = getattr(args, "out", None) or getattr(args, "profiles", None)
     assert defaults["app.commands.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
-    assert defaults["app.reports.report"].startswith(f"{DEFAULT_OUT_DIR}/")
+    assert defaults["app.commands.report"].startswith(f"{DEFAULT_OUT_DIR}/")
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert f"/{DEFAULT_OUT_DIR}/" in ignored

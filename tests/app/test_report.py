@@ -4,7 +4,6 @@ The numbers are chosen so the expected ratios and best n can be worked out by ha
 """
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
@@ -109,8 +108,7 @@ def test_strategy_rows(store):
 
 def test_report_files(store, tmp_path, capsys):
     out = tmp_path / "report"
-    args = argparse.Namespace(out=str(out), experiment=None, tracking_uri=store)
-    assert report.run(args) == 0
+    assert report.report_from_store(str(out), None, store) == 0
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
     pngs = ["speedup_memory.png", "strategies.png", "best_n.png", "memory_prediction.png", "val_loss.png",

@@ -302,8 +302,7 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
         assert run.data.tags["study"] == "smoke" and run.data.tags["trial_id"]
 
     out = sweep_dirs["out"]
-    assert report.run(argparse.Namespace(out=str(out), experiment=["smoke"],
-                                         tracking_uri=sweep_dirs["tracking_uri"])) == 0
+    assert report.report_from_store(str(out), ["smoke"], sweep_dirs["tracking_uri"]) == 0
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
     png = out / "speedup_memory.png"
