@@ -39,7 +39,7 @@ SUBCOMMANDS = {
     "check": ("app.commands.check", "run the engine on gloo processes and compare with the reference"),
     "calibrate": ("app.commands.calibrate", "measure the hardware profile used by the performance model"),
     "capacity": ("app.commands.capacity", "find the largest batch each engine trains with under a memory cap"),
-    "simulate": ("app.bench.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
+    "simulate": ("app.commands.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
     "generate": ("app.commands.generate", "continue a prompt with a trained run's newest checkpoint"),
     "export": ("app.commands.export", "write a trained run as model.safetensors, config.json and tokenizer.json"),
     "routing": ("app.commands.routing", "save the per-expert loads a training run logged, for the benches to replay"),

@@ -1,10 +1,5 @@
-"""`mpipemoe simulate`: predict a cluster's MoE layer (and training step) from calibrated parts.
-
-    mpipemoe simulate --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 16384
-    mpipemoe simulate --model gpt-xl --tokens 16384 --sweep-nodes 1,2,4,8,16,32,64
-    mpipemoe simulate --model gpt-xl --tokens 4096,8192,16384,32768 --nodes 8 --step
-    mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-lean.json --out out/validation.json
-    mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
+"""What `mpipemoe simulate` (app/commands/simulate.py) does: predict a cluster's MoE layer (and
+training step) from calibrated parts, and validate the simulator against bench records.
 
 The schedule simulator (moe_sim/simulator.py) replays the engine's operations on
 host, compute, communication and copy timelines. Compute, copy and host figures come
@@ -17,7 +12,6 @@ See docs/simulate.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -91,42 +85,6 @@ class SimulateSettings:
         from lm.model import PRESETS
 
         return self.experts if self.experts is not None else max(PRESETS[self.model].num_experts, ranks)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="gpt-xl", help="model preset (default gpt-xl)")
-    parser.add_argument("--tokens", default="16384", help="tokens per GPU, comma list (default 16384)")
-    parser.add_argument("--nodes", type=int, default=8, help="nodes (default 8)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--sweep-nodes", default=None, help="comma list of node counts to sweep, e.g. 1,2,4,8,16,32,64")
-    parser.add_argument("--experts", type=int, default=None,
-                        help="experts per MoE layer (default: the preset's 8, or one per GPU when there are more GPUs)")
-    parser.add_argument("--network", default="dgx-a100",
-                        help="dgx-a100, dgx-h200, or a JSON file of measured figures (default dgx-a100)")
-    parser.add_argument("--routing", default="uniform", help="uniform, hot:F or zipf:S (default uniform)")
-    parser.add_argument("--partitions", default=",".join(map(str, DEFAULT_PARTITIONS)),
-                        help="MPipeMoE partition counts to consider (default 1,2,4,8,16)")
-    parser.add_argument("--hierarchical", action="store_true", help="two-level All-to-All instead of the flat one")
-    parser.add_argument("--step", action="store_true", help="also simulate a training step of the whole preset")
-    parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"measured GPU parts (default {DEFAULT_PARTS})")
-    parser.add_argument("--host-scale", type=float, default=1.0,
-                        help="multiply the measured host issue costs (another CPU; 0: device-only bound)")
-    parser.add_argument("--out", default=None, help="JSON file to write (default: none; --validate: "
-                        "out/simulate-validation.json)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db; 'none' to skip)")
-    parser.add_argument("--experiment", default=EXPERIMENT)
-    parser.add_argument("--validate", action="append", default=None, metavar="BENCH_JSON",
-                        help="compare the simulator with every record of a `mpipemoe bench` JSON (repeatable)")
-    parser.add_argument("--measure-parts", default=None, metavar="PATH",
-                        help="measure the GPU parts on this machine's CUDA device and write them to PATH")
-
-
-def _split(text: str, cast=str) -> tuple:
-    try:
-        return tuple(cast(v.strip()) for v in str(text).split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma list of {cast.__name__} values") from None
 
 
 # -- simulating -------------------------------------------------------------------------------------
@@ -651,46 +609,51 @@ def measure(path: str) -> int:
     return 0
 
 
-def run(args) -> int:
-    if args.measure_parts:
-        return measure(args.measure_parts)
+def _load_parts(parts_path: str, host_scale: float) -> tuple:
+    """The measured GPU parts (scaled host costs unless ``host_scale`` is 1) and the meta every result carries."""
     from moe_sim.parts import GpuParts
 
     from moe_sim.simulator import HostScaled
 
-    parts = GpuParts.load(args.parts)
-    meta = {"command": command_line("simulate"), "date": utc_timestamp(), "parts": args.parts,
-            "parts_device": parts.device, "parts_measured_at": parts.measured_at, "host_scale": args.host_scale}
-    if args.host_scale != 1.0:
-        parts = HostScaled(parts, args.host_scale)
-    if args.validate:
-        result = validate(args.validate, parts)
-        meta["spot_check"] = _spot_check(parts, args.validate)
-        result = {"meta": meta, **result}
-        out = args.out or os.path.join(DEFAULT_OUT_DIR, "simulate-validation.json")
-        _write_json(out, result)
-        markdown = validation_markdown(result)
-        with open(os.path.splitext(out)[0] + ".md", "w") as f:
-            f.write(markdown)
-        print(markdown.split("## Every record")[0])
-        print(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
-        return 0
-    settings = SimulateSettings(
-        model=args.model, tokens=_split(args.tokens, int),
-        nodes=_split(args.sweep_nodes, int) if args.sweep_nodes else (args.nodes,),
-        gpus_per_node=args.gpus_per_node, experts=args.experts, network=args.network, routing=args.routing,
-        partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step)
+    parts = GpuParts.load(parts_path)
+    meta = {"command": command_line("simulate"), "date": utc_timestamp(), "parts": parts_path,
+            "parts_device": parts.device, "parts_measured_at": parts.measured_at, "host_scale": host_scale}
+    return (HostScaled(parts, host_scale) if host_scale != 1.0 else parts), meta
+
+
+def validate_and_write(bench_paths: list[str], parts_path: str, host_scale: float, out: str | None) -> int:
+    """`mpipemoe simulate --validate`: the simulator against every record of the bench JSONs, written
+    as JSON and Markdown (``out``, default out/simulate-validation.json)."""
+    parts, meta = _load_parts(parts_path, host_scale)
+    result = validate(bench_paths, parts)
+    meta["spot_check"] = _spot_check(parts, bench_paths)
+    result = {"meta": meta, **result}
+    out = out or os.path.join(DEFAULT_OUT_DIR, "simulate-validation.json")
+    _write_json(out, result)
+    markdown = validation_markdown(result)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown)
+    print(markdown.split("## Every record")[0])
+    print(f"Wrote {out} and {os.path.splitext(out)[0]}.md")
+    return 0
+
+
+def simulate_and_write(settings: SimulateSettings, parts_path: str, host_scale: float, out: str | None,
+                       tracking_uri: str | None, experiment: str) -> int:
+    """`mpipemoe simulate`: every point of ``settings`` predicted, written to ``out`` (JSON and Markdown)
+    when given, and logged to MLflow."""
+    parts, meta = _load_parts(parts_path, host_scale)
     print(f"Simulating {settings.model} on {', '.join(map(str, settings.nodes))} node(s) x {settings.gpus_per_node} "
-          f"GPUs from the parts of {parts.device} ({args.parts}) and the {settings.network} network...")
+          f"GPUs from the parts of {parts.device} ({parts_path}) and the {settings.network} network...")
     points, text = run_simulation(settings, parts)
     result = {"meta": {**meta, "settings": settings.__dict__}, "points": points}
-    if args.out:
-        _write_json(args.out, result)
-        markdown = os.path.splitext(args.out)[0] + ".md"
+    if out:
+        _write_json(out, result)
+        markdown = os.path.splitext(out)[0] + ".md"
         with open(markdown, "w") as f:
             f.write(f"# Simulated: {settings.model}\n\nGenerated by `{meta['command']}` on {meta['date']} from "
-                    f"`{args.parts}` ({parts.device}); predictions, not measurements; do not edit.\n\n"
+                    f"`{parts_path}` ({parts.device}); predictions, not measurements; do not edit.\n\n"
                     f"```\n{text.strip()}\n```\n")
-        print(f"Wrote {args.out} and {markdown}")
-    log_to_mlflow(result, args.tracking_uri, args.experiment)
+        print(f"Wrote {out} and {markdown}")
+    log_to_mlflow(result, tracking_uri, experiment)
     return 0

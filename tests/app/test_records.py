@@ -64,7 +64,7 @@ def test_generated_records_default_to_the_ignored_out_folder():
     from app.commands import calibrate
     from app.commands import capacity
     from app.commands import bench
-    from app.bench import simulate
+    from app.commands import simulate
     from app.commands import report
     from app.tracking.records import DEFAULT_OUT_DIR
 
