@@ -33,7 +33,7 @@ SUBCOMMANDS = {
     "train": ("app.commands.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
     "data": ("app.commands.data", "prepare tokenized Parquet shards from real text"),
     "bench": ("app.commands.bench", "benchmark the MoE layer engines side by side"),
-    "sweep": ("app.jobs.sweep", "run a Ray Tune study from tune_spaces/"),
+    "sweep": ("app.commands.sweep", "run a Ray Tune study from tune_spaces/"),
     "report": ("app.commands.report", "generate a Markdown report with plots from MLflow runs"),
     "ui": ("app.commands.ui", "start the MLflow UI on 127.0.0.1"),
     "check": ("app.commands.check", "run the engine on gloo processes and compare with the reference"),

@@ -1,8 +1,5 @@
-"""``mpipemoe sweep SPACE``: a Ray Tune study from ``tune_spaces/``, one Ray Train run per trial.
-
-    mpipemoe sweep smoke                                   # embedded local Ray, CPU workers
-    mpipemoe sweep lr --search optuna --scheduler asha --max-concurrent 2
-    mpipemoe sweep engines --address auto --storage-path /mnt/efs/ray_results
+"""The studies of ``mpipemoe sweep SPACE`` (app/commands/sweep.py): a Ray Tune study from
+``tune_spaces/``, one Ray Train run per trial.
 
 Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
 is not allowed): the driver builds a ``Tuner`` around the function trainable
@@ -37,7 +34,6 @@ job, and `mpipemoe sweep --help` stays fast.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -635,120 +631,65 @@ def _cell(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("space", nargs="?", default=None,
-                        help=f"a built-in study ({', '.join(tune_spaces.STUDIES)}; tune_spaces/) or a study file "
-                             f"(.py, .toml, .yaml)")
-    parser.add_argument("--space", dest="space_file", default=None, metavar="FILE",
-                        help="a study file of your own: train options as Tune domains, with metric, mode, search "
-                             "and scheduler (docs/sweeps.md, \"Your own space\")")
-    parser.add_argument("--name", default=None,
-                        help="the study's name: its folder <storage-path>/<name> (the same name resumes it), MLflow "
-                             "tag and default experiment; default the study's (a file's stem)")
-    parser.add_argument("--experiment", default=None, help="MLflow experiment of the study's runs; default its name")
-    shortcuts = parser.add_argument_group(
-        "the model and hardware of every trial (override the study's; --set KEY=V1,V2 makes a grid)")
-    shortcuts.add_argument("--preset", default=None, help="model preset (mpipemoe train --preset)")
-    shortcuts.add_argument("--num-workers", type=int, default=None, help="Ray Train workers per trial")
-    shortcuts.add_argument("--steps", type=int, default=None, help="training steps per trial")
-    shortcuts.add_argument("--batch-size", type=int, default=None, help="sequences per worker per step")
-    shortcuts.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
-    shortcuts.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
-                           help="any train option (TrainJob field, e.g. partitions=1,2,auto or lr_schedule=wsd): "
-                                "one value is a constant, several a grid; repeatable")
-    parser.add_argument("--memory-cap-gib", type=float, default=None,
-                        help="also name the fastest setting whose settled peak memory fits this many GiB "
-                             "(throughput studies)")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster address (e.g. 'auto' on the head node); default: embedded local Ray")
-    parser.add_argument("--storage-path", default=DEFAULT_STORAGE,
-                        help="Tune/Train results root, shared by all nodes on a cluster "
-                             "(e.g. /mnt/shared/ray_results); the study resumes from <storage-path>/<name>")
-    parser.add_argument("--num-samples", type=int, default=None,
-                        help="trials drawn from the param space (a grid: its repeats); default: the study's "
-                             "(lr: 12, granularity and strategy: 2, the others: 1)")
-    parser.add_argument("--search", choices=tune_spaces.SEARCHES, default=None,
-                        help="grid: the study's grid; random: draws from its distributions; optuna: "
-                             "Optuna's TPE; default the study's, else grid")
-    parser.add_argument("--scheduler", choices=tune_spaces.SCHEDULERS, default=None,
-                        help="fifo: every trial runs to its end; asha: stops trials whose metric lags "
-                             "(ASHA over the trials' per-step reports); default the study's, else fifo")
-    parser.add_argument("--max-failures", type=int, default=0,
-                        help="retries of a trial that fails (default 0: a failed trial stays failed)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the optuna search")
-    parser.add_argument("--max-concurrent", type=int, default=None,
-                        help="trials at once; default: as many as the cluster's GPUs/CPUs can serve")
-    parser.add_argument("--data-dir", default=None,
-                        help="prepared training data, on shared storage for a cluster "
-                             "(default ./data/stdlib-bytes, prepared if missing)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="forward the trials' own output (training steps, Ray Train) to this terminal")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store; default MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
-
-
-SHORTCUTS = ("preset", "num_workers", "steps", "batch_size", "seq_len")
-
-
-def overrides_of(args: argparse.Namespace) -> dict:
-    """The param-space entries the command line sets: ``--set`` items, then the shortcut flags."""
-    overrides = parse_overrides(args.overrides)
-    overrides.update({k: getattr(args, k) for k in SHORTCUTS if getattr(args, k) is not None})
+def study_overrides(set_items: list[str], shortcuts: dict) -> dict:
+    """The param-space entries the command line sets: ``--set`` items, then the shortcut flags given."""
+    overrides = parse_overrides(set_items)
+    overrides.update({k: v for k, v in shortcuts.items() if v is not None})
     return overrides
 
 
-def run(args: argparse.Namespace) -> int:
+def run_sweep(spec: str, set_items: list[str], shortcuts: dict, *, name: str | None, experiment: str | None,
+              address: str | None, verbose: bool, storage_path: str, num_samples: int | None,
+              max_concurrent: int | None, data_dir: str | None, search: str | None, scheduler: str | None,
+              max_failures: int, seed: int, tracking_uri: str | None, memory_cap_gib: float | None) -> int:
+    """`mpipemoe sweep`: check the study ``spec`` and the overrides before Ray starts (rc 2 on a bad
+    one), run it on Ray (embedded unless ``address``), print its results and the next command."""
     import ray
 
-    spec = args.space_file or args.space
-    if spec is None or (args.space_file and args.space):
-        print("mpipemoe sweep: give one study: a built-in name (mpipemoe sweep smoke) or a file "
-              "(mpipemoe sweep --space my_space.toml)", file=sys.stderr)
-        return 2
     try:  # before Ray starts: a bad file or option costs nothing
         module = tune_spaces.load(spec)
-        overrides = overrides_of(args)
-        study_space(module, args.search or getattr(module, "SEARCH", None) or "grid", overrides)
+        overrides = study_overrides(set_items, shortcuts)
+        study_space(module, search or getattr(module, "SEARCH", None) or "grid", overrides)
     except ValueError as error:
         print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
         return 2
-    name = args.name or tune_spaces.study_name(spec)
-    tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    study = name or tune_spaces.study_name(spec)
+    tracking_uri = resolve_tracking_uri(tracking_uri)
     check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
-    if started and args.address:
-        ray.init(address=args.address, logging_level="WARNING" if args.verbose else "ERROR", log_to_driver=args.verbose)
+    if started and address:
+        ray.init(address=address, logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose)
     elif started:  # a new embedded instance, never someone else's cluster found on this machine
         ray.init(address="local", include_dashboard=False, object_store_memory=300 * 2**20,
-                 logging_level="WARNING" if args.verbose else "ERROR", log_to_driver=args.verbose,
+                 logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose,
                  runtime_env={"env_vars": local_train_env()})
     try:
-        results = run_study(spec, storage_path=args.storage_path, tracking_uri=tracking_uri,
-                            num_samples=args.num_samples, max_concurrent=args.max_concurrent,
-                            data_dir=args.data_dir, search=args.search, scheduler=args.scheduler,
-                            max_failures=args.max_failures, seed=args.seed, name=args.name,
-                            experiment=args.experiment, overrides=overrides)
+        results = run_study(spec, storage_path=storage_path, tracking_uri=tracking_uri,
+                            num_samples=num_samples, max_concurrent=max_concurrent,
+                            data_dir=data_dir, search=search, scheduler=scheduler,
+                            max_failures=max_failures, seed=seed, name=name,
+                            experiment=experiment, overrides=overrides)
     except ValueError as error:  # a study that does not fit the cluster, a bad option
         print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
         return 2
     finally:
         if started:
             ray.shutdown()
-    search = args.search or getattr(module, "SEARCH", None) or "grid"
-    scheduler = args.scheduler or getattr(module, "SCHEDULER", None) or "fifo"
+    search = search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
     space = study_space(module, search, overrides)
     metric, mode = tune_spaces.ranking(module, space)
     print(format_results(results, metric, space.get("steps"), mode))
     if metric == tune_spaces.METRIC:  # a time study: settings over repeats, the time/memory front
         rows = [(r.config or {}, r.metrics or {}, r.error) for r in results]
-        print(sweep_rank.format_ranking(sweep_rank.points(rows), args.memory_cap_gib))
+        print(sweep_rank.format_ranking(sweep_rank.points(rows), memory_cap_gib))
     pruned, best = count_pruned(results, space), best_trial(results, metric, mode)
     if best is not None:
         chosen = ", ".join(f"{k}={_cell(best.config.get(k))}" for k in _varying(results))
         print(f"Best trial ({'lowest' if mode == 'min' else 'highest'} {metric}): {chosen or best.path} "
               f"{metric} {best.metrics[metric]:.4g}" + (f"; {pruned} of {len(results)} trials pruned by "
                                                         f"{scheduler}" if scheduler != "fifo" else ""))
-    experiment = args.experiment or name
+    experiment = experiment or study
     print(f"MLflow experiment {experiment!r} in {tracking_uri}; next: {invocation()} report --experiment "
           f"{experiment}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
     failed, finished = count_trials(results, metric)

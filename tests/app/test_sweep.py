@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import tune_spaces
+from app.commands import sweep as sweep_command
 from app.jobs import sweep
 from app.tracking.run_kinds import run_kind
 
@@ -278,10 +279,10 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
+    sweep_command.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
     args = parser.parse_args(["smoke", "--search", "grid", "--scheduler", "fifo"])
     vars(args).update({k: sweep_dirs[k] for k in ("storage_path", "tracking_uri", "data_dir")})
-    assert sweep.run(args) == 0
+    assert sweep_command.run(args) == 0
     table = capsys.readouterr().out
     assert "0.99 CPU per worker" in table
     for engine in ("mpipemoe", "fastmoe", "fastermoe"):
@@ -463,10 +464,10 @@ def test_the_command_line_overrides_reach_the_space():
     import argparse as argparse_lib
 
     parser = argparse_lib.ArgumentParser()
-    sweep.add_arguments(parser)
+    sweep_command.add_arguments(parser)
     args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "6",
                               "--batch-size", "4", "--set", "partitions=1,auto", "--memory-cap-gib", "1.5"])
-    assert sweep.overrides_of(args) == {"preset": "tiny-gpt", "num_workers": 2, "steps": 6, "batch_size": 4,
+    assert sweep_command.overrides_of(args) == {"preset": "tiny-gpt", "num_workers": 2, "steps": 6, "batch_size": 4,
                                         "partitions": {"grid_search": [1, "auto"]}}
     assert (args.space, args.space_file, args.memory_cap_gib, args.search) == ("granularity", None, 1.5, None)
 
@@ -594,14 +595,14 @@ def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, ca
     from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
+    sweep_command.add_arguments(parser)
     args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "2",
                               "--batch-size", "1", "--set", "partitions=100000", "--set", "strategy=none,S1",
                               "--num-samples", "1", "--name", "gran-cpu", "--experiment", "mine",
                               "--memory-cap-gib", "1",
                               *[f"--{k.replace('_', '-')}={sweep_dirs[k]}" for k in ("storage_path", "tracking_uri",
                                                                                     "data_dir")]])
-    assert sweep.run(args) == 0
+    assert sweep_command.run(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"^strategy=none +- +- +- +refused: TrainJob.partitions=100000 is invalid", out, flags=re.M), out
     assert "Pareto front (time against settled peak memory, fastest first): no setting measured" in out
