@@ -77,7 +77,7 @@ def test_embedded_ray_has_no_dashboard(monkeypatch):
 def test_every_embedded_ray_init_turns_the_dashboard_off():
     """Static guard for new commands: each ``ray.init(address="local", ...)`` in app/ says
     include_dashboard=False."""
-    calls = [(path.name, call) for path in sorted((ROOT / "app").glob("*.py"))
+    calls = [(path.name, call) for path in sorted((ROOT / "app").rglob("*.py"))
              for call in re.findall(r"ray\.init\((.*?)\)\n", path.read_text(), flags=re.S)
              if 'address="local"' in call]
     assert calls, "no embedded ray.init found"

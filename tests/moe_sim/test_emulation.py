@@ -259,7 +259,8 @@ def test_training_never_uses_the_emulated_group():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "jobs.py",
+    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "commands" / "train.py",
+                *sorted((root / "app" / "jobs").glob("*.py")),
                 *sorted((root / "lm").glob("*.py"))]
     assert len(training) > 3
     for path in training:
