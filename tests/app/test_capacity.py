@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.commands.capacity import CapacitySearch, add_arguments, run
+from app.commands.capacity import add_arguments, run
+from app.jobs.capacity import CapacitySearch
 from lm.data import prepare_dataset
 from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
