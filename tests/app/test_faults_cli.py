@@ -374,7 +374,7 @@ def test_sigterm_asks_the_workers_to_stop_as_ctrl_c_does():
 def test_sigterm_ends_a_command_with_its_own_status_and_line(monkeypatch, capsys):
     import signal
 
-    from app.reports import report
+    from app.commands import report
     from app.jobs.launch import TrainingInterrupted
 
     def stopped(args):
