@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.jobs.launch import TrainJob, save_job, summarize, worker_config
-from app.commands.train import add_arguments, comparison_table, job_from_args
+from app.commands.train import add_arguments, job_from_args
+from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
 from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, clip_grad_norm, split_params
