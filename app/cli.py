@@ -30,20 +30,20 @@ import traceback
 from workers.control import SIGTERM_EXIT_CODE, sigterm_as_interrupt
 
 SUBCOMMANDS = {
-    "train": ("app.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
-    "data": ("app.data", "prepare tokenized Parquet shards from real text"),
-    "bench": ("app.bench", "benchmark the MoE layer engines side by side"),
-    "sweep": ("app.sweep", "run a Ray Tune study from tune_spaces/"),
-    "report": ("app.report", "generate a Markdown report with plots from MLflow runs"),
-    "ui": ("app.ui", "start the MLflow UI on 127.0.0.1"),
-    "check": ("app.check", "run the engine on gloo processes and compare with the reference"),
-    "calibrate": ("app.calibrate", "measure the hardware profile used by the performance model"),
-    "capacity": ("app.capacity", "find the largest batch each engine trains with under a memory cap"),
-    "simulate": ("app.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
-    "generate": ("app.generate", "continue a prompt with a trained run's newest checkpoint"),
-    "export": ("app.export", "write a trained run as model.safetensors, config.json and tokenizer.json"),
-    "routing": ("app.routing", "save the per-expert loads a training run logged, for the benches to replay"),
-    "tracking": ("app.tracking_import", "send metrics a run kept while its MLflow tracking server was unreachable"),
+    "train": ("app.commands.train", "train a MoE transformer with Ray Train (default: short CPU run)"),
+    "data": ("app.commands.data", "prepare tokenized Parquet shards from real text"),
+    "bench": ("app.commands.bench", "benchmark the MoE layer engines side by side"),
+    "sweep": ("app.commands.sweep", "run a Ray Tune study from tune_spaces/"),
+    "report": ("app.commands.report", "generate a Markdown report with plots from MLflow runs"),
+    "ui": ("app.commands.ui", "start the MLflow UI on 127.0.0.1"),
+    "check": ("app.commands.check", "run the engine on gloo processes and compare with the reference"),
+    "calibrate": ("app.commands.calibrate", "measure the hardware profile used by the performance model"),
+    "capacity": ("app.commands.capacity", "find the largest batch each engine trains with under a memory cap"),
+    "simulate": ("app.commands.simulate", "predict a cluster's MoE layer and training step from calibrated parts"),
+    "generate": ("app.commands.generate", "continue a prompt with a trained run's newest checkpoint"),
+    "export": ("app.commands.export", "write a trained run as model.safetensors, config.json and tokenizer.json"),
+    "routing": ("app.commands.routing", "save the per-expert loads a training run logged, for the benches to replay"),
+    "tracking": ("app.commands.tracking", "send metrics a run kept while its MLflow tracking server was unreachable"),
 }
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
     try:
-        with sigterm_as_interrupt():  # a job stops on SIGTERM as on Ctrl-C (app/jobs.py)
+        with sigterm_as_interrupt():  # a job stops on SIGTERM as on Ctrl-C (app/jobs/launch.py)
             return int(module.run(args) or 0)
     except USER_ERRORS as error:
         if debug:

@@ -1,5 +1,5 @@
 """Training data: real text tokenized once into Parquet shards, read back split by rank.
-The command that prepares it, ``mpipemoe data prepare``, is app/data.py.
+The command that prepares it, ``mpipemoe data prepare``, is app/commands/data.py.
 
 The default text is the standard library of the Python running this command
 (``sysconfig.get_paths()["stdlib"]``, ``*.py`` files, sorted by path, test suites and

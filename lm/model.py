@@ -206,7 +206,7 @@ class Block(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The two stages as named ranges of a profiler trace (the overlapped micro-batch
-        # schedule's timeline: app/timeline.py; a no-op without a profiler)
+        # schedule's timeline: app/bench/timeline.py; a no-op without a profiler)
         with torch.profiler.record_function(STAGE_MARKS[0]):
             x_BSD = x_BSD + self.attn(self.ln1(x_BSD))                       # local
         with torch.profiler.record_function(STAGE_MARKS[1]):

@@ -279,7 +279,7 @@ def _build_wait_kernels():
 @dataclass
 class EmulatedTiming:
     """How the emulated collectives of a group (and its `for_peer_steps` siblings, which share
-    this object) take their modelled time. Set by the step benchmark (app/bench_step.py).
+    this object) take their modelled time. Set by the step benchmark (app/bench/step.py).
 
     scale: the modelled seconds are waited this many times over: 1 (default) as modelled; 0
            runs the copies with no wait (the step's compute timed alone, or without its

@@ -7,7 +7,14 @@ parsed with ``ast``, imports inside functions included, and checked against one 
 A module may import its own package and the packages its row of ``MAY_IMPORT`` names,
 never one above it. Inside ``app``, a command module (one per ``mpipemoe`` subcommand, as
 ``app.cli.SUBCOMMANDS`` lists them) shares code with the others only through modules below
-it (app/jobs.py, app/tracking.py, ...): no app module imports a command module.
+it (app/jobs/launch.py, app/tracking/store.py, ...): no app module imports a command module.
+
+``app`` itself is a hall of thin commands over wings (docs/design.md §3), one folder each:
+
+    app.commands -> app.jobs, app.bench -> app.reports -> app.tracking
+
+A wing imports itself and the wings its row of ``WING_MAY_IMPORT`` names: commands import
+wings, wings never import commands, reports read records and tracking only.
 """
 from __future__ import annotations
 
@@ -28,6 +35,16 @@ MAY_IMPORT = {
     "moe_engine": (),
 }
 COMMANDS = {module for module, _ in SUBCOMMANDS.values()}
+
+# app's wing (its folder): the other wings it may import. app's top-level modules (cli) import none.
+WING_MAY_IMPORT = {
+    "commands": ("jobs", "bench", "reports", "tracking"),
+    "jobs": ("tracking",),
+    "bench": ("reports", "tracking"),  # stacked layers price memory against time (reports.memory_time)
+    "reports": ("tracking",),
+    "tracking": (),
+}
+MAX_TOP_LEVEL_MODULES = 8  # app/*.py, __init__.py included
 
 # Imports that break a rule today: (file, imported module) -> why, and when it goes. None left.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
@@ -75,11 +92,29 @@ def violations() -> list[tuple[str, str, str]]:
             where = f"{path.relative_to(ROOT)}:{line}"
             if target in MAY_IMPORT and target != package and target not in MAY_IMPORT[package]:
                 found.append((where, imported, f"{package} is below {target}: a lower layer imports a higher one"))
+            broken = wing_rule(name, imported)
+            if broken:
+                found.append((where, imported, broken))
             if package == "app" and imported in COMMANDS and imported != name:
                 kind = "command module" if name in COMMANDS else "module"
                 found.append((where, imported, f"the {kind} {name} imports the command module {imported}: "
                                                f"share the code through a module below the commands"))
     return found
+
+
+def _wing(module: str) -> str:
+    """The wing of an app module (``app.jobs.launch`` -> ``jobs``); "" outside app and at its top level."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "app" and len(parts) > 2 else ""
+
+
+def wing_rule(name: str, imported: str) -> str | None:
+    """The rule ``name`` breaks by importing ``imported`` across app's wings, or None."""
+    wing, imported_wing = _wing(name), _wing(imported)
+    if not wing or not imported_wing or imported_wing == wing or imported_wing in WING_MAY_IMPORT.get(wing, ()):
+        return None
+    return (f"the wing app.{wing} imports app.{imported_wing}, which WING_MAY_IMPORT does not allow: "
+            f"share it through a lower wing")
 
 
 def _unexcused(found):
@@ -95,6 +130,24 @@ def test_no_layer_imports_a_higher_one_and_no_command_imports_another():
     bad = _unexcused(violations())
     assert not bad, "imports against the layers (tests/test_layers.py):\n" + "\n".join(
         f"  {where} imports {imported}: {rule}" for where, imported, rule in bad)
+
+
+def test_app_is_a_few_top_level_modules_over_the_wings():
+    top = sorted(p.name for p in (ROOT / "app").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"app/ has {len(top)} top-level modules {top}: put new ones in a wing"
+    folders = {p.parent.name for p in (ROOT / "app").glob("*/__init__.py")}
+    assert folders == set(WING_MAY_IMPORT), f"app's folders {sorted(folders)} against WING_MAY_IMPORT's rows"
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((ROOT / "app" / folder / "__init__.py").read_text()))
+        assert doc, f"app/{folder}/__init__.py: open with one sentence of what lives there"
+
+
+def test_a_wing_importing_against_the_table_is_caught():
+    assert wing_rule("app.reports.training", "app.bench.layer")  # reports read records and tracking only
+    assert wing_rule("app.jobs.launch", "app.commands.train")    # wings never import commands
+    assert wing_rule("app.commands.train", "app.jobs.launch") is None
+    assert wing_rule("app.reports.training", "app.tracking.store") is None
+    assert wing_rule("app.cli", "app.commands.train") is None    # the dispatcher is no wing
 
 
 def test_every_known_exception_is_still_needed():

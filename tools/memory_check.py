@@ -11,8 +11,8 @@ import argparse
 
 import torch
 
-from app.bench import _step, layer_inputs, peak_memory_bytes
-from app.layer_shapes import LAYER_SHAPES
+from app.bench.layer import _step, layer_inputs, peak_memory_bytes
+from app.bench.shapes import LAYER_SHAPES
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.memory import predict_memory
 

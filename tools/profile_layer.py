@@ -12,13 +12,13 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from app.layer_shapes import LAYER_SHAPES
+from app.bench.shapes import LAYER_SHAPES
 from moe_engine import FastMoE, MoEConfig, build_layer
 
 
 def build(spec: str, config: MoEConfig, source):
     if spec == "torchtitan":
-        from app.peers import build_peer
+        from app.bench.peers import build_peer
         return build_peer("torchtitan", config, source, torch.device("cuda"), torch.bfloat16)
     layer = build_layer(spec, config, device="cuda", dtype=torch.bfloat16)
     layer.load_state_dict(source.state_dict())

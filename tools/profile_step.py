@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from app.records import record_meta
+from app.tracking.records import record_meta
 from lm.data import prepare_dataset
 from lm.model import get_preset, model_flops_per_token
 from workers.config import OPTIMIZER_IMPLS, WorkerConfig

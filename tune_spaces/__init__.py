@@ -13,10 +13,10 @@ Each study module gives:
 - ``DESCRIPTION``: one line for ``--help`` and the MLflow parent run.
 - ``param_space(search="grid") -> dict``: the Tune param space for that search algorithm
   (a grid for "grid", distributions for "random"/"optuna"). Keys are fields of
-  ``app.jobs.TrainJob`` (preset, engine, steps, num_workers, batch_size,
+  ``app.jobs.launch.TrainJob`` (preset, engine, steps, num_workers, batch_size,
   seq_len, partitions, strategy, lr, ...); every trial is one Ray Train run of the
   training application built from them. ``num_workers`` and ``steps`` are constants per
-  study: ``app.sweep`` sizes the concurrency and ASHA's budget from them.
+  study: ``app.jobs.sweep`` sizes the concurrency and ASHA's budget from them.
 - ``SEARCHES`` (optional, default ``GRID_SEARCHES``): the search algorithms its space
   supports (a grid of categorical choices has nothing for Optuna to model).
 - ``RANK_BY`` (optional): "throughput" (``tokens_per_s``, max; the default) or "loss"
@@ -46,7 +46,7 @@ SEARCHES = ("grid", "random", "optuna")
 GRID_SEARCHES = ("grid", "random")
 SCHEDULERS = ("fifo", "asha")
 
-# Throughput studies rank trials by training throughput (reported by app.jobs.run_job).
+# Throughput studies rank trials by training throughput (reported by app.jobs.launch.run_job).
 METRIC = "tokens_per_s"
 MODE = "max"
 # Loss studies rank by the validation loss where the training job evaluates one (the step
@@ -159,7 +159,7 @@ def load_data_file(path: Path) -> SimpleNamespace:
 
 def loss_metric(job_fields: dict) -> str:
     """The loss a study ranks by: VAL_LOSS when its training jobs evaluate (EVAL_FIELD above
-    0, or not set: ``app.jobs.TrainJob`` evaluates by default), else TRAIN_LOSS."""
+    0, or not set: ``app.jobs.launch.TrainJob`` evaluates by default), else TRAIN_LOSS."""
     every = job_fields.get(EVAL_FIELD, 1)
     return VAL_LOSS if isinstance(every, int) and every > 0 else TRAIN_LOSS
 
@@ -207,8 +207,8 @@ def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = Non
     reports, budget ``steps``), ranked by ``metric``/``mode``.
 
     Trials reuse their Tune actors (``reuse_actors``): a trial process that has finished one
-    trial runs the next, with torch, MLflow and ``app.jobs`` already imported (a new trial
-    process costs seconds of CPU before its Train job starts; app.sweep.stopping_trainable
+    trial runs the next, with torch, MLflow and ``app.jobs.launch`` already imported (a new trial
+    process costs seconds of CPU before its Train job starts; app.jobs.sweep.stopping_trainable
     waits for the previous trial's job to stop first)."""
     from ray import tune
 

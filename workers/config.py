@@ -1,6 +1,6 @@
 """What the driver hands each Ray Train worker: one frozen, validated ``WorkerConfig``.
 
-The driver builds it with ``app.jobs.worker_config(job, use_gpu)`` (all settings resolved:
+The driver builds it with ``app.jobs.launch.worker_config(job, use_gpu)`` (all settings resolved:
 device, dtype, threads, the data's mask id); ``workers/loop.py`` (training) and
 ``workers/capacity.py`` (the batch-size search) read its attributes. Ray pickles it to the
 workers like any value. Tests build one directly, with the defaults below.
@@ -22,7 +22,7 @@ NONFINITE_POLICIES = ("halt", "skip")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 DTYPES = ("float32", "bfloat16", "float16")
-# Fields only some runs set; logged to MLflow only when set (app/jobs.py ``_run_params``).
+# Fields only some runs set; logged to MLflow only when set (app/jobs/launch.py ``_run_params``).
 RUN_SPECIFIC = ("resume_from", "data_shards", "fault", "memory_cap_bytes", "start_batch", "max_batch", "steps_per_trial")
 HANDLES = ("metrics_queue", "stop_flag")  # Ray actor handles, not settings
 
@@ -36,7 +36,7 @@ def _is_int(value: object) -> bool:
 
 
 def check_optimisation(settings: Any, fail: Callable[[str, object, str], NoReturn]) -> None:
-    """The optimisation settings of ``settings`` (a WorkerConfig or an app.jobs.TrainJob):
+    """The optimisation settings of ``settings`` (a WorkerConfig or an app.jobs.launch.TrainJob):
     ``fail(field, value, fix)`` raises for the first bad one."""
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "aux_loss_weight"):
         value = getattr(settings, name)
@@ -90,7 +90,7 @@ class WorkerConfig:
                          another worker count keeps its first count (workers/reshard.py).
     fault:               fault-injection tests only (workers/loop.py ``fault_here``).
     memory_cap_bytes, start_batch, max_batch, steps_per_trial: the capacity search only
-                         (app/capacity.py ``CapacitySearch``).
+                         (app/commands/capacity.py ``CapacitySearch``).
     """
 
     preset: ModelPreset
@@ -196,7 +196,7 @@ class WorkerConfig:
         which the search needs set."""
         value = getattr(self, name)
         if value is None:
-            _fail(name, value, "the capacity search needs it (app/capacity.py CapacitySearch sets it)")
+            _fail(name, value, "the capacity search needs it (app/commands/capacity.py CapacitySearch sets it)")
         return int(value)
 
     def replace(self, **changes: Any) -> WorkerConfig:

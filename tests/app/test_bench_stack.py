@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-import app.bench_stack as bench_stack
-from app.bench_stack import BUDGET, build_stack, stack_settings
+import app.bench.stack as bench_stack
+from app.bench.stack import BUDGET, build_stack, stack_settings
 from app.cli import main
-from app.memory_time import memory_time_rows, memory_time_table
+from app.reports.memory_time import memory_time_rows, memory_time_table
 from moe_engine import FastMoE, MemoryBudget, MoEConfig
 from moe_engine.comm import ExpertGroup
 from moe_engine.granularity import GranularitySearch

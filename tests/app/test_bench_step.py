@@ -1,4 +1,4 @@
-"""Tier 1: ``mpipemoe bench --step`` (app/bench_step.py) on CPU: the bound and its check with
+"""Tier 1: ``mpipemoe bench --step`` (app/bench/step.py) on CPU: the bound and its check with
 controlled numbers, the modelled data-parallel reduction against DDP's buckets and the
 network model, the parameters shared by the engines' models, and every field of a real
 tiny run's records with the bound's terms consistent with the modelled collectives."""
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.bench_step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
+from app.bench.step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
                             build_variants, check_bounds, step_bound_ms)
 from app.cli import main
 from lm.model import param_counts
@@ -148,7 +148,7 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
 
 
 def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe():
-    from app.step_report import section_steps, step_summaries
+    from app.reports.step import section_steps, step_summaries
 
     point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
              "tokens": 32768.0, "micro_batches": 2.0}
@@ -173,7 +173,7 @@ def test_the_report_summarizes_each_point_and_flags_auto_slower_than_fastermoe()
 
 
 def test_the_report_takes_the_best_of_every_schedule_against_the_baselines_plain_step():
-    from app.step_report import section_steps, step_summaries
+    from app.reports.step import section_steps, step_summaries
 
     point = {"network": "dgx-h200", "emulated_cluster": "8x8", "model": "gpt-xl", "layers": 4.0, "routing": "uniform",
              "tokens": 32768.0, "micro_batches": 2.0}
@@ -195,7 +195,7 @@ def test_the_report_takes_the_best_of_every_schedule_against_the_baselines_plain
 
 
 def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
-    import app.bench_step as bench_step
+    import app.bench.step as bench_step
 
     def one_then_stop(settings, device, log):
         log({"model": "tiny-gpt", "routing": "uniform", "tokens": 128, "micro_batches": 1, "engine": "fastmoe",
@@ -218,7 +218,7 @@ def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
     model (FastMoE on the emulated group) from the same weights."""
     import copy
 
-    from app.bench_step import GRAD_CLIP, LR, StepParts, step_batches, training_step
+    from app.bench.step import GRAD_CLIP, LR, StepParts, step_batches, training_step
     from lm.model import lm_loss
     from workers.distributed import DenseParallel
     from workers.loop import build_optimizer
@@ -277,7 +277,7 @@ def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> 
     the emulated 2x2 cluster, with the bench's models and its lanes: the same losses, the same
     gradients, the same modelled collectives and reduction (the lane clones log into the
     group; the reduction is issued whole after the last backward)."""
-    from app.bench_step import StepParts, run_micro_batches, step_batches
+    from app.bench.step import StepParts, run_micro_batches, step_batches
     from workers.distributed import DenseParallel
     from workers.schedules import Lanes
 
@@ -360,7 +360,7 @@ def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_p
 
 
 def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_moe_budget():
-    from app.bench_step import point_schedules
+    from app.bench.step import point_schedules
 
     settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
                             schedule="auto", moe_memory_gib=1e-6)
@@ -380,7 +380,7 @@ def test_the_overlapped_steps_timeline_holds_both_micro_batches_of_the_last_step
     communication ran with no compute beside it."""
     import gzip
 
-    from app.timeline import PASS_MARK
+    from app.bench.timeline import PASS_MARK
     from workers.schedules import trace_mark
 
     out, traces = tmp_path / "step.json", tmp_path / "traces"

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.capacity import CapacitySearch, add_arguments, run
+from app.commands.capacity import add_arguments, run
+from app.jobs.capacity import CapacitySearch
 from lm.data import prepare_dataset
 from lm.model import MoETransformer, get_preset
 from workers.capacity import BatchTrials, largest_fitting
@@ -124,7 +125,7 @@ def test_the_search_stops_where_the_memory_cap_is_reached_cpu_twin():
 def test_report_section_tabulates_the_logged_h200_search(tmp_path):
     """The committed H200 record, logged to a fresh MLflow store, read back for `mpipemoe report`."""
     pytest.importorskip("mlflow")
-    from app.capacity_report import load_capacity_runs, section_capacity
+    from app.reports.capacity import load_capacity_runs, section_capacity
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     parser = argparse.ArgumentParser()

@@ -182,7 +182,7 @@ def cluster(tmp_path_factory):
 
 def _straight_losses(job) -> list[float]:
     """The job's N steps on 2 gloo ranks without Ray (no checkpoint, no restart)."""
-    from app.jobs import worker_config
+    from app.jobs.launch import worker_config
     from tests.distributed import run_on_ranks
 
     return run_on_ranks(2, _train_straight, worker_config(job, use_gpu=False))[0]
@@ -212,8 +212,8 @@ def _registered_checkpoints(run_dir: Path) -> int:
 
 
 def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
-    from app.jobs import TrainJob
-    from app.tracking import client, find_run, metric_history
+    from app.jobs.launch import TrainJob
+    from app.tracking.store import client, find_run, metric_history
 
     storage = cluster.shared / "ray_results"
     summary_json = cluster.root / "train-summary.json"
@@ -271,8 +271,8 @@ def test_submitted_sweep_runs_a_trial_on_each_worker_node(cluster):
     """``mpipemoe sweep smoke`` (two of its engines) as a job: the resource plan lets two trials
     run at once (5 CPUs: 1 on the head, 2 on each worker node), each trial's 2 workers fit on
     one worker node only (1 CPU each; the head keeps less than 1 free), so one trial per node."""
-    from app.run_kinds import run_kind
-    from app.tracking import client
+    from app.tracking.run_kinds import run_kind
+    from app.tracking.store import client
 
     storage = cluster.shared / "ray_results"
     started = time.monotonic()

@@ -44,7 +44,7 @@ def main(out_dir: str) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from lm.data import ensure_default_data
-    from app.jobs import TrainJob, worker_config
+    from app.jobs.launch import TrainJob, worker_config
 
     out = Path(out_dir)
     (out / "placement").mkdir(parents=True, exist_ok=True)

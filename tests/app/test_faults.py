@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.tracking import RunLogger, client, metric_history
+from app.tracking.store import RunLogger, client, metric_history
 from lm.data import MANIFEST, prepare_dataset
 
 pytestmark = pytest.mark.faults
@@ -179,7 +179,7 @@ def test_read_only_store(env, tmp_path, capsys):
 # ---- refused resumes change nothing ----------------------------------------------------------
 
 def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
-    from app.jobs import JOB_FILE, TrainJob, save_job
+    from app.jobs.launch import JOB_FILE, TrainJob, save_job
 
     storage = tmp_path / "rr"
     save_job(TrainJob(preset="tiny-gpt", seq_len=32, storage_path=str(storage), name="base", tracking_uri="none",
@@ -360,7 +360,7 @@ def test_report_names_the_runs_it_leaves_out(tmp_path, capsys):
 
 
 def test_sweep_trial_metrics_are_never_nan():
-    from app.sweep import trial_metrics
+    from app.jobs.sweep import trial_metrics
 
     assert trial_metrics({"name": "t", "tokens_per_s": 12.5, "steps": 3, "status": "FINISHED"}) == \
         {"tokens_per_s": 12.5, "steps": 3, "step": 3}  # step: the schedulers' time axis
@@ -548,7 +548,7 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
     assert data.params["strategy"] == "S1" and data.params["segment.2.strategy"] == "S2"
     assert [(s["from_step"], s["strategy"]) for s in json.loads(data.tags["mpipemoe.segments"])] == \
         [(1, "S1"), (r["newest"] + 1, "S2")]
-    from app.report import load_records
+    from app.reports.report import load_records
 
     (record,) = [rec for rec in load_records(env["uri"], ["faults"]) if rec.run_id == run.info.run_id]
     assert record.strategy == "S2" and f"from step {r['newest'] + 1}: strategy S2" in record.segments
@@ -556,9 +556,9 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
     """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
-    from app.sweep import trial_metrics
-    from app.jobs import run_job
-    from app.train import job_from_args, add_arguments
+    from app.jobs.sweep import trial_metrics
+    from app.jobs.launch import run_job
+    from app.commands.train import job_from_args, add_arguments
     import argparse
 
     parser = argparse.ArgumentParser()

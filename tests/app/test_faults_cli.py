@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from app import cli
-from app.jobs import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
-from app.report import load_records, write_report
-from app.tracking import RunLogger, client
-from app.train import steps_done
+from app.jobs.launch import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
+from app.reports.report import load_records, write_report
+from app.tracking.store import RunLogger, client
+from app.commands.train import steps_done
 from lm.data import MANIFEST, prepare_dataset
 from tests.app.test_faults import REPO, _cli, _listing, _read_only_view
 from workers import checkpoint as ckpt
@@ -119,7 +119,7 @@ def test_a_wrong_attempt_on_a_run_without_its_settings_file_changes_nothing(data
     # store and data from any folder
     after = {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()}
     assert after == before and not (run_dir / JOB_FILE).exists()
-    from app.jobs import check_continues
+    from app.jobs.launch import check_continues
 
     check_continues(TrainJob(preset="tiny-gpt", seq_len=32, num_workers=2, storage_path=str(storage), name="ck",
                              tracking_uri="none"))  # the printed settings continue it
@@ -127,7 +127,7 @@ def test_a_wrong_attempt_on_a_run_without_its_settings_file_changes_nothing(data
 
 def test_a_failed_mlflow_start_leaves_no_settings_that_bind_the_name(data, tmp_path, ray_local, monkeypatch):
     """The store fails after every check passed (a race, a full disk): no run folder, no settings file."""
-    from app import jobs
+    from app.jobs import launch as jobs
 
     def failing_start(*args, **kwargs):
         raise RuntimeError("table experiments already exists")
@@ -162,7 +162,7 @@ def test_plain_path_and_file_tracking_uris_name_sqlite(data, tmp_path, capsys, g
 
 _CREATE = """
 import sys, time
-from app.tracking import RunLogger, check_store
+from app.tracking.store import RunLogger, check_store
 uri, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # both processes, mlflow imported, begin together
 check_store(uri)
@@ -314,7 +314,7 @@ def test_an_engine_switch_on_resume_is_recorded_in_mlflow_and_the_report(tmp_pat
 # ---- Ray's token file -------------------------------------------------------------------------------------
 
 def test_rays_token_is_written_private(tmp_path, monkeypatch):
-    from app.jobs import private_ray_token
+    from app.jobs.launch import private_ray_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -357,7 +357,7 @@ def test_sigterm_asks_the_workers_to_stop_as_ctrl_c_does():
     import signal
     import threading
 
-    from app.jobs import _fit_interruptibly
+    from app.jobs.launch import _fit_interruptibly
     from workers.control import SIGTERM_EXIT_CODE, Terminated
 
     trainer, lines = _Trainer(), []
@@ -374,8 +374,8 @@ def test_sigterm_asks_the_workers_to_stop_as_ctrl_c_does():
 def test_sigterm_ends_a_command_with_its_own_status_and_line(monkeypatch, capsys):
     import signal
 
-    from app import report
-    from app.jobs import TrainingInterrupted
+    from app.commands import report
+    from app.jobs.launch import TrainingInterrupted
 
     def stopped(args):
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the command runs

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs import TrainJob, save_job, worker_config
+from app.jobs.launch import TrainJob, save_job, worker_config
 from lm.data import prepare_dataset
 from lm.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
 

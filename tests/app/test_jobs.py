@@ -58,7 +58,7 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
     if missing:
         pytest.fail(missing)  # a broken test install, not a reason to skip
     from lm.data import prepare_dataset
-    from app.tracking import find_run, metric_history
+    from app.tracking.store import find_run, metric_history
 
     data_dir = tmp_path / "data"
     manifest = prepare_dataset(data_dir, max_bytes=60_000, row_len=1000, tokenizer="bpe:512")
@@ -109,7 +109,7 @@ def test_submitted_training_job_logs_an_mlflow_run_over_http(tmp_path):
         assert "[mpipemoe] done: 3 steps" in result["logs"]
         run_id = find_run(tracking_uri, "jobs", "ray_train_name", "submitted-job")
         assert run_id is not None
-        from app.tracking import client
+        from app.tracking.store import client
         run = client(tracking_uri).get_run(run_id)
         assert run.info.status == "FINISHED"
         assert run.data.params["model.vocab_size"] == str(manifest.vocab_size) == "512"  # the BPE's

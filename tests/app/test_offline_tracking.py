@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("mlflow")
 
 from app import cli  # noqa: E402
-from app.offline import reachable  # noqa: E402
-from app.tracking import RunLogger, client, metric_history  # noqa: E402
+from app.tracking.offline import reachable  # noqa: E402
+from app.tracking.store import RunLogger, client, metric_history  # noqa: E402
 from tests.processes import free_ports, start_mlflow_server, stop, wait_http  # noqa: E402
 
 

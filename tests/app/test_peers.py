@@ -1,4 +1,4 @@
-"""app/peers.py: torchtitan's MoE layer on our weights, and the dense-GEMM floor.
+"""app/bench/peers.py: torchtitan's MoE layer on our weights, and the dense-GEMM floor.
 
 Tier 1 (CPU, no torchtitan): the peer options are checked naming what is unsupported,
 and the dense floor computes one dense FFN's forward and every gradient. Tier 1 with
@@ -11,7 +11,7 @@ import torch
 
 from moe_engine.experts import ExpertSegments
 
-from app.peers import (LEAN_MEMORY_SHARE, build_peer, check_peers, dense_ffn, dense_floor_step, peer_summary,
+from app.bench.peers import (LEAN_MEMORY_SHARE, build_peer, check_peers, dense_ffn, dense_floor_step, peer_summary,
                        require_peers)
 from moe_engine import FastMoE, MoEConfig
 

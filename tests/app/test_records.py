@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.records import BenchPoint, BenchResult, CapacityResult, RecordMeta, command_line, record_meta
+from app.tracking.records import BenchPoint, BenchResult, CapacityResult, RecordMeta, command_line, record_meta
 
 
 def test_command_line_reads_as_the_user_typed_it(monkeypatch):
@@ -61,8 +61,12 @@ def test_generated_records_default_to_the_ignored_out_folder():
     import argparse
     from pathlib import Path
 
-    from app import bench, calibrate, capacity, report, simulate
-    from app.records import DEFAULT_OUT_DIR
+    from app.commands import calibrate
+    from app.commands import capacity
+    from app.commands import bench
+    from app.commands import simulate
+    from app.commands import report
+    from app.tracking.records import DEFAULT_OUT_DIR
 
     defaults = {}
     for module in (bench, calibrate, capacity, report, simulate):
@@ -70,8 +74,8 @@ def test_generated_records_default_to_the_ignored_out_folder():
         module.add_arguments(parser)
         args = parser.parse_args([])
         defaults[module.__name__] = getattr(args, "out", None) or getattr(args, "profiles", None)
-    assert defaults["app.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
-    assert defaults["app.report"].startswith(f"{DEFAULT_OUT_DIR}/")
+    assert defaults["app.commands.calibrate"] == f"{DEFAULT_OUT_DIR}/profiles.json"
+    assert defaults["app.commands.report"].startswith(f"{DEFAULT_OUT_DIR}/")
     assert all(value is None or value.startswith(f"{DEFAULT_OUT_DIR}/") for value in defaults.values()), defaults
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert f"/{DEFAULT_OUT_DIR}/" in ignored
@@ -121,7 +125,7 @@ def test_unknown_top_level_keys_are_refused():
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("**/bench-*.json")), ids=lambda p: p.name)
 def test_bench_markdown_is_the_same_from_the_typed_result(path):
-    from app.bench import markdown_table  # torch: only this test needs it
+    from app.bench.layer import markdown_table  # torch: only this test needs it
 
     data = json.loads(path.read_text())
     assert markdown_table(BenchResult.from_json(data)) == markdown_table(data)  # early files too
@@ -133,7 +137,7 @@ def test_git_commit_is_the_code_that_ran_even_in_a_copy_without_git(tmp_path, mo
     import shutil
     import subprocess
 
-    from app.records import COMMIT_STAMP, git_commit, source_commit, write_commit_stamp
+    from app.tracking.records import COMMIT_STAMP, git_commit, source_commit, write_commit_stamp
 
     checkout = tmp_path / "checkout"
     (checkout / "app").mkdir(parents=True)
@@ -162,7 +166,7 @@ def test_git_commit_is_the_code_that_ran_even_in_a_copy_without_git(tmp_path, mo
 
 
 def test_the_commit_stamp_is_ignored_by_git_and_written_by_the_tool():
-    from app.records import CHECKOUT, COMMIT_STAMP
+    from app.tracking.records import CHECKOUT, COMMIT_STAMP
 
     import subprocess
     assert subprocess.run(["git", "-C", str(CHECKOUT), "check-ignore", "-q", COMMIT_STAMP]).returncode == 0

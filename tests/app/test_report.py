@@ -4,15 +4,14 @@ The numbers are chosen so the expected ratios and best n can be worked out by ha
 """
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
 pytest.importorskip("mlflow")
 pytest.importorskip("matplotlib")
 
-from app import report  # noqa: E402
-from app.tracking import RunLogger  # noqa: E402
+from app.reports import report  # noqa: E402
+from app.tracking.store import RunLogger  # noqa: E402
 
 MIB = 2 ** 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -50,7 +49,7 @@ def store(tmp_path, monkeypatch):
     # noise the report must ignore: a run still RUNNING, a study parent run
     bench(uri, "fastmoe", 8192, 1.0, 1, status="RUNNING")
     RunLogger.start(uri, "bench-synthetic", tags={"kind": "study"}).finish()
-    # one training run as app.jobs.run_job logs it: tokens = batch_size * resolved seq_len,
+    # one training run as app.jobs.launch.run_job logs it: tokens = batch_size * resolved seq_len,
     # summary_* (median tokens/s, max peak) win over the last step's values
     run = RunLogger.start(uri, "smoke", run_name="smoke-run", tags={"mpipemoe.kind": "train", "strategy": "S2"})
     run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "num_workers": 2,
@@ -109,8 +108,7 @@ def test_strategy_rows(store):
 
 def test_report_files(store, tmp_path, capsys):
     out = tmp_path / "report"
-    args = argparse.Namespace(out=str(out), experiment=None, tracking_uri=store)
-    assert report.run(args) == 0
+    assert report.report_from_store(str(out), None, store) == 0
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
     pngs = ["speedup_memory.png", "strategies.png", "best_n.png", "memory_prediction.png", "val_loss.png",
@@ -140,8 +138,8 @@ def test_empty_store_says_no_data(tmp_path, monkeypatch):
 def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, monkeypatch):
     """Emulated bench runs (tag measured_as=emulated) are not measurements: sections 1-4
     ignore them; section 7 shows speedup, overlap efficiency, best n and memory vs time."""
-    from app.bench import log_to_mlflow
-    from app.emulated_report import load_emulated
+    from app.bench.layer import log_to_mlflow
+    from app.reports.emulated import load_emulated
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -183,8 +181,8 @@ def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, mo
     """`mpipemoe bench --layers L` records (logged to MLflow as bench runs with `layers`)
     time stacks, not single layers: only section 9, memory against time, shows them,
     relative to the peer without checkpointing; single-layer runs with peak memory too."""
-    from app.bench import log_to_mlflow
-    from app.memory_time import load_memory_time
+    from app.bench.layer import log_to_mlflow
+    from app.reports.memory_time import load_memory_time
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,4 +1,4 @@
-"""Tier 1: routings replayed from a training run (app/routing_replay.py, `mpipemoe routing`):
+"""Tier 1: routings replayed from a training run (app/bench/routing_replay.py, `mpipemoe routing`):
 the file from logged metrics, the spread over more experts, the pushes route as the file
 says (counted by the router's own top-k), the layout with the busiest rank first, and the
 extraction from an MLflow store."""
@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from app.bench_parts import layer_inputs
+from app.bench.parts import layer_inputs
 from app.cli import main
-from app.routing_replay import (RoutingFile, busiest_rank_first, load_routing, routing_from_metrics, routing_push,
+from app.bench.routing_replay import (RoutingFile, busiest_rank_first, load_routing, routing_from_metrics, routing_push,
                                 save_routing)
 from moe_engine.router import count_ids
 
@@ -59,8 +59,8 @@ def test_the_pushes_route_the_tokens_as_the_file_says(tmp_path):
 
 
 def test_routing_extracts_a_runs_logged_loads_from_mlflow(tmp_path, capsys):
-    from app.run_kinds import TRAIN, kind_tags
-    from app.tracking import RunLogger
+    from app.tracking.run_kinds import TRAIN, kind_tags
+    from app.tracking.store import RunLogger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run = RunLogger.start(uri, "mpipemoe", run_name="gpt-s-run", tags=kind_tags(TRAIN))
@@ -80,7 +80,7 @@ def test_routing_extracts_a_runs_logged_loads_from_mlflow(tmp_path, capsys):
 
 
 def test_each_token_gets_distinct_experts_and_a_hot_share_is_capped_at_one_over_k():
-    from app.routing_replay import assign_experts
+    from app.bench.routing_replay import assign_experts
 
     picks_TK = assign_experts([0.7, 0.1, 0.1, 0.1], 100, 2)
     assert picks_TK.shape == (100, 2) and bool((picks_TK[:, 0] != picks_TK[:, 1]).all())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app import ui
+from app.commands import ui
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_exposure_warning(host, warns):
 
 def test_embedded_ray_has_no_dashboard(monkeypatch):
     ray = pytest.importorskip("ray")
-    from app.jobs import TrainJob, init_ray
+    from app.jobs.launch import TrainJob, init_ray
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -77,7 +77,7 @@ def test_embedded_ray_has_no_dashboard(monkeypatch):
 def test_every_embedded_ray_init_turns_the_dashboard_off():
     """Static guard for new commands: each ``ray.init(address="local", ...)`` in app/ says
     include_dashboard=False."""
-    calls = [(path.name, call) for path in sorted((ROOT / "app").glob("*.py"))
+    calls = [(path.name, call) for path in sorted((ROOT / "app").rglob("*.py"))
              for call in re.findall(r"ray\.init\((.*?)\)\n", path.read_text(), flags=re.S)
              if 'address="local"' in call]
     assert calls, "no embedded ray.init found"

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import tune_spaces
-from app import sweep
-from app.run_kinds import run_kind
+from app.commands import sweep as sweep_command
+from app.jobs import sweep
+from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,7 +53,7 @@ def _grid_points(space: dict):
 
 @pytest.mark.parametrize("study", tune_spaces.STUDIES)
 def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION
@@ -79,7 +80,7 @@ def test_unknown_study_names_the_choices():
 def test_results_table_shows_the_validation_loss_where_trials_have_one():
     from types import SimpleNamespace
 
-    from app.sweep import format_results
+    from app.jobs.sweep import format_results
 
     results = [SimpleNamespace(config={"lr": lr}, metrics=metrics, error=None) for lr, metrics in (
         (1e-3, {"tokens_per_s": 10.0, "final_loss": 3.0, "final_val_loss": 2.5}),
@@ -116,7 +117,7 @@ def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
 
 
 def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
-    from app.jobs import TrainJob
+    from app.jobs.launch import TrainJob
 
     assert TrainJob().eval_every > 0   # what loss_metric assumes of a study that does not set it
     assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"
@@ -128,7 +129,7 @@ def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
 def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pruned(tmp_path, monkeypatch):
     import ray.tune
 
-    from app.jobs import STOP_JOB, TrainJob
+    from app.jobs.launch import STOP_JOB, TrainJob
 
     job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
     settings = sweep.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
@@ -274,14 +275,14 @@ def sweep_dirs(tmp_path, monkeypatch):
 def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep smoke`: 3 real training trials (one per engine), logged to MLflow;
     then `mpipemoe report`."""
-    from app import report
-    from app.tracking import client
+    from app.reports import report
+    from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
+    sweep_command.add_arguments(parser)  # every option's default, as `mpipemoe sweep smoke` gets them
     args = parser.parse_args(["smoke", "--search", "grid", "--scheduler", "fifo"])
     vars(args).update({k: sweep_dirs[k] for k in ("storage_path", "tracking_uri", "data_dir")})
-    assert sweep.run(args) == 0
+    assert sweep_command.run(args) == 0
     table = capsys.readouterr().out
     assert "0.99 CPU per worker" in table
     for engine in ("mpipemoe", "fastmoe", "fastermoe"):
@@ -302,8 +303,7 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
         assert run.data.tags["study"] == "smoke" and run.data.tags["trial_id"]
 
     out = sweep_dirs["out"]
-    assert report.run(argparse.Namespace(out=str(out), experiment=["smoke"],
-                                         tracking_uri=sweep_dirs["tracking_uri"])) == 0
+    assert report.report_from_store(str(out), ["smoke"], sweep_dirs["tracking_uri"]) == 0
     assert str(out / "report.md") in capsys.readouterr().out
     text = (out / "report.md").read_text()
     png = out / "speedup_memory.png"
@@ -349,7 +349,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     assert starts.count("fastmoe") == 2 and starts.count("fastermoe") == 1
     assert sweep.count_trials(second) == (0, 3)
 
-    from app.tracking import client  # one parent run, reopened by the resume and closed again
+    from app.tracking.store import client  # one parent run, reopened by the resume and closed again
 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
@@ -464,10 +464,10 @@ def test_the_command_line_overrides_reach_the_space():
     import argparse as argparse_lib
 
     parser = argparse_lib.ArgumentParser()
-    sweep.add_arguments(parser)
+    sweep_command.add_arguments(parser)
     args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "6",
                               "--batch-size", "4", "--set", "partitions=1,auto", "--memory-cap-gib", "1.5"])
-    assert sweep.overrides_of(args) == {"preset": "tiny-gpt", "num_workers": 2, "steps": 6, "batch_size": 4,
+    assert sweep_command.overrides_of(args) == {"preset": "tiny-gpt", "num_workers": 2, "steps": 6, "batch_size": 4,
                                         "partitions": {"grid_search": [1, "auto"]}}
     assert (args.space, args.space_file, args.memory_cap_gib, args.search) == ("granularity", None, 1.5, None)
 
@@ -478,7 +478,7 @@ def _row(n, strategy, rate, peak_mib, **extra):
 
 
 def test_settings_merge_their_repeats_and_rank_on_the_time_memory_front():
-    from app import sweep_rank
+    from app.jobs import sweep_rank
 
     nan = float("nan")
     rows = [_row(1, "none", 100.0, 500), _row(1, "none", 120.0, 510),   # two repeats: median 110
@@ -580,7 +580,7 @@ def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_lo
         "fastermoe", "fastmoe", "mpipemoe"]
     assert _most_at_once(log) == 1
 
-    from app.tracking import client
+    from app.tracking.store import client
 
     mlflow = client(sweep_dirs["tracking_uri"])
     parents = mlflow.search_runs([mlflow.get_experiment_by_name("smoke").experiment_id])
@@ -592,17 +592,17 @@ def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, ca
     """`mpipemoe sweep granularity` from the command line alone on CPU, every setting refused
     before any Train job starts (more partitions than a micro-batch's tokens): each is a
     FAILED MLflow run with the study's tags, outcome and reason, and the ranking lists it."""
-    from app.tracking import client
+    from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
+    sweep_command.add_arguments(parser)
     args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "2",
                               "--batch-size", "1", "--set", "partitions=100000", "--set", "strategy=none,S1",
                               "--num-samples", "1", "--name", "gran-cpu", "--experiment", "mine",
                               "--memory-cap-gib", "1",
                               *[f"--{k.replace('_', '-')}={sweep_dirs[k]}" for k in ("storage_path", "tracking_uri",
                                                                                     "data_dir")]])
-    assert sweep.run(args) == 0
+    assert sweep_command.run(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"^strategy=none +- +- +- +refused: TrainJob.partitions=100000 is invalid", out, flags=re.M), out
     assert "Pareto front (time against settled peak memory, fastest first): no setting measured" in out
@@ -653,7 +653,7 @@ def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local,
     MLflow run ends KILLED with ``pruned_at_step``."""
     import ray.tune
 
-    from app.tracking import client, metric_history
+    from app.tracking.store import client, metric_history
 
     seen = []
 

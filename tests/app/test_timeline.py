@@ -1,13 +1,13 @@
-"""`mpipemoe bench --trace`: the timeline's stream account (app/timeline.py) and the overlap
-account every record carries (app/bench.py)."""
+"""`mpipemoe bench --trace`: the timeline's stream account (app/bench/timeline.py) and the overlap
+account every record carries (app/bench/layer.py)."""
 import gzip
 import json
 
 import pytest
 
-from app.bench import add_overlap_account, overlap_bound_ms
+from app.bench.layer import add_overlap_account, overlap_bound_ms
 from app.cli import main
-from app.timeline import stream_account
+from app.bench.timeline import stream_account
 
 
 def kernel(name, start_us, dur_us, stream):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from app.tracking import RunLogger, client, find_run, flatten, metric_history, resolve_tracking_uri
+from app.tracking.store import RunLogger, client, find_run, flatten, metric_history, resolve_tracking_uri
 
 
 def test_resolve_tracking_uri(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_run_logger_params_metrics_nesting_and_resume(tmp_path, monkeypatch):
 def test_runs_carry_the_git_commit_and_dirty_flag_of_a_checkout_and_nothing_elsewhere(tmp_path):
     import subprocess
 
-    from app.tracking import CHECKOUT, git_tags
+    from app.tracking.store import CHECKOUT, git_tags
 
     assert git_tags(tmp_path) == {}  # not a checkout
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -73,7 +73,7 @@ def test_runs_carry_the_git_commit_and_dirty_flag_of_a_checkout_and_nothing_else
 def test_system_metrics_are_logged_where_psutil_is_and_off_cleanly_where_not(tmp_path, monkeypatch):
     import importlib.util
 
-    from app import tracking
+    from app.tracking import store as tracking
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     real = importlib.util.find_spec
@@ -97,7 +97,7 @@ def test_system_metrics_are_logged_where_psutil_is_and_off_cleanly_where_not(tmp
 
 
 def test_ui_serves_the_store_on_localhost_only():
-    from app.ui import server_command
+    from app.commands.ui import server_command
 
     command = server_command("sqlite:////x/mlflow.db", 5050)
     assert command[command.index("--host") + 1] == "127.0.0.1"

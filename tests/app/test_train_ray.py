@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.jobs import TrainJob, run_job
-from app.tracking import client, metric_history
-from app.train import add_arguments, compare_engines, run
+from app.jobs.launch import TrainJob, run_job
+from app.tracking.store import client, metric_history
+from app.commands.train import add_arguments, run
+from app.jobs.compare import compare_engines
 from lm.data import prepare_dataset
 from lm.model import ENGINES
 

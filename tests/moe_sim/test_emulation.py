@@ -292,7 +292,8 @@ def test_training_never_uses_the_emulated_group():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "train.py", root / "app" / "jobs.py",
+    training = [*sorted((root / "workers").glob("*.py")), root / "app" / "commands" / "train.py",
+                *sorted((root / "app" / "jobs").glob("*.py")),
                 *sorted((root / "lm").glob("*.py"))]
     assert len(training) > 3
     for path in training:
@@ -300,7 +301,7 @@ def test_training_never_uses_the_emulated_group():
 
 
 def test_busiest_rank_becomes_rank_0_by_swapping_router_rows():
-    from app.bench import busiest_rank_first
+    from app.bench.layer import busiest_rank_first
     from moe_engine.router import count_ids
 
     torch.manual_seed(0)
@@ -327,7 +328,7 @@ def test_busiest_rank_becomes_rank_0_by_swapping_router_rows():
 def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
     """`simulate --validate` prices an emulated record in the emulated cluster (its layout,
     network and measured expert load), and the All-to-All stage against the network model."""
-    from app.simulate import emulated_all_to_all_ms, validate
+    from app.bench.simulate import emulated_all_to_all_ms, validate
     from moe_sim.parts import GpuParts
 
     out = tmp_path / "bench.json"

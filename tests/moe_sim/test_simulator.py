@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from app import cli
-from app.simulate import SimulateSettings, validate
-from app.simulate_report import section_simulations
+from app.bench.simulate import SimulateSettings, validate
+from app.reports.simulate import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
                                 all_reduce_s, expert_group_layouts, hierarchical_all_to_all_s, hot_expert_load,
@@ -589,7 +589,7 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
     """A record's host probe (the same layer at 64 tokens, timed beside it) scales the host
     term so that the simulator gives the probe's time at 64 tokens; at the record's own size
     the matched simulation is what the validation reports beside the plain one."""
-    from app.simulate import _host_matched
+    from app.bench.simulate import _host_matched
     from moe_sim.simulator import LayerShape, simulate_layer, single_gpu
 
     with open("results/bench-h200.json") as f:
@@ -645,7 +645,7 @@ def test_a_step_of_micro_batches_prices_each_and_hides_the_reduction_behind_the_
 
 
 def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_path):
-    """A step record of `mpipemoe bench --step` (app/bench_step.py): its model, micro-batches and
+    """A step record of `mpipemoe bench --step` (app/bench/step.py): its model, micro-batches and
     setting on its emulated cluster, the reduction overlapped with the last backward."""
     meta = {"measured_as": "emulated", "nodes": 8, "gpus_per_node": 8, "network": "dgx-h200", "world_size": 64,
             "kind": "step"}
@@ -662,7 +662,7 @@ def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_pat
     assert row["kind"] == "step" and row["simulated_ms"] == pytest.approx(expected.step_s * 1e3)
     assert row["error"] == pytest.approx(expected.step_s * 1e3 / 200.0 - 1)
     # the parts' spot check re-timed layers: a step record of the same model and setting is not one
-    from app.simulate import _spot_check
+    from app.bench.simulate import _spot_check
 
     spot_parts = type("Parts", (), {"notes": {"spot_check": [{"model": "gpt-xl", "tokens": 16384,
                                                               "engine": "mpipemoe", "partitions": 2, "strategy": "S4",

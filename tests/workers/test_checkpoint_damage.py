@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from app.jobs import TrainJob, choose_checkpoint
+from app.jobs.launch import TrainJob, choose_checkpoint
 from workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.faults

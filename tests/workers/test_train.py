@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.jobs import TrainJob, save_job, summarize, worker_config
-from app.train import add_arguments, comparison_table, job_from_args
+from app.jobs.launch import TrainJob, save_job, summarize, worker_config
+from app.commands.train import add_arguments, job_from_args
+from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
 from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, clip_grad_norm, split_params
@@ -183,7 +184,7 @@ def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path, mode)
 
 def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
     pytest.importorskip("ray")
-    from app.jobs import build_trainer
+    from app.jobs.launch import build_trainer
 
     prepare_dataset(tmp_path / "data", max_bytes=50_000, row_len=1000)
     job = TrainJob(use_gpu=True, num_workers=4, data_dir=str(tmp_path / "data"),
@@ -198,8 +199,8 @@ def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
 
 
 def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
-    from app.tracking import NullRun
-    from app.jobs import _MetricsPump
+    from app.tracking.store import NullRun
+    from app.jobs.launch import _MetricsPump
 
     lines = []
     pump = _MetricsPump(None, NullRun(), TrainJob(steps=4, log_every=1), lines.append, None)

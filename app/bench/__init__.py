@@ -1,0 +1,4 @@
+"""What `mpipemoe bench` and `mpipemoe simulate` measure and predict: the layer benchmark (layer)
+and the training step (step), stacked layers (stack), the parts they share (parts), peer layers
+(peers), timelines (timeline), the shapes (shapes), routings (routing_replay) and the simulator's
+predictions against records (simulate)."""

@@ -1,0 +1,1218 @@
+"""Building and starting Ray Train jobs: the driver side of ``mpipemoe train``, shared by the
+commands that run training jobs (train, sweep, capacity).
+
+    job = TrainJob(preset="tiny-gpt", steps=50)      # validated, paths made absolute
+    summary = run_job(job)                           # checks, Ray, one MLflow run, the summary
+
+Three layers (docs/design.md §3): ``workers.loop.train_fn_per_worker`` runs in every worker;
+``build_trainer(job)`` makes the ``TorchTrainer``; ``run_job(job)`` starts/joins Ray,
+fits, and logs one MLflow run. The sweep calls ``run_job`` inside Ray Tune trials; the
+capacity search calls ``build_trainer`` with its own worker function.
+
+MLflow is written by the *driver* only, from per-step metrics that rank 0 puts on a
+small Ray queue actor: workers on a cluster may not reach the tracking store, the
+driver always can, and the driver also prints live progress from the same stream.
+
+Ray (the ``ray`` extra) is imported inside the functions that start or inspect a job:
+``TrainJob``, its checks and ``mpipemoe train --help`` work without it, and importing it
+costs seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue as queue_lib
+import secrets
+import shlex
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.tracking.offline import PENDING_FILE, is_remote
+from app.tracking.run_kinds import SEGMENTS_TAG, TRAIN, kind_tags, run_segments
+from app.tracking.runlock import RunLock
+from app.tracking.store import (NO_TRACKING, NullRun, RunLogger, check_store, check_store_form, client, find_run,
+                          metric_history, resolve_tracking_uri)
+from lm import data as data_lib
+from lm.errors import invocation, os_error
+from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes, leanest_moe_memory,
+                      get_preset, param_counts)
+from moe_engine.config import ENGINES, STRATEGY_CHOICES
+from workers import checkpoint as ckpt
+from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
+from workers.distributed import training_state_bytes
+from workers.config import NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
+from workers.loop import train_fn_per_worker
+from workers.reshard import check_worker_count
+
+DEFAULT_EXPERIMENT = "mpipemoe-train"
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def _fail(field: str, value, fix: str) -> None:
+    raise ValueError(f"TrainJob.{field}={value!r} is invalid: {fix}")
+
+
+MAX_NAME_BYTES = 200  # a folder name (255 bytes, not characters, on most file systems) with room for ".lock"
+# Characters a run name may hold: letters and digits of any script and these, none of which a
+# shell treats specially, so that the commands mpipemoe prints work when pasted.
+NAME_PUNCTUATION = "-_.+=@,:%"
+
+
+def run_name_problem(name) -> str | None:
+    """Local. What makes ``name`` unusable as a run name, or None. A run name is one folder
+    inside the storage path (its checkpoints, job file and lock are named after it; pruning
+    deletes inside it): never a path that leaves it, nor a hidden name beside our lock folder."""
+    if not isinstance(name, str) or not name.strip():
+        return "it is empty"
+    if name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
+        return "it is a path, not one folder name (no '/', not '.' or '..')"
+    if name.startswith("."):
+        return "it starts with '.' (hidden names are mpipemoe's own folders)"
+    if not name.isprintable():
+        return "it holds control characters"
+    odd = sorted({c for c in name if not (c.isalnum() or c in NAME_PUNCTUATION)})
+    if odd:
+        return (f"it holds {' '.join(repr(c) for c in odd)} (a run name is letters, digits and "
+                f"{' '.join(NAME_PUNCTUATION)}, so that the commands printed for it work in a shell)")
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > MAX_NAME_BYTES:
+        return (f"it is {size} bytes long in UTF-8 ({len(name)} characters), more than {MAX_NAME_BYTES} "
+                f"(file systems count a folder name's bytes)")
+    return None
+
+
+def check_run_name(name, flag: str = "--name") -> None:
+    """Raise ValueError naming the flag, the value and the fix unless ``name`` is a run name."""
+    problem = run_name_problem(name)
+    if problem:
+        raise ValueError(f"{flag} {name!r} is not a run name: {problem}; give one folder name such as "
+                         f"my-run-1 (it is created inside --storage-path)")
+
+
+@dataclass
+class TrainJob:
+    """One training job; validated and made absolute in ``__post_init__``.
+
+    Paths (storage_path, data_dir, tracking_uri) are resolved against the current
+    directory when the job is created: inside a Ray Tune trial pass them explicitly.
+    """
+
+    preset: str = "tiny-gpt"           # model shape, see lm.model.PRESETS
+    engine: str = "mpipemoe"           # mpipemoe | fastmoe | fastermoe
+    steps: int = 50                    # total optimizer steps (a resumed run continues to this)
+    num_workers: int = 2               # Ray Train workers = expert-parallel ranks
+    use_gpu: bool | None = None        # None: GPUs when the Ray cluster has any
+    batch_size: int = 8                # sequences per worker per step
+    seq_len: int | None = None         # None: the preset's seq_len
+    partitions: str | int = "auto"     # mpipemoe pipeline partitions n: "auto" or int >= 1
+    strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
+    moe_memory_gib: float | None = None  # mpipemoe: GiB of activations for all MoE layers of a worker's
+                                       # micro-batch together; "auto" n and strategy then fit it
+    seed: int = 0                      # model init and data order
+    lr: float = 1e-3                   # peak AdamW learning rate
+    checkpoint_every: int = 25         # steps between checkpoints (and at the last step); 0 = none
+    storage_path: str | None = None    # Ray Train storage (absolute); default ./ray_results
+    name: str | None = None            # Ray Train run name; an existing name resumes it
+    tracking_uri: str | None = None    # MLflow store; default MLFLOW_TRACKING_URI or ./mlflow.db; "none": off
+    experiment: str = DEFAULT_EXPERIMENT
+    parent_run_id: str | None = None   # nest the MLflow run under this run
+    data_dir: str | None = None        # prepared data; default ./data/stdlib-bytes (auto-prepared)
+    cpus_per_worker: float | None = None  # None: 0.9 on CPU (2 workers fit 2 cores), 1 on GPU
+    num_experts: int | None = None     # override the preset's experts per MoE layer
+    num_layers: int | None = None      # override the preset's layer count
+    dtype: str = "auto"                # compute dtype (autocast): auto (bfloat16 on GPU, float32 on CPU) |
+                                       # float32 | bfloat16; parameters and AdamW state are always float32
+    param_dtype: str = "float32"       # parameters, gradients and AdamW state: float32 (master weights) |
+                                       # bfloat16 (half the memory; small updates round away; for comparison)
+    shard_dense: bool = False          # FSDP2 for the dense part (params, grads, AdamW state sharded); else DDP
+    grad_accum: int = 1                # micro-batches of batch_size per optimizer step
+    micro_batch_schedule: str = "sequential"  # sequential | overlapped (forward of k+1 beside backward of k) |
+                                       # auto (workers/schedules.py choose_schedule)
+    keep_checkpoints: int = 2          # complete checkpoints kept (older ones are deleted); 0 = all
+    async_checkpoint: bool = False     # write checkpoint shards in the background while the next step trains
+    weight_decay: float = 0.1
+    warmup_steps: int = 5
+    grad_clip: float = 1.0             # global grad-norm clip; 0 = off
+    aux_loss_weight: float = 0.01      # loss = lm_loss + aux_loss_weight * load-balance loss
+    max_failures: int = 0              # Ray Train restarts from the last checkpoint
+    collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
+    on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
+    log_every: int = 10                # progress line (and per-expert load metrics) every N steps
+    lr_schedule: str = "constant"      # after warm-up: constant | cosine | linear | wsd (decay to min_lr)
+    min_lr: float = 0.0                # where cosine / linear / wsd end, at the last step
+    optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
+    eval_every: int = 25               # validation loss every N steps and at the end; 0: never
+    eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
+    data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
+                                       # resumed on another worker count keeps its first; workers/reshard.py)
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        if self.engine not in ENGINES:
+            _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
+        for field in ("steps", "num_workers", "batch_size", "log_every", "collective_timeout_s", "grad_accum"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(field, value, "give an integer >= 1")
+        for field in ("seq_len", "num_experts", "num_layers", "data_shards"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                _fail(field, value, "give an integer >= 1, or leave it unset for the preset's value")
+        for field in ("warmup_steps", "max_failures", "seed", "checkpoint_every", "keep_checkpoints"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                _fail(field, value, "give an integer >= 0")
+        if isinstance(self.partitions, str) and self.partitions.isdigit():
+            self.partitions = int(self.partitions)
+        if self.partitions != "auto" and (isinstance(self.partitions, bool)
+                                          or not isinstance(self.partitions, int) or self.partitions < 1):
+            _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
+        if self.strategy not in STRATEGY_CHOICES:
+            _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
+        if self.moe_memory_gib is not None:
+            if isinstance(self.moe_memory_gib, bool) or not isinstance(self.moe_memory_gib, (int, float)) \
+                    or not 0 < self.moe_memory_gib < math.inf:
+                _fail("moe_memory_gib", self.moe_memory_gib, "give a number of GiB > 0, e.g. 6 (--moe-memory-gib)")
+            if self.engine != "mpipemoe":
+                _fail("moe_memory_gib", self.moe_memory_gib, f"only the mpipemoe engine trades time for memory; "
+                      f"drop --moe-memory-gib or use --engine mpipemoe (not {self.engine})")
+            if self.partitions != "auto" and self.strategy != "auto":
+                _fail("moe_memory_gib", self.moe_memory_gib, "the budget steers the automatic choices: give "
+                      "--partitions auto or --strategy auto (or drop --moe-memory-gib)")
+        if self.dtype == "float16":
+            _fail("dtype", self.dtype, "float16 compute needs loss scaling, which this trainer does not do; "
+                  "use --dtype bfloat16 (same memory and speed, no scaling needed) or float32")
+        if self.dtype not in COMPUTE_DTYPES:
+            _fail("dtype", self.dtype, f"choose {', '.join(COMPUTE_DTYPES)} (the compute dtype; parameters and "
+                  f"optimizer state are float32)")
+        if self.param_dtype not in PARAM_DTYPES:
+            _fail("param_dtype", self.param_dtype, f"choose {' or '.join(PARAM_DTYPES)} (float32 keeps master "
+                  f"weights; bfloat16 trains the parameters themselves in bf16)")
+        if self.param_dtype == "bfloat16" and self.dtype == "float32":
+            _fail("dtype", self.dtype, "bfloat16 parameters compute in bfloat16: use --dtype bfloat16 or auto")
+        for field in ("shard_dense", "async_checkpoint"):
+            if not isinstance(getattr(self, field), bool):
+                _fail(field, getattr(self, field), "give True or False")
+        if self.micro_batch_schedule not in SCHEDULE_CHOICES:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, f"choose one of {', '.join(SCHEDULE_CHOICES)}")
+        if self.micro_batch_schedule == "overlapped" and self.shard_dense:
+            _fail("micro_batch_schedule", self.micro_batch_schedule, "--shard-dense (FSDP2) takes the sequential "
+                  "schedule: drop --shard-dense, or use --micro-batch-schedule sequential or auto")
+        if self.on_nonfinite_loss not in NONFINITE_POLICIES:
+            _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
+        check_optimisation(self, _fail)
+        for field, least in (("eval_every", 0), ("eval_batches", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                _fail(field, value, f"give an integer >= {least}" + (" (0: no validation)" if not least else ""))
+        if self.cpus_per_worker is not None and not 0 < self.cpus_per_worker < math.inf:
+            _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
+        self.model_preset().check_world_size(self.num_workers)
+        if self.moe_memory_gib is not None:
+            self._check_moe_memory_budget()
+        self.storage_path = str(Path(self.storage_path or "ray_results").expanduser().resolve())
+        self.data_dir = str(Path(self.data_dir).expanduser().resolve()) if self.data_dir \
+            else str(data_lib.default_data_dir())
+        self.tracking_uri = resolve_tracking_uri(self.tracking_uri)
+        check_store_form(self.tracking_uri)  # before anything is prepared or written
+        if self.name is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.name = f"{self.preset}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
+        if (problem := run_name_problem(self.name)) is not None:
+            _fail("name", self.name, f"{problem}: give one folder name such as my-run-1 (--name; it is "
+                  f"created inside --storage-path)")
+        if not isinstance(self.experiment, str) or not self.experiment.strip():
+            _fail("experiment", self.experiment, f"give an MLflow experiment name (--experiment; default "
+                  f"{DEFAULT_EXPERIMENT})")
+        if isinstance(self.partitions, int):
+            tokens = self.batch_size * self.model_preset().seq_len
+            if self.partitions > tokens:
+                _fail("partitions", self.partitions,
+                      f"a worker's micro-batch has {tokens} tokens (--batch-size {self.batch_size} x seq_len "
+                      f"{tokens // self.batch_size}) and each partition needs at least one: use --partitions "
+                      f"{min(tokens, 8)} (at most {tokens}) or auto, or a larger --batch-size")
+
+    def _check_moe_memory_budget(self) -> None:
+        """Refuse a --moe-memory-gib that no setting meets (priced in bfloat16, the smallest
+        compute dtype, for a worker's micro-batch under balanced routing), before Ray starts."""
+        preset = self.model_preset()
+        tokens = self.batch_size * preset.seq_len
+        # the overlapped schedule has two micro-batches' activations live (MemoryBudget.in_flight)
+        in_flight = 2 if self.micro_batch_schedule == "overlapped" and self.grad_accum > 1 else 1
+        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16, in_flight=in_flight)
+        assert self.moe_memory_gib is not None
+        if self.moe_memory_gib * 2**30 < need:
+            _fail("moe_memory_gib", self.moe_memory_gib,
+                  f"the leanest MPipeMoE setting (n={n}, {strategy}) needs {need / 2**30:.3g} GiB for the "
+                  f"{preset.num_layers} MoE layers of {'two' if in_flight > 1 else 'a'} {tokens}-token "
+                  f"micro-batch{'es in flight (--micro-batch-schedule overlapped)' if in_flight > 1 else ''} "
+                  f"({self.preset}, --batch-size {self.batch_size}): give --moe-memory-gib "
+                  f"{math.ceil(need / 2**30 * 1000) / 1000:g} or more, or a smaller --batch-size"
+                  + (", or --micro-batch-schedule auto" if in_flight > 1 else ""))
+
+    def model_preset(self, vocab_size: int | None = None):
+        """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
+        return get_preset(self.preset).replace(seq_len=self.seq_len, num_experts=self.num_experts,
+                                               num_layers=self.num_layers, vocab_size=vocab_size)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.storage_path) / self.name
+
+
+def _resolve_gpu(job: TrainJob) -> bool:
+    if job.use_gpu is not None:
+        return job.use_gpu
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    return torch.cuda.is_available()
+
+
+def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerConfig:
+    """What ``train_fn_per_worker`` reads (all settings resolved)."""
+    manifest = data_lib.Manifest.load(job.data_dir)
+    preset = job.model_preset(vocab_size=manifest.vocab_size)
+    cpus = job.cpus_per_worker or (1.0 if use_gpu else 0.9)
+    dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
+    return WorkerConfig(
+        preset=preset, engine=job.engine, partitions=job.partitions,
+        strategy=job.strategy, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
+                                                        else int(job.moe_memory_gib * 2**30)),
+        seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
+        warmup_steps=job.warmup_steps, grad_clip=job.grad_clip,
+        aux_loss_weight=job.aux_loss_weight, steps=job.steps, batch_size=job.batch_size,
+        seq_len=preset.seq_len, checkpoint_every=job.checkpoint_every,
+        data_dir=str(job.data_dir), use_gpu=use_gpu, dtype=dtype, param_dtype=job.param_dtype,
+        torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
+        on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
+        shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
+        micro_batch_schedule=job.micro_batch_schedule,
+        collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
+        mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
+        lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
+        eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
+    )
+
+
+def ensure_data(job: TrainJob, echo=print) -> None:
+    """Prepare the default dataset when it is missing; a custom data_dir must be prepared.
+    Then check, before any worker starts, that it is readable and holds a batch per worker."""
+    kept = job.run_dir / RUN_DATA
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists() and (kept / data_lib.MANIFEST).exists():
+        raise FileNotFoundError(f"no prepared data at {job.data_dir} ({data_lib.MANIFEST} missing), which run "
+                                f"{job.name} trained on: prepare it again with the run's tokenizer: "
+                                f"`{prepare_again_command(kept, job.data_dir)}` (or give --data-dir)")
+    if Path(job.data_dir) == data_lib.default_data_dir():
+        data_lib.ensure_default_data(job.data_dir, echo=echo)
+    manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
+    preset = job.model_preset(vocab_size=manifest.vocab_size)
+    window = preset.seq_len + 1 if preset.kind == "gpt" else preset.seq_len
+    streams = job.data_shards or job.num_workers  # a resharded run reads its first layout
+    manifest.check_fits(job.data_dir, streams, job.batch_size * job.num_workers // streams, window)
+    if job.eval_every and not manifest.has_validation:
+        echo(f"[mpipemoe] note: {job.data_dir} has no validation split (prepared before there was one, or with "
+             f"--val-fraction 0), so no validation loss is reported; to get one, run its `{invocation()} data "
+             f"prepare ... --out {job.data_dir}` again (it holds out --val-fraction {data_lib.DEFAULT_VAL_FRACTION} "
+             f"of the rows by default)")
+    elif job.eval_every and manifest.val_rows * manifest.row_len // window < job.num_workers:
+        echo(f"[mpipemoe] note: the validation split of {job.data_dir} holds fewer windows of {window} tokens "
+             f"than the {job.num_workers} workers, so no validation loss is reported; prepare it with a larger "
+             f"--val-fraction")
+
+
+# Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
+# core none makes a step in minutes (measured: 64 workers on 2 cores made no step in 150 s
+# and held 64 processes), so more are refused rather than started.
+WORKERS_PER_CORE = 2
+# One CPU worker's process before the model: torch, Ray and gloo loaded (make train's
+# tiny-gpt workers peak at 636 MiB in all, README).
+WORKER_BASE_BYTES = 500 * 2**20
+# CPU speed assumed when refusing steps that would take too long: 5x the 1.9e10 FLOP/s per
+# core that make train's tiny-gpt reaches (14,564 tokens/s on 2 cores x 6 x 426k active
+# parameters per token), so only settings that are surely too slow are refused.
+CPU_FLOPS_PER_CORE = 1e11
+MAX_LOCAL_STEP_S = 300  # on this machine's CPUs; a step slower than this looks like a hang
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (the memory check is then skipped)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None:
+    """Before Ray starts: refuse sizes this machine cannot run (``local``: embedded Ray, so
+    all workers share this machine). Workers beyond ``WORKERS_PER_CORE`` per core, and a
+    memory estimate (``lm.model.estimate_worker_bytes``) above the free host memory of
+    all workers (CPU) or one GPU's memory (GPU, when this machine has the GPUs)."""
+    preset = job.model_preset()
+    cores = os.cpu_count() or 1
+    if local and not use_gpu and job.num_workers > WORKERS_PER_CORE * cores:
+        _fail("num_workers", job.num_workers,
+              f"this machine has {cores} CPU core(s) and embedded Ray runs at most {WORKERS_PER_CORE * cores} "
+              f"workers on them ({WORKERS_PER_CORE} per core; each is a whole PyTorch process): use "
+              f"--num-workers {WORKERS_PER_CORE * cores} or fewer (and --num-experts to match), or a cluster "
+              f"(--address, docs/cluster.md)")
+    base = get_preset(job.preset)
+    longer = preset.seq_len > base.seq_len
+    field, value = ("seq_len", preset.seq_len) if longer else ("batch_size", job.batch_size)
+    positions = f"; --seq-len {preset.seq_len} also grows {job.preset}'s {base.seq_len} learned positions" \
+        if longer else ""
+    fix = f"lower --seq-len (the preset's is {base.seq_len}) or --batch-size"
+    if local and not use_gpu:
+        flops = estimate_step_flops(preset, job.batch_size)
+        step_s = flops * job.num_workers / (min(job.num_workers, cores) * CPU_FLOPS_PER_CORE)
+        if step_s > MAX_LOCAL_STEP_S:
+            _fail(field, value,
+                  f"one step of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
+                  f"{flops:.1e} FLOPs per worker (attention grows with seq_len squared), over "
+                  f"{step_s / 60:,.0f} min per step on this machine's {cores} core(s){positions}: {fix}, "
+                  f"or train on GPUs")
+    dtype_bytes = 4 if job.dtype in ("float32",) or (job.dtype == "auto" and not use_gpu) else 2
+    estimate = estimate_worker_bytes(preset, job.batch_size, job.num_workers, dtype_bytes,
+                                     0 if use_gpu else WORKER_BASE_BYTES)
+    if use_gpu:
+        if not (local and torch.cuda.is_available()):
+            return
+        have, workers, where = torch.cuda.get_device_properties(0).total_memory, 1, "one GPU's"
+    else:
+        have, workers, where = available_host_bytes(), job.num_workers if local else 1, "this machine's free"
+        if have is None or not local:
+            return
+    need = estimate["total"] * workers
+    if need <= have:
+        return
+    gib = 2**30
+    if estimate["params"] > estimate["activations"]:  # the model itself is too large
+        field, value = ("num_experts", preset.num_experts) if job.num_experts else ("preset", job.preset)
+        fix = "use fewer --num-experts or --num-layers, or a smaller --preset"
+    _fail(field, value,
+          f"{workers} worker(s) of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
+          f"{need / gib:.1f} GiB (per worker {estimate['activations'] / gib:.1f} GiB activations, "
+          f"{estimate['params'] / gib:.1f} GiB parameters and optimizer state), more than {where} "
+          f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")
+
+
+# Settings a run's checkpoints are tied to: the model's shape (its parameters and positions).
+# The number of workers may change where each keeps whole experts and the data layout and
+# global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
+RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
+# A run whose settings file is gone keeps its worker count too: the file holds the batch and
+# data layout a resharded resume must keep (check_data_continues), so without it nothing
+# shows that another count would continue the data at the same global sample.
+ORPHAN_BOUND_FIELDS = RUN_BOUND_FIELDS + ("num_workers",)
+
+
+def checkpoint_settings(run_dir: str | Path) -> dict | None:
+    """Local. The run-bound settings (``RUN_BOUND_FIELDS``) that the newest complete checkpoint
+    of ``run_dir`` was written with, read from its ``meta.json``, plus "checkpoint" (its folder
+    name); None when the run has no complete checkpoint. "preset" is None when no preset has
+    that model's shape."""
+    chosen, _ = ckpt.choose(run_dir)
+    if chosen is None:
+        return None
+    meta = json.loads((chosen / ckpt.META).read_text())
+    model = meta.get("preset") or {}
+    shape = {k: v for k, v in model.items() if k not in ("seq_len", "num_experts", "num_layers", "vocab_size")}
+    preset = next((name for name, candidate in PRESETS.items()
+                   if {k: v for k, v in dataclasses.asdict(candidate).items() if k in shape} == shape), None)
+    return {"preset": preset, "seq_len": model.get("seq_len"), "num_experts": model.get("num_experts"),
+            "num_layers": model.get("num_layers"), "num_workers": meta.get("world_size"),
+            "checkpoint": chosen.name}
+
+
+def continue_command(name: str, storage_path: str, settings: dict, tracking_uri: str | None = None,
+                     data_dir: str | None = None) -> str:
+    """``mpipemoe train --name NAME`` with the run-bound ``settings`` (``checkpoint_settings``):
+    how to continue a run whose settings file is gone. It names the store and the data
+    (``tracking_uri``, ``data_dir``: those of the refused command, or, for the data, the run's
+    kept copy's) as absolute paths, so that run from another folder it finds the same ones."""
+    kept = Path(storage_path) / name / RUN_DATA / data_lib.MANIFEST
+    try:
+        data_dir = json.loads(kept.read_text()).get("data_dir") or data_dir
+    except (OSError, ValueError):
+        pass
+    flags = "".join(f" --{k.replace('_', '-')} {shlex.quote(str(settings[k]))}" for k in ORPHAN_BOUND_FIELDS
+                    if settings.get(k) is not None)
+    flags += "".join(f" {flag} {shlex.quote(value)}" for flag, value in
+                     (("--data-dir", data_dir), ("--tracking-uri", tracking_uri)) if value)
+    return f"{invocation()} train --name {shlex.quote(name)}{flags}{_storage_flag(storage_path)}"
+
+
+def _storage_flag(storage_path: str) -> str:
+    """`` --storage-path PATH`` unless PATH is the default ./ray_results of this folder."""
+    return "" if Path(storage_path) == Path("ray_results").resolve() else f" --storage-path {shlex.quote(storage_path)}"
+
+
+def check_continues(job: TrainJob) -> None:
+    """When ``job.name`` is an existing run (``--resume``, or ``--name`` of a recorded run),
+    refuse, before anything is written, settings its checkpoints cannot continue with: those
+    recorded in its settings file, or, where that file is gone, those of its newest complete
+    checkpoint (so that no attempt rewrites the settings of a run it cannot continue)."""
+    check_same_tokenizer(job)
+    path = job.run_dir / JOB_FILE
+    new = job.model_preset()
+    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
+             "num_layers": new.num_layers, "num_workers": job.num_workers}
+    if not path.exists():
+        try:
+            was = checkpoint_settings(job.run_dir)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the newest checkpoint of run {job.name} in {job.run_dir} "
+                             f"({type(error).__name__}: {error}): choose another --name") from None
+        if was is None or all(was[k] == asked[k] for k in ORPHAN_BOUND_FIELDS):
+            return
+        changed = [k for k in ORPHAN_BOUND_FIELDS if was[k] != asked[k]]
+        flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (its {was['checkpoint']} has {was[k]})"
+                          for k in changed)
+        raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
+                         f"its workers (its {JOB_FILE} is missing); continue it with `"
+                         f"{continue_command(job.name, job.storage_path, was, job.tracking_uri, job.data_dir)}`, or "
+                         f"start a new run with another "
+                         f"--name. Nothing was changed")
+    try:
+        recorded = json.loads(path.read_text())
+        old = get_preset(recorded["preset"]).replace(seq_len=recorded.get("seq_len"),
+                                                     num_experts=recorded.get("num_experts"),
+                                                     num_layers=recorded.get("num_layers"))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
+                         f"choose another --name, or remove {job.run_dir} to start it afresh") from None
+    was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
+           "num_layers": old.num_layers}
+    if dataclasses.asdict(old) == dataclasses.asdict(new):
+        check_data_continues(job, recorded)
+        return
+    changed = [k for k in RUN_BOUND_FIELDS if was[k] != asked[k]] or ["preset"]
+    flags = ", ".join(f"--{k.replace('_', '-')} {asked[k]} (the run has {was[k]})" for k in changed)
+    raise ValueError(f"run {job.name} cannot continue with {flags}: its checkpoints hold that model split over "
+                     f"its workers; drop those options (`{resume_command(job)}`), or start a new run with "
+                     f"another --name. Nothing was changed")
+
+
+# A run keeps a copy of its prepared data's manifest and tokenizer in ``<run>/data/`` (written
+# when its MLflow run starts): ``generate``/``export`` read the tokenizer from there, and a
+# resume checks the data it is given against it.
+RUN_DATA = "data"
+
+
+def prepare_again_command(kept: Path, data_dir: str | Path) -> str:
+    """``mpipemoe data prepare`` that prepares ``data_dir`` again with the tokenizer of a run's
+    kept data (``kept``, a run's ``data/``): its tokenizer.json, or the byte tokenizer."""
+    manifest = data_lib.Manifest.load(kept)
+    tokenizer = str(kept / manifest.tokenizer_file) if manifest.tokenizer_file else "bytes"
+    sources = [] if manifest.source.startswith("python stdlib sources") else manifest.source.split(", ")
+    source = (" --source " + " ".join(shlex.quote(s) for s in sources)) if sources else ""
+    return f"{invocation()} data prepare{source} --tokenizer {shlex.quote(tokenizer)} --out {shlex.quote(str(data_dir))}"
+
+
+def check_same_tokenizer(job: TrainJob) -> None:
+    """Refuse (before Ray starts, writing nothing) to continue run ``job.name`` on data whose
+    token ids mean other text than those it trained on: another tokenizer than the one its
+    ``data/`` copy records, or, for a run trained before it kept one, another vocabulary than
+    its newest checkpoint's model."""
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists():
+        return  # ensure_data names the fix (with the run's tokenizer)
+    now = data_lib.tokenizer_identity(job.data_dir, data_lib.Manifest.load(job.data_dir))
+    kept = job.run_dir / RUN_DATA
+    if (kept / data_lib.MANIFEST).exists():
+        was = data_lib.tokenizer_identity(kept, data_lib.Manifest.load(kept))
+        same = (was["vocab_size"], was["tokenizer_sha256"]) == (now["vocab_size"], now["tokenizer_sha256"])
+        fix = f"prepare it again with the run's tokenizer (`{prepare_again_command(kept, job.data_dir)}`)"
+    else:
+        chosen, _ = ckpt.choose(job.run_dir)
+        if chosen is None:
+            return
+        vocab = (json.loads((chosen / ckpt.META).read_text()).get("preset") or {}).get("vocab_size")
+        was = {"tokenizer": "its checkpoints' tokenizer", "vocab_size": vocab}
+        same = vocab in (None, now["vocab_size"])
+        fix = "prepare it again with the tokenizer the run trained on"
+    if not same:
+        raise ValueError(f"run {job.name} trained on tokenizer {data_lib.describe_tokenizer(was)}, but "
+                         f"{job.data_dir} now holds data of tokenizer {data_lib.describe_tokenizer(now)} (prepared "
+                         f"again since): {fix}, give --data-dir of the run's data, or start a new run with another "
+                         f"--name. Nothing was changed")
+
+
+def check_data_continues(job: TrainJob, recorded: dict) -> None:
+    """Refuse a worker count, data layout or global batch that would not continue the run
+    ``recorded`` at the same global sample (``--resume`` derives them; ``--name`` of a
+    recorded run with other options may not)."""
+    workers, global_batch = recorded["num_workers"], recorded["batch_size"] * recorded["num_workers"]
+    layout = recorded.get("data_shards") or workers  # data_shards: recorded since runs reshard
+    if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
+        return
+    check_worker_count(job.model_preset().num_experts, global_batch, job.num_workers,
+                       f"run {job.name} (trained on {workers} workers)")
+    if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
+        raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
+                         f"{job.batch_size}: its data continues at the same global sample only with its global "
+                         f"batch ({global_batch} sequences) read as {layout} rank stream(s); continue it with "
+                         f"`{resume_command(job)} --num-workers {job.num_workers}`. Nothing was changed")
+
+
+def check_resources(scaling_config, nodes: list[dict]) -> None:
+    """Raise ValueError naming the fix unless ``nodes`` (each node's total resources, as in
+    ``ray.nodes()``) can hold all workers of ``scaling_config`` at once. Without this check
+    Ray Train waits for the missing resources forever."""
+    need = scaling_config.resources_per_worker or {}
+    workers = scaling_config.num_workers
+    fits = sum(min(int(node.get(key, 0) / amount + 1e-6) for key, amount in need.items() if amount > 0)
+               for node in nodes) if need else workers
+    if fits < workers:
+        have = {key: sum(node.get(key, 0) for node in nodes) for key in need}
+        per_worker = ", ".join(f"{amount:g} {key}" for key, amount in need.items())
+        totals = ", ".join(f"{amount:g} {key}" for key, amount in have.items())
+        hint = "or --no-gpu" if need.get("GPU") else "or a smaller --cpus-per-worker"
+        raise ValueError(f"TrainJob.num_workers={workers} is invalid: the Ray cluster ({len(nodes)} node(s), "
+                         f"{totals}) holds {fits} worker(s) of {per_worker} each; use --num-workers {max(fits, 1)} "
+                         f"{hint}, or add nodes")
+
+
+def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config: dict | None = None,
+                  stop_flag=None):
+    """The ``TorchTrainer`` of ``job`` (does not call ``ray.init``; data must be prepared).
+
+    ``train_fn`` (default ``workers.loop.train_fn_per_worker``) runs in each worker with
+    ``worker_config(job)`` updated by ``extra_config``.
+    """
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = _resolve_gpu(job)
+    config = worker_config(job, use_gpu, metrics_queue).replace(stop_flag=stop_flag, **(extra_config or {}))
+    resources = {"CPU": config.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = 1
+    return TorchTrainer(
+        train_fn or train_fn_per_worker,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=job.collective_timeout_s),
+        scaling_config=ray.train.ScalingConfig(num_workers=job.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=job.name, storage_path=job.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.keep_checkpoints or None)),
+    )
+
+
+def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -> bool:
+    """Start embedded local Ray (or connect to ``address``) unless Ray is up; True if started.
+
+    ``verbose`` forwards the Ray actors' own logs (worker tracebacks, Ray Train's
+    controller) to this terminal; otherwise only our progress lines and errors show.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    private_ray_token(create=not address)
+    # Ray's start-up warnings (e.g. that token authentication is on) are not the user's
+    # business on a quiet run: the only stderr line is ours; --verbose shows them.
+    level = "WARNING" if verbose else "ERROR"
+    if address:
+        ray.init(address=address, logging_level=level, log_to_driver=verbose)
+    else:
+        cpus = job.cpus_per_worker or 0.9
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(job.num_workers * cpus)),
+                 include_dashboard=False, dashboard_host="127.0.0.1",
+                 object_store_memory=300 * 2**20, logging_level=level, log_to_driver=verbose)
+    return True
+
+
+def private_ray_token(create: bool) -> Path | None:
+    """Keep Ray's token private. Ray 2.60 turns token authentication on for a new local
+    cluster and, when no token exists, writes ``~/.ray/auth_token`` with the process umask
+    (0644 in a 0755 folder: any local user could read the credential of the cluster). So,
+    with ``create`` (embedded Ray) and no token yet, write it ourselves first: the folder 0700
+    when we create it, the file 0600 (a random 256-bit hex token, as Ray makes). A token file
+    of ours that others may read is made 0600. Nothing is done where the token comes from
+    elsewhere (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) or authentication is off
+    (``RAY_AUTH_MODE``). Returns the token file, or None."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" \
+            or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    folder = Path.home() / ".ray"
+    token = folder / "auth_token"
+    try:
+        if create and not token.exists():
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_hex(32))
+        elif token.is_file() and token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
+            token.chmod(0o600)
+    except FileExistsError:  # another job wrote it first
+        pass
+    except OSError:  # a read-only home: Ray says what it needs
+        return None
+    return token
+
+
+def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
+    line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
+            f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
+            f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
+            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
+    choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
+    return line + (f"  [{' '.join(choices)}]" if choices else "")
+
+
+class _MetricsPump:
+    """Driver side of the metrics stream: queue -> history, progress lines, MLflow.
+
+    A restart of the workers by Ray Train shows as a new ``attempt`` id (or a step that
+    goes back): it is printed and recorded in MLflow (tag and metric ``restarts``).
+    Steps up to ``logged_through`` (a resumed run's last step already in MLflow, replayed
+    from an earlier checkpoint with the same values: exact resume) are not logged again.
+    """
+
+    def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step, logged_through: int = 0):
+        self.queue, self.run, self.job, self.echo, self.on_step = metrics_queue, run, job, echo, on_step
+        self.logged_through = logged_through
+        self.history: list[dict] = []
+        self.restarts = 0
+        self._attempt = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
+        self._started = time.perf_counter()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        while not self.queue.empty():
+            self._handle(self.queue.get_nowait())
+        self.run.flush()
+
+    def _loop(self):
+        from ray.util.queue import Empty
+
+        while not self._stop.is_set():
+            try:
+                self._handle(self.queue.get(timeout=0.5))
+            except (Empty, queue_lib.Empty):
+                continue
+
+    def _handle(self, metrics: dict):
+        step, attempt = metrics["step"], metrics.get("attempt")
+        went_back = bool(self.history) and step <= self.history[-1]["step"]
+        if went_back or (attempt is not None and self._attempt not in (None, attempt)):
+            self.restarts += 1
+            self.echo(f"[mpipemoe] workers restarted from a checkpoint ({self.restarts} restart(s)); "
+                      f"continuing at step {step}")
+            self.run.set_tags({"restarts": self.restarts})
+            self.run.log_metrics({"restarts": self.restarts}, step=step)
+            self.history = [m for m in self.history if m["step"] < step]
+        self._attempt = attempt
+        if metrics.get("skipped"):
+            self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
+                      f"aux_loss={metrics['aux_loss']}); no update")
+        self.history.append(metrics)
+        if step > self.logged_through:
+            self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
+            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
+            self.run.flush()
+        if "val_loss" in metrics:
+            self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
+                      f"val loss {metrics['val_loss']:.4f} ppl {metrics['val_ppl']:.2f}")
+        if self.on_step is not None:
+            self.on_step(metrics)
+
+
+def summarize(history: list[dict]) -> dict:
+    """Final loss, median tokens/s, model TFLOP/s, MFU and step time (step 1 excluded when possible), max peak
+    memory over the run and over its second half (``settled_peak_memory_bytes``: what the
+    settings chosen online need, without the search's and calibration's peaks; on CUDA);
+    losses from the steps that were not skipped (non-finite), listed in ``skipped_steps``."""
+    if not history:
+        return {}
+    steady = history[1:] or history
+    trained = [m for m in history if not m.get("skipped")] or history
+    last = trained[-1]
+    summary = {
+        "steps": history[-1]["step"], "first_step": history[0]["step"],  # a resumed run starts past 1
+        "first_loss": trained[0]["loss"], "final_loss": last["loss"],
+        "final_lm_loss": last["lm_loss"], "final_aux_loss": last["aux_loss"],
+        "skipped_steps": [m["step"] for m in history if m.get("skipped")],
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
+        "step_time_s": statistics.median(m["step_time_s"] for m in steady),
+        "peak_memory_bytes": max(m["peak_memory_bytes"] for m in history),
+        # after the online choice of n and strategy has settled: the second half of the run
+        "settled_peak_memory_bytes": max(m["peak_memory_bytes"] for m in history[len(history) // 2:]),
+    }
+    for key in ("model_tflops_per_s", "mfu"):  # model FLOPs (docs/training.md); MFU on known GPUs
+        if all(key in m for m in steady):
+            summary[key] = statistics.median(m[key] for m in steady)
+    for key in ("partitions", "strategy", "micro_batch_schedule"):
+        if key in history[-1]:
+            summary[key] = history[-1][key]
+    evaluated = [m for m in history if "val_loss" in m]
+    if evaluated:  # the last evaluation: at the last step (or the step a stopped run reached)
+        summary.update(final_val_loss=evaluated[-1]["val_loss"], final_val_ppl=evaluated[-1]["val_ppl"],
+                       first_val_loss=evaluated[0]["val_loss"])
+    return summary
+
+
+def model_memory(job: TrainJob, config: WorkerConfig) -> dict:
+    """Parameter counts of the whole model and the training state per worker in bytes
+    (master weights, gradients and AdamW's two moments in ``param_dtype``, the compute copy
+    under bf16 autocast; the dense part divided by W under ``shard_dense``). Activations are
+    the MoE engine's memory model (docs/engine.md)."""
+    with torch.device("meta"):
+        model = MoETransformer(config.preset, engine=job.engine)
+    counts = param_counts(model)  # one process: every expert
+    compute_bytes, param_bytes = (torch.empty((), dtype=getattr(torch, name)).element_size()
+                                  for name in (config.dtype, config.param_dtype))
+    return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // job.num_workers,
+                                             job.num_workers, job.shard_dense, compute_bytes, param_bytes)}
+
+
+def _run_params(job: TrainJob, config: WorkerConfig) -> dict:
+    params = {k: v for k, v in dataclasses.asdict(job).items() if v is not None}
+    params["resolved"] = config.settings()
+    params["model"] = config.preset_dict()
+    try:
+        params["model"].update(model_memory(job, config))
+    except Exception as error:  # the count is informative only
+        params["model"]["params_error"] = repr(error)[:200]
+    return params
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a job; the message says where it stopped and how to continue;
+    ``exit_code`` is the command's status (130 after Ctrl-C, ``SIGTERM_EXIT_CODE`` after SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# After Ctrl-C the workers finish their step and write a checkpoint; a step plus a checkpoint
+# of the largest presets takes well under this. A second Ctrl-C abandons the wait.
+STOP_GRACE_S = 60
+
+
+def _fit_interruptibly(trainer, stop_flag, echo) -> tuple:
+    """``trainer.fit()`` in a thread, so that Ctrl-C reaches us (not Ray Train's own SIGINT
+    handler, which aborts the workers mid-step and mid-checkpoint). Returns (result, error,
+    interrupted, abandoned): on Ctrl-C or SIGTERM (``interrupted`` is that KeyboardInterrupt,
+    ``workers.control.Terminated`` for SIGTERM, else None) the workers are asked to stop after
+    their current step with a checkpoint; a second signal or STOP_GRACE_S without an answer
+    abandons them (the caller then disconnects from Ray, which ends the job's actors)."""
+    outcome, finished = {}, threading.Event()
+
+    def target():
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as caught:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = caught
+        finally:
+            finished.set()
+
+    # An Event, not Thread.join(timeout): a KeyboardInterrupt inside join() can leave the
+    # thread marked as ended while it still runs (CPython bpo-45274).
+    threading.Thread(target=target, name="mpipemoe-fit", daemon=True).start()
+    interrupted, abandoned = None, False
+    deadline = None
+    with sigterm_as_interrupt():  # SIGTERM (schedulers, docker stop) stops the workers as Ctrl-C does
+        while not finished.is_set():
+            try:
+                finished.wait(0.2)
+                if deadline is not None and time.monotonic() > deadline and not finished.is_set():
+                    echo(f"[mpipemoe] the workers did not stop within {STOP_GRACE_S} s: abandoning them")
+                    abandoned = True
+                    break
+            except KeyboardInterrupt as caught:
+                how = "SIGTERM" if isinstance(caught, Terminated) else "Ctrl-C"
+                if interrupted:
+                    echo(f"[mpipemoe] second {how}: abandoning the workers now")
+                    abandoned = True
+                    break
+                interrupted = caught
+                deadline = time.monotonic() + STOP_GRACE_S
+                echo(f"[mpipemoe] {how}: stopping the workers after their current step, with a checkpoint "
+                     f"({how} again to abandon them at once)")
+                stop_flag.request.remote()
+    result = outcome.get("result")
+    return result, outcome.get("error") or getattr(result, "error", None), interrupted, abandoned
+
+
+def _recorded_last_step(run) -> list[dict]:
+    """The MLflow run's last logged step as one metrics dict (a run that had already reached
+    its steps trains nothing; its summary comes from what it recorded), or []."""
+    if not run.run_id:
+        return []
+    metrics = run.client.get_run(run.run_id).data.metrics
+    if "loss" not in metrics:
+        return []
+    last = max(m.step for m in run.client.get_metric_history(run.run_id, "loss"))
+    return [{"step": last, **metrics}]
+
+
+def _only_this_machine() -> bool:
+    """Whether the Ray this process is connected to is one node on this machine (an
+    embedded instance started earlier in this process: a notebook's, a test session's)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    return len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address()
+
+
+def run_job(job: TrainJob, address: str | None = None, echo=print, on_step=None,
+            verbose: bool = False, extra_config: dict | None = None) -> dict:
+    """Run ``job`` on Ray (embedded local Ray unless ``address`` or Ray is already up).
+
+    Logs one MLflow run (reopened when ``job.name`` resumes an earlier run) and returns a
+    summary: name, engine, status, steps, first/final loss, tokens_per_s (median),
+    step_time_s (median), peak_memory_bytes (max over ranks and steps), partitions/strategy
+    when the engine exposes them, restarts, skipped_steps, mlflow_run_id, checkpoint_path,
+    run_dir, history (the per-step metrics). ``on_step(metrics)`` is called from a driver
+    thread per step; when it returns STOP_JOB the workers stop after their current step;
+    ``extra_config`` goes to the workers (see ``build_trainer``).
+
+    Before Ray starts (within seconds, writing nothing): the data, the sizes against this
+    machine, the MLflow store, the run name's lock (one live job per name) and, for an
+    existing run, the settings its checkpoints are tied to. Raises ``ValueError`` for
+    those and for a cluster that cannot hold the workers, ``RuntimeError`` naming the
+    cause when training fails, and ``TrainingInterrupted`` after Ctrl-C (the workers stopped
+    with a checkpoint, the MLflow run KILLED, the message has the resume command).
+    """
+    import ray
+
+    ensure_data(job, echo)
+    if address is None and (not ray.is_initialized() or _only_this_machine()):
+        check_sizes(job, local=True, use_gpu=job.use_gpu if job.use_gpu is not None else torch.cuda.is_available())
+    check_store(job.tracking_uri)
+    with RunLock(job.storage_path, job.name, echo=echo) as lock:
+        check_continues(job)
+        return _run_locked(job, lock, address, echo, on_step, verbose, extra_config)
+
+
+def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dict:
+    import ray
+    from ray.util.queue import Queue
+
+    started_ray = init_ray(job, address, verbose)
+    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    stop_flag = new_stop_flag()
+    run = None
+    abandoned = False
+    try:
+        trainer = build_trainer(job, metrics_queue, extra_config=extra_config, stop_flag=stop_flag)
+        check_resources(trainer.scaling_config, [n["Resources"] for n in ray.nodes() if n["Alive"]])
+        config = trainer.train_loop_config
+        resuming = job.run_dir.exists()
+        if resuming:  # before MLflow is touched: a run that cannot resume keeps its status
+            # the workers read the trainer's config when it fits
+            trainer.train_loop_config = config = config.replace(resume_from=choose_checkpoint(job, echo))
+        recorded = _read_job(job)  # the previous segment's settings ({} for a new run)
+        logged_through, previous_status = 0, None
+        try:
+            if job.tracking_uri == NO_TRACKING:
+                run = NullRun()
+            elif resuming and (previous := find_run(job.tracking_uri, job.experiment, "ray_train_name", job.name)):
+                previous_status = client(job.tracking_uri).get_run(previous).info.status
+                logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
+                run = RunLogger.resume(job.tracking_uri, previous, system_metrics=True)
+                echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
+                if config.resume_from:
+                    record_segment(run, job, recorded, _checkpoint_step(config.resume_from) + 1, echo)
+            else:
+                run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
+                                      parent_run_id=job.parent_run_id,
+                                      tags={"ray_train_name": job.name, "engine": job.engine,
+                                            "preset": job.preset, **kind_tags(TRAIN),
+                                            "run_dir": str(job.run_dir)}, system_metrics=True)
+                run.log_params(_run_params(job, config))
+        except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)
+            lines = str(error).strip().splitlines()
+            raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
+                               f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
+        save_job(job)  # only now: a start refused or failed above leaves the run's settings as they were
+        try:
+            data_lib.keep_copy(job.data_dir, job.run_dir / RUN_DATA)
+        except OSError as error:
+            raise os_error(error, f"cannot write {job.run_dir / RUN_DATA}",
+                           "free space there or choose another --storage-path") from error
+        lock.update(mlflow_run_id=run.run_id)
+        if run.run_id and is_remote(job.tracking_uri):  # a tracking server: survive it going away
+            run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
+        device = "GPU (nccl)" if config.use_gpu else "CPU (gloo)"
+        accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
+        echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
+             f"{device}, {config.dtype} compute over {job.param_dtype} weights, dense part "
+             f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config.seq_len}{accum} "
+             f"per worker, {job.steps} steps")
+        memory = model_memory(job, config)
+        mib = {k: v / 2**20 for k, v in memory.items() if k.endswith("_bytes")}
+        echo(f"[mpipemoe] training state per worker {mib['training_state_bytes']:,.1f} MiB: {job.param_dtype} weights "
+             f"{mib['master_params_bytes']:,.1f} + gradients {mib['grads_bytes']:,.1f} + AdamW moments "
+             f"{mib['optimizer_state_bytes']:,.1f}"
+             + (f" + {config.dtype} compute copy {mib['compute_copy_bytes']:,.1f}" if memory["compute_copy_bytes"]
+                else "") + (" (dense part sharded)" if job.shard_dense else ""))
+        if run.run_id:
+            echo(f"[mpipemoe] MLflow run {run.run_id} in {job.tracking_uri} (experiment {job.experiment})")
+        started = time.perf_counter()
+        with _MetricsPump(metrics_queue, run, job, echo, _stopping_hook(on_step, stop_flag, config.hold_steps),
+                          logged_through) as pump:
+            result, error, interrupted, abandoned = _fit_interruptibly(trainer, stop_flag, echo)
+        done = pump.history[-1]["step"] if pump.history else None
+        if interrupted and (abandoned or error is not None or done != job.steps):
+            checkpoint = result.checkpoint.path if (result is not None and not abandoned and result.checkpoint) \
+                else None
+            run.set_tags({"interrupted_at_step": done})
+            run.finish("KILLED")
+            where = f"after step {done} of {job.steps}" if done else "before its first step"
+            saved = (f"checkpoint {checkpoint}" if checkpoint else
+                     "no checkpoint written (--checkpoint-every 0)" if not job.checkpoint_every else
+                     "the newest complete checkpoint is kept")
+            killed = f"MLflow run {run.run_id} marked KILLED; " if run.run_id else ""
+            raise TrainingInterrupted(f"{job.name} stopped {where}; {saved}; {killed}resume with: "
+                                      f"{resume_command(job)}", getattr(interrupted, "exit_code", 130))
+        if error is not None:
+            run.set_tags({"error": _root_cause(error)})
+            # A resume that failed before its first step leaves the run as it was (e.g. FINISHED).
+            run.finish(previous_status if previous_status and not pump.history else "FAILED")
+            raise RuntimeError(failure_message(job, error)) from error
+        trained = bool(pump.history)
+        if not trained and config.resume_from:  # nothing left: the chosen checkpoint's step
+            reached = _checkpoint_step(config.resume_from)
+        summary = summarize(pump.history or ([result.metrics] if result.metrics else _recorded_last_step(run)))
+        summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
+                       mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
+                       checkpoint_path=result.checkpoint.path if result.checkpoint else None,
+                       wall_time_s=time.perf_counter() - started,
+                       training_state_bytes=memory["training_state_bytes"])
+        if not trained and config.resume_from and reached:
+            summary["steps"] = reached
+        if trained:  # a run that had already reached job.steps keeps its recorded summary
+            run.log_metrics({f"summary_{k}": v for k, v in summary.items()
+                             if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
+                                      "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
+                                      "final_val_ppl")},
+                            step=summary.get("steps", 0))
+        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "micro_batch_schedule", "checkpoint_path")
+                      if summary.get(k) is not None})
+        run.finish("FINISHED")
+        for pruned in ckpt.prune(job.run_dir, job.keep_checkpoints):  # those of earlier fits too
+            echo(f"[mpipemoe] deleted {pruned.name} (--keep-checkpoints {job.keep_checkpoints})")
+        if getattr(run, "spool", None) is not None and run.spool.waiting:
+            summary["mlflow_pending"] = str(run.spool.path)
+        summary["history"] = pump.history
+        return summary
+    except BaseException:
+        try:
+            if run is not None and run.run_id and (run.spool is not None and run.spool.waiting
+                                                   or run.client.get_run(run.run_id).info.status == "RUNNING"):
+                run.finish("KILLED")
+        except Exception:  # the store itself failed: the error being raised says so
+            pass
+        raise
+    finally:
+        if abandoned:
+            ray.shutdown()  # ends this job's actors (controller, workers) at once
+        else:
+            metrics_queue.shutdown()
+            if started_ray:
+                ray.shutdown()
+
+
+STOP_JOB = "stop"  # ``on_step`` returns it to stop the job after the current step (a pruned sweep trial)
+
+
+def _stopping_hook(on_step, stop_flag, hold_steps=()):
+    """``on_step`` for the metrics pump: a return of STOP_JOB asks the workers to stop after
+    their current step (as Ctrl-C does: with a checkpoint where the job writes them), so the
+    job ends and frees its workers' resources instead of being abandoned. At a hold step
+    (``WorkerConfig.hold_steps``: rank 0 waits there) the hook always answers, go on or stop,
+    so a pruned sweep trial trains no step past its rung."""
+    if on_step is None and not hold_steps:
+        return None
+
+    def hook(metrics: dict) -> None:
+        stop = False
+        try:
+            stop = on_step is not None and on_step(metrics) == STOP_JOB
+        finally:
+            if metrics["step"] in hold_steps:
+                stop_flag.decide.remote(metrics["step"], stop)
+            elif stop:
+                stop_flag.request.remote()
+    return hook
+
+
+def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
+    """The checkpoint a resumed ``job`` continues from: the newest complete one in its run
+    directory (None when it has none: a fresh start). Newer incomplete ones are named in one
+    line each and moved to ``<run>/damaged/`` (the resumed run writes those steps again);
+    Ray Train's own run snapshot, which may name them, is set aside, so Ray Train starts
+    its bookkeeping afresh and the workers load the chosen checkpoint. Raises ValueError
+    when checkpoints exist and none is complete (before MLflow or Ray Train is touched)."""
+    present = ckpt.listed(job.run_dir)
+    if not present and not ckpt.referenced_by_ray(job.run_dir):
+        return None
+    chosen, skipped = ckpt.choose(job.run_dir)  # with checksums, before Ray: a damaged shard is found here
+    # No save ever finished (a full disk at the first checkpoint, a kill during it): nothing
+    # was reached that a restart could lose, so the run trains again from step 1.
+    unfinished = bool(present) and all(not (path / ckpt.META).exists() for _, path in present)
+    if chosen is None and not unfinished:
+        found = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise ValueError(f"--resume {job.name}: no complete checkpoint in {job.run_dir} ({found}), so the run "
+                         f"cannot continue; start a new run (another --name), or move {job.run_dir} away to train "
+                         f"{job.name} again from step 1; nothing was deleted")
+    then = f"resuming from {chosen.name}" if chosen is not None else "no save finished: training again from step 1"
+    for name, why in skipped:
+        try:
+            moved = ckpt.set_aside(job.run_dir, name)
+        except OSError as error:
+            raise os_error(error, f"--resume {job.name}: {name} is damaged ({why}) and cannot be moved out of "
+                                  f"{job.run_dir}", f"move it away yourself and resume again"
+                                                    + (f"; {chosen.name} is intact" if chosen else "")) from error
+        where = f"; moved to {moved.relative_to(job.run_dir)}/" if moved else ""
+        echo(f"[mpipemoe] skipped {name}: {why}{where}; {then}")
+    snapshot = job.run_dir / ckpt.RAY_SNAPSHOT
+    if snapshot.exists():
+        os.replace(snapshot, snapshot.with_name(snapshot.name + ".previous"))
+    return str(chosen) if chosen is not None else None
+
+
+# How gloo, NCCL and Ray word a worker that died (killed, out of memory, its node gone); Ray 2.60
+# says "The actor is dead because its worker process has died" inside a WorkerGroupError.
+_LOST_WORKER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ActorDiedError",
+                "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError", "died unexpectedly",
+                "exited unexpectedly", "NCCL communicator was aborted", "The actor is dead",
+                "worker process has died", "worker process died", "A worker died or was killed")
+
+
+def _lost_worker(error: BaseException) -> str | None:
+    """``Type: line`` of the first line in ``error``'s chain (itself, its causes, Ray's ``cause``)
+    that says a worker died, or None: Ray's paragraph and log lines are left out."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        for line in str(found).splitlines():
+            at = min((line.find(marker) for marker in _LOST_WORKER if marker in line), default=-1)
+            if at >= 0:
+                end = line.find(". ", at)  # the sentence that says it, not Ray's guesses after it
+                return f"{type(found).__name__}: {(line if end < 0 else line[:end + 1]).strip()[:300]}"
+        found = getattr(found, "cause", None) or found.__cause__ or found.__context__
+    return None
+
+
+def failure_message(job: TrainJob, error: BaseException) -> str:
+    """The one line a failed job ends with: the root cause (a dead worker said as such, not in
+    gloo's or Ray's words) and, when the run has a complete checkpoint, the command that resumes it."""
+    lost = _lost_worker(error)
+    cause = _root_cause(error) if lost is None else \
+        f"a worker process ended or lost its connection (killed, out of memory, or its node went away): {lost}"
+    try:
+        chosen, _ = ckpt.choose(job.run_dir)
+    except OSError:
+        chosen = None
+    hint = (f"; resume from {chosen.name} with: {resume_command(job)}" if chosen is not None
+            else f" (no checkpoint was written yet; to train it again from step 1: {resume_command(job)})"
+            if job.checkpoint_every else "")
+    return f"training job {job.name} failed: {cause}{hint}"
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost exception's type and message (Ray wraps worker errors several times)."""
+    seen = error
+    while True:
+        nested = getattr(seen, "cause", None) or seen.__cause__
+        if nested is None or nested is seen:
+            break
+        seen = nested
+    text = str(seen).strip().splitlines()
+    return f"{type(seen).__name__}: {text[-1] if text else ''}"
+
+
+JOB_FILE = "mpipemoe_job.json"
+
+
+def _read_job(job: TrainJob) -> dict:
+    """The settings recorded in ``job``'s run directory ({} when there are none)."""
+    try:
+        return json.loads((job.run_dir / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _checkpoint_step(directory: str | Path) -> int:
+    return json.loads((Path(directory) / ckpt.META).read_text()).get("step") or 0
+
+
+# Settings a resumed run may change (its checkpoints load into any of them); each stretch of
+# steps trained with one choice of them is a segment, recorded in the MLflow run.
+SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
+                  "param_dtype", "shard_dense", "use_gpu")
+
+
+def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:
+    """A resume of ``job`` from step ``from_step`` whose ``SEGMENT_FIELDS`` differ from the
+    previous segment's (``recorded``, its settings file): MLflow params ``segment.<n>.<field>``
+    for this segment, the tag ``mpipemoe.segments`` (JSON: every segment's first step and
+    settings; the report reads it) and the tags ``engine``, ``partitions``, ``strategy`` of
+    this segment. Returns the segments (unchanged when nothing changed)."""
+    segments = run_segments(run.client.get_run(run.run_id).data.tags)
+    if not segments and not recorded:  # the previous settings are unknown (settings file gone)
+        return []
+    if not segments:
+        segments = [{"from_step": 1, **{k: recorded.get(k) for k in SEGMENT_FIELDS}}]
+    current = {k: getattr(job, k) for k in SEGMENT_FIELDS}
+    previous = {k: segments[-1].get(k) for k in SEGMENT_FIELDS}
+    if current == previous:
+        return segments
+    segments.append({"from_step": from_step, **current})
+    changed = ", ".join(f"{k} {previous[k]} -> {current[k]}" for k in SEGMENT_FIELDS if previous[k] != current[k])
+    run.log_params({f"segment.{len(segments)}": {k: v for k, v in current.items() if v is not None}})
+    run.set_tags({SEGMENTS_TAG: json.dumps(segments), "engine": job.engine, "partitions": job.partitions,
+                  "strategy": job.strategy})
+    echo(f"[mpipemoe] from step {from_step} {job.name} trains with {changed} (segment {len(segments)}, "
+         f"recorded in MLflow)")
+    return segments
+
+
+def save_job(job: TrainJob) -> None:
+    """Record the job's settings in its run directory (read back by ``--resume``)."""
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    partial = job.run_dir / f".{JOB_FILE}.partial"
+    try:  # written whole or not at all (a full disk leaves the previous settings)
+        partial.write_text(json.dumps(dataclasses.asdict(job), indent=1) + "\n")
+        partial.replace(job.run_dir / JOB_FILE)
+    except OSError as error:
+        raise os_error(error, f"cannot write {job.run_dir / JOB_FILE}",
+                       "free space there or choose another --storage-path") from error
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def resume_command(job: TrainJob, steps: int | None = None) -> str:
+    """The command that continues ``job`` (to ``steps``; None: its recorded steps), as the
+    user can type it: with ``--storage-path`` where the checkpoints are not in ./ray_results."""
+    more = f" --steps {steps}" if steps else ""
+    return f"{invocation()} train --resume {shlex.quote(job.name)}{more}{_storage_flag(job.storage_path)}"
+

@@ -1,0 +1,699 @@
+"""The studies of ``mpipemoe sweep SPACE`` (app/commands/sweep.py): a Ray Tune study from
+``tune_spaces/``, one Ray Train run per trial.
+
+Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
+is not allowed): the driver builds a ``Tuner`` around the function trainable
+``train_trial``; each trial turns its config into an ``app.jobs.launch.TrainJob`` and
+calls ``app.jobs.launch.run_job``, which builds and fits a ``TorchTrainer`` and logs the
+job as one MLflow run. The trial reports every step to Tune (``StepReporter``, the
+job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job's summary.
+
+- **Search and ranking.** ``tune_spaces.tune_config`` builds the search algorithm (grid,
+  random, Optuna's TPE) and the scheduler (FIFO or ASHA); a study ranks by throughput or
+  by loss (``tune_spaces.ranking``: the validation loss where its jobs evaluate one).
+
+- **Resources.** A trial itself holds ``TRIAL_CPUS`` and a sliver of the head node
+  (so drivers, and the MLflow store they write to, stay on the head); its Train
+  workers ask for their own resources. Tune cannot see those, so the driver caps
+  ``max_concurrent_trials`` at what the cluster can serve (``plan_resources``).
+- **Start-up.** A trial's Train job costs seconds of process starts for ~1.5 s of steps
+  on a tiny model, so Tune reuses trial processes (``reuse_actors``; ``StoppingTrial``
+  waits for a pruned trial's function first) and embedded Ray's Train jobs get
+  ``LOCAL_RAY_TRAIN_ENV`` (docs/sweeps.md, "Start-up per trial").
+- **MLflow.** Each trial's run is logged by ``run_job`` in the experiment named
+  after the study, nested under one parent run per study (tag ``kind=study``).
+  There is deliberately no ``MLflowLoggerCallback``: it would log a second run
+  per trial.
+- **Resume.** The Tune experiment lives in ``<storage-path>/<study>``; running the
+  same study again with the same storage path restores it (``Tuner.restore``):
+  finished trials are kept, unfinished and errored ones run again.
+
+Ray and Ray Tune (the ``ray`` extra) are imported inside the functions that use them, as
+in app/jobs/launch.py; so is app/jobs/launch.py itself, which loads torch (about 2 s): only a trial runs a
+job, and `mpipemoe sweep --help` stays fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tune_spaces
+from app.jobs import sweep_rank
+from app.tracking.run_kinds import STUDY, TRAIN, kind_tags
+from app.tracking.store import RunLogger, check_store, find_run, resolve_tracking_uri
+from lm.data import ensure_default_data
+from lm.errors import invocation
+
+# Defaults, in one place.
+DEFAULT_STORAGE = "ray_results"      # relative to the current directory; made absolute
+TRIAL_CPUS = 0.01                    # the trial only waits on its TorchTrainer
+HEAD_RESOURCE = "node:__internal_head__"  # every Ray head node carries 1 of it
+HEAD_SHARE = 0.001                   # up to 1000 trial drivers fit on the head
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a study uses the cluster: per-trial resources, worker sizing, concurrency."""
+
+    trial_resources: dict
+    use_gpu: bool
+    cpus_per_worker: float | None   # None: TrainJob's default (GPU runs)
+    max_concurrent_trials: int
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """What every trial of one study shares (passed with ``tune.with_parameters``)."""
+
+    study: str                      # the study's name (--name): tag ``study``, trial run names
+    tracking_uri: str
+    train_storage_path: str         # where the trials' TorchTrainers keep checkpoints
+    data_dir: str                   # prepared training data (absolute: trials run in their own cwd)
+    parent_run_id: str | None
+    use_gpu: bool
+    cpus_per_worker: float | None
+    metric: str = tune_spaces.METRIC  # what the trials report each step and Tune ranks by
+    experiment: str | None = None   # MLflow experiment (--experiment); None: the study's name
+    gate: Any = None                # a TrialGate actor: trials whose jobs may run at once
+    rungs: tuple[int, ...] = ()     # steps where the scheduler (ASHA) may stop a trial
+
+    @property
+    def mlflow_experiment(self) -> str:
+        return self.experiment or self.study
+
+
+def _floor2(value: float) -> float:
+    return math.floor(value * 100) / 100
+
+
+def plan_resources(cluster: dict, *, num_workers: int, use_gpu: bool | None = None,
+                   max_concurrent: int | None = None) -> Plan:
+    """Size a study for ``cluster`` (``ray.cluster_resources()``).
+
+    GPU: one GPU per worker, as many trials at once as ``GPU // num_workers``.
+    CPU: trials at once ``CPU // (num_workers + TRIAL_CPUS)`` (at least 1), and each
+    worker gets the CPU share that lets that many trials fit (at most 1 CPU): on a
+    2-core machine, 1 trial of 2 workers at 0.99 CPU each. ``max_concurrent``
+    overrides the derived concurrency (CPU workers then get a smaller share).
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers={num_workers!r} is invalid: give an integer >= 1")
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ValueError(f"max_concurrent={max_concurrent!r} is invalid: give an integer >= 1")
+    gpus = float(cluster.get("GPU", 0))
+    cpus = float(cluster.get("CPU", 0))
+    trial_resources = {"CPU": TRIAL_CPUS, HEAD_RESOURCE: HEAD_SHARE}
+    if use_gpu is None:
+        use_gpu = gpus >= num_workers
+    if use_gpu:
+        if gpus < num_workers:
+            raise ValueError(f"num_workers={num_workers} needs {num_workers} GPUs but the cluster has "
+                             f"{gpus:g}: run it on a GPU cluster (docs/cluster.md) or pick a CPU-sized study (smoke)")
+        concurrency = max_concurrent or int(gpus // num_workers)
+        return Plan(trial_resources, True, None, concurrency)
+    concurrency = max_concurrent or max(1, int(cpus // (num_workers + TRIAL_CPUS)))
+    share = min(1.0, _floor2((cpus - concurrency * TRIAL_CPUS) / (concurrency * num_workers)))
+    if share < 0.01:
+        raise ValueError(f"{concurrency} trial(s) of {num_workers} workers do not fit in {cpus:g} CPUs: "
+                         f"lower --max-concurrent or num_workers")
+    return Plan(trial_resources, False, share, concurrency)
+
+
+def _constant(space: dict, key: str, default):
+    """A study's constant setting (a grid over it would defeat the resource plan)."""
+    value = space.get(key, default)
+    if isinstance(value, dict):
+        raise ValueError(f"study param {key!r} must be a constant, not a search space ({value!r})")
+    return value
+
+
+def train_trial(config: dict, *, settings: TrialSettings) -> None:
+    """One Tune trial: one ``app.jobs.launch`` job with the trial's config; reports its summary.
+
+    A setting the job refuses (``ValueError``: more partitions than tokens, a budget no
+    setting meets, workers the cluster cannot hold) or whose training fails (``RuntimeError``:
+    out of memory, a crashed worker) is a result, not an error of the study: its MLflow run
+    (made here when the job made none) carries the study's tags, ``outcome`` (refused or
+    failed) and ``reason``, and the trial reports ``outcome`` with a NaN metric, so a resume
+    does not run it again. A trial the scheduler stopped (pruned) has its MLflow run tagged
+    ``pruned_at_step`` and marked KILLED."""
+    from ray import tune
+
+    from app.jobs.launch import TrainJob, run_job
+
+    trial_id = tune.get_context().get_trial_id()
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"study {settings.study!r} sets {unknown}, which TrainJob does not have")
+    extra = {"cpus_per_worker": settings.cpus_per_worker} if settings.cpus_per_worker else {}
+    name = f"{settings.study}-{trial_id}"
+    try:
+        job = TrainJob(**{"use_gpu": settings.use_gpu, **extra, **config},
+                       storage_path=settings.train_storage_path, name=name,
+                       data_dir=settings.data_dir,
+                       tracking_uri=settings.tracking_uri, experiment=settings.mlflow_experiment,
+                       parent_run_id=settings.parent_run_id)
+    except ValueError as error:
+        tune.report(record_outcome(settings, trial_id, name, config, sweep_rank.REFUSED, error))
+        return
+    reporter = StepReporter(settings, job)
+    held = tune_spaces.hold_steps(list(settings.rungs), job.steps, settings.metric, job.eval_every)
+    try:
+        summary = run_job(job, on_step=reporter, extra_config={"hold_steps": held} if held else None)
+    except (ValueError, RuntimeError) as error:
+        outcome = sweep_rank.REFUSED if isinstance(error, ValueError) else sweep_rank.FAILED
+        tune.report(record_outcome(settings, trial_id, name, config, outcome, error))
+        return
+    run_id = summary.get("mlflow_run_id") or summary.get("run_id")
+    if run_id:
+        run = RunLogger(settings.tracking_uri, run_id)
+        run.set_tags({"study": settings.study, "trial_id": trial_id, "outcome": sweep_rank.OK
+                      if reporter.stopped is None else sweep_rank.PRUNED, **reporter.pruned_tags()})
+        if summary.get("settled_peak_memory_bytes") is not None:
+            run.log_metrics({"summary_settled_peak_memory_bytes": summary["settled_peak_memory_bytes"]},
+                            step=summary.get("steps", 0), flush=True)
+        if reporter.stopped is not None:  # Tune ended it early: MLflow says so too
+            run.client.set_terminated(run_id, "KILLED")
+    if reporter.stopped is None:  # a stopped trial reports nothing more: Tune has ended it
+        tune.report(metric_first(trial_metrics(summary, settings.metric, reporter.last), settings.metric))
+
+
+def record_outcome(settings: TrialSettings, trial_id: str, name: str, config: dict, outcome: str,
+                   error: BaseException) -> dict:
+    """A refused or failed setting as a result: its MLflow run (the job's, or a new FAILED one
+    with the trial's config as params) tagged with the study, ``outcome`` and ``reason``;
+    returns what the trial reports to Tune (``outcome``, ``reason``, a NaN metric)."""
+    reason = " ".join(str(error).split())[:500] or type(error).__name__
+    tags = {"study": settings.study, "trial_id": trial_id, "outcome": outcome, "reason": reason}
+    if settings.tracking_uri != "none":
+        run_id = find_run(settings.tracking_uri, settings.mlflow_experiment, "ray_train_name", name)
+        if run_id:
+            RunLogger(settings.tracking_uri, run_id).set_tags(tags)
+        else:
+            run = RunLogger.start(settings.tracking_uri, settings.mlflow_experiment, run_name=name,
+                                  parent_run_id=settings.parent_run_id,
+                                  tags={**kind_tags(TRAIN), "ray_train_name": name, **tags})
+            run.log_params({k: v for k, v in config.items() if v is not None})
+            run.finish("FAILED")
+    print(f"[mpipemoe sweep] trial {trial_id} {outcome}: {reason}", file=sys.stderr)
+    return {settings.metric: math.nan, "step": 0, "outcome": outcome, "reason": reason}
+
+
+def metric_first(metrics: dict, metric: str) -> dict:
+    """``metrics`` with the study's metric and the step first: Tune's live table shows the first
+    four numbers a trial reports (ray.tune.experimental.output), and a step's report holds dozens."""
+    first = [k for k in (metric, "step", tune_spaces.METRIC) if k in metrics]
+    return {**{k: metrics[k] for k in first}, **metrics}
+
+
+def _numbers(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class StepReporter:
+    """``run_job``'s ``on_step``: reports each step that carries the study's metric to Tune
+    (every step for the training loss and throughput, every evaluation for the validation
+    loss), so a scheduler (ASHA) can stop a trial early. Called on the job's metrics thread.
+
+    When Tune stops the trial (ASHA pruned it, or the study was interrupted), its next
+    report raises ``SystemExit`` (Ray Tune's function trainable ends a trial that way).
+    The reporter then returns ``app.jobs.launch.STOP_JOB``: the Train workers stop after their
+    step and the job ends normally, releasing their resources (a trial process that
+    simply exited would leave its workers' placement group reserved: Ray Train's cleaner
+    needs the State API, which embedded Ray without a dashboard lacks; measured: the next
+    trials waited for CPUs forever). ``StoppingTrial`` keeps the process alive meanwhile."""
+
+    def __init__(self, settings: "TrialSettings", job):
+        self.settings, self.job = settings, job
+        self.last: dict = {}  # the newest step metrics that carried the study's metric
+        self.stopped: int | None = None  # the step after which Tune stopped the trial
+
+    def __call__(self, metrics: dict) -> str | None:
+        from ray import tune
+
+        from app.jobs.launch import STOP_JOB
+
+        numbers = _numbers(metrics)
+        if self.stopped is not None or self.settings.metric not in numbers:
+            return None
+        try:
+            tune.report(metric_first(numbers, self.settings.metric))
+        except SystemExit:
+            self.stopped = int(numbers.get("step", 0))
+            return STOP_JOB
+        self.last = numbers
+        return None
+
+    def pruned_tags(self) -> dict:
+        """MLflow tags of a trial Tune stopped before its last step: ``pruned_at_step``, the step
+        whose report Tune stopped it at (its rung; the workers held there and trained no more)."""
+        if self.stopped is None or self.stopped >= self.job.steps:
+            return {}
+        return {"pruned_at_step": self.stopped}
+
+
+# A stopped trial's process waits this long for its Train job to stop (after its current
+# step) before it exits anyway (or, reused for the next trial, gives up being reused).
+STOP_GRACE_S = 120
+REUSE_POLL_S = 0.2  # how often a reused trial process checks that the previous trial's function ended
+
+
+def stopping_trainable(trainable, stop_grace_s: float = STOP_GRACE_S):
+    """``trainable`` (a function trainable) as a Tune Trainable class whose ``cleanup`` (run
+    when Tune stops the trial) waits up to ``stop_grace_s`` for the trial function to return,
+    instead of not at all: the function stops its Train job first (``StepReporter``).
+    The rest is Ray Tune's ``FunctionTrainable.cleanup``.
+
+    ``reset_config`` (Tune reuses the trial's process for the next trial, ``reuse_actors``)
+    waits the same way before Ray Tune's own, which waits only ``TUNE_FUNCTION_THREAD_TIMEOUT_S``
+    (2 s) and otherwise gives the process up: a pruned trial stopping its Train job takes
+    a few seconds, and the next trial would pay for a new process."""
+    from ray.train._internal.session import get_session, shutdown_session
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    class StoppingTrial(wrap_function(trainable)):  # type: ignore[misc]  # (a class made at run time)
+        def cleanup(self):
+            session = get_session()
+            assert session is not None  # Tune cleans up a trial inside its session
+            try:
+                session.finish(timeout=stop_grace_s)
+            finally:
+                session._report_thread_runner_error()
+                shutdown_session()
+
+        def reset_config(self, new_config):
+            session = get_session()
+            assert session is not None  # Tune resets a trial inside its session
+            deadline = time.monotonic() + stop_grace_s
+            # The previous trial's function stops its Train job, then Tune's wrapper of it
+            # reports once more and waits for an answer that never comes (Tune has ended that
+            # trial): each wait here lets such a report through and drops it.
+            while session.training_thread.is_alive() and time.monotonic() < deadline:
+                while not session.result_queue.empty():
+                    session.result_queue.get_nowait()
+                session.finish(timeout=REUSE_POLL_S)
+            return super().reset_config(new_config)
+
+    return StoppingTrial
+
+
+# Standard Ray Train settings for the Train jobs of a study on embedded local Ray (one node,
+# this machine), where the user has not set them. Every trial starts and ends a Train job, and
+# each of the controller's state changes waits for its next check on the workers (default
+# every 2 s); and each job starts a preemption watcher, one more process, while a local node
+# is never drained. Measured on 2 shared cores, an lr-study trial's Train job (40 steps, ~1.5 s
+# of training), start to end: 13-15 s with these, 13-20 s without (docs/sweeps.md).
+LOCAL_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def local_train_env(environ=None) -> dict[str, str]:
+    """``LOCAL_RAY_TRAIN_ENV`` less the variables set in ``environ`` (default ``os.environ``):
+    the user's own values win. ``run`` gives them to embedded Ray's job (``runtime_env``); Ray
+    Train passes them on from each trial to its controller and workers."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in LOCAL_RAY_TRAIN_ENV.items() if k not in environ}
+
+
+def trial_metrics(summary: dict, metric: str = tune_spaces.METRIC, last_step: dict | None = None) -> dict:
+    """What a trial reports to Tune at its end: the summary's numbers, and the newest step
+    value of ``metric`` where the summary has none of that name (a loss). ``step`` is the
+    steps trained (ASHA's time axis). A trial re-run on resume whose Train run had already
+    finished reports that run's recorded numbers (run_job's summary), never NaN; without the
+    study's metric it raises, naming the trial's run."""
+    metrics = {**{k: v for k, v in (last_step or {}).items() if k == metric}, **_numbers(summary)}
+    if "steps" in metrics:
+        metrics["step"] = metrics["steps"]
+    if metric == tune_spaces.TRAIN_LOSS and "final_loss" in metrics:
+        metrics.setdefault(metric, metrics["final_loss"])
+    for key in ("partitions", "strategy"):  # the settings an auto choice settled on
+        if summary.get(key) is not None:
+            metrics[key] = summary[key]
+    if not math.isfinite(metrics.get(metric, math.nan)):
+        raise RuntimeError(f"training run {summary.get('name')} reported no {metric}: "
+                           f"see its MLflow run {summary.get('mlflow_run_id')}")
+    return metrics
+
+
+def study_parent_run(tracking_uri: str, experiment: str, experiment_path: str, description: str,
+                     study: str | None = None) -> str:
+    """The MLflow parent run of this study's experiment directory, reused on resume."""
+    study = study or experiment
+    run_id = find_run(tracking_uri, experiment, "study_path", experiment_path)
+    if run_id:
+        return RunLogger.resume(tracking_uri, run_id).run_id
+    run = RunLogger.start(tracking_uri, experiment, run_name=f"study-{study}",
+                          tags={**kind_tags(STUDY), "study": study, "study_path": experiment_path})
+    run.log_params({"study": study, "description": description})
+    return run.run_id
+
+
+class TrialGate:
+    """A Ray actor: at most ``limit`` trials run their Train jobs at once. Tune's own cap
+    (``max_concurrent_trials``) does not hold for trials a restore starts again
+    (``Tuner.restore(resume_errored=True)`` starts every errored trial at once; each holds a
+    sliver of a CPU, their workers cannot all be placed and Ray Train retries forever):
+    every trial passes this gate, so fresh and resumed studies keep the plan's cap.
+    A trial id holds at most one place (a re-run of the same trial takes its own place)."""
+
+    def __init__(self, limit: int) -> None:
+        import asyncio
+
+        self.limit = limit
+        self.holders: set[str] = set()
+        self.changed = asyncio.Condition()
+        self.most = 0  # the most trials that held places at once
+
+    async def enter(self, trial_id: str) -> int:
+        async with self.changed:
+            await self.changed.wait_for(lambda: trial_id in self.holders or len(self.holders) < self.limit)
+            self.holders.add(trial_id)
+            self.most = max(self.most, len(self.holders))
+            return len(self.holders)
+
+    async def leave(self, trial_id: str) -> None:
+        async with self.changed:
+            self.holders.discard(trial_id)
+            self.changed.notify_all()
+
+    async def busiest(self) -> int:
+        return self.most
+
+
+def gated(trainable):
+    """``trainable(config, *, settings)`` that first takes a place at ``settings.gate`` (when set)
+    and gives it back when it returns (a stopped trial returns: ``stopping_trainable``)."""
+
+    def trial(config: dict, *, settings: TrialSettings) -> None:
+        if settings.gate is None:
+            return trainable(config, settings=settings)
+        import ray
+        from ray import tune
+
+        trial_id = tune.get_context().get_trial_id()
+        ray.get(settings.gate.enter.remote(trial_id))
+        try:
+            return trainable(config, settings=settings)
+        finally:
+            settings.gate.leave.remote(trial_id)
+
+    return trial
+
+
+def parse_value(text: str):
+    """A ``--set`` value: an int, a float, true/false, else the string ("auto", "none", "S1")."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
+    from app.jobs.launch import TrainJob
+
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    overrides = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not text.strip():
+            raise ValueError(f"--set {item!r} is invalid: give KEY=VALUE or KEY=V1,V2 (e.g. --set partitions=1,2,auto)")
+        if key not in fields:
+            raise ValueError(f"--set {item!r}: {key!r} is not a train option: use one of "
+                             f"{', '.join(sorted(fields - SWEEP_OWNED))}")
+        if key in SWEEP_OWNED:
+            raise ValueError(f"--set {item!r}: the sweep sets {key} itself ({', '.join(sorted(SWEEP_OWNED))})")
+        values = [parse_value(v) for v in text.split(",")]
+        overrides[key] = values[0] if len(values) == 1 else {"grid_search": values}
+    return overrides
+
+
+# TrainJob fields a sweep sets for every trial (a space or --set may not)
+SWEEP_OWNED = frozenset({"storage_path", "name", "data_dir", "tracking_uri", "experiment", "parent_run_id"})
+ONE_PER_STUDY = ("num_workers", "steps", "use_gpu")  # the resource plan and ASHA are sized from them
+
+
+def study_space(module, search: str, overrides: dict | None = None) -> dict:
+    """The study's param space for ``search`` with ``overrides`` (``--set`` and the shortcut
+    flags) applied; a trial writes no checkpoints unless the space or an override asks."""
+    space = {**module.param_space(search), **(overrides or {})}
+    space.setdefault("checkpoint_every", 0)
+    for key in ONE_PER_STUDY:
+        _constant(space, key, None)
+    from app.jobs.launch import TrainJob
+
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    if unknown := sorted(set(space) - fields):
+        raise ValueError(f"the study sets {unknown}, which are not train options: use TrainJob's fields "
+                         f"(mpipemoe train --help)")
+    if owned := sorted(set(space) & SWEEP_OWNED):
+        raise ValueError(f"the study sets {owned}: the sweep sets those itself (--name, --experiment, --data-dir)")
+    return space
+
+
+def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: int | None = None,
+              max_concurrent: int | None = None, data_dir: str | None = None, trainable=train_trial,
+              search: str | None = None, scheduler: str | None = None, max_failures: int = 0, seed: int = 0,
+              stop_grace_s: float = STOP_GRACE_S, name: str | None = None, experiment: str | None = None,
+              overrides: dict | None = None):
+    """Run (or resume) a study on the connected Ray cluster; returns the ResultGrid.
+
+    ``study``: a built-in study's name or a study file (``tune_spaces.load``); ``name``: the
+    study's name (its Tune folder ``<storage_path>/<name>``, tag and MLflow experiment; default
+    the study's name or the file's stem); ``experiment``: the MLflow experiment (default the
+    name); ``overrides``: param-space entries that replace the study's (``parse_overrides``).
+    ``data_dir``: prepared training data; default ``./data/stdlib-bytes``, prepared here
+    once if missing. ``trainable(config, *, settings)`` runs one trial; tests may pass a
+    lighter one. ``num_samples`` None: the study's ``NUM_SAMPLES``. ``search``, ``scheduler``
+    (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
+    ``tune_spaces.tune_config``; ``max_failures``: Tune retries an errored trial that often.
+    ``stop_grace_s``: how long a stopped trial may take to stop its Train job (``stopping_trainable``).
+    """
+    import ray
+    from ray import tune
+
+    module = tune_spaces.load(study)
+    name = name or tune_spaces.study_name(study)
+    search = search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
+    searches = getattr(module, "SEARCHES", tune_spaces.GRID_SEARCHES)
+    if search not in searches:
+        raise ValueError(f"--search {search}: study {name!r} supports {', '.join(searches)} (its space is "
+                         f"{'a grid of categorical choices' if 'optuna' not in searches else 'not searchable so'})")
+    if max_failures < 0:
+        raise ValueError(f"--max-failures {max_failures} is invalid: give an integer >= 0")
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise ValueError(f"--data-dir {data_dir}: no such directory: prepare it (mpipemoe data prepare) or leave "
+                         f"--data-dir out for the default data")
+    space = study_space(module, search, overrides)
+    metric, mode = tune_spaces.ranking(module, space)
+    storage_path = os.path.abspath(storage_path)  # Ray Train needs absolute paths
+    experiment_path = os.path.join(storage_path, name)
+    plan = plan_resources(ray.cluster_resources(), num_workers=_constant(space, "num_workers", 2),
+                          use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
+    space.pop("use_gpu", None)  # decided by the plan
+    if data_dir is None:
+        data_dir = ensure_default_data()
+    parent_run_id = study_parent_run(tracking_uri, experiment or name, experiment_path, module.DESCRIPTION, name)
+    gate: Any = ray.remote(num_cpus=0)(TrialGate).remote(plan.max_concurrent_trials)
+    settings = TrialSettings(study=name, tracking_uri=tracking_uri,
+                             train_storage_path=os.path.join(storage_path, f"{name}-train"),
+                             data_dir=str(Path(data_dir).resolve()),
+                             parent_run_id=parent_run_id, use_gpu=plan.use_gpu,
+                             cpus_per_worker=plan.cpus_per_worker, metric=metric, experiment=experiment,
+                             gate=gate, rungs=tuple(tune_spaces.asha_rungs(_constant(space, "steps", 50)))
+                             if scheduler == "asha" else ())
+    fn = tune.with_resources(stopping_trainable(tune.with_parameters(gated(trainable), settings=settings),
+                                                stop_grace_s), plan.trial_resources)
+    if tune.Tuner.can_restore(experiment_path):
+        print(f"Restoring study {name!r} from {experiment_path}: finished trials are kept, "
+              f"unfinished and errored ones run (again), up to {plan.max_concurrent_trials} at once")
+        tuner = tune.Tuner.restore(experiment_path, trainable=fn, resume_errored=True)
+    else:
+        print(f"Study {name!r}: {module.DESCRIPTION}\n"
+              f"  up to {plan.max_concurrent_trials} trial(s) at once, "
+              f"{'1 GPU' if plan.use_gpu else f'{plan.cpus_per_worker} CPU'} per worker; "
+              f"results in {experiment_path}")
+        print(f"  search {search}, scheduler {scheduler}, ranked by {metric} ({mode})")
+        tuner = tune.Tuner(
+            fn, param_space=space,
+            tune_config=tune_spaces.tune_config(
+                num_samples=num_samples or getattr(module, "NUM_SAMPLES", 1),
+                max_concurrent_trials=plan.max_concurrent_trials, metric=metric, mode=mode, search=search,
+                scheduler=scheduler, steps=_constant(space, "steps", None), seed=seed),
+            run_config=tune.RunConfig(name=name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=max_failures)))
+    parent = RunLogger(tracking_uri, parent_run_id)
+    try:
+        results = tuner.fit()
+    except BaseException:
+        parent.finish("FAILED")
+        raise
+    finally:
+        try:
+            results_busiest = ray.get(gate.busiest.remote())
+        finally:
+            ray.kill(gate)
+    failed, finished = count_trials(results, metric)
+    pruned = count_pruned(results, space)
+    parent.log_metrics({"trials": len(results), "trials_failed": failed, "trials_finished": finished,
+                        "trials_pruned": pruned, "trials_at_once": results_busiest}, flush=True)
+    best = best_trial(results, metric, mode)
+    if best is not None:
+        parent.set_tags({f"best_{k}": v for k, v in best.config.items() if k in _varying(results)})  # a resume may change it
+        parent.log_metrics({f"best_{metric}": best.metrics[metric]}, flush=True)
+    # KILLED: interrupted; running the study again resumes it (and reopens this run)
+    parent.finish("FAILED" if failed else "FINISHED" if finished == len(results) else "KILLED")
+    return results
+
+
+def count_trials(results, metric: str = tune_spaces.METRIC) -> tuple[int, int]:
+    """(errored, finished) trials of a ResultGrid; the rest were interrupted or never started.
+    A trial stopped early by the scheduler (pruned) counts as finished: it reported ``metric``."""
+    failed = sum(1 for r in results if r.error)
+    finished = sum(1 for r in results if not r.error and metric in (r.metrics or {}))
+    return failed, finished
+
+
+def _pruned(result, steps) -> bool:
+    """Whether a trial stopped before the study's ``steps`` without an error (the scheduler's doing)."""
+    metrics = result.metrics or {}
+    return not result.error and steps is not None and "steps" not in metrics and metrics.get("step", steps) < steps
+
+
+def count_pruned(results, space: dict) -> int:
+    """Trials the scheduler stopped early: their last report is a step's, not the summary."""
+    steps = space.get("steps") if not isinstance(space.get("steps"), dict) else None
+    return sum(1 for r in results if _pruned(r, steps))
+
+
+def best_trial(results, metric: str, mode: str):
+    """The trial with the best last reported ``metric`` (lowest for mode "min"), None if none reported it."""
+    scored = [r for r in results if not r.error and math.isfinite((r.metrics or {}).get(metric, math.nan))]
+    if not scored:
+        return None
+    return (min if mode == "min" else max)(scored, key=lambda r: r.metrics[metric])
+
+
+def _varying(results) -> list[str]:
+    configs = [r.config or {} for r in results]
+    return sorted({k for c in configs for k in c if len({str(cc.get(k)) for cc in configs}) > 1})
+
+
+FINAL_VAL_LOSS = "final_val_loss"  # run_job's summary: the validation loss at the last step
+
+
+def format_results(results, metric: str = tune_spaces.METRIC, steps: int | None = None,
+                   mode: str | None = None) -> str:
+    """A plain-text table: one line per trial, the varying config and the key metrics; a
+    trial the scheduler stopped early shows "pruned@STEP", a refused or failed setting its
+    outcome. ``mode`` ("min"/"max"): trials sorted best first by ``metric`` (those without
+    it last); None: in Tune's order."""
+    rows = [(r.config or {}, r.metrics or {}, r.error, _pruned(r, steps)) for r in results]
+    if mode is not None:
+        def key(row):
+            value = row[1].get(metric, math.nan)
+            scored = isinstance(value, (int, float)) and math.isfinite(value)
+            return (0, value if mode == "min" else -value) if scored else (1, 0.0)
+        rows.sort(key=key)
+    varying = _varying(results)
+    ranked = [metric] if metric not in (tune_spaces.METRIC, tune_spaces.TRAIN_LOSS) else []
+    if metric != tune_spaces.VAL_LOSS and any(FINAL_VAL_LOSS in m for _, m, _, _ in rows):
+        ranked.append(FINAL_VAL_LOSS)  # a throughput study on data with a validation split
+    header = varying + ranked + ["tokens/s", "loss", "peak MiB", "status"]
+    lines = [header]
+    for config, metrics, error, pruned in rows:
+        peak = metrics.get("peak_memory_bytes")
+        loss = metrics.get("final_loss", metrics.get("loss"))
+        status = "ERROR" if error else str(metrics["outcome"]) if metrics.get("outcome") else \
+            f"pruned@{metrics.get('step')}" if pruned else "ok" if metric in metrics else "unfinished"
+        lines.append([_cell(config.get(k)) for k in varying]
+                     + [f"{metrics[m]:.4f}" if m in metrics else "-" for m in ranked] + [
+            f"{metrics.get(tune_spaces.METRIC, float('nan')):.0f}",
+            f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+            f"{peak / 2**20:.1f}" if isinstance(peak, (int, float)) else "-", status])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)
+
+
+def _cell(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def study_overrides(set_items: list[str], shortcuts: dict) -> dict:
+    """The param-space entries the command line sets: ``--set`` items, then the shortcut flags given."""
+    overrides = parse_overrides(set_items)
+    overrides.update({k: v for k, v in shortcuts.items() if v is not None})
+    return overrides
+
+
+def run_sweep(spec: str, set_items: list[str], shortcuts: dict, *, name: str | None, experiment: str | None,
+              address: str | None, verbose: bool, storage_path: str, num_samples: int | None,
+              max_concurrent: int | None, data_dir: str | None, search: str | None, scheduler: str | None,
+              max_failures: int, seed: int, tracking_uri: str | None, memory_cap_gib: float | None) -> int:
+    """`mpipemoe sweep`: check the study ``spec`` and the overrides before Ray starts (rc 2 on a bad
+    one), run it on Ray (embedded unless ``address``), print its results and the next command."""
+    import ray
+
+    try:  # before Ray starts: a bad file or option costs nothing
+        module = tune_spaces.load(spec)
+        overrides = study_overrides(set_items, shortcuts)
+        study_space(module, search or getattr(module, "SEARCH", None) or "grid", overrides)
+    except ValueError as error:
+        print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
+        return 2
+    study = name or tune_spaces.study_name(spec)
+    tracking_uri = resolve_tracking_uri(tracking_uri)
+    check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
+    started = not ray.is_initialized()
+    if started and address:
+        ray.init(address=address, logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose)
+    elif started:  # a new embedded instance, never someone else's cluster found on this machine
+        ray.init(address="local", include_dashboard=False, object_store_memory=300 * 2**20,
+                 logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose,
+                 runtime_env={"env_vars": local_train_env()})
+    try:
+        results = run_study(spec, storage_path=storage_path, tracking_uri=tracking_uri,
+                            num_samples=num_samples, max_concurrent=max_concurrent,
+                            data_dir=data_dir, search=search, scheduler=scheduler,
+                            max_failures=max_failures, seed=seed, name=name,
+                            experiment=experiment, overrides=overrides)
+    except ValueError as error:  # a study that does not fit the cluster, a bad option
+        print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if started:
+            ray.shutdown()
+    search = search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
+    space = study_space(module, search, overrides)
+    metric, mode = tune_spaces.ranking(module, space)
+    print(format_results(results, metric, space.get("steps"), mode))
+    if metric == tune_spaces.METRIC:  # a time study: settings over repeats, the time/memory front
+        rows = [(r.config or {}, r.metrics or {}, r.error) for r in results]
+        print(sweep_rank.format_ranking(sweep_rank.points(rows), memory_cap_gib))
+    pruned, best = count_pruned(results, space), best_trial(results, metric, mode)
+    if best is not None:
+        chosen = ", ".join(f"{k}={_cell(best.config.get(k))}" for k in _varying(results))
+        print(f"Best trial ({'lowest' if mode == 'min' else 'highest'} {metric}): {chosen or best.path} "
+              f"{metric} {best.metrics[metric]:.4g}" + (f"; {pruned} of {len(results)} trials pruned by "
+                                                        f"{scheduler}" if scheduler != "fifo" else ""))
+    experiment = experiment or study
+    print(f"MLflow experiment {experiment!r} in {tracking_uri}; next: {invocation()} report --experiment "
+          f"{experiment}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
+    failed, finished = count_trials(results, metric)
+    if failed + finished < len(results):
+        print(f"Study interrupted ({finished}/{len(results)} trials finished): run the same command "
+              f"again to resume it.")
+    return 0 if finished == len(results) else 1

@@ -1,0 +1,3 @@
+"""What the commands keep about their runs: MLflow logging and reading back (store), the offline
+spool for an unreachable tracking server, one live job per run name (runlock), the provenance
+every result file carries (records), and the tag that says what made a run (run_kinds)."""
