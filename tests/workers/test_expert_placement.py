@@ -67,7 +67,7 @@ def main() -> dict:
         ranks = sorted((json.loads(p.read_text()) for p in (out / "placement").glob("rank*.json")),
                        key=lambda r: r["rank"])
         return {"error": repr(result.error) if result.error else None,
-                "worker_nodes": sorted(node.node_id for node in workers),  # type: ignore[attr-defined]
+                "worker_nodes": sorted(node.node_id for node in workers),
                 "node_of_rank": [r["node_id"] for r in ranks]}
     finally:
         ray.shutdown()
