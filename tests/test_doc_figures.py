@@ -11,7 +11,7 @@ Three checks, so that a figure in the docs cannot drift from the code that makes
   today's code renders from its JSON (``tools/render_records.py``): the measurements are
   data, the yardsticks beside them (bounds, bests, targets) today's.
 - A doc quotes a record's figures as an excerpt of the record's Markdown: an HTML comment
-  ``<!-- figures: results/NAME.md -->`` (the path from the repository's root) on the line
+  ``<!-- figures: PATH -->`` (PATH a record's Markdown under results/, from the repository's root) on the line
 before a fenced block. Every line of
   the block must be a line of that file (a line ``...`` skips any number). The prose
   around an excerpt reads its numbers from it.

@@ -38,7 +38,7 @@ def test_bad_job_names_the_field(change, field):
 
 
 def test_job_checks_experts_against_workers():
-    with pytest.raises(ValueError, match=r"num_experts=4 .*number of workers \(3\)"):
+    with pytest.raises(ValueError, match=r"num_experts=4 is invalid: .*expert-parallel degree \(3, the number of workers\)"):
         TrainJob(num_workers=3)
     TrainJob(num_workers=3, num_experts=6)
 
