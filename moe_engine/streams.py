@@ -143,17 +143,25 @@ class StreamSet:
         run beside them (torch's SM carve-out, which its grouped GEMMs and cuBLASLt honour;
         the per-expert loops ask for cuBLASLt, `honouring_sm_carveout`), at most all SMs
         but one (`sm_carveout`); the caller's setting is restored after. No-op off CUDA,
-        for 0, or on a torch without the carve-out."""
+        for 0, or on a torch without the carve-out.
+
+        The carve-out is one setting for the whole process, and the overlapped micro-batch
+        schedule runs two lanes' pipelines from two threads: a lane that leaves after another
+        lane changed the setting leaves it alone (restoring its own `previous` would bring back
+        the other lane's reservation after that lane had left: a carve-out leaked into every
+        later GEMM). Lanes reserve the same count, so the last of them to leave restores
+        the caller's setting."""
         if not self.is_cuda or count <= 0 or not sm_carveout_available():
             yield
             return
         previous = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(
-            sm_carveout(count, torch.cuda.get_device_properties(self.device).multi_processor_count))
+        reserved = sm_carveout(count, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        torch._C._set_sm_carveout_experimental(reserved)
         try:
             yield
         finally:
-            torch._C._set_sm_carveout_experimental(previous)
+            if torch._C._get_sm_carveout_experimental() == reserved:
+                torch._C._set_sm_carveout_experimental(previous)
 
     def join(self) -> None:
         """The caller's current stream waits for every side stream given work since the

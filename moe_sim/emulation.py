@@ -159,6 +159,9 @@ class EmulatedCluster:
         return EmulatedExpertGroup(self, keep_log=keep_log)
 
 
+HOST_LEAD_S = 2e-3  # WallClockWait._timed_wait: the device's head start on the host
+
+
 class WallClockWait:
     """Occupies a stream for a span of wall-clock time: one small kernel per wait that spins
     on the GPU's global nanosecond timer (`%globaltimer`, through Triton's inline PTX).
@@ -225,7 +228,7 @@ class WallClockWait:
             for _ in range(3):
                 torch.cuda.synchronize(device)
                 with torch.cuda.stream(gemm_stream):
-                    for _ in range(max(4, int(seconds * 1.5 / 1.4e-3))):  # ~1.4 ms per GEMM on an H200
+                    for _ in range(max(4, int((seconds * 1.5 + HOST_LEAD_S) / 1.4e-3))):  # ~1.4 ms a GEMM (H200)
                         a @ a
                 with torch.cuda.stream(wait_stream):
                     beside.append(self._timed_wait(seconds, device))
@@ -234,7 +237,12 @@ class WallClockWait:
                 "beside_gemms": statistics.median(beside) / seconds, "ctas": self.ctas}
 
     def _timed_wait(self, seconds: float, device: torch.device) -> float:
+        """The device's time for one wait of `seconds` on the current stream. A wait of
+        HOST_LEAD_S runs first, so the host has queued the timed wait before its start event
+        fires: the host's launch cost (Triton's, from Python: 0.1-0.5 ms on a loaded host) is
+        not the wait's; in a pass the host runs ahead of the device the same way."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.sleep(HOST_LEAD_S, device)
         start.record()
         self.sleep(seconds, device)
         end.record()
@@ -328,6 +336,12 @@ def fill_from_own_block(output_ND: torch.Tensor, input_RD: torch.Tensor, input_s
         step = min(filled, rows - filled)
         output_ND[filled:filled + step].copy_(output_ND[:step])
         filled += step
+
+
+# The host range around a freed transfer's copy (`free_transfers`), for a profiler trace: the
+# layer bench leaves this work out of a pass's compute floor, since a priced transfer's time
+# holds its copy (app/bench/layer.py own_pass_stages).
+FREE_TRANSFER_COPY = "emulated.free_transfer_copy"
 
 
 class EmulatedExpertGroup(ExpertGroup):
@@ -524,7 +538,8 @@ class EmulatedExpertGroup(ExpertGroup):
         time (an output left as it was would feed the experts whatever the buffer held —
         denormals and NaNs, slow on CPUs — and no longer be the pass it stands for)."""
         if self._lane_origin._free_transfers:
-            fill_from_own_block(output, input, input_splits)
+            with torch.profiler.record_function(FREE_TRANSFER_COPY):
+                fill_from_own_block(output, input, input_splits)
             return
         seconds *= self.timing.scale
         link = self.timing.link

@@ -27,7 +27,7 @@ Each engine and setting is timed three ways in the same interleaved rounds (so a
 of the machine falls on all alike): the step as modelled (`step_ms`); with the All-to-Alls
 and small collectives at zero time (`no_all_to_all_ms`: the copies run, the waits do not);
 and with every modelled transfer at zero time (`compute_ms`: the step's compute alone in its
-conditions). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
+conditions; on CUDA its device-busy time, profiled: `compute_floor_ms`). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
 link time: no schedule beats either, and on CUDA a record faster than 0.98x its bound fails
 the run (`check_bounds`) after the records are written (on CPU no wait runs: not checked). `exposed_all_to_all_ms` = step_ms −
 no_all_to_all_ms. The automatic setting takes the bound terms of the grid setting it settled
@@ -51,7 +51,7 @@ from torch import nn
 from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting
 from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
 from app.bench.routing_replay import check_routing, routing_push
-from app.bench.timeline import trace_step
+from app.bench.timeline import PASS_MARK, device_busy_ms, record_trace, trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import device_name
@@ -561,7 +561,9 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             "vocab_size": preset.vocab_size, "causal": preset.kind == "gpt", "dtype": str(dtype).replace("torch.", ""),
             "device": device_name(device), **group.cluster.record_fields()}
         if len(slot) == 3:
-            record.update(no_all_to_all_ms=timings[slot[1]].median_ms, compute_ms=timings[slot[2]].fastest_ms)
+            record.update(no_all_to_all_ms=timings[slot[1]].median_ms,
+                          compute_ms=compute_floor_ms(fns[slot[2]], timings[slot[2]], device,
+                                                      settings.rounds * settings.repeats))
         if group.dilation is not None:
             record.update(emulated_wait_dilation_alone=group.dilation["alone"],
                           emulated_wait_dilation_beside_gemms=group.dilation["beside_gemms"])
@@ -587,6 +589,16 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
         record.setdefault("timeline", {})
         log(record)
     return records
+
+
+def compute_floor_ms(compute_alone: Callable[[], Any], timing: Any, device: torch.device, passes: int) -> float:
+    """The step's compute alone (every modelled transfer at zero time), as a floor: on CUDA the
+    least device-busy time of `passes` profiled steps (app/bench/timeline.py device_busy_ms: the
+    device waiting for the host is not compute, and the modelled step hides that wait behind its
+    transfers); elsewhere the fastest of the timed steps (`timing`)."""
+    if device.type != "cuda":
+        return timing.fastest_ms
+    return min(device_busy_ms(record_trace(_procedure(compute_alone), device, passes), PASS_MARK))
 
 
 def _procedure(fn: Callable[[], Any]) -> Callable[[], None]:

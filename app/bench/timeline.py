@@ -174,15 +174,13 @@ def _without_profiler_chatter() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def trace_step(step: Callable[[], None], device: torch.device, path: str, passes: int = 2) -> dict:
-    """Runs `step` `passes` times back to back under torch.profiler (after one untraced call),
-    each inside a `PASS_MARK` range, writes the trace to `path` (gzip when it ends in .gz)
-    and returns the stream account of the last pass: the steady state, where a pass's first
-    kernels wait behind the previous pass as they do in training. Every host thread is
+def record_trace(run: Callable[[], None], device: torch.device, passes: int = 2) -> dict:
+    """Runs `run` once untraced, then `passes` times back to back under torch.profiler, each
+    inside a `PASS_MARK` range, and returns the Chrome trace (a dict). Every host thread is
     recorded (workers/schedules.py profiler_config): the overlapped micro-batch schedule
-    launches its backwards from a helper thread, and the account keeps only kernels whose
-    launch it saw."""
-    step()
+    launches its backwards from a helper thread, and autograd launches every backward from
+    its device thread."""
+    run()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -191,19 +189,59 @@ def trace_step(step: Callable[[], None], device: torch.device, path: str, passes
                                                              experimental_config=profiler_config()) as profiler:
         for _ in range(passes):
             with torch.profiler.record_function(PASS_MARK):
-                step()
+                run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as scratch:
+        raw = os.path.join(scratch, "trace.json")
+        profiler.export_chrome_trace(raw)
+        with open(raw) as handle:
+            return json.load(handle)
+
+
+def trace_step(step: Callable[[], None], device: torch.device, path: str, passes: int = 2) -> dict:
+    """`record_trace` of `step`, written to `path` (gzip when it ends in .gz); returns the
+    stream account of the last pass: the steady state, where a pass's first kernels wait
+    behind the previous pass as they do in training. The account keeps only kernels whose
+    launch it saw."""
+    trace = record_trace(step, device, passes)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    raw = path[:-3] if path.endswith(".gz") else path
-    profiler.export_chrome_trace(raw)
-    with open(raw) as handle:
-        trace = json.load(handle)
-    if path.endswith(".gz"):
-        with gzip.open(path, "wt") as handle:
-            json.dump(trace, handle)
-        os.remove(raw)
+    opener: Callable = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as handle:
+        json.dump(trace, handle)
     return stream_account(trace)
+
+
+def _ranges(events: list[dict], name: str) -> list[tuple[object, float, float]]:
+    """Local. (host thread, start µs, end µs) of every host range called `name`, by start."""
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == name and e.get("cat") == "user_annotation"]
+    return sorted(((e.get("tid"), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in marks),
+                  key=lambda r: r[1])
+
+
+def device_busy_ms(trace: dict, mark: str, *, excluding: str | None = None) -> list[float]:
+    """Local. For each host range called `mark` in a trace (in order of start): how long the
+    device was busy with the work launched inside it, from any host thread (autograd launches
+    a backward from its own): the union of its kernels', copies' and memsets' device intervals
+    over every stream. With `excluding`: less the work launched inside ranges of that name on
+    the launching thread (the emulator's copies that a modelled transfer's time already holds).
+
+    A floor of that work's device time: what no schedule of the same kernels can beat, however
+    far ahead the host runs (a pass timed by events also counts the device waiting for the host)."""
+    events = trace.get("traceEvents", [])
+    launched = {e["args"]["correlation"]: (e.get("tid"), float(e["ts"])) for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    skipped = _ranges(events, excluding) if excluding else []
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    device = [(launched[e["args"]["correlation"]], e) for e in events
+              if e.get("ph") == "X" and e.get("cat") in kinds and e.get("args", {}).get("correlation") in launched]
+    kept = [(at, e) for (tid, at), e in device
+            if not any(tid == s_tid and start <= at <= end for s_tid, start, end in skipped)]
+    busy = []
+    for _, start, end in _ranges(events, mark):
+        inside = [Interval(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for at, e in kept if start <= at <= end]
+        busy.append(_length_us(_union_us(inside)) / 1e3)
+    return busy
 
 
 def trace_name(record: dict) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from app.bench.layer import add_overlap_account, overlap_bound_ms
 from app.cli import main
-from app.bench.timeline import stream_account
+from app.bench.timeline import device_busy_ms, stream_account
 
 
 def kernel(name, start_us, dur_us, stream):
@@ -50,6 +50,40 @@ def test_account_takes_the_last_pass_by_launch_time():
     ]}
     account = stream_account(trace)
     assert account["span_ms"] == pytest.approx(0.5) and account["device_events"] == 1
+
+
+def test_device_busy_counts_the_work_launched_in_each_range_from_any_thread_less_the_excluded():
+    """A floor of a phase's device time: the union of what it launched (autograd launches a
+    backward from its own thread), the device's wait for the host not counted, and the work
+    launched inside an excluded range on the same thread left out."""
+    def runtime(corr, ts, tid):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": corr}}
+
+    def device(corr, start, dur, stream=7, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": "k", "ts": start, "dur": dur, "args": {"stream": stream,
+                                                                                        "correlation": corr}}
+
+    def mark(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = {"traceEvents": [
+        mark("fwd", 0, 100), mark("bwd", 100, 100), mark("fwd", 1000, 100),
+        mark("copy", 10, 5, tid=1), mark("copy", 150, 5, tid=2),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "fwd", "ts": 0, "dur": 5000, "tid": 9},  # device track
+        runtime(1, 5, 1), runtime(2, 12, 1), runtime(3, 40, 1),             # the first forward
+        runtime(4, 120, 2), runtime(5, 152, 2), runtime(6, 152, 1),         # the backward, from thread 2
+        runtime(7, 1010, 1),                                                # the second forward
+        device(1, 100, 300), device(2, 400, 200, cat="gpu_memcpy"),         # the excluded copy (thread 1)
+        device(3, 1000, 100, stream=9),                                     # after a wait for the host
+        device(4, 2000, 500), device(5, 2200, 100),                         # copy excluded on thread 2
+        device(6, 2400, 200, cat="gpu_memset"),                             # thread 1 launched it: kept
+        device(7, 5000, 250),
+    ]}
+    assert device_busy_ms(trace, "fwd", excluding="copy") == pytest.approx([0.4, 0.25])
+    assert device_busy_ms(trace, "fwd") == pytest.approx([0.6, 0.25])
+    assert device_busy_ms(trace, "bwd", excluding="copy") == pytest.approx([0.6])  # 2000-2600: the union
+    assert device_busy_ms(trace, "absent") == []
 
 
 def test_a_blocking_all_to_all_on_the_compute_stream_is_still_communication():

@@ -129,8 +129,11 @@ def test_the_combine_weighs_bf16_rows_into_float32_with_the_values_of_an_upcast(
 
 def _bf16_combine_error(device, weights_dtype=torch.float32):
     """The combine of bf16 rows with the router's gate weights (given in ``weights_dtype``)
-    into a bf16 output (the residual stream's dtype) against the float64 sum rounded once
-    to bf16: the share of outputs that differ from it and the largest error in bf16 ulps."""
+    into a bf16 output (the residual stream's dtype) against the float64 sum: the share of
+    outputs that differ from that sum rounded once to bf16, and the largest error as a share
+    of what a float32 sum rounded once may be off by: half a bf16 ulp of the output plus
+    float32's rounding of the K products and their sum, which is relative to the terms'
+    magnitude, not the output's (where the terms cancel, it is many of the output's ulps)."""
     torch.manual_seed(3)
     T, K, E, D = 512, 2, 4, 64
     config = MoEConfig(D, 8, E, top_k=K, capacity_factor=None)
@@ -141,26 +144,31 @@ def _bf16_combine_error(device, weights_dtype=torch.float32):
     weights_TK = routing.weights_TK.to(weights_dtype)
     y_TD = dispatcher.unpermute(rows_RD, plan, weights_TK, routing.keep_TK, out_dtype=torch.bfloat16)
     assert y_TD.dtype == torch.bfloat16
-    exact_TD = (rows_RD.double().index_select(0, plan.row_of_pair).view(T, K, D)
-                * routing.weights_TK.double().unsqueeze(-1)).sum(1)
+    terms_TKD = rows_RD.double().index_select(0, plan.row_of_pair).view(T, K, D) \
+        * routing.weights_TK.double().unsqueeze(-1)
+    exact_TD = terms_TKD.sum(1)
     ulp_TD = torch.exp2(torch.floor(torch.log2(exact_TD.abs().clamp_min(2 ** -60))) - 7)  # bf16: 8 bits
+    float32_error_TD = (K + 1) * 2.0 ** -24 * terms_TKD.abs().sum(1)  # K products and K - 1 sums, each rounded
     differs = y_TD.double() != exact_TD.to(torch.bfloat16).double()
-    return differs.double().mean().item(), ((y_TD.double() - exact_TD).abs() / ulp_TD).max().item()
+    worst = ((y_TD.double() - exact_TD).abs() / (0.5 * ulp_TD + float32_error_TD)).max().item()
+    return differs.double().mean().item(), worst
 
 
 def test_the_combine_keeps_the_gate_weights_in_float32_under_a_bf16_output_on_cuda_cpu_twin():
     """The sum is formed from the float32 weights and rounded once: it agrees with the
-    once-rounded exact sum but within float32's error of a rounding boundary (here: all
-    agree, worst 0.500005 ulp). Weights rounded to bf16 first (the combine before issue
-    39) miss it in 39% of the outputs, by up to thousands of ulps where the K terms cancel."""
-    share, worst_ulps = _bf16_combine_error(torch.device("cpu"))
-    assert share < 0.002 and worst_ulps <= 0.501
+    once-rounded exact sum but within float32's error of a rounding boundary, and no output is
+    further off than half an ulp plus float32's error of its terms. Weights rounded to bf16
+    first (the combine before issue 39) miss it in 39% of the outputs, by up to thousands of
+    ulps where the K terms cancel."""
+    share, worst = _bf16_combine_error(torch.device("cpu"))
+    assert share < 0.002 and worst <= 1.0
     rounded_share, rounded_worst = _bf16_combine_error(torch.device("cpu"), torch.bfloat16)
-    assert rounded_share > 10 * max(share, 1e-3) and rounded_worst > 1.0
+    assert rounded_share > 10 * max(share, 1e-3) and rounded_worst > 10.0
 
 
 @pytest.mark.gpu
 def test_the_combine_keeps_the_gate_weights_in_float32_under_a_bf16_output_on_cuda():
-    """The same on CUDA, where the fused kernel writes the bf16 output from float32 sums."""
-    share, worst_ulps = _bf16_combine_error(torch.device("cuda"))
-    assert share < 0.002 and worst_ulps <= 0.501
+    """The same on CUDA, where the fused kernel writes the bf16 output from float32 sums (an
+    H100 was 0.5024 ulp off where the terms cancel: inside float32's error of the terms)."""
+    share, worst = _bf16_combine_error(torch.device("cuda"))
+    assert share < 0.002 and worst <= 1.0

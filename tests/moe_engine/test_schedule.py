@@ -136,6 +136,39 @@ def test_the_sm_carve_out_is_on_only_while_an_all_to_all_is_in_flight():
     assert backward[("fetch_dy", 2)] == 0
 
 
+def test_two_lanes_leaving_in_either_order_restore_the_callers_carve_out_cpu_twin(monkeypatch):
+    """Issue 39 (seen on an H100: a carve-out of 16 left on after the overlapped step bench):
+    the carve-out is one setting per process and two lanes' threads reserve SMs at once. Whatever
+    order they leave in, the caller's setting comes back. The process-wide knob and the device's
+    SM count are stood in for (CPU)."""
+    from types import SimpleNamespace
+
+    from moe_engine.streams import StreamSet
+
+    knob = {"value": None}
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: knob["value"], raising=False)
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda v: knob.update(value=v), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    lane_a, lane_b = StreamSet(torch.device("cpu")), StreamSet(torch.device("cpu"))
+    lane_a.is_cuda = lane_b.is_cuda = True
+    for caller in (None, 8):
+        for b_leaves_first in (False, True):
+            knob["value"] = caller
+            a, b = lane_a.reserving_sms(16), lane_b.reserving_sms(16)
+            a.__enter__()
+            b.__enter__()
+            assert knob["value"] == 16
+            first, second = (b, a) if b_leaves_first else (a, b)
+            first.__exit__(None, None, None)
+            second.__exit__(None, None, None)
+            assert knob["value"] == caller, (caller, b_leaves_first)
+    with lane_a.reserving_sms(16):  # nested in one lane: the inner one restores the outer's
+        with lane_a.reserving_sms(10**6):
+            assert knob["value"] == 131
+        assert knob["value"] == 16
+    assert knob["value"] == 8
+
+
 def test_the_sm_carve_out_is_clamped_to_leave_the_gemms_an_sm():
     from moe_engine.streams import sm_carveout
 
