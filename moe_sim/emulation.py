@@ -340,7 +340,7 @@ def fill_from_own_block(output_ND: torch.Tensor, input_RD: torch.Tensor, input_s
 
 # The host range around a freed transfer's copy (`free_transfers`), for a profiler trace: the
 # layer bench leaves this work out of a pass's compute floor, since a priced transfer's time
-# holds its copy (app/bench/layer.py own_pass_stages).
+# holds its copy (app/bench/layer_bound.py own_pass_stages).
 FREE_TRANSFER_COPY = "emulated.free_transfer_copy"
 
 

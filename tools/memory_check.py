@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from app.bench.layer import _step, layer_inputs, peak_memory_bytes
+from app.bench.measure import layer_pass as _step
+from app.bench.parts import layer_inputs, peak_memory_bytes
 from app.bench.shapes import LAYER_SHAPES
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.memory import predict_memory

@@ -1,6 +1,6 @@
 """Rewrites the Markdown beside each committed layer-benchmark record (results/bench-*.json)
 from its JSON with today's code: the summaries, targets and overlap accounts are derived
-from the records again, so a yardstick changed in app/bench/layer.py reaches every committed
+from the records again, so a yardstick changed in app/bench/layer_bound.py or layer_summary.py reaches every committed
 table. The measurements themselves (the JSON) are not touched.
 
     python3 tools/render_records.py            # rewrite results/bench-*.md
@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.bench.layer import add_overlap_account, markdown_table, summarize  # noqa: E402
+from app.bench.layer_bound import add_overlap_account  # noqa: E402
+from app.bench.layer_summary import markdown_table, summarize  # noqa: E402
 
 
 def layer_records(root: Path = ROOT) -> list[Path]:

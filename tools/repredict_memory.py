@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
 
-from app.bench.layer import markdown_table, summarize, targets
+from app.bench.layer_summary import markdown_table, summarize, targets
 from moe_engine import MoEConfig
 from moe_engine.memory import predict_memory
 

@@ -6,8 +6,11 @@ import json
 import pytest
 import torch
 
-from app.bench.layer import BenchSettings, layer_inputs, markdown_table, overlap_bound_ms, pipeline_stages, summarize, \
-    targets
+from app.bench.layer import BenchSettings
+from app.bench.layer_bound import overlap_bound_ms
+from app.bench.layer_summary import markdown_table, summarize, targets
+from app.bench.measure import pipeline_stages
+from app.bench.parts import layer_inputs
 from app.cli import main
 from moe_engine import MoEConfig
 from moe_engine.comm import ExpertGroup
@@ -189,7 +192,7 @@ def test_a_stopped_bench_writes_the_points_it_finished(tmp_path, monkeypatch):
 
 
 def test_the_memory_saving_setting_is_the_fastest_under_the_cap():
-    from app.bench.layer import memory_saving_setting
+    from app.bench.layer_summary import memory_saving_setting
 
     fastmoe = {"fwd_bwd_ms": 10.0, "peak_memory_bytes": 1000}
     settings = [{"partitions": 1, "strategy": "none", "fwd_bwd_ms": 8.0, "peak_memory_bytes": 990},
@@ -229,7 +232,7 @@ def _emulated_bounds(out, *options) -> dict:
     bound); checks every record's own-pass bound, per-phase floor, the 16 SMs reserved and
     stated, the timeline account in every record, the best as the fastest setting of all.
     Returns the result."""
-    from app.bench.layer import OWN_PASS, STAGE_KEYS
+    from app.bench.layer_bound import OWN_PASS, STAGE_KEYS
 
     assert main(["bench", *options, "--tracking-uri", "none", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -283,7 +286,7 @@ def test_no_emulated_pass_beats_its_own_bound_cpu_twin(tmp_path):
 
 
 def test_a_record_below_its_bound_fails_the_bench_naming_it():
-    from app.bench.layer import OWN_PASS, BoundError, check_bounds
+    from app.bench.layer_bound import OWN_PASS, BoundError, check_bounds
 
     def record(ms, device="NVIDIA H200", stages=OWN_PASS):
         return {**_point("mpipemoe", "grid", 2, "none", ms), "device": device, "bound_stages": stages,

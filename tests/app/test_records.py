@@ -125,7 +125,7 @@ def test_unknown_top_level_keys_are_refused():
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("**/bench-*.json")), ids=lambda p: p.name)
 def test_bench_markdown_is_the_same_from_the_typed_result(path):
-    from app.bench.layer import markdown_table  # torch: only this test needs it
+    from app.bench.layer_summary import markdown_table  # torch: only this test needs it
 
     data = json.loads(path.read_text())
     assert markdown_table(BenchResult.from_json(data)) == markdown_table(data)  # early files too

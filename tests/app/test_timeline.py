@@ -1,11 +1,11 @@
 """`mpipemoe bench --trace`: the timeline's stream account (app/bench/timeline.py) and the overlap
-account every record carries (app/bench/layer.py)."""
+account every record carries (app/bench/layer_bound.py)."""
 import gzip
 import json
 
 import pytest
 
-from app.bench.layer import add_overlap_account, overlap_bound_ms
+from app.bench.layer_bound import add_overlap_account, overlap_bound_ms
 from app.cli import main
 from app.bench.timeline import device_busy_ms, stream_account
 

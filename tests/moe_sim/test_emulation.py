@@ -301,7 +301,7 @@ def test_training_never_uses_the_emulated_group():
 
 
 def test_busiest_rank_becomes_rank_0_by_swapping_router_rows():
-    from app.bench.layer import busiest_rank_first
+    from app.bench.measure import busiest_rank_first
     from moe_engine.router import count_ids
 
     torch.manual_seed(0)

@@ -1,0 +1,168 @@
+"""The layer bench's yardstick (docs/engine.md, "Reading a timeline"): the overlap bound of a
+record from the stages of its own pass on the emulated cluster (its transfers' priced time;
+its compute with the transfers free, as device-busy time on CUDA), the per-phase floor, the
+share of the ideal saving a setting realizes, and the check that no pass beats its bound."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from app.bench.measure import layer_pass
+from app.bench.timeline import device_busy_ms, record_trace
+from moe_engine.timing import Stopwatch, synchronize
+from moe_sim.emulation import FREE_TRANSFER_COPY
+
+if TYPE_CHECKING:
+    from app.bench.layer import BenchSettings
+
+
+def overlap_bound_ms(all_to_all_ms: float, expert_ms: float, partitions: int) -> float:
+    """The pipelined layer's floor: the longer stage, plus one partition of the shorter one
+    (the fill before the stages overlap); n = 1 gives the serial sum."""
+    return max(all_to_all_ms, expert_ms) + min(all_to_all_ms, expert_ms) / partitions
+
+
+OWN_PASS = "own pass"      # bound_stages: the record's own pass, its transfers priced and then freed
+TIMED_ALONE = "timed alone"  # the point's two stages, each timed alone (real ranks: no transfer can be freed)
+BOUND_TOLERANCE = 0.98     # a pass below this share of its own-pass bound: the stages were not floors
+
+
+def _phased_pass(layer, x, grad_y, device) -> tuple[float, float]:
+    """Local. One forward+backward of `layer`: the seconds of its forward and of the whole pass,
+    both timed inside the pass (nothing waits between the phases)."""
+    forward, whole = Stopwatch(device), Stopwatch(device)
+    layer.zero_grad(set_to_none=True)
+    x_in = x.detach().requires_grad_(True)
+    whole.start()
+    forward.start()
+    y, aux = layer(x_in)
+    forward.stop()
+    torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
+    whole.stop()
+    return forward.elapsed_s(), whole.elapsed_s()
+
+
+FORWARD_MARK, BACKWARD_MARK = "mpipemoe.forward", "mpipemoe.backward"  # host ranges of a profiled pass
+
+
+def _marked_pass(layer, x, grad_y) -> None:
+    """Local. One forward+backward of `layer`, each phase inside its host range (a profiler's)."""
+    layer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(FORWARD_MARK):
+        y, aux = layer(x.detach().requires_grad_(True))
+    with torch.profiler.record_function(BACKWARD_MARK):
+        torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
+
+
+def own_pass_stages(layer, x, grad_y, settings: BenchSettings, device) -> dict:
+    """The two stages of `layer`'s own pass on its emulated group, each a floor of that pass:
+
+    comm_fwd_ms, comm_bwd_ms:       the network time the emulator prices for the All-to-Alls the
+                                    pass issues in its forward and in its backward (each occupies
+                                    its stream at least that long);
+    compute_fwd_ms, compute_bwd_ms: the same pass with its transfers free (`free_transfers`): the
+                                    same routing, partitions, streams and SM reservation, the
+                                    network's time gone. On CUDA the device-busy time of each
+                                    phase (`device_busy_ms`: its kernels and copies, whatever the
+                                    stream, less the freed transfers' copies, which a priced
+                                    transfer's time holds), the least of rounds x repeats profiled
+                                    passes: a pass timed by events also counts the device waiting
+                                    for the host, which the real pass hides behind its transfers.
+                                    Elsewhere the fastest of those passes by the clock.
+    """
+    group = layer.group
+    passes = settings.rounds * settings.repeats
+    with group.free_transfers():
+        for _ in range(settings.warmup):
+            layer_pass(layer, x, grad_y)
+        synchronize(device)
+        if device.type == "cuda":
+            trace = record_trace(lambda: _marked_pass(layer, x, grad_y), device, passes)
+            forward_ms = min(device_busy_ms(trace, FORWARD_MARK, excluding=FREE_TRANSFER_COPY))
+            backward_ms = min(device_busy_ms(trace, BACKWARD_MARK, excluding=FREE_TRANSFER_COPY))
+        else:
+            samples = [_phased_pass(layer, x, grad_y, device) for _ in range(passes)]
+            # The fastest pass, not the median: a floor must hold for every pass the bench times.
+            forward_s, whole_s = min(f for f, _ in samples), min(w for _, w in samples)
+            forward_ms, backward_ms = forward_s * 1e3, max(0.0, whole_s - forward_s) * 1e3
+        layer.zero_grad(set_to_none=True)
+        with group.logging_calls() as forward_calls:
+            y, aux = layer(x.detach().requires_grad_(True))
+        with group.logging_calls() as backward_calls:
+            torch.autograd.backward([y, aux], [grad_y, torch.ones_like(aux)])
+        synchronize(device)
+    layer.zero_grad(set_to_none=True)
+    comm_ms = lambda calls: 1e3 * sum(c.seconds for c in calls if c.kind.startswith("all_to_all"))  # noqa: E731
+    return {"comm_fwd_ms": comm_ms(forward_calls), "comm_bwd_ms": comm_ms(backward_calls),
+            "compute_fwd_ms": forward_ms, "compute_bwd_ms": backward_ms}
+
+
+def add_own_pass_stages(records: list, layers: list, x, grad_y, settings: BenchSettings, device) -> None:
+    """In place, on an emulated point: `own_pass_stages` for every FastMoE, FasterMoE and MPipeMoE
+    record. The automatic layer takes its grid twin's (the same setting; extra passes would feed
+    its online search), and its own where the grid lacks that setting."""
+    for record, layer in zip(records, layers):
+        if record["engine"] in ("fastmoe", "fastermoe", "mpipemoe") and record["chosen_by"] != "auto":
+            record.update(own_pass_stages(layer, x, grad_y, settings, device))
+    for record, layer in zip(records, layers):
+        if record["chosen_by"] == "auto":
+            twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
+                         and r["strategy"] == record["strategy"]), None)
+            record.update({k: twin[k] for k in STAGE_KEYS} if twin else own_pass_stages(layer, x, grad_y, settings,
+                                                                                          device))
+
+
+STAGE_KEYS = ("comm_fwd_ms", "comm_bwd_ms", "compute_fwd_ms", "compute_bwd_ms")
+
+
+def add_overlap_account(records: list) -> None:
+    """In place: for every record of a point, the overlap bound at its n, its per-phase floor,
+    t / bound, and the share of the ideal saving over FastMoE it realizes,
+    (FastMoE − t) / (FastMoE − bound(n)) (docs/design.md §7).
+
+    From the record's own pass (`own_pass_stages`, emulated points): bound(n) = max(C, K) +
+    min(C, K) / n with C its transfers' time and K its compute, forward plus backward, and the
+    per-phase floor max(C_fwd, K_fwd) + max(C_bwd, K_bwd). Else from the point's stages timed
+    alone (`all_to_all_ms`, `expert_ms`), without a per-phase floor."""
+    fast = next((r for r in records if r["engine"] == "fastmoe"), None)
+    for record in records:
+        if record["engine"] not in ("mpipemoe", "fastermoe", "fastmoe"):
+            continue
+        n = record["partitions"]  # FasterMoE overlaps per peer step: its partitions are its steps
+        if all(record.get(key) is not None for key in STAGE_KEYS):
+            comm, compute = record["comm_fwd_ms"] + record["comm_bwd_ms"], \
+                record["compute_fwd_ms"] + record["compute_bwd_ms"]
+            record.update(bound_stages=OWN_PASS, overlap_bound_ms=overlap_bound_ms(comm, compute, n),
+                          phase_floor_ms=max(record["comm_fwd_ms"], record["compute_fwd_ms"])
+                          + max(record["comm_bwd_ms"], record["compute_bwd_ms"]))
+        elif record.get("all_to_all_ms") is not None:
+            record.update(bound_stages=TIMED_ALONE,
+                          overlap_bound_ms=overlap_bound_ms(record["all_to_all_ms"], record["expert_ms"], n))
+        else:
+            continue
+        bound = record["overlap_bound_ms"]
+        if bound > 0:
+            record["bound_ratio"] = record["fwd_bwd_ms"] / bound
+        if fast is not None and fast["fwd_bwd_ms"] - bound > 1e-9:
+            record["realized_saving"] = (fast["fwd_bwd_ms"] - record["fwd_bwd_ms"]) / (fast["fwd_bwd_ms"] - bound)
+
+
+class BoundError(ValueError):
+    """A record ran faster than BOUND_TOLERANCE x its own-pass bound: the bound is no floor."""
+
+
+def check_bounds(records: list, out: str) -> None:
+    """Raises BoundError naming the records timed on a GPU below BOUND_TOLERANCE x their own-pass
+    bound. CPU records are not checked: there the emulated transfers take no time (docs/emulation.md)."""
+    below = [r for r in records if r.get("bound_stages") == OWN_PASS and r.get("device", "cpu") != "cpu"
+             and r["fwd_bwd_ms"] < BOUND_TOLERANCE * r["overlap_bound_ms"]]
+    if not below:
+        return
+    first = below[0]
+    raise BoundError(
+        f"{len(below)} record(s) ran below {BOUND_TOLERANCE}x their bound, first {first['model']} "
+        f"{first.get('routing', 'uniform')} {first['tokens']} tokens {first['engine']} {first['chosen_by']} "
+        f"{first['partitions']}/{first['strategy']}: {first['fwd_bwd_ms']:.2f} ms against a bound of "
+        f"{first['overlap_bound_ms']:.2f} ms; the stage times are not floors of the pass, so its bound_ratio "
+        f"and realized_saving in {out} are wrong: report it with that file")
