@@ -208,7 +208,7 @@ def tune_config(*, num_samples: int = 1, max_concurrent_trials: int | None = Non
 
     Trials reuse their Tune actors (``reuse_actors``): a trial process that has finished one
     trial runs the next, with torch, MLflow and ``app.jobs.launch`` already imported (a new trial
-    process costs seconds of CPU before its Train job starts; app.jobs.sweep.stopping_trainable
+    process costs seconds of CPU before its Train job starts; app.jobs.trial.stopping_trainable
     waits for the previous trial's job to stop first)."""
     from ray import tune
 

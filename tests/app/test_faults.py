@@ -360,7 +360,7 @@ def test_report_names_the_runs_it_leaves_out(tmp_path, capsys):
 
 
 def test_sweep_trial_metrics_are_never_nan():
-    from app.jobs.sweep import trial_metrics
+    from app.jobs.trial import trial_metrics
 
     assert trial_metrics({"name": "t", "tokens_per_s": 12.5, "steps": 3, "status": "FINISHED"}) == \
         {"tokens_per_s": 12.5, "steps": 3, "step": 3}  # step: the schedulers' time axis
@@ -556,7 +556,7 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
     """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
-    from app.jobs.sweep import trial_metrics
+    from app.jobs.trial import trial_metrics
     from app.jobs.launch import run_job
     from app.commands.train import job_from_args, add_arguments
     import argparse

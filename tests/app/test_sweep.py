@@ -17,7 +17,7 @@ import pytest
 
 import tune_spaces
 from app.commands import sweep as sweep_command
-from app.jobs import sweep
+from app.jobs import sweep, trial
 from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -132,7 +132,7 @@ def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pru
     from app.jobs.launch import STOP_JOB, TrainJob
 
     job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
-    settings = sweep.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
+    settings = trial.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
                                    data_dir=str(tmp_path), parent_run_id=None, use_gpu=False,
                                    cpus_per_worker=None, metric="val_loss")
     reported = []
@@ -143,7 +143,7 @@ def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pru
         reported.append(metrics)
 
     monkeypatch.setattr(ray.tune, "report", report)
-    reporter = sweep.StepReporter(settings, job)
+    reporter = trial.StepReporter(settings, job)
     assert reporter({"step": 1, "loss": 5.0, "attempt": "ab12"}) is None  # no val_loss at this step: not reported
     assert reporter({"step": 2, "loss": 4.0, "val_loss": 4.5, "attempt": "ab12"}) is None
     assert reported == [{"step": 2, "loss": 4.0, "val_loss": 4.5}] and reporter.pruned_tags() == {}
@@ -151,12 +151,12 @@ def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pru
     assert reporter({"step": 5, "loss": 2.9, "val_loss": 3.8}) is None and len(reported) == 1  # nothing more
     assert reporter.pruned_tags() == {"pruned_at_step": 4}  # the step whose report Tune stopped it at
     # the end-of-trial report: the summary, the newest val_loss, the steps as ASHA's time axis
-    final = sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "tokens_per_s": 9.0, "name": "x"}, "val_loss",
+    final = trial.trial_metrics({"steps": 40, "final_loss": 3.1, "tokens_per_s": 9.0, "name": "x"}, "val_loss",
                                 {"step": 40, "val_loss": 3.3, "loss": 3.0})
     assert (final["val_loss"], final["step"], final["final_loss"]) == (3.3, 40, 3.1)
-    assert sweep.trial_metrics({"steps": 40, "final_loss": 3.1}, "loss")["loss"] == 3.1
+    assert trial.trial_metrics({"steps": 40, "final_loss": 3.1}, "loss")["loss"] == 3.1
     with pytest.raises(RuntimeError, match="reported no val_loss"):
-        sweep.trial_metrics({"steps": 40, "final_loss": 3.1, "name": "x"}, "val_loss")
+        trial.trial_metrics({"steps": 40, "final_loss": 3.1, "name": "x"}, "val_loss")
 
 
 def test_a_stopped_trial_waits_for_its_function_to_return():
@@ -167,7 +167,7 @@ def test_a_stopped_trial_waits_for_its_function_to_return():
     from ray.train._internal import session as train_session
 
     ended = threading.Event()
-    cls = sweep.stopping_trainable(lambda config: None, stop_grace_s=5)
+    cls = trial.stopping_trainable(lambda config: None, stop_grace_s=5)
 
     class Session:
         def finish(self, timeout):
@@ -217,7 +217,7 @@ def test_a_reused_trial_process_waits_for_the_previous_trial_function(monkeypatc
             self.training_thread.join(timeout)
 
     monkeypatch.setattr(FunctionTrainable, "reset_config", lambda self, config: "reset by Ray Tune")
-    cls = sweep.stopping_trainable(lambda config: None, stop_grace_s=30)
+    cls = trial.stopping_trainable(lambda config: None, stop_grace_s=30)
     fake = Session()
     fake.training_thread.start()
     try:
@@ -226,14 +226,14 @@ def test_a_reused_trial_process_waits_for_the_previous_trial_function(monkeypatc
     finally:
         train_session._session = None
     assert reused == "reset by Ray Tune" and not fake.training_thread.is_alive()
-    assert fake.finished and set(fake.finished) == {sweep.REUSE_POLL_S}
+    assert fake.finished and set(fake.finished) == {trial.REUSE_POLL_S}
 
 
 def test_local_ray_train_settings_leave_the_users_own_alone():
-    assert sweep.local_train_env({}) == sweep.LOCAL_RAY_TRAIN_ENV
-    assert set(sweep.LOCAL_RAY_TRAIN_ENV) <= _ray_train_propagated()  # Ray Train hands them on to its workers
+    assert trial.local_train_env({}) == trial.LOCAL_RAY_TRAIN_ENV
+    assert set(trial.LOCAL_RAY_TRAIN_ENV) <= _ray_train_propagated()  # Ray Train hands them on to its workers
     mine = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"}
-    assert sweep.local_train_env(mine) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    assert trial.local_train_env(mine) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def _ray_train_propagated() -> set:
@@ -525,7 +525,7 @@ def test_the_final_table_is_sorted_by_the_metric_and_shows_refusals():
 
 
 def test_step_reports_put_the_metric_first_for_tunes_live_table():
-    reported = sweep.metric_first({"loss": 3.0, "lm_loss": 2.9, "aux_loss": 0.1, "lr": 1e-3, "val_loss": 3.1,
+    reported = trial.metric_first({"loss": 3.0, "lm_loss": 2.9, "aux_loss": 0.1, "lr": 1e-3, "val_loss": 3.1,
                                    "step": 10, "tokens_per_s": 9.0}, "val_loss")
     assert list(reported)[:3] == ["val_loss", "step", "tokens_per_s"] and len(reported) == 7
 
@@ -665,11 +665,11 @@ def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local,
 
     monkeypatch.setattr(ray.tune, "report", report)
     monkeypatch.setattr(ray.tune, "get_context", lambda: type("Context", (), {"get_trial_id": lambda self: "t0"})())
-    settings = sweep.TrialSettings(study="held", tracking_uri=sweep_dirs["tracking_uri"],
+    settings = trial.TrialSettings(study="held", tracking_uri=sweep_dirs["tracking_uri"],
                                    train_storage_path=sweep_dirs["storage_path"], data_dir=sweep_dirs["data_dir"],
                                    parent_run_id=None, use_gpu=False, cpus_per_worker=0.9, metric="loss",
                                    rungs=(2, 3))
-    sweep.train_trial({"preset": "tiny-gpt", "steps": 8, "num_workers": 1, "batch_size": 2, "seq_len": 32,
+    trial.train_trial({"preset": "tiny-gpt", "steps": 8, "num_workers": 1, "batch_size": 2, "seq_len": 32,
                        "eval_every": 0, "checkpoint_every": 0, "log_every": 1}, settings=settings)
     assert seen == [1, 2, 3]
     mlflow = client(sweep_dirs["tracking_uri"])
