@@ -13,6 +13,8 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# The records name the card that ran them (the device tool may lend an H100 for an H200).
+CARD=$(grep -q H100 "$OUT/gpu.txt" 2>/dev/null && echo h100 || echo h200)
 LAYER="--emulate 8x8 --experts 64 --network dgx-h200 --routing uniform,skewed --partitions 1,2,4,8
        --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none"
 STEP="--step --emulate 8x8 --experts 64 --network dgx-h200 --routing uniform --partitions 1,2,4
@@ -23,15 +25,15 @@ gpu-tests)  # every GPU test
       python3 -m pytest -q -rs -p no:cacheprovider -m gpu ;;
 step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, both schedules (issue 37)
   step step-xl ${STEP_LIMIT:-450} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
-      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-xl.json" ;;
+      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-xl.json" ;;
 step-small)  # gpt-s (4 layers) at 16k tokens per GPU, both schedules
   step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
-      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-h200-emulated-8x8-dgx-h200-gpt-s.json" ;;
+      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
   step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
-      --out "$OUT/bench-h200-emulated-8x8-dgx-h200.json" ;;
+      --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200.json" ;;
 layer-small)
   step layer-small ${LAYER_LIMIT:-160} python3 -m app.cli bench $LAYER --model bert-l,gpt-s --tokens 32768 \
-      --out "$OUT/bench-h200-emulated-8x8-dgx-h200-32k.json" ;;
+      --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200-32k.json" ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac; done
