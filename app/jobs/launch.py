@@ -1202,7 +1202,7 @@ def _checkpoint_step(directory: str | Path) -> int:
 # Settings a resumed run may change (its checkpoints load into any of them); each stretch of
 # steps trained with one choice of them is a segment, recorded in the MLflow run.
 SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
-                  "param_dtype", "shard_dense", "use_gpu")
+                  "param_dtype", "shard_dense", "use_gpu", "expert_parallel")
 
 
 def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:
