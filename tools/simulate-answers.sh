@@ -20,3 +20,17 @@ tokens=1024,1408,2048,2880,4096,5760,8192,11584,16384,23168,32768,46336,65536,92
 "${sim[@]}" --model gpt-xl --tokens 4096,16384 --sweep-nodes 1,2,4,8,16,32,64 --out results/simulate-sweep-gpt-xl.json
 "${sim[@]}" --model gpt-xl --tokens 4096,16384 --sweep-nodes 1,2,4,8,16,32,64 --hierarchical \
     --out results/simulate-sweep-gpt-xl-hierarchical.json
+# The expert-parallel degree on 8 DGX nodes: one node's group (E = 8) against the whole world
+# (E = 64), with as many experts as GPUs and with the presets' 8 (docs/cluster.md).
+"${sim[@]}" --model gpt-s --nodes 8 --tokens 8192 --experts 64 --expert-parallel 8,64 --network dgx-h200 \
+    --out results/simulate-expert-parallel-gpt-s-dgx-h200.json
+"${sim[@]}" --model gpt-s --nodes 8 --tokens 8192 --experts 64 --expert-parallel 8,64 --network dgx-a100 \
+    --out results/simulate-expert-parallel-gpt-s-dgx-a100.json
+"${sim[@]}" --model gpt-s --nodes 8 --tokens 8192 --experts 8 --expert-parallel 8,64 --network dgx-h200 \
+    --out results/simulate-expert-parallel-gpt-s-8-experts.json
+"${sim[@]}" --model gpt-xl --nodes 8 --tokens 8192 --experts 64 --expert-parallel 8,64 --network dgx-h200 \
+    --out results/simulate-expert-parallel-gpt-xl-dgx-h200.json
+"${sim[@]}" --model gpt-xl --nodes 8 --tokens 8192 --experts 64 --expert-parallel 8,64 --network dgx-a100 \
+    --out results/simulate-expert-parallel-gpt-xl-dgx-a100.json
+"${sim[@]}" --model gpt-xl --nodes 8 --tokens 8192 --experts 8 --expert-parallel 8,64 --network dgx-h200 \
+    --out results/simulate-expert-parallel-gpt-xl-8-experts.json

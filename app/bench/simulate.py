@@ -46,6 +46,10 @@ class SimulateSettings:
     partitions:     candidate n for MPipeMoE.
     hierarchical:   use the two-level All-to-All instead of the flat one.
     step:           also simulate a training step of the whole preset.
+    expert_parallel: expert-parallel degrees E to price side by side (empty: one expert group
+                    of all GPUs, the per-engine table): per E, MPipeMoE's training step with its
+                    MoE layers on a group of E GPUs and the expert gradients reduced over the
+                    W / E groups; an E that does not divide the experts is shown as not possible.
     """
 
     model: str
@@ -58,6 +62,7 @@ class SimulateSettings:
     partitions: tuple = DEFAULT_PARTITIONS
     hierarchical: bool = False
     step: bool = False
+    expert_parallel: tuple = ()
 
     def __post_init__(self) -> None:
         from lm.model import PRESETS
@@ -75,11 +80,32 @@ class SimulateSettings:
             _fail("partitions", self.partitions, "give partition counts >= 1, e.g. 1,2,4,8,16")
         if self.network not in NETWORKS and not os.path.exists(self.network):
             _fail("network", self.network, f"give {', '.join(NETWORKS)} or a JSON file of measured figures")
+        if self.expert_parallel:
+            self._check_expert_parallel()
+            return
         for nodes in self.nodes:
             ranks = nodes * self.gpus_per_node
             experts = self.experts_for(ranks)
             if experts % ranks:
-                _fail("experts", experts, f"it must be a multiple of the {ranks} GPUs of {nodes} node(s)")
+                _fail("experts", experts, f"it must be a multiple of the {ranks} GPUs of {nodes} node(s), or give "
+                      f"--expert-parallel with a degree that divides it")
+
+    def _check_expert_parallel(self) -> None:
+        from moe_sim.network import ClusterLayout, expert_degrees
+
+        for nodes in self.nodes:
+            layout = ClusterLayout(nodes, self.gpus_per_node)
+            valid = expert_degrees(layout)
+            if any(e not in valid for e in self.expert_parallel):
+                _fail("expert_parallel", ",".join(map(str, self.expert_parallel)),
+                      f"on {nodes} node(s) x {self.gpus_per_node} GPUs each degree must divide the {layout.ranks} "
+                      f"GPUs and either divide a node's GPUs or be whole nodes: choose from "
+                      f"{', '.join(map(str, valid))}")
+            experts = self.experts_for(layout.ranks)
+            if all(experts % e for e in self.expert_parallel):
+                _fail("expert_parallel", ",".join(map(str, self.expert_parallel)),
+                      f"no degree divides the {experts} experts per layer: give one of "
+                      f"{', '.join(str(e) for e in valid if experts % e == 0)} (or another --experts)")
 
     def experts_for(self, ranks: int) -> int:
         from lm.model import PRESETS
@@ -99,6 +125,16 @@ def _cluster(settings: SimulateSettings, nodes: int, experts: int):
     return Cluster(layout, network, load, settings.hierarchical), network
 
 
+def _model_shape(name: str, experts: int):
+    """The simulator's shape of preset ``name`` with ``experts`` experts per MoE layer."""
+    from lm.model import PRESETS
+    from moe_sim.simulator import ModelShape
+
+    preset = PRESETS[name]
+    return ModelShape(preset.d_model, preset.d_hidden, preset.num_layers, preset.num_heads, preset.seq_len, experts,
+                      preset.top_k, preset.activation, preset.vocab_size, preset.kind == "gpt")
+
+
 def _layer_row(result, fastermoe) -> dict:
     return {"engine": result.engine, "partitions": result.partitions, "strategy": result.strategy,
             "fwd_bwd_ms": result.total_s * 1e3, "forward_ms": result.forward_s * 1e3,
@@ -110,15 +146,12 @@ def _layer_row(result, fastermoe) -> dict:
 
 def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -> dict:
     """Every engine at one (nodes, tokens): the rows to print, log and plot."""
-    from lm.model import PRESETS
-    from moe_sim.simulator import ModelShape, all_to_all_options, compare_engines, simulate_step
+    from moe_sim.simulator import all_to_all_options, compare_engines, simulate_step
 
-    preset = PRESETS[settings.model]
     ranks = nodes * settings.gpus_per_node
     experts = settings.experts_for(ranks)
     cluster, network = _cluster(settings, nodes, experts)
-    model = ModelShape(preset.d_model, preset.d_hidden, preset.num_layers, preset.num_heads, preset.seq_len, experts,
-                       preset.top_k, preset.activation, preset.vocab_size, preset.kind == "gpt")
+    model = _model_shape(settings.model, experts)
     shape = model.layer(tokens)
     choice = compare_engines(shape, cluster, parts, settings.partitions)
     engines = [("fastmoe", choice.fastmoe), ("fastermoe", choice.fastermoe), ("mpipemoe", choice.chosen),
@@ -157,14 +190,68 @@ def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -
                       "peak_memory_bytes": r.peak_bytes} for r in choice.grid]}
 
 
+def expert_parallel_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -> dict:
+    """MPipeMoE's training step at one (nodes, tokens) for every expert-parallel degree E of
+    ``settings``: its n and strategy chosen for the MoE layer on one expert group of E GPUs,
+    the step priced by ``simulate_step(expert_parallel=E)``."""
+    from dataclasses import replace
+
+    from moe_sim.network import expert_group_layouts
+    from moe_sim.simulator import compare_engines, simulate_step
+
+    ranks = nodes * settings.gpus_per_node
+    experts = settings.experts_for(ranks)
+    cluster, network = _cluster(settings, nodes, experts)
+    model = _model_shape(settings.model, experts)
+    degrees = []
+    for degree in settings.expert_parallel:
+        if experts % degree:
+            degrees.append({"expert_parallel": degree, "possible": False,
+                            "why": f"{experts} experts on {degree} GPUs"})
+            continue
+        group = replace(cluster, layout=expert_group_layouts(cluster.layout, degree)[0])
+        chosen = compare_engines(model.layer(tokens), group, parts, settings.partitions).chosen
+        step = simulate_step("mpipemoe", model, tokens, cluster, parts, chosen.partitions, chosen.strategy,
+                             expert_parallel=degree)
+        degrees.append({"expert_parallel": degree, "possible": True, "partitions": step.partitions,
+                        "strategy": step.strategy, "step_ms": step.step_s * 1e3, "moe_ms": step.moe_s * 1e3,
+                        "dense_ms": step.dense_s * 1e3, "all_reduce_ms": step.all_reduce_s * 1e3,
+                        "expert_reduction_ms": step.expert_reduction_s * 1e3,
+                        "peak_memory_bytes": step.peak_bytes})
+    return {"model": settings.model, "tokens": tokens, "nodes": nodes, "gpus_per_node": settings.gpus_per_node,
+            "ranks": ranks, "experts": experts, "network": network.name, "routing": settings.routing,
+            "hierarchical": settings.hierarchical, "degrees": degrees}
+
+
+def _expert_parallel_text(point: dict) -> str:
+    lines = [f"\n{point['model']} training step (MPipeMoE), {point['tokens']} tokens per GPU, {point['nodes']} node(s) "
+             f"x {point['gpus_per_node']} GPUs, {point['experts']} experts, network {point['network']}, routing "
+             f"{point['routing']}; ms per step (the MoE layers' share; the expert gradients' reduction across "
+             f"the groups):"]
+    for d in point["degrees"]:
+        if not d["possible"]:
+            lines.append(f"  E = {d['expert_parallel']:<4} not possible: {d['why']}")
+            continue
+        lines.append(f"  E = {d['expert_parallel']:<4} {d['step_ms']:>7.0f} (MoE {d['moe_ms']:.0f}, reduction "
+                     f"{d['expert_reduction_ms']:.0f})  n={d['partitions']} {d['strategy']}, peak "
+                     f"{d['peak_memory_bytes'] / 2**30:.1f} GiB")
+    return "\n".join(lines)
+
+
 def run_simulation(settings: SimulateSettings, parts, printer=print) -> tuple[list, str]:
     """Every (nodes, tokens) point; returns the points and the text printed."""
     points, texts = [], []
     for nodes in settings.nodes:
         for tokens in settings.tokens:
-            points.append(simulate_point(settings, parts, nodes, tokens))
-            texts.append(_point_text(points[-1], settings))
+            if settings.expert_parallel:
+                points.append(expert_parallel_point(settings, parts, nodes, tokens))
+                texts.append(_expert_parallel_text(points[-1]))
+            else:
+                points.append(simulate_point(settings, parts, nodes, tokens))
+                texts.append(_point_text(points[-1], settings))
             printer(texts[-1])
+    if settings.expert_parallel:
+        return points, "\n".join(texts)
     if len(points) > 1:
         texts.append(_sweep_text(points, settings))
         printer(texts[-1])
@@ -646,7 +733,8 @@ def simulate_and_write(settings: SimulateSettings, parts_path: str, host_scale: 
     print(f"Simulating {settings.model} on {', '.join(map(str, settings.nodes))} node(s) x {settings.gpus_per_node} "
           f"GPUs from the parts of {parts.device} ({parts_path}) and the {settings.network} network...")
     points, text = run_simulation(settings, parts)
-    result = {"meta": {**meta, "settings": settings.__dict__}, "points": points}
+    recorded = {k: v for k, v in settings.__dict__.items() if k != "expert_parallel" or v}  # older records lack it
+    result = {"meta": {**meta, "settings": recorded}, "points": points}
     if out:
         _write_json(out, result)
         markdown = os.path.splitext(out)[0] + ".md"

@@ -86,10 +86,10 @@ class StepSettings:
     emulate: str = "8x8"
     network: str = "dgx-a100"
     transfer_ctas: int = 1
-    num_experts: int | None = None     # the emulated ranks (one expert per rank) when None
-    # (The expert-parallel degree E is W here: each expert on one rank. With E < W a field
-    # here builds the MoE layers over groups of E ranks and GradientReduction adds the
-    # expert replicas' buckets, priced over the W / E replicas.)
+    num_experts: int | None = None     # the expert group's ranks (one expert per rank) when None
+    expert_parallel: int | None = None  # E: rank 0's MoE layers run over an expert group of E ranks, the
+                                       # experts replicated over W / E groups whose gradients are reduced
+                                       # (GradientReduction); None: one group of all W ranks
     routings: tuple = ("uniform",)
     partitions: tuple = (1, 2, 4)
     strategies: tuple = ("none", "S4")
@@ -109,14 +109,18 @@ class StepSettings:
     def __post_init__(self) -> None:
         preset = get_preset(self.model)  # names the presets
         try:
-            self.cluster = EmulatedCluster.parse(self.emulate, self.network, transfer_ctas=self.transfer_ctas)
+            self.cluster = EmulatedCluster.parse(self.emulate, self.network, transfer_ctas=self.transfer_ctas,
+                                                 expert_parallel=self.expert_parallel)
         except ValueError as error:
             raise ValueError(f"--emulate {self.emulate!r} --network {self.network!r}: {error}") from None
+        group = self.cluster.expert_ranks
         if self.num_experts is None:
-            self.num_experts = self.cluster.ranks
-        if self.num_experts % self.cluster.ranks:
-            raise ValueError(f"--experts {self.num_experts} must be a multiple of the {self.cluster.ranks} emulated "
-                             f"ranks of --emulate {self.emulate}")
+            self.num_experts = group
+        if self.num_experts % group:
+            which = (f"the {group} ranks of an expert group (--expert-parallel {self.expert_parallel})"
+                     if self.expert_parallel is not None else f"the {group} emulated ranks of --emulate {self.emulate}")
+            raise ValueError(f"--experts {self.num_experts} must be a multiple of {which}: give --experts {group} "
+                             f"or a multiple of it")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers {self.layers} is invalid: give the model's layers, >= 1")
         names = [name.strip() for name in str(self.schedule).split(",")]
@@ -182,12 +186,17 @@ class GradientReduction:
 
     Expert parameters are not reduced while each expert lives on one rank (the expert
     degree E = W). With an expert-parallel degree E < W (replicas across W / E groups) their
-    gradients join here: one more list of buckets priced over the W / E replicas.
+    gradients are all-reduced in float32 over the W / E replicas after the backward, as
+    ``DenseParallel.finish_gradients`` does (``expert_seconds``, EmulatedCluster.
+    expert_reduction_s), on the same link after the dense buckets.
     """
 
-    def __init__(self, dense: list[nn.Parameter], group: EmulatedExpertGroup, device: torch.device):
+    def __init__(self, dense: list[nn.Parameter], group: EmulatedExpertGroup, device: torch.device,
+                 expert: list[nn.Parameter] | None = None):
         self.group, self.device = group, device
         cluster = group.cluster
+        expert_bytes = sum(param.numel() * 4 for param in expert or [])
+        self.expert_seconds = cluster.expert_reduction_s(expert_bytes) if expert_bytes else 0.0
         self.buckets: list[Bucket] = []
         current: list[nn.Parameter] = []
         nbytes = 0
@@ -207,8 +216,8 @@ class GradientReduction:
 
     @property
     def seconds(self) -> float:
-        """Modelled seconds of one step's reduction (every bucket)."""
-        return sum(b.seconds for b in self.buckets)
+        """Modelled seconds of one step's reduction (every bucket, and the expert replicas')."""
+        return sum(b.seconds for b in self.buckets) + self.expert_seconds
 
     def arm(self) -> None:
         self.armed = True
@@ -237,6 +246,9 @@ class GradientReduction:
             if bucket.ready < len(bucket.params):
                 bucket.ready = len(bucket.params)
                 self._issue(bucket)
+        if self.expert_seconds:  # the expert replicas' all-reduce, after the backward
+            self.issued.append(self.expert_seconds)
+            self.group.occupy_link(self.expert_seconds * self.scale, self.device, wait=False)
         self.armed = False
         link = self.group.timing.link
         if link is not None:
@@ -298,12 +310,12 @@ def training_step(schedule: str, parts: StepParts, batches: list) -> list[float]
     """One optimizer step as Trainer.step takes it (module docstring); returns the mean losses."""
     group, device = parts.group, parts.device
     losses = run_micro_batches(schedule, parts, batches)
-    group.occupy(group.cluster.small_collective_s(), device)  # the losses' all-reduce
+    group.occupy(group.cluster.small_collective_s(world=True), device)  # the losses' all-reduce
     values = (losses / len(batches)).tolist()                 # Trainer's one host read of the losses
     for param in parts.parallel.expert:                       # expert grads / W
         if param.grad is not None:
             param.grad.div_(group.size)
-    group.occupy(group.cluster.small_collective_s(), device)  # the global norm's all-reduce
+    group.occupy(group.cluster.small_collective_s(world=True), device)  # the global norm's all-reduce
     if parts.optimizer.defaults.get("fused"):
         _, divisor = parts.parallel.clip_divisor(GRAD_CLIP)
         parts.optimizer.grad_scale = divisor  # type: ignore[attr-defined]  # (read by the fused AdamW)
@@ -437,9 +449,10 @@ def _logged_step(parts: StepParts, schedule: str, batches: list) -> dict:
         sibling.calls = None
     a2a = sum(c.seconds for c in calls if c.kind.startswith("all_to_all"))
     small = sum(c.seconds for c in calls if not c.kind.startswith("all_to_all"))  # counts, agreements
-    small += 2 * group.cluster.small_collective_s()  # the step's own: losses and the norm
+    small += 2 * group.cluster.small_collective_s(world=True)  # the step's own: losses and the norm, all W ranks
     return {"all_to_all_ms": a2a * 1e3, "small_collectives_ms": small * 1e3,
-            "reduction_ms": sum(parts.reduction.issued) * 1e3, "reduction_buckets": len(parts.reduction.buckets)}
+            "reduction_ms": sum(parts.reduction.issued) * 1e3, "reduction_buckets": len(parts.reduction.buckets),
+            "expert_reduction_ms": parts.reduction.expert_seconds * 1e3}
 
 
 def _with_network(parts: StepParts, a2a_scale: float, reduction_scale: float, fn: Callable[[], Any]) -> Callable:
@@ -656,7 +669,7 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
     parallel = DenseParallel(variants[0].model, world_size=1, device=device,
                              compute_dtype=settings.compute_dtype(device))
     optimizer = build_optimizer(parallel, LR, 0.1)
-    reduction = GradientReduction(parallel.dense, group, device)
+    reduction = GradientReduction(parallel.dense, group, device, parallel.expert)
     # The overlapped schedule's lanes: the MoE layers' lane clones of the emulated group
     # (EmulatedExpertGroup.lane_groups: the same link), a compute stream per lane on CUDA.
     overlaps = settings.schedules != ("sequential",) and max(settings.micro_batches) >= 2

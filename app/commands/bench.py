@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "network's delays modelled (docs/emulation.md); records say measured_as=emulated")
     parser.add_argument("--network", default="dgx-a100",
                         help="the emulated cluster's network: dgx-a100, dgx-h200 or a JSON file (default dgx-a100)")
+    parser.add_argument("--expert-parallel", type=int, default=None,
+                        help="with --step: the expert-parallel degree E, rank 0's MoE layers over an expert group of "
+                             "E ranks and the experts' gradients reduced over the W / E groups (default: one group "
+                             "of every emulated rank)")
     parser.add_argument("--transfer-ctas", type=int, default=1,
                         help="with --emulate: thread blocks each emulated transfer holds while it waits, as NCCL's "
                              "kernels hold SMs (default 1: the least contention)")
@@ -118,8 +122,8 @@ def run_step(args) -> int:
         tokens=_split(args.tokens, int) if args.tokens else ([8192, 16384, 32768] if on_gpu else [256]),
         micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
         emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
-        transfer_ctas=args.transfer_ctas, num_experts=args.experts, routings=tuple(_split(args.routing)),
-        grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
+        transfer_ctas=args.transfer_ctas, num_experts=args.experts, expert_parallel=args.expert_parallel,
+        routings=tuple(_split(args.routing)), grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
         **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
                                            ("strategies", args.strategies and tuple(_split(args.strategies))),
                                            ("repeats", args.repeats), ("rounds", args.rounds)) if value is not None})
@@ -138,6 +142,11 @@ def run(args) -> int:
                                           ("--schedule", args.schedule != "sequential")) if given]
     if step_only:
         raise ValueError(f"{' and '.join(step_only)} time a whole training step: add --step (or drop them)")
+    if args.expert_parallel is not None:
+        raise ValueError(f"--expert-parallel {args.expert_parallel} prices a training step's expert groups and their "
+                         f"gradient reduction: add --step; the layer bench's All-to-All spans its whole --emulate "
+                         f"cluster, so time one expert group's layer as that cluster (e.g. --emulate 1x8 for a group "
+                         f"of a node's 8 GPUs)")
     on_gpu = torch.cuda.is_available()
     settings = BenchSettings(
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),

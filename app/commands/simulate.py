@@ -4,6 +4,7 @@ Its flags, and one call into the bench wing (app/bench/simulate.py).
     mpipemoe simulate --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 16384
     mpipemoe simulate --model gpt-xl --tokens 16384 --sweep-nodes 1,2,4,8,16,32,64
     mpipemoe simulate --model gpt-xl --tokens 4096,8192,16384,32768 --nodes 8 --step
+    mpipemoe simulate --model gpt-s --tokens 8192 --nodes 8 --expert-parallel 8,64 --network dgx-h200
     mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-lean.json --out out/validation.json
     mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
 """
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MPipeMoE partition counts to consider (default 1,2,4,8,16)")
     parser.add_argument("--hierarchical", action="store_true", help="two-level All-to-All instead of the flat one")
     parser.add_argument("--step", action="store_true", help="also simulate a training step of the whole preset")
+    parser.add_argument("--expert-parallel", default=None,
+                        help="expert-parallel degrees E, comma list (e.g. 8,64): MPipeMoE's training step with "
+                             "expert groups of E GPUs, side by side (default: one group of all GPUs, every engine)")
     parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"measured GPU parts (default {DEFAULT_PARTS})")
     parser.add_argument("--host-scale", type=float, default=1.0,
                         help="multiply the measured host issue costs (another CPU; 0: device-only bound)")
@@ -60,5 +64,6 @@ def run(args) -> int:
         model=args.model, tokens=_split(args.tokens, int),
         nodes=_split(args.sweep_nodes, int) if args.sweep_nodes else (args.nodes,),
         gpus_per_node=args.gpus_per_node, experts=args.experts, network=args.network, routing=args.routing,
-        partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step)
+        partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step,
+        expert_parallel=_split(args.expert_parallel, int) if args.expert_parallel else ())
     return simulate_and_write(settings, args.parts, args.host_scale, args.out, args.tracking_uri, args.experiment)

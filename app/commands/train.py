@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default=None,
                         help="comma list: run each engine and compare, e.g. mpipemoe,fastmoe,fastermoe")
     add("--steps", "total steps (a resumed run continues up to this)", type=int)
-    add("--num-workers", "Ray Train workers = expert-parallel ranks", type=int)
+    add("--num-workers", "Ray Train workers (one per GPU)", type=int)
+    add("--expert-parallel", "expert-parallel degree E: expert groups of E consecutive workers (the MoE "
+        "All-to-All stays inside a group), the experts replicated over the num-workers / E groups; E divides "
+        "the workers and the experts (default: the GPUs of one node where they divide the experts, else all "
+        "workers)", type=int)
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--use-gpu", dest="use_gpu", action="store_true", default=None,
                      help="one worker per GPU, NCCL (default: when the cluster has GPUs)")

@@ -47,7 +47,7 @@ from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_wor
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
-from workers.distributed import training_state_bytes
+from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
 from workers.config import NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 from workers.reshard import check_worker_count
@@ -109,7 +109,10 @@ class TrainJob:
     preset: str = "tiny-gpt"           # model shape, see lm.model.PRESETS
     engine: str = "mpipemoe"           # mpipemoe | fastmoe | fastermoe
     steps: int = 50                    # total optimizer steps (a resumed run continues to this)
-    num_workers: int = 2               # Ray Train workers = expert-parallel ranks
+    num_workers: int = 2               # Ray Train workers
+    expert_parallel: int | None = None  # expert-parallel degree E: expert groups of E consecutive workers, the
+                                       # experts replicated over W / E groups; None: default_expert_degree
+                                       # (the GPUs of one node where they divide the experts, else the workers)
     use_gpu: bool | None = None        # None: GPUs when the Ray cluster has any
     batch_size: int = 8                # sequences per worker per step
     seq_len: int | None = None         # None: the preset's seq_len
@@ -216,7 +219,14 @@ class TrainJob:
                 _fail(field, value, f"give an integer >= {least}" + (" (0: no validation)" if not least else ""))
         if self.cpus_per_worker is not None and not 0 < self.cpus_per_worker < math.inf:
             _fail("cpus_per_worker", self.cpus_per_worker, "give a number > 0, e.g. 0.45 to fit 4 workers on 2 cores")
-        self.model_preset().check_world_size(self.num_workers)
+        if self.expert_parallel is not None and (isinstance(self.expert_parallel, bool)
+                                                 or not isinstance(self.expert_parallel, int)):
+            _fail("expert_parallel", self.expert_parallel, "give an integer >= 1 (--expert-parallel) or leave it "
+                  "unset for the default")
+        if self.expert_parallel is not None:
+            check_expert_degree(self.expert_parallel, self.model_preset().num_experts, self.num_workers,
+                                "TrainJob.expert_parallel")
+        self.model_preset().check_world_size(self.num_workers, self.expert_parallel)
         if self.moe_memory_gib is not None:
             self._check_moe_memory_budget()
         self.storage_path = str(Path(self.storage_path or "ray_results").expanduser().resolve())
@@ -279,7 +289,16 @@ def _resolve_gpu(job: TrainJob) -> bool:
     return torch.cuda.is_available()
 
 
-def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerConfig:
+def expert_degree(job: TrainJob, gpus_per_node: int | None = None) -> int:
+    """The expert-parallel degree E of ``job``'s workers: ``--expert-parallel``, else
+    ``default_expert_degree`` (the ``gpus_per_node`` of one node where they divide the
+    experts and the workers, else all workers; on CPU ``gpus_per_node`` is None)."""
+    if job.expert_parallel is not None:
+        return job.expert_parallel
+    return default_expert_degree(job.model_preset().num_experts, job.num_workers, gpus_per_node)
+
+
+def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_node: int | None = None) -> WorkerConfig:
     """What ``train_fn_per_worker`` reads (all settings resolved)."""
     manifest = data_lib.Manifest.load(job.data_dir)
     preset = job.model_preset(vocab_size=manifest.vocab_size)
@@ -289,6 +308,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         preset=preset, engine=job.engine, partitions=job.partitions,
         strategy=job.strategy, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
                                                         else int(job.moe_memory_gib * 2**30)),
+        expert_parallel=expert_degree(job, gpus_per_node),
         seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
         warmup_steps=job.warmup_steps, grad_clip=job.grad_clip,
         aux_loss_weight=job.aux_loss_weight, steps=job.steps, batch_size=job.batch_size,
@@ -559,7 +579,7 @@ def check_data_continues(job: TrainJob, recorded: dict) -> None:
     if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
         return
     check_worker_count(job.model_preset().num_experts, global_batch, job.num_workers,
-                       f"run {job.name} (trained on {workers} workers)")
+                       f"run {job.name} (trained on {workers} workers)", job.expert_parallel)
     if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
         raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
                          f"{job.batch_size}: its data continues at the same global sample only with its global "
@@ -596,7 +616,8 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
     from ray.train.torch import TorchConfig, TorchTrainer
 
     use_gpu = _resolve_gpu(job)
-    config = worker_config(job, use_gpu, metrics_queue).replace(stop_flag=stop_flag, **(extra_config or {}))
+    config = worker_config(job, use_gpu, metrics_queue, _gpus_per_node() if use_gpu else None).replace(
+        stop_flag=stop_flag, **(extra_config or {}))
     resources = {"CPU": config.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = 1
@@ -611,6 +632,17 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
             failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.keep_checkpoints or None)),
     )
+
+
+def _gpus_per_node() -> int | None:
+    """The GPUs of the smallest GPU node of the connected Ray cluster (None: none, or Ray is
+    not up): the default expert group's size."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
+    return min(gpus) if gpus else None
 
 
 def init_ray(job: TrainJob, address: str | None = None, verbose: bool = False) -> bool:
@@ -785,7 +817,8 @@ def model_memory(job: TrainJob, config: WorkerConfig) -> dict:
     counts = param_counts(model)  # one process: every expert
     compute_bytes, param_bytes = (torch.empty((), dtype=getattr(torch, name)).element_size()
                                   for name in (config.dtype, config.param_dtype))
-    return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // job.num_workers,
+    degree = config.expert_parallel or job.num_workers  # each worker holds the experts of its group's share
+    return {**counts, **training_state_bytes(counts["params_replicated"], counts["params_expert"] // degree,
                                              job.num_workers, job.shard_dense, compute_bytes, param_bytes)}
 
 
@@ -961,7 +994,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
         device = "GPU (nccl)" if config.use_gpu else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
-        echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers on "
+        echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers (expert groups of "
+             f"{config.expert_parallel}) on "
              f"{device}, {config.dtype} compute over {job.param_dtype} weights, dense part "
              f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config.seq_len}{accum} "
              f"per worker, {job.steps} steps")
@@ -1003,7 +1037,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
         summary.update(restarts=pump.restarts, name=job.name, engine=job.engine, preset=job.preset, status="FINISHED",
                        mlflow_run_id=run.run_id, run_dir=str(job.run_dir), steps_run=len(pump.history),
                        checkpoint_path=result.checkpoint.path if result.checkpoint else None,
-                       wall_time_s=time.perf_counter() - started,
+                       wall_time_s=time.perf_counter() - started, expert_parallel=config.expert_parallel,
                        training_state_bytes=memory["training_state_bytes"])
         if not trained and config.resume_from and reached:
             summary["steps"] = reached
@@ -1168,7 +1202,7 @@ def _checkpoint_step(directory: str | Path) -> int:
 # Settings a resumed run may change (its checkpoints load into any of them); each stretch of
 # steps trained with one choice of them is a segment, recorded in the MLflow run.
 SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
-                  "param_dtype", "shard_dense", "use_gpu")
+                  "param_dtype", "shard_dense", "use_gpu", "expert_parallel")
 
 
 def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:

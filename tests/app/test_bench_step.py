@@ -12,6 +12,7 @@ from app.bench.step import (BOUND_SLACK, BoundViolation, GradientReduction, Step
                             build_variants, check_bounds, step_bound_ms)
 from app.cli import main
 from lm.model import param_counts
+from workers.distributed import split_params
 from moe_sim.emulation import EmulatedCluster
 from moe_sim.network import all_reduce_s
 
@@ -77,6 +78,9 @@ def test_the_engines_models_share_one_set_of_parameters():
     (["--experts", "6"], "multiple of the 4 emulated ranks"),
     (["--peers", "torchtitan"], "drop --peers"),
     (["--layers", "0"], "--layers 0 is invalid"),
+    (["--expert-parallel", "3"], "expert_parallel=3 is invalid on 2x2: "),
+    (["--expert-parallel", "2", "--experts", "3"], "--experts 3 must be a multiple of the 2 ranks of an expert group "
+                                                   "(--expert-parallel 2)"),
 ])
 def test_bad_step_flags_name_the_flag_and_the_fix(flags, message, capsys):
     argv = ["bench", "--step", "--model", "tiny-gpt", "--emulate", "2x2", "--tokens", "128", "--micro-batches", "2",
@@ -88,6 +92,36 @@ def test_bad_step_flags_name_the_flag_and_the_fix(flags, message, capsys):
 def test_step_flags_without_step_are_refused(capsys):
     assert main(["bench", "--micro-batches", "2", "--tracking-uri", "none"]) != 0
     assert "--micro-batches time a whole training step: add --step" in capsys.readouterr().err
+
+
+def test_the_layer_bench_refuses_an_expert_parallel_degree_naming_the_step_and_the_emulated_group(capsys):
+    assert main(["bench", "--expert-parallel", "2", "--tracking-uri", "none"]) != 0
+    assert "--expert-parallel 2 prices a training step's expert groups" in capsys.readouterr().err
+
+
+def test_expert_groups_smaller_than_the_cluster_add_the_replicas_reduction_and_price_the_step_over_all_ranks(tmp_path):
+    """E = 2 on an emulated 2x2: rank 0's MoE layers run over 2 ranks (2 experts, one each), the
+    expert gradients are all-reduced over the 2 replicas after the backward (the reduction
+    grows by exactly that term), and the records say E; E = W (4) reduces no expert."""
+    records = {}
+    for degree in (2, 4):
+        out = tmp_path / f"e{degree}.json"
+        assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "2x2", "--tokens", "128",
+                     "--partitions", "2", "--strategies", "S4", "--no-grid", "--rounds", "1", "--repeats", "1",
+                     "--warmup", "0", "--expert-parallel", str(degree), "--tracking-uri", "none",
+                     "--out", str(out)]) == 0
+        records[degree] = json.loads(out.read_text())["records"]
+    cluster = EmulatedCluster.parse("2x2", "dgx-a100", expert_parallel=2)
+    settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="2x2", expert_parallel=2)
+    model = build_variants(settings, settings.preset(), cluster.build(), torch.device("cpu"))[0].model
+    expert_params = split_params(model)[1]  # rank 0's one expert of the group's 2
+    assert settings.num_experts == 2 and expert_params
+    expert_ms = 1e3 * cluster.expert_reduction_s(4 * sum(p.numel() for p in expert_params))
+    assert expert_ms > 0
+    for two, four in zip(records[2], records[4]):
+        assert (two["expert_parallel"], four["expert_parallel"]) == (2, 4) and two["world_size"] == 4
+        assert four["expert_reduction_ms"] == 0 and two["expert_reduction_ms"] == pytest.approx(expert_ms, rel=1e-3)
+        assert two["reduction_ms"] == pytest.approx(four["reduction_ms"] + expert_ms, rel=1e-3)  # records round
 
 
 def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):

@@ -170,3 +170,43 @@ def test_venv_package_is_installed_on_ubuntu_22_04(config):
     venv = [i for i, c in enumerate(config["setup_commands"]) if "python3 -m venv" in c]
     apt = [i for i, c in enumerate(config["setup_commands"]) if "apt-get install" in c and "python3.10-venv" in c]
     assert venv and apt and apt[0] < venv[0]
+
+
+CLUSTER_FILES = sorted(ROOT.glob("cluster*.yaml"))
+NODE_TYPE_KEYS = ("available_node_types", "head_node_type")
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda path: path.name)
+def test_every_cluster_file_passes_rays_validation(path):
+    assert load(path.read_text())["max_workers"] == 7
+
+
+def test_the_p5_file_is_the_p4d_file_but_for_its_node_types():
+    """cluster-p5.yaml (H100 nodes) differs from cluster.yaml only in the node types, so every
+    check above (privacy, pinning, token, EFA environment, venv) holds for it too."""
+    p4d, p5 = (load((ROOT / name).read_text()) for name in ("cluster.yaml", "cluster-p5.yaml"))
+    assert {k: v for k, v in p4d.items() if k not in NODE_TYPE_KEYS} == \
+        {k: v for k, v in p5.items() if k not in NODE_TYPE_KEYS}
+    for node_type in p5["available_node_types"].values():
+        assert node_type["node_config"]["InstanceType"] == "p5.48xlarge" and node_type["resources"]["CPU"] == 192
+        p4d_node = next(iter(p4d["available_node_types"].values()))["node_config"]
+        assert {k: v for k, v in node_type["node_config"].items() if k != "InstanceType"} == \
+            {k: v for k, v in p4d_node.items() if k != "InstanceType"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda path: path.name)
+def test_the_commented_container_image_and_capacity_reservation_validate_when_uncommented(path):
+    """The optional `docker:` section and the capacity reservation are commented out; a user
+    who uncomments them (dropping the leading '# ') gets a file Ray accepts."""
+    lines = path.read_text().splitlines()
+    start = lines.index("# docker:")
+    block = [start] + [i for i in range(start + 1, len(lines)) if lines[i].startswith("#   ")
+                       and all(lines[j].startswith("#   ") for j in range(start + 1, i + 1))]
+    reservation = [i for i, line in enumerate(lines) if line.strip().startswith("# CapacityReservationSpecification")]
+    assert len(reservation) == 1
+    for i in block + reservation:
+        lines[i] = lines[i].replace("# ", "", 1)
+    config = load("\n".join(lines))
+    assert config["docker"]["image"].endswith("mpipemoe:0.1.0") and config["docker"]["run_options"]
+    node = next(iter(config["available_node_types"].values()))["node_config"]
+    assert node["CapacityReservationSpecification"]["CapacityReservationTarget"]["CapacityReservationId"]

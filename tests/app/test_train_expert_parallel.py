@@ -1,0 +1,55 @@
+"""``mpipemoe train --expert-parallel E`` (Ray local cluster, gloo): tiny-gpt (4 experts) on 4
+CPU workers with E = 2 (two expert groups, each expert on 2 workers) trains the losses of
+E = 4 (one group) from the same seed; the summary and the MLflow params record E.
+tests/workers/test_expert_parallel.py checks the same below Ray, with checkpoints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import cli
+from app.jobs.launch import TrainJob
+from app.tracking.store import client
+from lm.data import prepare_dataset
+
+pytestmark = pytest.mark.ray
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def trained(ray_local, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("expert_parallel")
+    prepare_dataset(root / "data", max_bytes=2**18)
+    runs = {}
+    for degree in (2, 4):
+        summary = root / f"e{degree}.json"
+        status = cli.main(["train", "--preset", "tiny-gpt", "--num-workers", "4", "--expert-parallel", str(degree),
+                           "--no-gpu", "--cpus-per-worker", "0.45", "--steps", str(STEPS), "--batch-size", "2",
+                           "--seq-len", "64", "--partitions", "2", "--strategy", "S1", "--seed", "3",
+                           "--aux-loss-weight", "0", "--dtype", "float32", "--eval-every", "0",
+                           "--checkpoint-every", "0", "--data-dir", str(root / "data"),
+                           "--storage-path", str(root / "ray_results"), "--name", f"e{degree}",
+                           "--tracking-uri", f"sqlite:///{root / 'mlflow.db'}", "--summary-json", str(summary)])
+        assert status == 0
+        runs[degree] = json.loads(summary.read_text())
+    runs["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    return runs
+
+
+def test_two_expert_groups_train_the_losses_of_one(trained):
+    two, four = ([m["loss"] for m in trained[e]["history"]] for e in (2, 4))
+    assert len(two) == len(four) == STEPS
+    assert two == pytest.approx(four, abs=1e-3)
+
+
+def test_the_summary_and_the_mlflow_params_record_the_degree(trained):
+    assert (trained[2]["expert_parallel"], trained[4]["expert_parallel"]) == (2, 4)
+    params = client(trained["tracking_uri"]).get_run(trained[2]["mlflow_run_id"]).data.params
+    assert params["expert_parallel"] == params["resolved.expert_parallel"] == "2"
+
+
+def test_a_degree_that_does_not_divide_the_experts_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"TrainJob.expert_parallel=3 is invalid: .* use --expert-parallel 1, 2, 4"):
+        TrainJob(preset="tiny-gpt", num_workers=4, expert_parallel=3, tracking_uri="none")
