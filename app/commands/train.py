@@ -68,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
     add("--lr-schedule", "learning rate after the warm-up: constant, or a decay to --min-lr at --steps "
-        "(cosine, linear; wsd: stable, then linear over the last 20%%)", choices=LR_SCHEDULES)
+        "(cosine, linear; wsd: stable, then linear over the last --decay-fraction)", choices=LR_SCHEDULES)
     add("--warmup-steps", "linear warm-up steps from 0 to --lr", type=int)
     add("--min-lr", "where cosine / linear / wsd end, at the last step", type=float)
+    add("--decay-fraction", "wsd: the share of the steps after warm-up that decays (a resume with a larger "
+        "--steps continues the decay from the rate reached)", type=float)
     add("--weight-decay", "AdamW weight decay of matrices (not biases or norms)", type=float)
     add("--grad-clip", "clip the global gradient norm to this; 0 = off", type=float)
     add("--aux-loss-weight", "loss = lm loss + this x the MoE load-balance loss", type=float)

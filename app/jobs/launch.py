@@ -48,7 +48,7 @@ from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import training_state_bytes
-from workers.config import NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
+from workers.config import DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 from workers.reshard import check_worker_count
 
@@ -149,6 +149,7 @@ class TrainJob:
     log_every: int = 10                # progress line (and per-expert load metrics) every N steps
     lr_schedule: str = "constant"      # after warm-up: constant | cosine | linear | wsd (decay to min_lr)
     min_lr: float = 0.0                # where cosine / linear / wsd end, at the last step
+    decay_fraction: float = DECAY_FRACTION  # wsd: the share of the steps after warm-up that decays
     optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
     eval_every: int = 25               # validation loss every N steps and at the end; 0: never
     eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
@@ -301,6 +302,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None) -> WorkerCon
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
+        decay_fraction=job.decay_fraction,
         eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 
@@ -1168,7 +1170,7 @@ def _checkpoint_step(directory: str | Path) -> int:
 # Settings a resumed run may change (its checkpoints load into any of them); each stretch of
 # steps trained with one choice of them is a segment, recorded in the MLflow run.
 SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
-                  "param_dtype", "shard_dense", "use_gpu")
+                  "param_dtype", "shard_dense", "use_gpu", "steps", "lr_schedule", "decay_fraction")
 
 
 def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:

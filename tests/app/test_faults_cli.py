@@ -280,6 +280,22 @@ def test_a_resumed_runs_summary_names_the_steps_it_trained():
 
 # ---- a resume that switches engine, partitions or strategy ---------------------------------------------
 
+def test_a_resume_with_a_larger_step_target_shows_it_in_the_mlflow_params(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    first = TrainJob(steps=50, lr_schedule="wsd", storage_path=str(tmp_path), name="ext", tracking_uri=uri,
+                     experiment="ext")
+    run = RunLogger.start(uri, "ext", run_name="ext", tags={"mpipemoe.kind": "train"})
+    run.log_params({k: v for k, v in first.__dict__.items() if v is not None})
+    save_job(first)
+    recorded = json.loads((first.run_dir / JOB_FILE).read_text())
+    lines = []
+    record_segment(run, TrainJob(**{**recorded, "steps": 80, "decay_fraction": 0.3}), recorded, 51, echo=lines.append)
+    params = client(uri).get_run(run.run_id).data.params
+    assert (params["steps"], params["segment.2.steps"], params["segment.2.decay_fraction"]) == ("50", "80", "0.3")
+    assert lines == ["[mpipemoe] from step 51 ext trains with steps 50 -> 80, decay_fraction 0.2 -> 0.3 "
+                     "(segment 2, recorded in MLflow)"]
+
+
 def test_an_engine_switch_on_resume_is_recorded_in_mlflow_and_the_report(tmp_path):
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     first = TrainJob(engine="mpipemoe", partitions=2, strategy="S1", storage_path=str(tmp_path), name="sw",
