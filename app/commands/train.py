@@ -28,7 +28,7 @@ from app.jobs.resume import resumed_job_fields
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import PRESETS
-from moe_engine.config import ENGINES, STRATEGY_CHOICES
+from moe_engine.config import ACTIVATIONS, ENGINES, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 
 PRESET_NAMES = tuple(PRESETS)
@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cpus-per-worker", "Ray CPUs per worker (default 0.9 on CPU, 1 on GPU)", type=float)
     add("--num-experts", "experts per MoE layer (default: the preset's)", type=int)
     add("--num-layers", "transformer blocks (default: the preset's)", type=int)
+    add("--top-k", "experts per token (default: the preset's)", type=int)
+    add("--capacity-factor", "each expert takes at most this x its even share of the (token, choice) pairs, "
+        "the rest dropped (default: the preset's dropless routing)", type=float)
+    add("--activation", "expert activation (default: the preset's)", choices=ACTIVATIONS)
     add("--dtype", "compute dtype under autocast (auto: bfloat16 on GPU, float32 on CPU); parameters, "
         "gradients and AdamW state are float32", choices=COMPUTE_DTYPES + ("float16",))
     add("--param-dtype", "parameters, gradients and AdamW state: float32 master weights, or bfloat16 "

@@ -42,8 +42,8 @@ from app.tracking.store import (NO_TRACKING, NullRun, RunLogger, check_store, ch
                           metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes, leanest_moe_memory,
-                      get_preset, param_counts)
+from lm.model import (MODEL_OVERRIDES, PRESETS, ROUTING_OVERRIDES, MoETransformer, check_routing_overrides,
+                      estimate_step_flops, estimate_worker_bytes, leanest_moe_memory, get_preset, param_counts)
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
@@ -129,6 +129,10 @@ class TrainJob:
     cpus_per_worker: float | None = None  # None: 0.9 on CPU (2 workers fit 2 cores), 1 on GPU
     num_experts: int | None = None     # override the preset's experts per MoE layer
     num_layers: int | None = None      # override the preset's layer count
+    top_k: int | None = None           # override the preset's experts per token
+    capacity_factor: float | None = None  # override the preset's expert capacity (None: the preset's; its
+                                       # default is dropless routing)
+    activation: str | None = None      # override the preset's expert activation: relu | gelu | swiglu
     dtype: str = "auto"                # compute dtype (autocast): auto (bfloat16 on GPU, float32 on CPU) |
                                        # float32 | bfloat16; parameters and AdamW state are always float32
     param_dtype: str = "float32"       # parameters, gradients and AdamW state: float32 (master weights) |
@@ -172,6 +176,7 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(field, value, "give an integer >= 0")
+        check_routing_overrides(self, _fail)
         if isinstance(self.partitions, str) and self.partitions.isdigit():
             self.partitions = int(self.partitions)
         if self.partitions != "auto" and (isinstance(self.partitions, bool)
@@ -262,8 +267,8 @@ class TrainJob:
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
-        return get_preset(self.preset).replace(seq_len=self.seq_len, num_experts=self.num_experts,
-                                               num_layers=self.num_layers, vocab_size=vocab_size)
+        return get_preset(self.preset).replace(vocab_size=vocab_size,
+                                               **{k: getattr(self, k) for k in MODEL_OVERRIDES})
 
     @property
     def run_dir(self) -> Path:
@@ -414,7 +419,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
 # Settings a run's checkpoints are tied to: the model's shape (its parameters and positions).
 # The number of workers may change where each keeps whole experts and the data layout and
 # global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
-RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
+RUN_BOUND_FIELDS = ("preset",) + MODEL_OVERRIDES
 # A run whose settings file is gone keeps its worker count too: the file holds the batch and
 # data layout a resharded resume must keep (check_data_continues), so without it nothing
 # shows that another count would continue the data at the same global sample.
@@ -431,11 +436,10 @@ def checkpoint_settings(run_dir: str | Path) -> dict | None:
         return None
     meta = json.loads((chosen / ckpt.META).read_text())
     model = meta.get("preset") or {}
-    shape = {k: v for k, v in model.items() if k not in ("seq_len", "num_experts", "num_layers", "vocab_size")}
+    shape = {k: v for k, v in model.items() if k not in MODEL_OVERRIDES + ("vocab_size",)}
     preset = next((name for name, candidate in PRESETS.items()
                    if {k: v for k, v in dataclasses.asdict(candidate).items() if k in shape} == shape), None)
-    return {"preset": preset, "seq_len": model.get("seq_len"), "num_experts": model.get("num_experts"),
-            "num_layers": model.get("num_layers"), "num_workers": meta.get("world_size"),
+    return {"preset": preset, **{k: model.get(k) for k in MODEL_OVERRIDES}, "num_workers": meta.get("world_size"),
             "checkpoint": chosen.name}
 
 
@@ -450,8 +454,9 @@ def continue_command(name: str, storage_path: str, settings: dict, tracking_uri:
         data_dir = json.loads(kept.read_text()).get("data_dir") or data_dir
     except (OSError, ValueError):
         pass
+    preset = dataclasses.asdict(get_preset(settings["preset"])) if settings.get("preset") in PRESETS else {}
     flags = "".join(f" --{k.replace('_', '-')} {shlex.quote(str(settings[k]))}" for k in ORPHAN_BOUND_FIELDS
-                    if settings.get(k) is not None)
+                    if settings.get(k) is not None and not (k in ROUTING_OVERRIDES and settings[k] == preset.get(k)))
     flags += "".join(f" {flag} {shlex.quote(value)}" for flag, value in
                      (("--data-dir", data_dir), ("--tracking-uri", tracking_uri)) if value)
     return f"{invocation()} train --name {shlex.quote(name)}{flags}{_storage_flag(storage_path)}"
@@ -470,8 +475,7 @@ def check_continues(job: TrainJob) -> None:
     check_same_tokenizer(job)
     path = job.run_dir / JOB_FILE
     new = job.model_preset()
-    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
-             "num_layers": new.num_layers, "num_workers": job.num_workers}
+    asked = {"preset": job.preset, **{k: getattr(new, k) for k in MODEL_OVERRIDES}, "num_workers": job.num_workers}
     if not path.exists():
         try:
             was = checkpoint_settings(job.run_dir)
@@ -490,14 +494,11 @@ def check_continues(job: TrainJob) -> None:
                          f"--name. Nothing was changed")
     try:
         recorded = json.loads(path.read_text())
-        old = get_preset(recorded["preset"]).replace(seq_len=recorded.get("seq_len"),
-                                                     num_experts=recorded.get("num_experts"),
-                                                     num_layers=recorded.get("num_layers"))
+        old = get_preset(recorded["preset"]).replace(**{k: recorded.get(k) for k in MODEL_OVERRIDES})
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None
-    was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
-           "num_layers": old.num_layers}
+    was = {"preset": recorded["preset"], **{k: getattr(old, k) for k in MODEL_OVERRIDES}}
     if dataclasses.asdict(old) == dataclasses.asdict(new):
         check_data_continues(job, recorded)
         return
