@@ -669,13 +669,36 @@ def private_ray_token(create: bool) -> Path | None:
     return token
 
 
-def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
+def _format_step(m: dict, steps: int, elapsed_s: float, eta_s: float | None = None) -> str:
+    """The console's step line: losses, rate, memory; then the MoE load imbalance (max / mean
+    expert load of the worst layer, on the steps that read it), the tokens seen and the ETA."""
     line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
             f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
-            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
+            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
+            + (f"  load {m['moe_load/imbalance_max']:.2f}" if "moe_load/imbalance_max" in m else "")
+            + (f"  seen {_short_count(m['tokens_seen'])} tok" if "tokens_seen" in m else "")
+            + (f"  ETA {_short_duration(eta_s)}" if eta_s is not None else ""))
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
     return line + (f"  [{' '.join(choices)}]" if choices else "")
+
+
+def _short_count(count: float) -> str:
+    """1234 -> "1,234"; 10240 -> "10.2k"; 3.5e9 -> "3.5G" (three significant digits from 10,000)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= max(size * 0.9995, 1e4):  # 999,999 is "1M", not "1e+03k"
+            return f"{count / size:.3g}{unit}"
+    return f"{count:,.0f}"
+
+
+def _short_duration(seconds: float) -> str:
+    """42 -> "42s"; 125 -> "2m05s"; 7300 -> "2h01m"."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class _MetricsPump:
@@ -693,6 +716,7 @@ class _MetricsPump:
         self.history: list[dict] = []
         self.restarts = 0
         self._attempt = None
+        self._pace_from: tuple[int, float] | None = None  # (step, time) the ETA measures from
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
         self._started = time.perf_counter()
@@ -717,6 +741,17 @@ class _MetricsPump:
             except (Empty, queue_lib.Empty):
                 continue
 
+    def _eta_s(self, step: int) -> float | None:
+        """Seconds to the last step at the wall-clock pace since the first step this attempt
+        reported (checkpoints and validation included); None at that step and the last."""
+        now = time.perf_counter()
+        if self._pace_from is None:
+            self._pace_from = (step, now)
+        first, since = self._pace_from
+        if step <= first or step >= self.job.steps:
+            return None
+        return (now - since) / (step - first) * (self.job.steps - step)
+
     def _handle(self, metrics: dict):
         step, attempt = metrics["step"], metrics.get("attempt")
         went_back = bool(self.history) and step <= self.history[-1]["step"]
@@ -727,6 +762,7 @@ class _MetricsPump:
             self.run.set_tags({"restarts": self.restarts})
             self.run.log_metrics({"restarts": self.restarts}, step=step)
             self.history = [m for m in self.history if m["step"] < step]
+            self._pace_from = None
         self._attempt = attempt
         if metrics.get("skipped"):
             self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
@@ -735,7 +771,7 @@ class _MetricsPump:
         if step > self.logged_through:
             self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
-            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
+            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started, self._eta_s(step)))
             self.run.flush()
         if "val_loss" in metrics:
             self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
