@@ -4,6 +4,7 @@
     mpipemoe train --engines mpipemoe,fastmoe,fastermoe   # same job per engine + comparison
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
+    mpipemoe train --config run.toml --steps 300     # a TOML file's options, flags override
 
 The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs/launch.py,
 shared with the sweep and capacity commands; this module is the command line, the
@@ -25,6 +26,7 @@ from app.jobs.launch import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob, resume_comma
 from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
 from app.jobs.resume import resumed_job_fields
+from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import PRESETS
@@ -46,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         suffix = f" (default {default})" if default is not None and "default" not in help_text else ""
         parser.add_argument(flag, default=None, help=help_text + suffix, **kw)
 
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="options from a TOML file (keys: these options' names); flags given here override it")
     add("--preset", "model preset: " + ", ".join(PRESET_NAMES))
     add("--engine", "MoE engine", choices=ENGINES)
     parser.add_argument("--engines", default=None,
@@ -130,6 +134,8 @@ def ui_command(tracking_uri: str) -> str:
 def job_from_args(args: argparse.Namespace) -> TrainJob:
     """The job the options describe; ``--resume NAME`` starts from NAME's recorded settings."""
     given = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if getattr(args, f, None) is not None}
+    if getattr(args, "config", None):
+        given = {**read_train_config(args.config), **given}
     if args.resume and getattr(args, "engines", None):
         raise ValueError(f"--resume {args.resume} and --engines cannot be combined: a run has one engine; "
                          f"resume each engine's run by its name (<name>-<engine>)")
