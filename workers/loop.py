@@ -137,13 +137,14 @@ def wsd_plan(steps: int, warmup_steps: int, decay_fraction: float) -> DecayPlan:
 def extend_decay(recorded: DecayPlan | None, step: int, steps: int, warmup_steps: int,
                  decay_fraction: float) -> DecayPlan:
     """Local. The plan of a run resumed after ``step`` with the target ``steps``: the recorded
-    plan when the target is unchanged (a restart); otherwise the decay starts where the new
-    target puts it (never before ``step``), from the rate the run had reached, so a run whose
-    decay had begun keeps its lower rate instead of jumping back to the peak."""
+    plan when the target is unchanged and its decay has begun (a restart keeps its course);
+    otherwise the decay starts where the new target and ``decay_fraction`` put it (never before
+    ``step``), from the rate the run had reached, so a run whose decay had begun keeps its lower
+    rate instead of jumping back to the peak."""
     fresh = wsd_plan(steps, warmup_steps, decay_fraction)
     if recorded is None:
         return fresh
-    if recorded.end == steps:
+    if recorded.end == steps and step > recorded.decay_start:
         return recorded
     return DecayPlan(decay_start=min(max(fresh.decay_start, step), steps - 1), end=steps,
                      level=recorded.shape(step))

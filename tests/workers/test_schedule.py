@@ -42,6 +42,8 @@ def test_a_longer_wsd_run_starts_its_decay_where_the_new_target_puts_it():
     recorded = wsd_plan(100, 0, 0.2)  # decays over steps 81..100
     assert recorded == DecayPlan(decay_start=80, end=100)
     assert extend_decay(recorded, 50, 100, 0, 0.2) == recorded  # a restart: the same target, the same plan
+    assert extend_decay(recorded, 50, 100, 0, 0.5) == DecayPlan(decay_start=50, end=100)  # a new fraction, in time
+    assert extend_decay(recorded, 90, 100, 0, 0.5) == recorded  # too late: the decay has begun, it keeps its course
     # resumed at step 50 (stable) with 200 steps: the decay moves to the last 20% of the new target
     assert extend_decay(recorded, 50, 200, 0, 0.2) == DecayPlan(decay_start=160, end=200, level=1.0)
     # resumed at step 90, half-way down: the rate holds there, then decays from the new start
