@@ -38,7 +38,7 @@ from torch import nn
 import moe_engine
 from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, ProfileCache
 from moe_engine.comm import ExpertGroup
-from moe_engine.config import ENGINES, STRATEGIES
+from moe_engine.config import ACTIVATIONS, ENGINES, STRATEGIES
 from moe_engine.granularity import DEFAULT_CANDIDATES
 from moe_engine.memory import predict_memory
 
@@ -131,6 +131,30 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny-bert": ModelPreset("bert", d_model=128, d_hidden=256, num_layers=2, num_heads=4, num_experts=4,
                              seq_len=64),
 }
+
+
+# Preset fields a training run may override (``mpipemoe train --num-experts``, ``--top-k``, ...);
+# the routing ones change no parameter shape but the checkpoint records them with the rest.
+ROUTING_OVERRIDES = ("top_k", "capacity_factor", "activation")
+MODEL_OVERRIDES = ("seq_len", "num_experts", "num_layers") + ROUTING_OVERRIDES
+
+
+def check_routing_overrides(settings, fail) -> None:
+    """The routing overrides of ``settings`` (an app.jobs.launch.TrainJob: None keeps the
+    preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
+    top_k, factor, activation = settings.top_k, settings.capacity_factor, settings.activation
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        fail("top_k", top_k, "give an integer >= 1 (--top-k, experts per token), or leave it unset for the preset's")
+    experts = settings.num_experts or get_preset(settings.preset).num_experts
+    if top_k is not None and top_k > experts:
+        fail("top_k", top_k, f"choose at most the {experts} experts per MoE layer (--top-k), or more --num-experts")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not 0 < factor < math.inf):
+        fail("capacity_factor", factor, "give a number > 0 (--capacity-factor, e.g. 1.25: each expert takes at "
+             "most 1.25x its even share of the tokens), or leave it unset for the preset's dropless routing")
+    if activation is not None and activation not in ACTIVATIONS:
+        fail("activation", activation, f"choose one of {', '.join(ACTIVATIONS)} (--activation), or leave it unset "
+             f"for the preset's")
 
 
 def get_preset(name: str) -> ModelPreset:

@@ -20,6 +20,7 @@ SCHEDULE_CHOICES = ("sequential", "overlapped", "auto")  # micro-batch schedules
 
 NONFINITE_POLICIES = ("halt", "skip")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+DECAY_FRACTION = 0.2  # "wsd": the decay takes the last 20% of the steps after warm-up
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields only some runs set; logged to MLflow only when set (app/jobs/launch.py ``_run_params``).
@@ -46,6 +47,10 @@ def check_optimisation(settings: Any, fail: Callable[[str, object, str], NoRetur
                  "give a finite number >= 0" + (" (0 turns clipping off)" if name == "grad_clip" else ""))
     if settings.lr_schedule not in LR_SCHEDULES:
         fail("lr_schedule", settings.lr_schedule, f"choose one of {', '.join(LR_SCHEDULES)}")
+    fraction = settings.decay_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        fail("decay_fraction", fraction, "give a fraction in (0, 1] of the steps after warm-up that the wsd "
+             f"decay takes, e.g. {DECAY_FRACTION} (--decay-fraction)")
     if settings.min_lr > settings.lr:
         fail("min_lr", settings.min_lr, f"give at most the peak --lr {settings.lr:g} (the schedule decays to it)")
     if settings.lr_schedule != "constant" and settings.warmup_steps >= settings.steps:
@@ -63,7 +68,8 @@ class WorkerConfig:
     engine, partitions, strategy: the MoE engine and its pipeline settings (lm.model).
     moe_memory_budget_bytes: activation bytes for all MoE layers together (MemoryBudget), or None.
     seed, lr, weight_decay, warmup_steps, grad_clip, aux_loss_weight: the optimisation.
-    lr_schedule, min_lr: the learning rate after warm-up (workers/loop.py ``learning_rate``).
+    lr_schedule, min_lr, decay_fraction: the learning rate after warm-up (workers/loop.py
+                         ``learning_rate``; decay_fraction: the share of the wsd decay).
     optimizer_impl:      AdamW's kernels: "auto" (fused on CUDA, foreach elsewhere), "fused",
                          "foreach" or "for-loop" (workers/loop.py ``build_optimizer``).
     eval_every, eval_batches: validation loss every N steps and at the end (0: never), over
@@ -132,6 +138,7 @@ class WorkerConfig:
     steps_per_trial: int | None = None
     lr_schedule: str = "constant"
     min_lr: float = 0.0
+    decay_fraction: float = DECAY_FRACTION
     optimizer_impl: str = "auto"
     eval_every: int = 0
     eval_batches: int = 4

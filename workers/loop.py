@@ -49,6 +49,7 @@ module (``train_fn_per_worker``) and the tests run its pieces without Ray.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
@@ -57,6 +58,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +71,7 @@ from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids
 from moe_engine import HostBufferPool
 from moe_engine.layers import NonFiniteInputError
 from workers import checkpoint as ckpt
-from workers.config import WorkerConfig
+from workers.config import DECAY_FRACTION, WorkerConfig
 from workers.reshard import rank_batches
 from workers.control import StopPoller
 from workers.distributed import (DenseParallel, ExpertLayout, all_reduce_sum_, check_expert_degree, expert_groups,
@@ -109,11 +111,48 @@ def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size
     return bool(fault["kind"] == kind and fault["step"] == step and rank == fault.get("rank", world_size - 1))
 
 
-WSD_DECAY_FRACTION = 0.2  # "wsd": the decay takes the last 20% of the steps after warm-up
+@dataclass(frozen=True)
+class DecayPlan:
+    """Where a "wsd" schedule decays: after the warm-up the rate holds ``level`` of the way
+    from ``min_lr`` up to ``lr`` through step ``decay_start``, then falls linearly to ``min_lr``
+    at step ``end``. A checkpoint records it (meta.json "lr_decay_plan"), so that a resume that
+    extends the run continues the decay instead of starting it again (``extend_decay``)."""
+
+    decay_start: int
+    end: int
+    level: float = 1.0
+
+    def shape(self, step: int) -> float:
+        """Local. The fraction of the way from ``min_lr`` to ``lr`` at ``step`` (after warm-up)."""
+        progress = (step - self.decay_start) / max(1, self.end - self.decay_start)
+        return self.level * (1 - min(1.0, max(0.0, progress)))
+
+
+def wsd_plan(steps: int, warmup_steps: int, decay_fraction: float) -> DecayPlan:
+    """Local. A fresh "wsd" plan: the decay takes the last ``decay_fraction`` of the steps after warm-up."""
+    decay = max(1, round(decay_fraction * (steps - warmup_steps)))
+    return DecayPlan(decay_start=steps - decay, end=steps)
+
+
+def extend_decay(recorded: DecayPlan | None, step: int, steps: int, warmup_steps: int,
+                 decay_fraction: float) -> DecayPlan:
+    """Local. The plan of a run resumed after ``step`` with the target ``steps``: the recorded
+    plan when the target is unchanged and its decay has begun (a restart keeps its course);
+    otherwise the decay starts where the new target and ``decay_fraction`` put it (never before
+    ``step``), from the rate the run had reached, so a run whose decay had begun keeps its lower
+    rate instead of jumping back to the peak."""
+    fresh = wsd_plan(steps, warmup_steps, decay_fraction)
+    if recorded is None:
+        return fresh
+    if recorded.end == steps and step > recorded.decay_start:
+        return recorded
+    return DecayPlan(decay_start=min(max(fresh.decay_start, step), steps - 1), end=steps,
+                     level=recorded.shape(step))
 
 
 def learning_rate(step: int, lr: float, warmup_steps: int, schedule: str = "constant", steps: int = 1,
-                  min_lr: float = 0.0) -> float:
+                  min_lr: float = 0.0, decay_fraction: float = DECAY_FRACTION,
+                  plan: DecayPlan | None = None) -> float:
     """The learning rate of step ``step`` (1-based): linear warm-up to ``lr`` over
     ``warmup_steps``, then by ``schedule``:
 
@@ -122,28 +161,27 @@ def learning_rate(step: int, lr: float, warmup_steps: int, schedule: str = "cons
     - "cosine":   half a cosine from ``lr`` down to ``min_lr`` at step ``steps``;
     - "linear":   a straight line from ``lr`` down to ``min_lr`` at step ``steps``;
     - "wsd":      warm-up, stable at ``lr``, then a linear decay to ``min_lr`` over the last
-      WSD_DECAY_FRACTION of the steps after warm-up.
-    The decaying ones end at ``steps``: resuming with a larger ``steps`` stretches the rest."""
+      ``decay_fraction`` of the steps after warm-up, or as ``plan`` says (a resumed run's).
+    Cosine and linear end at ``steps``: resuming with a larger ``steps`` stretches the rest."""
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
     if schedule == "constant":
         return lr
     if schedule == "wsd":
-        decay = max(1, round(WSD_DECAY_FRACTION * (steps - warmup_steps)))
-        progress = (step - (steps - decay)) / decay
+        shape = (plan or wsd_plan(steps, warmup_steps, decay_fraction)).shape(step)
     else:
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-    progress = min(1.0, max(0.0, progress))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, steps - warmup_steps)))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
     return min_lr + (lr - min_lr) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: WorkerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, config: WorkerConfig,
+                    plan: DecayPlan | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """``torch.optim.lr_scheduler.LambdaLR`` following ``learning_rate``: its epoch e (0 at
     construction, +1 per ``step()``) sets the rate of training step e + 1, for every group."""
     def factor(epoch: int) -> float:
         return learning_rate(epoch + 1, config.lr, config.warmup_steps, config.lr_schedule, config.steps,
-                             config.min_lr) / config.lr
+                             config.min_lr, config.decay_fraction, plan) / config.lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -251,7 +289,9 @@ class Trainer:
         self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
             if self.schedule == "overlapped" else None
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
-        self.scheduler = build_scheduler(self.optimizer, config)
+        self.decay_plan = wsd_plan(config.steps, config.warmup_steps, config.decay_fraction) \
+            if config.lr_schedule == "wsd" else None
+        self.scheduler = build_scheduler(self.optimizer, config, self.decay_plan)
         window = config.seq_len + 1 if self.preset.kind == "gpt" else config.seq_len
         self.grad_accum = config.grad_accum
         # memory-mapped: a batch reads only its windows, so the corpus may exceed a worker's memory
@@ -278,6 +318,12 @@ class Trainer:
         its step for checkpoints written before the state was saved). The rates themselves
         follow this run's settings (``--lr``, ``--lr-schedule``, ... may change on resume)."""
         state = meta.get("lr_scheduler") or {"last_epoch": meta["step"], "_step_count": meta["step"] + 1}
+        if self.decay_plan is not None:  # wsd: continue the recorded decay (a longer run moves its end)
+            recorded = meta.get("lr_decay_plan")
+            config = self.config
+            self.decay_plan = extend_decay(DecayPlan(**recorded) if recorded else None, meta["step"], config.steps,
+                                           config.warmup_steps, config.decay_fraction)
+            self.scheduler = build_scheduler(self.optimizer, config, self.decay_plan)
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state,
                                         "base_lrs": self.scheduler.base_lrs})
         rates = [base * factor(self.scheduler.last_epoch)
@@ -536,6 +582,7 @@ class CheckpointSaver:
         return {"step": step, "data_position": step, "world_size": self.world_size, "engine": config.engine,
                 "seed": config.seed, "preset": config.preset_dict(), "grad_accum": self.trainer.grad_accum,
                 "shard_dense": config.shard_dense, "lr_scheduler": self.trainer.schedule_state(),
+                "lr_decay_plan": dataclasses.asdict(plan) if (plan := self.trainer.decay_plan) else None,
                 "data_shards": config.data_shards or self.world_size, "batch_size": config.batch_size,
                 "expert_parallel": self.trainer.layout.degree}
 

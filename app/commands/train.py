@@ -4,6 +4,7 @@
     mpipemoe train --engines mpipemoe,fastmoe,fastermoe   # same job per engine + comparison
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
+    mpipemoe train --config run.toml --steps 300     # a TOML file's options, flags override
 
 The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs/launch.py,
 shared with the sweep and capacity commands; this module is the command line, the
@@ -25,10 +26,11 @@ from app.jobs.launch import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob, resume_comma
 from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
 from app.jobs.resume import resumed_job_fields
+from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import PRESETS
-from moe_engine.config import ENGINES, STRATEGY_CHOICES
+from moe_engine.config import ACTIVATIONS, ENGINES, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 
 PRESET_NAMES = tuple(PRESETS)
@@ -46,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         suffix = f" (default {default})" if default is not None and "default" not in help_text else ""
         parser.add_argument(flag, default=None, help=help_text + suffix, **kw)
 
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="options from a TOML file (keys: these options' names); flags given here override it")
     add("--preset", "model preset: " + ", ".join(PRESET_NAMES))
     add("--engine", "MoE engine", choices=ENGINES)
     parser.add_argument("--engines", default=None,
@@ -72,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", "model init and data order", type=int)
     add("--lr", "AdamW peak learning rate", type=float)
     add("--lr-schedule", "learning rate after the warm-up: constant, or a decay to --min-lr at --steps "
-        "(cosine, linear; wsd: stable, then linear over the last 20%%)", choices=LR_SCHEDULES)
+        "(cosine, linear; wsd: stable, then linear over the last --decay-fraction)", choices=LR_SCHEDULES)
     add("--warmup-steps", "linear warm-up steps from 0 to --lr", type=int)
     add("--min-lr", "where cosine / linear / wsd end, at the last step", type=float)
+    add("--decay-fraction", "wsd: the share of the steps after warm-up that decays (a resume with a larger "
+        "--steps continues the decay from the rate reached)", type=float)
     add("--weight-decay", "AdamW weight decay of matrices (not biases or norms)", type=float)
     add("--grad-clip", "clip the global gradient norm to this; 0 = off", type=float)
     add("--aux-loss-weight", "loss = lm loss + this x the MoE load-balance loss", type=float)
@@ -92,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cpus-per-worker", "Ray CPUs per worker (default 0.9 on CPU, 1 on GPU)", type=float)
     add("--num-experts", "experts per MoE layer (default: the preset's)", type=int)
     add("--num-layers", "transformer blocks (default: the preset's)", type=int)
+    add("--top-k", "experts per token (default: the preset's)", type=int)
+    add("--capacity-factor", "each expert takes at most this x its even share of the (token, choice) pairs, "
+        "the rest dropped (default: the preset's dropless routing)", type=float)
+    add("--activation", "expert activation (default: the preset's)", choices=ACTIVATIONS)
     add("--dtype", "compute dtype under autocast (auto: bfloat16 on GPU, float32 on CPU); parameters, "
         "gradients and AdamW state are float32", choices=COMPUTE_DTYPES + ("float16",))
     add("--param-dtype", "parameters, gradients and AdamW state: float32 master weights, or bfloat16 "
@@ -128,6 +138,8 @@ def ui_command(tracking_uri: str) -> str:
 def job_from_args(args: argparse.Namespace) -> TrainJob:
     """The job the options describe; ``--resume NAME`` starts from NAME's recorded settings."""
     given = {f: getattr(args, f) for f in TrainJob.__dataclass_fields__ if getattr(args, f, None) is not None}
+    if getattr(args, "config", None):
+        given = {**read_train_config(args.config), **given}
     if args.resume and getattr(args, "engines", None):
         raise ValueError(f"--resume {args.resume} and --engines cannot be combined: a run has one engine; "
                          f"resume each engine's run by its name (<name>-<engine>)")

@@ -42,13 +42,13 @@ from app.tracking.store import (NO_TRACKING, NullRun, RunLogger, check_store, ch
                           metric_history, resolve_tracking_uri)
 from lm import data as data_lib
 from lm.errors import invocation, os_error
-from lm.model import (PRESETS, MoETransformer, estimate_step_flops, estimate_worker_bytes, leanest_moe_memory,
-                      get_preset, param_counts)
+from lm.model import (MODEL_OVERRIDES, PRESETS, ROUTING_OVERRIDES, MoETransformer, check_routing_overrides,
+                      estimate_step_flops, estimate_worker_bytes, leanest_moe_memory, get_preset, param_counts)
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
 from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
 from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
-from workers.config import NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
+from workers.config import DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
 from workers.reshard import check_worker_count
 
@@ -132,6 +132,10 @@ class TrainJob:
     cpus_per_worker: float | None = None  # None: 0.9 on CPU (2 workers fit 2 cores), 1 on GPU
     num_experts: int | None = None     # override the preset's experts per MoE layer
     num_layers: int | None = None      # override the preset's layer count
+    top_k: int | None = None           # override the preset's experts per token
+    capacity_factor: float | None = None  # override the preset's expert capacity (None: the preset's; its
+                                       # default is dropless routing)
+    activation: str | None = None      # override the preset's expert activation: relu | gelu | swiglu
     dtype: str = "auto"                # compute dtype (autocast): auto (bfloat16 on GPU, float32 on CPU) |
                                        # float32 | bfloat16; parameters and AdamW state are always float32
     param_dtype: str = "float32"       # parameters, gradients and AdamW state: float32 (master weights) |
@@ -152,6 +156,7 @@ class TrainJob:
     log_every: int = 10                # progress line (and per-expert load metrics) every N steps
     lr_schedule: str = "constant"      # after warm-up: constant | cosine | linear | wsd (decay to min_lr)
     min_lr: float = 0.0                # where cosine / linear / wsd end, at the last step
+    decay_fraction: float = DECAY_FRACTION  # wsd: the share of the steps after warm-up that decays
     optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
     eval_every: int = 25               # validation loss every N steps and at the end; 0: never
     eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
@@ -174,6 +179,7 @@ class TrainJob:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(field, value, "give an integer >= 0")
+        check_routing_overrides(self, _fail)
         if isinstance(self.partitions, str) and self.partitions.isdigit():
             self.partitions = int(self.partitions)
         if self.partitions != "auto" and (isinstance(self.partitions, bool)
@@ -271,8 +277,8 @@ class TrainJob:
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
-        return get_preset(self.preset).replace(seq_len=self.seq_len, num_experts=self.num_experts,
-                                               num_layers=self.num_layers, vocab_size=vocab_size)
+        return get_preset(self.preset).replace(vocab_size=vocab_size,
+                                               **{k: getattr(self, k) for k in MODEL_OVERRIDES})
 
     @property
     def run_dir(self) -> Path:
@@ -321,6 +327,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
+        decay_fraction=job.decay_fraction,
         eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 
@@ -432,7 +439,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
 # Settings a run's checkpoints are tied to: the model's shape (its parameters and positions).
 # The number of workers may change where each keeps whole experts and the data layout and
 # global batch stay (workers/reshard.py; ``--resume`` with ``--num-workers`` sets them).
-RUN_BOUND_FIELDS = ("preset", "seq_len", "num_experts", "num_layers")
+RUN_BOUND_FIELDS = ("preset",) + MODEL_OVERRIDES
 # A run whose settings file is gone keeps its worker count too: the file holds the batch and
 # data layout a resharded resume must keep (check_data_continues), so without it nothing
 # shows that another count would continue the data at the same global sample.
@@ -449,11 +456,10 @@ def checkpoint_settings(run_dir: str | Path) -> dict | None:
         return None
     meta = json.loads((chosen / ckpt.META).read_text())
     model = meta.get("preset") or {}
-    shape = {k: v for k, v in model.items() if k not in ("seq_len", "num_experts", "num_layers", "vocab_size")}
+    shape = {k: v for k, v in model.items() if k not in MODEL_OVERRIDES + ("vocab_size",)}
     preset = next((name for name, candidate in PRESETS.items()
                    if {k: v for k, v in dataclasses.asdict(candidate).items() if k in shape} == shape), None)
-    return {"preset": preset, "seq_len": model.get("seq_len"), "num_experts": model.get("num_experts"),
-            "num_layers": model.get("num_layers"), "num_workers": meta.get("world_size"),
+    return {"preset": preset, **{k: model.get(k) for k in MODEL_OVERRIDES}, "num_workers": meta.get("world_size"),
             "checkpoint": chosen.name}
 
 
@@ -468,8 +474,9 @@ def continue_command(name: str, storage_path: str, settings: dict, tracking_uri:
         data_dir = json.loads(kept.read_text()).get("data_dir") or data_dir
     except (OSError, ValueError):
         pass
+    preset = dataclasses.asdict(get_preset(settings["preset"])) if settings.get("preset") in PRESETS else {}
     flags = "".join(f" --{k.replace('_', '-')} {shlex.quote(str(settings[k]))}" for k in ORPHAN_BOUND_FIELDS
-                    if settings.get(k) is not None)
+                    if settings.get(k) is not None and not (k in ROUTING_OVERRIDES and settings[k] == preset.get(k)))
     flags += "".join(f" {flag} {shlex.quote(value)}" for flag, value in
                      (("--data-dir", data_dir), ("--tracking-uri", tracking_uri)) if value)
     return f"{invocation()} train --name {shlex.quote(name)}{flags}{_storage_flag(storage_path)}"
@@ -488,8 +495,7 @@ def check_continues(job: TrainJob) -> None:
     check_same_tokenizer(job)
     path = job.run_dir / JOB_FILE
     new = job.model_preset()
-    asked = {"preset": job.preset, "seq_len": new.seq_len, "num_experts": new.num_experts,
-             "num_layers": new.num_layers, "num_workers": job.num_workers}
+    asked = {"preset": job.preset, **{k: getattr(new, k) for k in MODEL_OVERRIDES}, "num_workers": job.num_workers}
     if not path.exists():
         try:
             was = checkpoint_settings(job.run_dir)
@@ -508,14 +514,11 @@ def check_continues(job: TrainJob) -> None:
                          f"--name. Nothing was changed")
     try:
         recorded = json.loads(path.read_text())
-        old = get_preset(recorded["preset"]).replace(seq_len=recorded.get("seq_len"),
-                                                     num_experts=recorded.get("num_experts"),
-                                                     num_layers=recorded.get("num_layers"))
+        old = get_preset(recorded["preset"]).replace(**{k: recorded.get(k) for k in MODEL_OVERRIDES})
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None
-    was = {"preset": recorded["preset"], "seq_len": old.seq_len, "num_experts": old.num_experts,
-           "num_layers": old.num_layers}
+    was = {"preset": recorded["preset"], **{k: getattr(old, k) for k in MODEL_OVERRIDES}}
     if dataclasses.asdict(old) == dataclasses.asdict(new):
         check_data_continues(job, recorded)
         return
@@ -698,13 +701,36 @@ def private_ray_token(create: bool) -> Path | None:
     return token
 
 
-def _format_step(m: dict, steps: int, elapsed_s: float) -> str:
+def _format_step(m: dict, steps: int, elapsed_s: float, eta_s: float | None = None) -> str:
+    """The console's step line: losses, rate, memory; then the MoE load imbalance (max / mean
+    expert load of the worst layer, on the steps that read it), the tokens seen and the ETA."""
     line = (f"[{elapsed_s:5.0f}s] step {m['step']:>4}/{steps}  loss {m['loss']:.4f}  lm {m['lm_loss']:.4f}  "
             f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
-            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else ""))
+            + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
+            + (f"  load {m['moe_load/imbalance_max']:.2f}" if "moe_load/imbalance_max" in m else "")
+            + (f"  seen {_short_count(m['tokens_seen'])} tok" if "tokens_seen" in m else "")
+            + (f"  ETA {_short_duration(eta_s)}" if eta_s is not None else ""))
     choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
     return line + (f"  [{' '.join(choices)}]" if choices else "")
+
+
+def _short_count(count: float) -> str:
+    """1234 -> "1,234"; 10240 -> "10.2k"; 3.5e9 -> "3.5G" (three significant digits from 10,000)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= max(size * 0.9995, 1e4):  # 999,999 is "1M", not "1e+03k"
+            return f"{count / size:.3g}{unit}"
+    return f"{count:,.0f}"
+
+
+def _short_duration(seconds: float) -> str:
+    """42 -> "42s"; 125 -> "2m05s"; 7300 -> "2h01m"."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class _MetricsPump:
@@ -722,6 +748,7 @@ class _MetricsPump:
         self.history: list[dict] = []
         self.restarts = 0
         self._attempt = None
+        self._pace_from: tuple[int, float] | None = None  # (step, time) the ETA measures from
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mpipemoe-metrics", daemon=True)
         self._started = time.perf_counter()
@@ -746,6 +773,17 @@ class _MetricsPump:
             except (Empty, queue_lib.Empty):
                 continue
 
+    def _eta_s(self, step: int) -> float | None:
+        """Seconds to the last step at the wall-clock pace since the first step this attempt
+        reported (checkpoints and validation included); None at that step and the last."""
+        now = time.perf_counter()
+        if self._pace_from is None:
+            self._pace_from = (step, now)
+        first, since = self._pace_from
+        if step <= first or step >= self.job.steps:
+            return None
+        return (now - since) / (step - first) * (self.job.steps - step)
+
     def _handle(self, metrics: dict):
         step, attempt = metrics["step"], metrics.get("attempt")
         went_back = bool(self.history) and step <= self.history[-1]["step"]
@@ -756,6 +794,7 @@ class _MetricsPump:
             self.run.set_tags({"restarts": self.restarts})
             self.run.log_metrics({"restarts": self.restarts}, step=step)
             self.history = [m for m in self.history if m["step"] < step]
+            self._pace_from = None
         self._attempt = attempt
         if metrics.get("skipped"):
             self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
@@ -764,7 +803,7 @@ class _MetricsPump:
         if step > self.logged_through:
             self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
-            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started))
+            self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started, self._eta_s(step)))
             self.run.flush()
         if "val_loss" in metrics:
             self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
@@ -1202,7 +1241,8 @@ def _checkpoint_step(directory: str | Path) -> int:
 # Settings a resumed run may change (its checkpoints load into any of them); each stretch of
 # steps trained with one choice of them is a segment, recorded in the MLflow run.
 SEGMENT_FIELDS = ("engine", "partitions", "strategy", "moe_memory_gib", "batch_size", "grad_accum", "lr", "dtype",
-                  "param_dtype", "shard_dense", "use_gpu", "expert_parallel")
+                  "param_dtype", "shard_dense", "use_gpu", "expert_parallel", "steps", "lr_schedule",
+                  "decay_fraction")
 
 
 def record_segment(run, job: TrainJob, recorded: dict, from_step: int, echo=print) -> list[dict]:

@@ -21,6 +21,11 @@ Each becomes a ``Record``; the sections are pure functions of the records:
 9. memory against time: every setting of a bench point, time and memory relative to the
    peer (torchtitan) or FastMoE (app/reports/memory_time.py); stacks of layers (``mpipemoe bench
    --layers L``) appear only here, single layers where peak memory was measured.
+10. one section per sweep study (``mpipemoe sweep``): its ranking, pruned trials and the best run's
+   curves (app/reports/studies.py).
+
+The sections present are numbered 1, 2, 3, ... in this order: the numbers above are those of a
+report with every kind of data.
 
 Runs of the two kinds are never compared with each other. Time is the layer's
 forward+backward in ms for benchmarks and ms per 1000 tokens (1e6 / tokens_per_s)
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +54,7 @@ from app.reports.step import load_steps, section_steps
 from app.reports.memory_time import load_memory_time, section_memory_time
 from app.reports.simulate import load_simulations, section_simulations
 from app.tracking.store import check_store, client, resolve_tracking_uri, unfinished_runs
+from app.reports.studies import load_studies, section_study
 from app.reports.training import load_training_curves, section_training
 from lm.errors import invocation, os_error
 
@@ -150,7 +157,8 @@ def section_memory(records: list[Record], out: Path) -> list[str]:
 def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: str = "",
                  simulations: list[dict] | None = None, capacities: list[dict] | None = None,
                  emulated: tuple[list[dict], list[dict]] | None = None, training: list[dict] | None = None,
-                 memory_time: list[dict] | None = None, steps: list[dict] | None = None) -> Path:
+                 memory_time: list[dict] | None = None, steps: list[dict] | None = None,
+                 studies: list[dict] | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out_dir``; returns the report's path.
     ``simulations``: rows of ``app.reports.simulate.load_simulations`` (section 5 when there are any);
     ``capacities``: rows of ``app.reports.capacity.load_capacity_runs`` (section 6 when there are any);
@@ -158,7 +166,9 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
     when there are any); ``training``: rows of ``app.reports.training.load_training_curves``
     (section 8 when there are any); ``memory_time``: rows of ``app.reports.memory_time.load_memory_time``
     (section 9 when a stack, or a layer with peak memory, was measured); ``steps``: rows of
-    ``app.reports.step.load_steps`` (7b, the training steps of ``bench --step``, when there are any)."""
+    ``app.reports.step.load_steps`` (7b, the training steps of ``bench --step``, when there are any);
+    ``studies``: ``app.reports.studies.load_studies`` (a section per sweep study, last). The sections
+    present are numbered 1, 2, 3, ... in order (``number_sections``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):  # figures of sections that now have no data must not linger
@@ -190,12 +200,29 @@ def write_report(records: list[Record], out_dir: str | os.PathLike, *, source: s
     if steps:  # 7b only where `mpipemoe bench --step` logged something
         lines += section_steps(steps)
     if training:  # section 8 only where training runs logged a validation loss or load metrics
-        lines += section_training(training, out)
+        lines += section_training(training, out, [s["study"] for s in studies or []])
     if memory_time:  # section 9 only where a bench point has memory figures, or is a stack
         lines += section_memory_time(memory_time, out)
+    for index, study in enumerate(studies or []):  # one section per sweep study
+        lines += section_study(study, index, out)
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(number_sections(lines)))
     return path
+
+
+def number_sections(lines: list[str]) -> list[str]:
+    """Local. The report's ``## N.`` headings numbered 1, 2, 3, ... as they come (a section
+    without data is left out, so fixed numbers would jump), and a ``### Nb.`` sub-heading
+    after its section's number."""
+    numbered, number = [], 0
+    for line in lines:
+        if re.match(r"## \d+\. ", line):
+            number += 1
+            line = re.sub(r"^## \d+\.", f"## {number}.", line)
+        elif re.match(r"### \d+b\. ", line):
+            line = re.sub(r"^### \d+b\.", f"### {number}b.", line)
+        numbered.append(line)
+    return numbered
 
 
 def check_out(out: str | os.PathLike) -> None:
@@ -246,7 +273,8 @@ def report_from_store(out: str, experiments: list[str] | None, tracking_uri: str
                   emulated=load_emulated(tracking_uri, experiments),
                   training=load_training_curves(tracking_uri, experiments),
                   memory_time=load_memory_time(tracking_uri, experiments),
-                  steps=load_steps(tracking_uri, experiments))
+                  steps=load_steps(tracking_uri, experiments),
+                  studies=load_studies(tracking_uri, experiments))
     left_out = unfinished_runs(tracking_uri, experiments)
     if left_out:
         counts = ", ".join(f"{status} {count}" for status, count in sorted(left_out.items()))

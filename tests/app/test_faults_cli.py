@@ -11,6 +11,8 @@ their functions. SIGTERM of a real run is in tests/app/test_faults.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import stat
@@ -123,6 +125,30 @@ def test_a_wrong_attempt_on_a_run_without_its_settings_file_changes_nothing(data
 
     check_continues(TrainJob(preset="tiny-gpt", seq_len=32, num_workers=2, storage_path=str(storage), name="ck",
                              tracking_uri="none"))  # the printed settings continue it
+
+
+def test_routing_overrides_shape_the_model_and_bind_the_run(tmp_path):
+    from app.jobs.launch import check_continues, checkpoint_settings, continue_command
+
+    job = TrainJob(preset="tiny-gpt", top_k=1, capacity_factor=1.25, activation="swiglu", storage_path=str(tmp_path),
+                   name="rt", tracking_uri="none")
+    preset = job.model_preset(vocab_size=259)
+    assert (preset.top_k, preset.capacity_factor, preset.activation) == (1, 1.25, "swiglu")
+    save_job(job)
+    with pytest.raises(ValueError, match=r"^run rt cannot continue with --activation gelu \(the run has swiglu\)"):
+        check_continues(dataclasses.replace(job, activation="gelu"))
+    # the settings file gone: the checkpoint's preset names the overrides, the preset's defaults stay unsaid
+    (job.run_dir / JOB_FILE).unlink()
+    folder = job.run_dir / "checkpoint_000005"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    ckpt.write_meta(folder, rank=0, world_size=1, meta={"step": 5, "world_size": 2,
+                                                          "preset": dataclasses_asdict(preset)})
+    found = checkpoint_settings(job.run_dir)
+    assert found is not None and found["preset"] == "tiny-gpt"
+    command = continue_command("rt", str(tmp_path), found)
+    assert "--top-k 1 --capacity-factor 1.25 --activation swiglu --num-workers 2" in command
+    assert "--top-k" not in continue_command("rt", str(tmp_path), {**found, "top_k": 2})
 
 
 def test_a_failed_mlflow_start_leaves_no_settings_that_bind_the_name(data, tmp_path, ray_local, monkeypatch):
@@ -279,6 +305,22 @@ def test_a_resumed_runs_summary_names_the_steps_it_trained():
 
 
 # ---- a resume that switches engine, partitions or strategy ---------------------------------------------
+
+def test_a_resume_with_a_larger_step_target_shows_it_in_the_mlflow_params(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    first = TrainJob(steps=50, lr_schedule="wsd", storage_path=str(tmp_path), name="ext", tracking_uri=uri,
+                     experiment="ext")
+    run = RunLogger.start(uri, "ext", run_name="ext", tags={"mpipemoe.kind": "train"})
+    run.log_params({k: v for k, v in first.__dict__.items() if v is not None})
+    save_job(first)
+    recorded = json.loads((first.run_dir / JOB_FILE).read_text())
+    lines = []
+    record_segment(run, TrainJob(**{**recorded, "steps": 80, "decay_fraction": 0.3}), recorded, 51, echo=lines.append)
+    params = client(uri).get_run(run.run_id).data.params
+    assert (params["steps"], params["segment.2.steps"], params["segment.2.decay_fraction"]) == ("50", "80", "0.3")
+    assert lines == ["[mpipemoe] from step 51 ext trains with steps 50 -> 80, decay_fraction 0.2 -> 0.3 "
+                     "(segment 2, recorded in MLflow)"]
+
 
 def test_an_engine_switch_on_resume_is_recorded_in_mlflow_and_the_report(tmp_path):
     uri = f"sqlite:///{tmp_path / 'm.db'}"

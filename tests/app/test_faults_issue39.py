@@ -173,6 +173,10 @@ def test_generated_text_streams_whole_characters():
     (["--name", "x;rm"], "it holds ';'"),
     (["--tracking-uri", "file:mlruns4"], "use sqlite:///{cwd}/mlruns4/mlflow.db"),
     (["--name", "ex", "--steps", "-5"], "TrainJob.steps=-5 is invalid"),
+    (["--top-k", "0"], "TrainJob.top_k=0 is invalid: give an integer >= 1 (--top-k"),
+    (["--top-k", "5"], "TrainJob.top_k=5 is invalid: choose at most the 4 experts per MoE layer (--top-k)"),
+    (["--capacity-factor", "0"], "TrainJob.capacity_factor=0.0 is invalid: give a number > 0 (--capacity-factor"),
+    (["--decay-fraction", "1.5"], "TrainJob.decay_fraction=1.5 is invalid: give a fraction in (0, 1]"),
 ])
 def test_weak_train_options_end_in_one_line_and_write_nothing(tmp_path, capsys, monkeypatch, flags, words):
     monkeypatch.chdir(tmp_path)

@@ -123,7 +123,7 @@ def test_report_files(store, tmp_path, capsys):
     # predicted against measured: 580 vs 600 (-3.3%) and 760 vs 800 three times (-5.0%)
     assert "largest error 5.0%, 4 within 10%" in text
     # section 8: the training run's validation loss and load, first and last logged
-    assert "| smoke-run | tiny-gpt | mpipemoe | 3.500 (step 2) | 3.000 (20.1) at step 4 | 1.40 | 5.0% |" in text
+    assert "| smoke-run | – | tiny-gpt | mpipemoe | 3.500 (step 2) | 3.000 (20.1) at step 4 | 1.40 | 5.0% |" in text
 
 
 def test_empty_store_says_no_data(tmp_path, monkeypatch):
@@ -170,7 +170,7 @@ def test_emulated_runs_get_section_7_and_stay_out_of_sections_1_to_4(tmp_path, m
     assert len(loaded[0]) == 2 and len(loaded[1]) == 8
     path = report.write_report([], tmp_path / "out", emulated=loaded)
     text = path.read_text()
-    assert "## 7. Emulated clusters" in text
+    assert "## 5. Emulated clusters" in text  # sections 5 and 6 have no data: numbers stay contiguous
     assert "| dgx-a100 8x8 | gpt-xl | uniform | 16384 | 4/S3 | 1.25 | 1.10 | 90% | 0.40 | 4/S3 | -5.0% | 4/S3: +13.3% |" \
         in text
     for figure in ("emulated_speedup.png", "emulated_best_n.png", "emulated_memory_time.png"):
@@ -205,7 +205,7 @@ def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, mo
     assert [r.engine for r in report.load_records(uri)] == ["mpipemoe", "fastmoe"]  # sections 1-4: no stack
     path = report.write_report(report.load_records(uri), tmp_path / "out", memory_time=load_memory_time(uri))
     text = path.read_text()
-    assert "## 9. Memory against time" in text and "![memory against time](memory_time.png)" in text
+    assert "## 5. Memory against time" in text and "![memory against time](memory_time.png)" in text
     assert "### gpt-xl, 32768 tokens, 8 layers, uniform routing, 1 × NVIDIA H200, bfloat16 — against torchtitan" \
         in text
     assert "| auto@budget | 4/S4 | 250.00 | 0.50 | 5120 | 1.25 | 0.12 |" in text
@@ -213,3 +213,52 @@ def test_stacked_runs_get_section_9_and_stay_out_of_sections_1_to_4(tmp_path, mo
     assert "| mpipemoe:2:S3 | 2/S3 | 12.00 | – | 400 | 1.20 | 0.40 |" in text
     assert "### gpt-s, 4096 tokens, 1 layer, uniform routing, 2 × cuda, bf16 — against fastmoe" in text
     assert (tmp_path / "out" / "memory_time.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def _trial(uri, experiment, study, setting, *, outcome=None, losses=(), tokens_per_s=None, peak_mib=None,
+           pruned_at=None, status="FINISHED", reason=None):
+    """A sweep trial's MLflow run as app/jobs/sweep.py leaves it (tags study/outcome/reason/pruned_at_step)."""
+    tags = {"mpipemoe.kind": "train", "study": study, "trial_id": f"t{len(setting)}"}
+    tags.update({k: v for k, v in (("outcome", outcome), ("reason", reason), ("pruned_at_step", pruned_at)) if v})
+    run = RunLogger.start(uri, experiment, run_name=f"{study}-" + "-".join(map(str, setting.values())), tags=tags)
+    run.log_params({"engine": "mpipemoe", "preset": "tiny-gpt", "batch_size": 4, "steps": 20, **setting,
+                    "resolved": {"seq_len": 64, "use_gpu": False, "dtype": "float32"}})
+    for step, (loss, val) in enumerate(losses, 1):
+        run.log_metrics({"loss": loss, "val_loss": val}, step=step * 5)
+    if tokens_per_s:
+        run.log_metrics({"summary_tokens_per_s": tokens_per_s, "summary_settled_peak_memory_bytes": peak_mib * MIB})
+    run.finish(status)
+
+
+def test_each_sweep_study_gets_its_own_section_with_ranking_pruned_trials_and_best_curves(store, tmp_path):
+    from app.reports.studies import load_studies
+    from app.reports.training import load_training_curves
+
+    RunLogger.start(store, "sweeps", tags={"mpipemoe.kind": "study", "study": "lr"}).log_params(
+        {"study": "lr", "description": "lr x weight decay over wsd"})
+    _trial(store, "sweeps", "lr", {"lr": 1e-3}, outcome="ok", losses=[(4.0, 4.1), (3.0, 3.2)])
+    _trial(store, "sweeps", "lr", {"lr": 3e-3}, outcome="ok", losses=[(3.5, 3.6), (2.5, 2.7)])
+    _trial(store, "sweeps", "lr", {"lr": 1e-2}, outcome="pruned", losses=[(5.0, 5.5)], pruned_at="5",
+           status="KILLED")
+    _trial(store, "sweeps", "lr", {"lr": 1.0}, outcome="refused", status="FAILED", reason="TrainJob.lr=1 is x")
+    for n, rate, mib in ((1, 1000.0, 300), (2, 1500.0, 200), (4, 1400.0, 250)):
+        _trial(store, "sweeps", "granularity", {"partitions": n}, outcome="ok", tokens_per_s=rate, peak_mib=mib)
+    studies = load_studies(store)
+    assert [(s["study"], len(s["trials"])) for s in studies] == [("lr", 4), ("granularity", 3)]
+    path = report.write_report(report.load_records(store), tmp_path / "out", studies=studies,
+                               training=load_training_curves(store))
+    text = path.read_text()
+    headings = [line.split(".")[0] for line in text.splitlines() if line.startswith("## ")]
+    assert headings == [f"## {n}" for n in range(1, len(headings) + 1)]  # contiguous
+    assert "## 6. Study `lr` (experiment sweeps)\n\nlr x weight decay over wsd" in text  # after 1-4 and training
+    assert "| 1 | lr=0.003 | 2.7000 | 2.5000 | ok |\n| 2 | lr=0.001 | 3.2000 | 3.0000 | ok |\n" \
+           "| 3 | lr=0.01 | 5.5000 | 5.0000 | pruned at step 5 |\n| 4 | lr=1.0 | – | – | refused: TrainJob.lr=1 is x |" \
+        in text
+    assert "Pruned trials: lr=0.01 at step 5." in text
+    assert "The best run, lr-0.003 (lr=0.003):" in text
+    assert "## 7. Study `granularity` (experiment sweeps)" in text
+    assert "| partitions=2 | 1,500 [1,500-1,500] x1 | 200.0 | * | - | ok |" in text  # fastest, on the front
+    assert "| partitions=4 | 1,400 [1,400-1,400] x1 | 250.0 |  | - | ok |" in text  # beaten by n=2 on both
+    for figure in ("study_sweeps_lr_best.png", "study_sweeps_granularity_front.png", "val_loss.png"):
+        assert (tmp_path / "out" / figure).read_bytes().startswith(PNG_MAGIC)
+    assert "| lr-0.003 | lr | tiny-gpt |" in text  # section 8's table names each run's study

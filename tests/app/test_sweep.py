@@ -310,6 +310,9 @@ def test_smoke_sweep_end_to_end(ray_local, sweep_dirs, capsys):
     assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 1000
     assert "](speedup_memory.png)" in text
     assert "| train | tiny-gpt | 256 | 2 | cpu/float32 | fastmoe |" in text
+    # the study's own section: an engine study is ranked by time and memory
+    assert "Study `smoke` (experiment smoke)" in text and "Ranking (fastest first; `*`: on the time/memory" in text
+    assert "| engine=fastmoe |" in text and (out / "study_smoke_smoke_front.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def _interrupting_trial(log: Path, driver_pid: int):

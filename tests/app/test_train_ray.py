@@ -137,6 +137,26 @@ def test_resume_on_one_worker_reshards_and_continues_the_data(resumed, job, tmp_
     assert third["mlflow_run_id"] == first["mlflow_run_id"]
 
 
+def test_a_wsd_run_extended_on_resume_keeps_its_decayed_rate(ray_local, job, tmp_path):
+    """4 wsd steps decaying over the last half (steps 3-4 to --min-lr), then ``--resume --steps 8``:
+    the rate stays at --min-lr (the decay is not started again from --lr) and the run's MLflow
+    params show the new step target."""
+    first = run_job(dataclasses.replace(job, name="wsd", steps=4, lr_schedule="wsd", decay_fraction=0.5,
+                                        min_lr=3e-4), echo=lambda line: None)
+    assert [m["lr"] for m in first["history"]] == pytest.approx([3e-3, 3e-3, 1.65e-3, 3e-4])
+    summary_json = tmp_path / "summary.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--resume", "wsd", "--storage-path", job.storage_path, "--steps", "8",
+                                  "--summary-json", str(summary_json)])) == 0
+    second = json.loads(summary_json.read_text())
+    assert [m["lr"] for m in second["history"]] == pytest.approx([3e-4] * 4)
+    meta = json.loads((Path(second["checkpoint_path"]) / "meta.json").read_text())
+    assert meta["lr_decay_plan"] == {"decay_start": 4, "end": 8, "level": 0.0}
+    params = client(job.tracking_uri).get_run(second["mlflow_run_id"]).data.params
+    assert (params["steps"], params["segment.2.steps"]) == ("4", "8")
+
+
 def test_non_finite_loss_fails_fast_naming_the_step(ray_local, job):
     bad = dataclasses.replace(job, name="nan", steps=4, lr=1e30, warmup_steps=0, grad_clip=0.0)
     with pytest.raises(RuntimeError, match=r"(non-finite loss at step [23]|StepError: step [23] failed)"):

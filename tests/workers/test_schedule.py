@@ -12,7 +12,7 @@ import torch
 from lm.data import prepare_dataset
 from lm.model import get_preset
 from workers.config import WorkerConfig
-from workers.loop import Trainer, learning_rate, optimizer_kernels
+from workers.loop import DecayPlan, Trainer, extend_decay, learning_rate, optimizer_kernels, wsd_plan
 
 N, K = 6, 3
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -33,6 +33,28 @@ def test_schedules_warm_up_then_decay_to_min_lr_at_the_last_step():
     assert all(a >= b for a, b in zip(cosine[1:], cosine[2:]))
 
 
+def test_wsd_decays_over_the_given_fraction():
+    rates = [learning_rate(s, 1.0, 0, "wsd", steps=10, min_lr=0.0, decay_fraction=0.5) for s in range(1, 11)]
+    assert rates[:5] == [1.0] * 5 and rates[5:] == pytest.approx([0.8, 0.6, 0.4, 0.2, 0.0])
+
+
+def test_a_longer_wsd_run_starts_its_decay_where_the_new_target_puts_it():
+    recorded = wsd_plan(100, 0, 0.2)  # decays over steps 81..100
+    assert recorded == DecayPlan(decay_start=80, end=100)
+    assert extend_decay(recorded, 50, 100, 0, 0.2) == recorded  # a restart: the same target, the same plan
+    assert extend_decay(recorded, 50, 100, 0, 0.5) == DecayPlan(decay_start=50, end=100)  # a new fraction, in time
+    assert extend_decay(recorded, 90, 100, 0, 0.5) == recorded  # too late: the decay has begun, it keeps its course
+    # resumed at step 50 (stable) with 200 steps: the decay moves to the last 20% of the new target
+    assert extend_decay(recorded, 50, 200, 0, 0.2) == DecayPlan(decay_start=160, end=200, level=1.0)
+    # resumed at step 90, half-way down: the rate holds there, then decays from the new start
+    extended = extend_decay(recorded, 90, 200, 0, 0.2)
+    assert extended == DecayPlan(decay_start=160, end=200, level=0.5)
+    assert [extended.shape(s) for s in (91, 160, 180, 200)] == [0.5, 0.5, 0.25, 0.0]
+    # resumed at the end (fully decayed) with a start already passed: decays from the rate reached
+    assert extend_decay(recorded, 100, 110, 0, 0.5) == DecayPlan(decay_start=100, end=110, level=0.0)
+    assert extend_decay(None, 50, 200, 0, 0.2) == wsd_plan(200, 0, 0.2)  # nothing recorded: a fresh plan
+
+
 @pytest.mark.parametrize("change, field, fix", [
     ({"lr_schedule": "step"}, "lr_schedule", "choose one of constant, cosine, linear, wsd"),
     ({"min_lr": 1.0}, "min_lr", "give at most the peak --lr"),
@@ -41,6 +63,7 @@ def test_schedules_warm_up_then_decay_to_min_lr_at_the_last_step():
     ({"weight_decay": math.nan}, "weight_decay", "give a finite number >= 0"),
     ({"optimizer_impl": "apex"}, "optimizer_impl", "choose one of auto, fused, foreach, for-loop"),
     ({"eval_every": -1}, "eval_every", "give an integer >= 0"),
+    ({"decay_fraction": 0.0}, "decay_fraction", r"give a fraction in \(0, 1\] .* \(--decay-fraction\)"),
 ])
 def test_bad_optimisation_settings_name_the_field_and_the_fix(change, field, fix):
     with pytest.raises(ValueError, match=rf"WorkerConfig\.{field}=.* is invalid: {fix}"):
@@ -170,3 +193,23 @@ def test_the_options_reach_the_workers_and_bad_ones_fail_before_ray(data_dir, tm
         TrainJob(min_lr=0.1, storage_path=str(tmp_path))
     with pytest.raises(ValueError, match=r"TrainJob\.eval_batches=0 is invalid: give an integer >= 1"):
         TrainJob(eval_batches=0, storage_path=str(tmp_path))
+
+
+def test_a_wsd_run_resumed_with_more_steps_keeps_the_rate_it_had_reached(data_dir, tmp_path):
+    """4 wsd steps (decay over steps 3-4 to min_lr), then a resume to 8 steps: the rate stays at
+    min_lr (it does not jump back to the peak) and the checkpoint records the decay plan."""
+    from workers import checkpoint as ckpt
+
+    cpu = torch.device("cpu")
+    config = _config(data_dir, steps=4, warmup_steps=0, lr_schedule="wsd", decay_fraction=0.5, eval_every=0)
+    first = Trainer(config, 0, 1, cpu)
+    assert [lr for _, lr in _steps(first, range(1, 5))] == pytest.approx([3e-3, 3e-3, 1.65e-3, 3e-4])
+    assert first.decay_plan is not None
+    plan = dataclasses.asdict(first.decay_plan)
+    ckpt.save(tmp_path, 0, 1, first.parallel, first.optimizer,
+              {"step": 4, "world_size": 1, "preset": config.preset_dict(), "lr_scheduler": first.schedule_state(),
+               "lr_decay_plan": plan})
+    second = Trainer(config.replace(steps=8), 0, 1, cpu)
+    second.restore_schedule(ckpt.load(tmp_path, 0, 1, second.parallel, second.optimizer))
+    assert second.decay_plan == DecayPlan(decay_start=4, end=8, level=0.0)  # 8 steps: the decay would start at 4
+    assert [lr for _, lr in _steps(second, range(5, 9))] == pytest.approx([3e-4] * 4)

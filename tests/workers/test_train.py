@@ -211,6 +211,25 @@ def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
     assert any("restarted" in line for line in lines)
 
 
+def test_the_step_line_shows_load_imbalance_tokens_seen_and_the_eta(monkeypatch):
+    from app.tracking.store import NullRun
+    from app.jobs import launch
+
+    now = [0.0]  # steps 1, 10 and 20 arrive 30 s apart
+    monkeypatch.setattr(launch.time, "perf_counter", lambda: now[0])
+    lines: list[str] = []
+    pump = launch._MetricsPump(None, NullRun(), TrainJob(steps=20, log_every=10), lines.append, None)
+    for step, load in ((1, {}), (10, {"moe_load/imbalance_max": 1.314}), (20, {"moe_load/imbalance_max": 1.2})):
+        now[0] = 30.0 * (step // 10)
+        pump._handle({"step": step, "loss": 3.0, "lm_loss": 3.0, "aux_loss": 1.0, "tokens_per_s": 1.0,
+                      "step_time_s": 1.0, "peak_memory_bytes": 1, "lr": 1e-3, "grad_norm": 1.0,
+                      "tokens_seen": 1024 * step, **load})
+    first, tenth, last = lines
+    assert first.endswith("peak 0 MiB  seen 1,024 tok")  # no load read yet, no pace to measure
+    assert tenth.endswith("peak 0 MiB  load 1.31  seen 10.2k tok  ETA 33s")  # 30 s for 9 steps, 10 to go
+    assert last.endswith("peak 0 MiB  load 1.20  seen 20.5k tok")  # done: no ETA
+
+
 def test_clip_divisor_in_fused_adamw_equals_clipping_then_stepping():
     """Trainer.step with the fused AdamW divides the gradients by the clip's divisor inside the
     update (``grad_scale``) instead of scaling them first: the same parameters up to float32
