@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import tune_spaces
-from app.jobs import sweep_rank
+from app.tracking import sweep_rank
 from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, local_train_env, stopping_trainable,
                             study_parent_run, train_trial)
 from app.tracking.store import RunLogger, check_store, resolve_tracking_uri

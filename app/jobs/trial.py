@@ -20,7 +20,7 @@ from typing import Any
 
 import tune_spaces
 from app.tracking.run_kinds import STUDY, TRAIN, kind_tags
-from app.jobs import sweep_rank
+from app.tracking import sweep_rank
 from app.tracking.store import RunLogger, find_run
 
 

@@ -4,7 +4,7 @@ failed one FAILED, and they are results too).
 
 Each study gets its ranking, its pruned trials and the best run's curves, never mixed with another
 study's. A study that varies the partitions, strategy or engine asks "which setting is fastest
-for my memory": its ranking is app/jobs/sweep_rank.py's (tokens/s and settled peak memory, the
+for my memory": its ranking is app/tracking/sweep_rank.py's (tokens/s and settled peak memory, the
 Pareto front marked) with a figure of time against memory. Any other study (learning rate, weight
 decay, ...) asks "which setting learns best": its trials are ranked by the final validation loss
 (the training loss where no trial logged one)."""
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from app.jobs import sweep_rank
+from app.tracking import sweep_rank
 from app.tracking.run_kinds import STUDY, run_kind
 from app.tracking.store import client, metric_history
 

@@ -481,7 +481,7 @@ def _row(n, strategy, rate, peak_mib, **extra):
 
 
 def test_settings_merge_their_repeats_and_rank_on_the_time_memory_front():
-    from app.jobs import sweep_rank
+    from app.tracking import sweep_rank
 
     nan = float("nan")
     rows = [_row(1, "none", 100.0, 500), _row(1, "none", 120.0, 510),   # two repeats: median 110
