@@ -1,5 +1,5 @@
-"""A Ray job client for the tests of ``ray job submit`` (tests/app/test_jobs.py,
-tests/app/test_cluster_multinode.py), run as its own process so that the token it
+"""A Ray job client for the tests of ``ray job submit`` (tests/app/test_cluster_jobs.py),
+run as its own process so that the token it
 authenticates with is that process's (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` in its
 environment), never the test session's. Prints one JSON line:
 
