@@ -47,7 +47,7 @@ from tests.processes import (child_pid, descendants_running, free_ports, kill_tr
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray
 
-N, K = 20, 2     # steps of the training job; a checkpoint every K steps
+N, K = 12, 2     # steps of the training job; a checkpoint every K steps
 WORKER_CPUS = 2  # per worker node; a training worker asks for 1.5, so one fits on each
 NODE_START_S = 60  # a worker node's start, at most (about 10 s on an idle 2-core machine)
 
@@ -205,10 +205,10 @@ def test_submitted_job_needs_the_token_and_logs_an_mlflow_run_over_http(cluster)
                   f"--cpus-per-worker 0.45 --batch-size 2 --seq-len 32 --checkpoint-every 0 --log-every 1 "
                   f"--data-dir {cluster.shared / 'bpe-data'} --storage-path {cluster.shared / 'ray_results'} "
                   f"--name submitted-job --tracking-uri {cluster.tracking_uri} --experiment jobs")
-    refused = cluster.answer(cluster.submit(entrypoint, token=secrets.token_hex(32)))
-    assert "refused" in refused and "auth" in refused["refused"].lower(), refused
-
-    result = cluster.answer(cluster.submit(entrypoint))
+    refused, submitted = cluster.submit(entrypoint, token=secrets.token_hex(32)), cluster.submit(entrypoint)
+    refused_answer = cluster.answer(refused)
+    assert "refused" in refused_answer and "auth" in refused_answer["refused"].lower(), refused_answer
+    result = cluster.answer(submitted)
     assert result["status"] == "SUCCEEDED", cluster.said(result) + cluster.logs()
     assert "[mpipemoe] done: 3 steps" in result["logs"]
     run_id = find_run(cluster.tracking_uri, "jobs", "ray_train_name", "submitted-job")
@@ -266,7 +266,7 @@ def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
                          f"--summary-json {summary_json}")
     # 1. worker node b dies once Ray Train has a checkpoint of the run; its worker is frozen the
     # moment the checkpoint is seen, so the run advances no further while the node is killed
-    # (18 steps of margin for this test's polling); node c joins
+    # (10 steps of margin for this test's polling); node c joins
     run_dir = storage / "mn-train"
     while _registered_checkpoints(run_dir) == 0:
         assert job.poll() is None, f"the job ended before its first checkpoint: {job.communicate()}"
