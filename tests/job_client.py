@@ -1,5 +1,5 @@
-"""A Ray job client for the tests of ``ray job submit`` (tests/app/test_jobs.py,
-tests/app/test_cluster_multinode.py), run as its own process so that the token it
+"""A Ray job client for the tests of ``ray job submit`` (tests/app/test_cluster_jobs.py),
+run as its own process so that the token it
 authenticates with is that process's (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` in its
 environment), never the test session's. Prints one JSON line:
 
@@ -34,7 +34,7 @@ def submit(address: str, entrypoint: str, env_vars: dict, timeout_s: float) -> d
         if time.monotonic() > deadline:
             client.stop_job(job_id)
             break
-        time.sleep(1)
+        time.sleep(0.2)
     return {"job_id": job_id, "ray_job_id": client.get_job_info(job_id).job_id,
             "status": str(client.get_job_status(job_id)),
             "logs": client.get_job_logs(job_id)[-20000:]}

@@ -125,6 +125,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def descendants_running(process: subprocess.Popen, text: str) -> list[int]:
+    """The pids below ``process`` whose command line holds ``text`` (e.g. ``RayTrainWorker``,
+    the title Ray gives a Ray Train worker's process)."""
+    found = []
+    for pid in descendants(process.pid):
+        try:
+            if text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(pid)
+        except OSError:  # the process ended while we looked
+            continue
+    return found
+
+
 def child_pid(process: subprocess.Popen, name: str) -> int:
     """The pid of ``process``'s child whose command name is ``name`` (e.g. the ``raylet`` of a
     node started by ``ray start --block``); fails naming the children it found."""

@@ -94,10 +94,14 @@ class StopFlag:
 
 
 def new_stop_flag() -> Any:
-    """A StopFlag actor that needs no CPU (it only waits)."""
+    """A StopFlag actor that needs no CPU (it only waits), on the driver's own node: elsewhere
+    the loss of its node (a worker node that dies mid-run) would end it, and a restarted
+    worker group would stop after one step as if asked to (issue 42)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(num_cpus=0)(StopFlag).remote()
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(StopFlag).options(scheduling_strategy=here).remote()
 
 
 class StopPoller:
@@ -114,7 +118,13 @@ class StopPoller:
         import ray
 
         ready, _ = ray.wait([self._pending], timeout=0)
-        return bool(ready)
+        if not ready:
+            return False
+        try:
+            return bool(ray.get(ready[0]))
+        except ray.exceptions.RayActorError:  # the flag's node is gone: nobody asked to stop
+            self._pending = None
+            return False
 
     def verdict(self, step: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
         """Local (no collective), blocking: the driver's decision on stopping after ``step``
