@@ -93,15 +93,23 @@ class StopFlag:
             return self._event.is_set() or self._decided.get(step, False)
 
 
-def new_stop_flag() -> Any:
-    """A StopFlag actor that needs no CPU (it only waits), on the driver's own node: elsewhere
-    the loss of its node (a worker node that dies mid-run) would end it, and a restarted
-    worker group would stop after one step as if asked to (issue 42)."""
+def on_this_node() -> dict:
+    """Ray actor options for a helper actor of the driver's (stop flag, metrics queue, a sweep's
+    trial gate): no CPU (it only waits) and the driver's own node. Anywhere else the loss of that
+    node (a worker node that dies mid-run) would end the actor with it: a restarted worker group
+    would stop after one step as if asked to, or lose its metrics (issue 42)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0)(StopFlag).options(scheduling_strategy=here).remote()
+    return {"num_cpus": 0, "scheduling_strategy": here}
+
+
+def new_stop_flag() -> Any:
+    """A StopFlag actor on the driver's node (``on_this_node``)."""
+    import ray
+
+    return ray.remote(StopFlag).options(**on_this_node()).remote()
 
 
 class StopPoller:

@@ -13,6 +13,7 @@ from app.tracking.records import CapacityResult, EngineCapacity
 from app.tracking.run_kinds import CAPACITY, kind_tags
 from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri
 from workers.capacity import capacity_fn_per_worker
+from workers.control import on_this_node
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def find_capacity(job: TrainJob, search: CapacitySearch, echo=print, address: st
 
     ensure_data(job, echo)
     started_ray = init_ray(job, address)
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = Queue(actor_options=on_this_node())
     try:
         trainer = build_trainer(job, queue, train_fn=capacity_fn_per_worker,
                                 extra_config=search.worker_settings())

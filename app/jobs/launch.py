@@ -46,7 +46,7 @@ from lm.model import (MODEL_OVERRIDES, PRESETS, ROUTING_OVERRIDES, MoETransforme
                       estimate_step_flops, estimate_worker_bytes, leanest_moe_memory, get_preset, param_counts)
 from moe_engine.config import ENGINES, STRATEGY_CHOICES
 from workers import checkpoint as ckpt
-from workers.control import Terminated, new_stop_flag, sigterm_as_interrupt
+from workers.control import Terminated, new_stop_flag, on_this_node, sigterm_as_interrupt
 from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
 from workers.config import DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.loop import train_fn_per_worker
@@ -987,7 +987,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
     from ray.util.queue import Queue
 
     started_ray = init_ray(job, address, verbose)
-    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    metrics_queue = Queue(actor_options=on_this_node())
     stop_flag = new_stop_flag()
     run = None
     abandoned = False

@@ -43,12 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import tune_spaces
-from app.tracking import sweep_rank
 from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, local_train_env, stopping_trainable,
                             study_parent_run, train_trial)
+from app.tracking import sweep_rank
 from app.tracking.store import RunLogger, check_store, resolve_tracking_uri
 from lm.data import ensure_default_data
 from lm.errors import invocation
+from workers.control import on_this_node
 
 # Defaults, in one place.
 DEFAULT_STORAGE = "ray_results"      # relative to the current directory; made absolute
@@ -214,7 +215,7 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     if data_dir is None:
         data_dir = ensure_default_data()
     parent_run_id = study_parent_run(tracking_uri, experiment or name, experiment_path, module.DESCRIPTION, name)
-    gate: Any = ray.remote(num_cpus=0)(TrialGate).remote(plan.max_concurrent_trials)
+    gate: Any = ray.remote(TrialGate).options(**on_this_node()).remote(plan.max_concurrent_trials)
     settings = TrialSettings(study=name, tracking_uri=tracking_uri,
                              train_storage_path=os.path.join(storage_path, f"{name}-train"),
                              data_dir=str(Path(data_dir).resolve()),
