@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from app.jobs.launch import TrainJob, build_trainer, ensure_data, init_ray
 from app.tracking.records import CapacityResult, EngineCapacity
 from app.tracking.run_kinds import CAPACITY, kind_tags
-from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri
+from app.tracking.store import NO_TRACKING, RunLogger
 from workers.capacity import capacity_fn_per_worker
 from workers.control import on_this_node
 

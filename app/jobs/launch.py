@@ -1161,7 +1161,7 @@ def choose_checkpoint(job: TrainJob, echo=print) -> str | None:
             moved = ckpt.set_aside(job.run_dir, name)
         except OSError as error:
             raise os_error(error, f"--resume {job.name}: {name} is damaged ({why}) and cannot be moved out of "
-                                  f"{job.run_dir}", f"move it away yourself and resume again"
+                                  f"{job.run_dir}", "move it away yourself and resume again"
                                                     + (f"; {chosen.name} is intact" if chosen else "")) from error
         where = f"; moved to {moved.relative_to(job.run_dir)}/" if moved else ""
         echo(f"[mpipemoe] skipped {name}: {why}{where}; {then}")
