@@ -11,7 +11,7 @@ from app.tracking.records import BenchResult, RecordMeta
 
 def summarize(records: list) -> list:
     """Per (model, routing, tokens): auto vs grid best, strategy pick vs fastest, memory vs
-    FastMoE, and the auto choice's time against the overlap bound."""
+    FastMoE, and the auto choice's time against its floor."""
     summaries = []
     keys = sorted({(r["model"], r.get("routing", "uniform"), r["tokens"]) for r in records})
     for model, routing, tokens in keys:
@@ -32,11 +32,10 @@ def summarize(records: list) -> list:
         if auto.get("all_to_all_ms") is not None:
             summary.update(all_to_all_ms=auto["all_to_all_ms"], expert_ms=auto["expert_ms"],
                            hot_expert_share=auto["hot_expert_share"])
-        if auto.get("overlap_bound_ms"):  # its own pass's (add_overlap_account)
-            bound = auto["overlap_bound_ms"]
-            summary.update(overlap_bound_ms=bound, bound_stages=auto["bound_stages"],
-                           auto_vs_overlap_bound=auto["fwd_bwd_ms"] / bound - 1,
-                           overlap_efficiency=bound / auto["fwd_bwd_ms"],
+        if auto.get("floor_ms"):  # its own pass's (add_overlap_account)
+            summary.update(floor_ms=auto["floor_ms"], overlap_bound_ms=auto["overlap_bound_ms"],
+                           bound_stages=auto["bound_stages"], auto_vs_floor=auto["fwd_bwd_ms"] / auto["floor_ms"] - 1,
+                           overlap_efficiency=auto["floor_ms"] / auto["fwd_bwd_ms"],
                            **({"phase_floor_ms": auto["phase_floor_ms"]} if "phase_floor_ms" in auto else {}))
         if fast.get("peak_memory_bytes") and auto.get("peak_memory_bytes"):
             summary["memory_ratio_vs_fastmoe"] = auto["peak_memory_bytes"] / fast["peak_memory_bytes"]
@@ -71,12 +70,12 @@ def summarize(records: list) -> list:
 def overlap_summary(point: list, auto: dict) -> dict:
     """The point's fastest MPipeMoE setting (any strategy) and the share of the ideal saving
     over FastMoE it, auto and FasterMoE realize (`add_overlap_account`)."""
-    settings = [r for r in point if r["engine"] == "mpipemoe" and r.get("overlap_bound_ms") is not None]
+    settings = [r for r in point if r["engine"] == "mpipemoe" and r.get("floor_ms") is not None]
     if not settings:
         return {}
     best = min(settings, key=lambda r: r["fwd_bwd_ms"])
     summary = {"best_setting": f"{best['partitions']}/{best['strategy']}", "best_fwd_bwd_ms": best["fwd_bwd_ms"],
-               "best_overlap_bound_ms": best["overlap_bound_ms"], "best_realized_saving": best.get("realized_saving"),
+               "best_floor_ms": best["floor_ms"], "best_realized_saving": best.get("realized_saving"),
                "auto_realized_saving": auto.get("realized_saving")}
     faster = [r for r in point if r["engine"] == "fastermoe" and r.get("realized_saving") is not None]
     if faster:
@@ -116,7 +115,7 @@ def targets(summaries: list) -> dict:
             best_n.setdefault(f"{s['model']}/{s.get('routing', 'uniform')}", []).append((s["tokens"], s["grid_best_partitions"]))
     monotone = {key: all(a[1] <= b[1] for a, b in zip(sorted(ns), sorted(ns)[1:])) for key, ns in best_n.items()}
     return {
-        "within_15pct_of_overlap_bound": share([s.get("auto_vs_overlap_bound") for s in summaries], 0.15),
+        "within_15pct_of_floor": share([s.get("auto_vs_floor") for s in summaries], 0.15),
         "best_realizes_90pct_of_ideal_saving": share(
             [None if s.get("best_realized_saving") is None else -s["best_realized_saving"] for s in summaries], -0.9),
         "auto_within_5pct_of_grid_best": share([s.get("auto_vs_grid_best") for s in summaries], 0.05),
@@ -134,13 +133,13 @@ def overlap_table(summaries: list) -> list:
         return []
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     lines = ["## Overlap account", "",
-             "Realized = (FastMoE − t) / (FastMoE − bound(n)): the share of the ideal saving a setting realizes "
+             "Realized = (FastMoE − t) / (FastMoE − floor): the share of the ideal saving a setting realizes "
              "(docs/engine.md, \"Reading a timeline\"). Best = the fastest MPipeMoE setting, any strategy.", "",
-             "| model | routing | tokens | FastMoE ms | best setting | best ms | bound(n) ms | best realized | "
+             "| model | routing | tokens | FastMoE ms | best setting | best ms | its floor ms | best realized | "
              "auto realized | FasterMoE realized |", "|" + "---|" * 10]
     for s in rows:
         lines.append(f"| {s['model']} | {s.get('routing', 'uniform')} | {s['tokens']} | {s['fastmoe_fwd_bwd_ms']:.2f} | "
-                     f"{s['best_setting']} | {s['best_fwd_bwd_ms']:.2f} | {s['best_overlap_bound_ms']:.2f} | "
+                     f"{s['best_setting']} | {s['best_fwd_bwd_ms']:.2f} | {s['best_floor_ms']:.2f} | "
                      f"{fmt(s['best_realized_saving'], '.0%')} | {fmt(s.get('auto_realized_saving'), '.0%')} | "
                      f"{fmt(s.get('fastermoe_realized_saving'), '.0%')} |")
     return lines + [""]
@@ -167,7 +166,7 @@ def markdown_table(result: BenchResult | dict) -> str:
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     checks = targets(summaries)
     lines += ["## Targets", "",
-              f"- auto within 15% of the overlap bound: {fmt(checks['within_15pct_of_overlap_bound'], '.0%')} "
+              f"- auto within 15% of its floor: {fmt(checks['within_15pct_of_floor'], '.0%')} "
               "of the points",
               f"- auto within 5% of the fastest setting (every n × strategy, auto included): {fmt(checks['auto_within_5pct_of_grid_best'], '.0%')} of the points",
               f"- strategy pick within 3% of the fastest at its n: {fmt(checks['strategy_pick_within_3pct'], '.0%')} "
@@ -180,11 +179,12 @@ def markdown_table(result: BenchResult | dict) -> str:
         verdict = "non-decreasing" if checks["best_n_non_decreasing"][key] else "NOT monotone"
         lines.append(f"- best n by token count, {key}: {', '.join(map(str, ns))} ({verdict})")
     lines += ["", "## Per model, routing and token count", "",
-              "Overlap bound = max(C, K) + min(C, K) / n, C the All-to-All time and K the compute, from each "
-              "record's own pass on an emulated cluster (the transfers' priced time; the pass with its transfers "
-              "free), else the point's two stages timed alone (All-to-All ms, expert ms).", "",
+              "Floor = max(C, K) of the forward plus that of the backward, C the All-to-All time and K the compute, "
+              "from each record's own pass on an emulated cluster (the transfers' priced time; the pass with its "
+              "transfers free), else max(A, E) of the point's two stages timed alone (All-to-All ms, expert ms). "
+              "No pass beats it; the pipeline model max(C, K) + min(C, K) / n can be beaten (docs/engine.md).", "",
               "| model | routing | tokens | auto n | auto strategy | auto ms | FastMoE ms | speedup vs FastMoE | "
-              "speedup vs FasterMoE | memory vs FastMoE | All-to-All ms | expert ms | auto vs bound | grid best | "
+              "speedup vs FasterMoE | memory vs FastMoE | All-to-All ms | expert ms | auto vs floor | grid best | "
               "auto vs grid best | strategy pick vs fastest at n | lean setting (memory vs FastMoE) | lean vs fastest | "
               "expert GEMM eff. |", "|" + "---|" * 19]
     for s in summaries:
@@ -194,7 +194,7 @@ def markdown_table(result: BenchResult | dict) -> str:
             f"{s['auto_fwd_bwd_ms']:.2f} | {s['fastmoe_fwd_bwd_ms']:.2f} | {fmt(s['speedup_vs_fastmoe'], '.2f')} | "
             f"{fmt(s.get('speedup_vs_fastermoe'), '.2f')} | {fmt(s.get('memory_ratio_vs_fastmoe'), '.2f')} | "
             f"{fmt(s.get('all_to_all_ms'), '.2f')} | {fmt(s.get('expert_ms'), '.2f')} | "
-            f"{fmt(s.get('auto_vs_overlap_bound'), '+.1%')} | "
+            f"{fmt(s.get('auto_vs_floor'), '+.1%')} | "
             f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
             f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
             + (f"{s['lean_setting']} ({fmt(s.get('lean_memory_ratio_vs_fastmoe'), '.2f')}) | {fmt(s.get('lean_vs_fastest'), '+.1%')} | "
@@ -203,10 +203,11 @@ def markdown_table(result: BenchResult | dict) -> str:
     lines += [""] + overlap_table(summaries)
     lines += [""] + peer_table(summaries)
     lines += ["## Every measurement", "",
-              "Bound = the overlap bound at the record's n; phase floor = max(C, K) of the forward plus that of "
-              "the backward (own pass only); t / bound below 0.98 on a GPU fails the bench.", "",
+              "Model = the pipeline model max(C, K) + min(C, K) / n at the record's n (not a floor); floor = max(C, K) "
+              "of the forward plus that of the backward (own pass; max(A, E) timed alone); t / floor below 0.98 on a "
+              "GPU fails the bench.", "",
               "| model | routing | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB "
-              "| bound ms | phase floor ms | t / bound | realized | comm idle ms | compute idle ms |",
+              "| model ms | floor ms | t / floor | realized | comm idle ms | compute idle ms |",
               "|" + "---|" * 17]
     for r in records:
         peak = r.get("peak_memory_bytes")
@@ -215,7 +216,7 @@ def markdown_table(result: BenchResult | dict) -> str:
                      f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
                      f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | "
                      f"{fmt(r.get('predicted_memory_bytes') and r['predicted_memory_bytes'] / 2**20, '.0f')} | "
-                     f"{fmt(r.get('overlap_bound_ms'), '.2f')} | {fmt(r.get('phase_floor_ms'), '.2f')} | "
+                     f"{fmt(r.get('overlap_bound_ms'), '.2f')} | {fmt(r.get('floor_ms'), '.2f')} | "
                      f"{fmt(r.get('bound_ratio'), '.2f')} | {fmt(r.get('realized_saving'), '.0%')} | {fmt(r.get('timeline', {}).get('comm_idle_ms'), '.1f')} | "
                      f"{fmt(r.get('timeline', {}).get('compute_idle_ms'), '.1f')} |")
     return "\n".join(lines) + "\n"

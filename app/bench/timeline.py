@@ -33,6 +33,10 @@ from workers.schedules import profiler_config
 COMM_KERNEL = re.compile(r"nccl|spin_for_ns|spin_until|stamp_now", re.IGNORECASE)
 HOST_COPY = re.compile(r"Memcpy (DtoH|HtoD)", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|sm90_xmma|cublas", re.IGNORECASE)
+# The host events that launch device work: the CUDA runtime's (cudaLaunchKernel: torch's kernels)
+# and the driver's (cuLaunchKernel: Triton's, the emulated link's waits among them). Reading the
+# runtime's alone dropped every wait on the link from the timelines (GPU run at b0bd8da).
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def device_events(trace: dict, last_pass_only: bool = True) -> list[dict]:
     last = max(marks, key=lambda e: float(e["ts"]))
     start, end = float(last["ts"]), float(last["ts"]) + float(last["dur"])
     launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     return [e for e in device if start <= launched.get(e.get("args", {}).get("correlation"), -1.0) <= end]
 
 
@@ -230,7 +234,7 @@ def device_busy_ms(trace: dict, mark: str, *, excluding: str | None = None) -> l
     far ahead the host runs (a pass timed by events also counts the device waiting for the host)."""
     events = trace.get("traceEvents", [])
     launched = {e["args"]["correlation"]: (e.get("tid"), float(e["ts"])) for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     skipped = _ranges(events, excluding) if excluding else []
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     device = [(launched[e["args"]["correlation"]], e) for e in events

@@ -4,7 +4,7 @@ Emulated records (tag ``measured_as=emulated``; docs/emulation.md) are the real 
 times on one GPU against a modelled network. They never enter sections 1–4, which hold
 measurements; here, per network:
 
-- speedup over FastMoE and FasterMoE, and overlap efficiency (overlap bound / MPipeMoE's
+- speedup over FastMoE and FasterMoE, and overlap efficiency (its floor / MPipeMoE's
   time at its automatic settings), against tokens per GPU;
 - the best n of the grid and the online search's n against tokens;
 - memory against time for every n × strategy of the grid, both relative to FastMoE.
@@ -83,7 +83,7 @@ def plot_speedup(series: dict, path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("tokens per GPU")
         top.set_ylabel("speedup (auto)")
-        bottom.set_ylabel("overlap bound / auto time")
+        bottom.set_ylabel("floor / auto time")
         top.set_title(f"{network[0]}, {network[1]} (emulated)")
         top.legend(fontsize=6)
         bottom.legend(fontsize=6)
@@ -159,9 +159,10 @@ def section_emulated(summaries: list[dict], records: list[dict], out: Path) -> l
     plot_speedup(series, out / "emulated_speedup.png")
     plot_best_n(series, out / "emulated_best_n.png")
     lines += ["The real engine on one GPU as rank 0 of the cluster, with the network's delays modelled "
-              "(docs/emulation.md): **emulated**, not measured on a cluster. Overlap efficiency = overlap "
-              "bound / MPipeMoE's time at its automatic settings, the bound = max(All-to-All, expert FFN) + "
-              "the shorter / n, both timed alone (the dotted line: 15% above the bound).", "",
+              "(docs/emulation.md): **emulated**, not measured on a cluster. Overlap efficiency = floor / "
+              "MPipeMoE's time at its automatic settings, the floor that no pass beats (docs/engine.md, "
+              "\"Reading a timeline\"; records before b0bd8da: the pipeline model max(All-to-All, expert FFN) + "
+              "the shorter / n). The dotted line: 15% above the floor.", "",
               "![speedup and overlap efficiency against tokens](emulated_speedup.png)", "",
               "![best n against tokens](emulated_best_n.png)", ""]
     points = memory_time_points(records)

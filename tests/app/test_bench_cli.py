@@ -59,6 +59,7 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     for s in summaries.values():
         assert s["overlap_bound_ms"] == pytest.approx(
             overlap_bound_ms(s["all_to_all_ms"], s["expert_ms"], s["auto_partitions"]))
+        assert s["floor_ms"] == pytest.approx(max(s["all_to_all_ms"], s["expert_ms"]))
     assert set(result["targets"]["best_n_by_tokens"]) == {"tiny/uniform", "tiny/skewed"}
     table = out.with_suffix(".md").read_text()
     assert "| tiny | skewed | 96 |" in table and "## Targets" in table
@@ -72,7 +73,7 @@ def test_overlap_bound_is_the_longer_stage_plus_one_partition_of_the_shorter():
 
 def test_targets_flag_a_best_n_that_falls_with_more_tokens():
     rows = [{"model": "m", "routing": "uniform", "tokens": t, "grid_best_partitions": n,
-             "auto_vs_grid_best": gap, "strategy_pick_vs_fastest": pick, "auto_vs_overlap_bound": bound}
+             "auto_vs_grid_best": gap, "strategy_pick_vs_fastest": pick, "auto_vs_floor": bound}
             for t, n, gap, pick, bound in [(1024, 2, 0.01, 0.0, 0.10), (2048, 4, 0.08, 0.02, 0.30),
                                            (4096, 2, 0.0, 0.05, 0.05)]]
     checks = targets(rows)
@@ -80,7 +81,7 @@ def test_targets_flag_a_best_n_that_falls_with_more_tokens():
     assert checks["best_n_non_decreasing"] == {"m/uniform": False}
     assert checks["auto_within_5pct_of_grid_best"] == pytest.approx(2 / 3)
     assert checks["strategy_pick_within_3pct"] == pytest.approx(2 / 3)
-    assert checks["within_15pct_of_overlap_bound"] == pytest.approx(2 / 3)
+    assert checks["within_15pct_of_floor"] == pytest.approx(2 / 3)
 
 
 def test_skewed_inputs_send_half_the_tokens_to_expert_zero_first():
@@ -249,7 +250,8 @@ def _emulated_bounds(out, *options) -> dict:
             assert r["phase_floor_ms"] == pytest.approx(max(r["comm_fwd_ms"], r["compute_fwd_ms"])
                                                         + max(r["comm_bwd_ms"], r["compute_bwd_ms"]))
             assert max(comm, compute) <= min(r["overlap_bound_ms"], r["phase_floor_ms"]) + 1e-9
-            assert r["bound_ratio"] == pytest.approx(r["fwd_bwd_ms"] / r["overlap_bound_ms"])
+            assert r["floor_ms"] == r["phase_floor_ms"]  # the floor checked, not the pipeline model
+            assert r["bound_ratio"] == pytest.approx(r["fwd_bwd_ms"] / r["floor_ms"])
         by = {(r["engine"], r["chosen_by"], r["partitions"], r["strategy"]): r for r in layers}
         # The same transfers are priced alike: FastMoE and MPipeMoE at n = 1 move the same rows, and
         # a backward moves what its forward did; two partitions pay each transfer's latency twice.
@@ -262,8 +264,10 @@ def _emulated_bounds(out, *options) -> dict:
         assert twin is None or all(auto[key] == twin[key] for key in STAGE_KEYS)
         fastest = min((r for r in layers if r["engine"] == "mpipemoe"), key=lambda r: r["fwd_bwd_ms"])
         assert summary["grid_best_fwd_bwd_ms"] == fastest["fwd_bwd_ms"]
-        assert summary["overlap_bound_ms"] == auto["overlap_bound_ms"] and summary["bound_stages"] == OWN_PASS
-    assert "| bound ms | phase floor ms | t / bound |" in out.with_suffix(".md").read_text()
+        assert summary["floor_ms"] == auto["floor_ms"] and summary["bound_stages"] == OWN_PASS
+        assert summary["best_floor_ms"] == min((r for r in layers if r["engine"] == "mpipemoe"),
+                                               key=lambda r: r["fwd_bwd_ms"])["floor_ms"]
+    assert "| model ms | floor ms | t / floor |" in out.with_suffix(".md").read_text()
     return result
 
 
@@ -290,11 +294,11 @@ def test_a_record_below_its_bound_fails_the_bench_naming_it():
 
     def record(ms, device="NVIDIA H200", stages=OWN_PASS):
         return {**_point("mpipemoe", "grid", 2, "none", ms), "device": device, "bound_stages": stages,
-                "overlap_bound_ms": 57.1}
+                "floor_ms": 57.1}
 
     check_bounds([record(56.0)], "out/b.json")  # within 2%: timing noise
-    with pytest.raises(BoundError, match=r"1 record\(s\) ran below 0.98x their bound, first m uniform 64 tokens "
-                                         r"mpipemoe grid 2/none: 51.50 ms against a bound of 57.10 ms.*out/b.json"):
+    with pytest.raises(BoundError, match=r"1 record\(s\) ran below 0.98x their floor, first m uniform 64 tokens "
+                                         r"mpipemoe grid 2/none: 51.50 ms against a floor of 57.10 ms.*out/b.json"):
         check_bounds([record(56.0), record(51.5)], "out/b.json")
     # CPU runs (the emulated transfers take no time there) and bounds of stages timed alone are not checked
     check_bounds([record(51.5, device="cpu"), record(51.5, stages="timed alone")], "out/b.json")
