@@ -85,11 +85,10 @@ def device_events(trace: dict, last_pass_only: bool = True) -> list[dict]:
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     events = trace.get("traceEvents", [])
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
-    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == PASS_MARK]
+    marks = _ranges(events, PASS_MARK)  # the host's ranges (the device track repeats them in device time)
     if not (last_pass_only and marks):
         return device
-    last = max(marks, key=lambda e: float(e["ts"]))
-    start, end = float(last["ts"]), float(last["ts"]) + float(last["dur"])
+    _, start, end = marks[-1]
     launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     return [e for e in device if start <= launched.get(e.get("args", {}).get("correlation"), -1.0) <= end]

@@ -280,7 +280,7 @@ def test_no_emulated_pass_beats_its_own_bound(tmp_path):
                               "--strategies", "none,S3", "--routing", "uniform,skewed", "--rounds", "2",
                               "--repeats", "2")
     assert all(r["bound_ratio"] >= 0.98 for r in result["records"] if "bound_ratio" in r)
-    assert all(r["timeline"]["comm_busy_ms"] > 0 for r in result["records"] if "timeline" in r)
+    assert all(r["timeline"]["comm_busy_ms"] > 0 for r in result["records"] if r["engine"] != "dense-floor")
 
 
 def test_no_emulated_pass_beats_its_own_bound_cpu_twin(tmp_path):

@@ -44,6 +44,9 @@ def test_account_takes_the_last_pass_by_launch_time():
     trace = {"traceEvents": [
         {"ph": "X", "cat": "user_annotation", "name": "mpipemoe.pass", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "user_annotation", "name": "mpipemoe.pass", "ts": 100, "dur": 100},
+        # the device track's copy of a range, in device time: not a pass (an H100 trace's last
+        # such range held 28 of ~500 kernels and none of the link's waits)
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "mpipemoe.pass", "ts": 2400, "dur": 50},
         runtime(1, 10), runtime(2, 150),
         with_corr(kernel("cutlass_gemm", 20, 2000, 7), 1),      # launched in the first pass
         with_corr(kernel("cutlass_gemm", 2020, 500, 7), 2),     # launched in the second: queued behind
