@@ -28,9 +28,10 @@ def layer_records(root: Path = ROOT) -> list[Path]:
                   if "records" in json.loads(path.read_text()))
 
 
-def render(path: Path) -> str:
+def render(path: Path, derived_only: bool = False):
     """The Markdown of ``path``'s JSON, each point's overlap account and the summaries derived
-    again from its records (as the bench derives them after measuring a point)."""
+    again from its records (as the bench derives them after measuring a point); with
+    ``derived_only``, those summaries."""
     result = json.loads(path.read_text())
     records = result["records"]
     points: dict[tuple, list] = {}
@@ -38,7 +39,10 @@ def render(path: Path) -> str:
         points.setdefault((record["model"], record.get("routing", "uniform"), record["tokens"]), []).append(record)
     for point in points.values():
         add_overlap_account(point)
-    return markdown_table({**result, "records": records, "summaries": summarize(records)})
+    summaries = summarize(records)
+    if derived_only:
+        return summaries
+    return markdown_table({**result, "records": records, "summaries": summaries})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,33 +72,70 @@ def _git(root: Path, *args: str) -> str | None:
 
 def source_commit(root: str | Path = CHECKOUT) -> SourceCommit | None:
     """The commit of the code in ``root`` (default: this package's own tree, never the working
-    directory's): from git when ``root`` is the top of a checkout (an installed copy inside some
-    other repository counts as none), dirty when a tracked file differs from it; else from the
-    COMMIT_STAMP file beside a copy; None when neither says."""
+    directory's): the COMMIT_STAMP file when the files it covers are still byte for byte what it
+    was written over (a copy made right after ``write_commit_stamp``: the GPU machine's, whose
+    own ``.git`` may be stale; measured: a copy reporting 101f46a+dirty ran the code of b0bd8da);
+    else git when ``root`` is the top of a checkout (an installed copy inside some other
+    repository counts as none), dirty when a tracked file differs from HEAD; None when neither
+    says."""
     root = Path(root).resolve()
+    stamped = _read_stamp(root)
+    if stamped is not None:
+        return stamped
     top = _git(root, "rev-parse", "--show-toplevel")
     if top is not None and Path(top).resolve() == root:
         commit, status = _git(root, "rev-parse", "HEAD"), _git(root, "status", "--porcelain", "--untracked-files=no")
         if commit and status is not None:
             return SourceCommit(commit, bool(status))
+    return None
+
+
+def _tree_digest(root: Path, paths: list[str]) -> str | None:
+    """sha256 over ``paths`` (relative to ``root``) and their bytes; None when one is missing."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            data = (root / path).read_bytes()
+        except OSError:
+            return None
+        digest.update(path.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return digest.hexdigest()
+
+
+def _read_stamp(root: Path) -> SourceCommit | None:
+    """COMMIT_STAMP's commit when the files it lists still hash to its digest, else None.
+    Its lines: the commit (``+dirty`` when the tracked files differed from it), ``sha256:HEX``,
+    then the tracked files' paths."""
     try:
-        text = (root / COMMIT_STAMP).read_text().strip()
+        lines = (root / COMMIT_STAMP).read_text().splitlines()
     except OSError:
         return None
-    match = re.fullmatch(r"([0-9a-f]{7,40})(\+dirty)?", text)
-    return SourceCommit(match.group(1), bool(match.group(2))) if match else None
+    match = re.fullmatch(r"([0-9a-f]{7,40})(\+dirty)?", lines[0].strip()) if lines else None
+    if match is None or len(lines) < 3 or not lines[1].startswith("sha256:"):
+        return None
+    if _tree_digest(root, lines[2:]) != lines[1].removeprefix("sha256:"):
+        return None  # written over other files: the code has moved on since
+    return SourceCommit(match.group(1), bool(match.group(2)))
 
 
 def write_commit_stamp(root: str | Path = CHECKOUT) -> str:
     """Writes COMMIT_STAMP in ``root`` from its git checkout, for a copy of the tree made next
-    (tools/stamp-commit.sh); returns what it wrote."""
+    (tools/stamp-commit.sh): the commit, the digest of the tracked files as they are now and
+    their paths (`_read_stamp`); returns the commit it wrote."""
     root = Path(root).resolve()
     top = _git(root, "rev-parse", "--show-toplevel")
-    found = source_commit(root) if top is not None and Path(top).resolve() == root else None
-    if found is None:
+    listed = _git(root, "ls-files", "-z")
+    if top is None or Path(top).resolve() != root or listed is None:
         raise ValueError(f"{root} is not the top of a git checkout: stamp the commit in the checkout the copy is "
                          f"made from")
-    (root / COMMIT_STAMP).write_text(found.stamp() + "\n")
+    (root / COMMIT_STAMP).unlink(missing_ok=True)  # git's answer, not an earlier stamp's
+    found = source_commit(root)
+    if found is None:
+        raise ValueError(f"{root}: git names no commit (a repository without one?): commit first, then stamp")
+    paths = sorted(p for p in listed.split("\0") if p and (root / p).is_file())
+    (root / COMMIT_STAMP).write_text("\n".join([found.stamp(), f"sha256:{_tree_digest(root, paths)}", *paths]) + "\n")
     return found.stamp()
 
 
