@@ -93,7 +93,7 @@ class StopFlag:
             return self._event.is_set() or self._decided.get(step, False)
 
 
-def on_this_node() -> dict:
+def on_this_node() -> dict[str, Any]:
     """Ray actor options for a helper actor of the driver's (stop flag, metrics queue, a sweep's
     trial gate): no CPU (it only waits) and the driver's own node. Anywhere else the loss of that
     node (a worker node that dies mid-run) would end the actor with it: a restarted worker group
