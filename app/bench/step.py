@@ -36,6 +36,8 @@ on (timing it with the network off could start its search again).
 Parameters are shared by every model of a run (the engines have one layout), so one set of
 float32 master weights, gradients and AdamW state stays resident; the step's peak memory
 includes them.
+
+Its parts: the bound and its check (app/bench/step_bound.py).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from torch import nn
 from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting
 from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
 from app.bench.routing_replay import check_routing, routing_push
+from app.bench.step_bound import add_bound_account, check_bounds
 from app.bench.timeline import PASS_MARK, device_busy_ms, record_trace, trace_step
 from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
 from moe_engine.memory import HostBufferPool
@@ -65,14 +68,9 @@ from workers.schedules import Lanes, choose_schedule, forward_backward
 
 SCHEDULES = (*RUN_SCHEDULES, "auto")  # --schedule's settings (run_micro_batches; auto: choose_schedule)
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
-BOUND_SLACK = 0.98             # a record faster than this share of its bound fails the run
 AUX_LOSS_WEIGHT = 0.01         # WorkerConfig's default
 LR = 1e-6                      # small: the router barely moves over the bench's steps
 GRAD_CLIP = 1.0
-
-
-class BoundViolation(RuntimeError):
-    """A step record ran faster than BOUND_SLACK of its own floor: the instrument is wrong."""
 
 
 @dataclass
@@ -414,25 +412,6 @@ def step_batches(preset: ModelPreset, tokens: int, micro_batches: int, device: t
     return batches
 
 
-# -- the bound and its check ---------------------------------------------------------------------
-
-def step_bound_ms(compute_ms: float, all_to_all_ms: float, reduction_ms: float) -> float:
-    """The step's floor: the longer of its compute alone and its modelled link time (the
-    All-to-Alls and the reduction, one after another on the link)."""
-    return max(compute_ms, all_to_all_ms + reduction_ms)
-
-
-def check_bounds(records: list[dict], slack: float = BOUND_SLACK) -> None:
-    """Raise BoundViolation naming every record whose step beats ``slack`` x its bound."""
-    bad = [r for r in records if r.get("step_bound_ms") and r["step_ms"] < slack * r["step_bound_ms"]]
-    if bad:
-        names = "; ".join(f"{r['model']} {r['tokens']} tok K={r['micro_batches']} {r['routing']} {r['engine']} "
-                          f"{r['chosen_by']} n={r['partitions']}/{r['strategy']}: {r['step_ms']:.2f} ms < "
-                          f"{slack} x bound {r['step_bound_ms']:.2f} ms" for r in bad)
-        raise BoundViolation(f"{len(bad)} step record(s) beat their floor, so the emulation or the bound is "
-                             f"wrong (the records are written, marked below_bound): {names}")
-
-
 # -- one point -----------------------------------------------------------------------------------
 
 def _logged_step(parts: StepParts, schedule: str, batches: list) -> dict:
@@ -618,18 +597,6 @@ def _procedure(fn: Callable[[], Any]) -> Callable[[], None]:
     def run() -> None:
         fn()
     return run
-
-
-def add_bound_account(record: dict) -> None:
-    """In place: the bound, the link time, the exposed All-to-All and whether the record is
-    below its bound (for records with the compute-alone timing)."""
-    if "compute_ms" not in record:
-        return
-    record["communication_ms"] = record["all_to_all_ms"] + record["reduction_ms"]
-    record["step_bound_ms"] = step_bound_ms(record["compute_ms"], record["all_to_all_ms"], record["reduction_ms"])
-    record["step_vs_bound"] = record["step_ms"] / record["step_bound_ms"] - 1
-    record["exposed_all_to_all_ms"] = max(0.0, record["step_ms"] - record["no_all_to_all_ms"])
-    record["below_bound"] = record["step_ms"] < BOUND_SLACK * record["step_bound_ms"]
 
 
 def _peak_memory(step: Callable[[], Any], device: torch.device) -> dict:
