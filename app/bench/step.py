@@ -37,14 +37,15 @@ Parameters are shared by every model of a run (the engines have one layout), so 
 float32 master weights, gradients and AdamW state stays resident; the step's peak memory
 includes them.
 
-Its parts: the bound and its check (app/bench/step_bound.py).
+Its parts: the settings (app/bench/step_settings.py), the bound and its check
+(app/bench/step_bound.py).
 """
 from __future__ import annotations
 
 import functools
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -52,115 +53,25 @@ from torch import nn
 
 from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting
 from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
-from app.bench.routing_replay import check_routing, routing_push
+from app.bench.routing_replay import routing_push
 from app.bench.step_bound import add_bound_account, check_bounds
+from app.bench.step_settings import StepSettings
 from app.bench.timeline import PASS_MARK, device_busy_ms, record_trace, trace_step
-from lm.model import (ModelPreset, MoETransformer, get_preset, init_parameters, lm_loss, model_flops_per_token)
+from lm.model import (ModelPreset, MoETransformer, init_parameters, lm_loss, model_flops_per_token)
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import device_name
 from moe_engine.timing import time_interleaved
-from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
+from moe_sim.emulation import EmulatedExpertGroup
 from moe_sim.network import all_reduce_s
 from workers.distributed import DenseParallel
 from workers.loop import build_optimizer, peak_flops
 from workers.schedules import SCHEDULES as RUN_SCHEDULES
 from workers.schedules import Lanes, choose_schedule, forward_backward
 
-SCHEDULES = (*RUN_SCHEDULES, "auto")  # --schedule's settings (run_micro_batches; auto: choose_schedule)
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 AUX_LOSS_WEIGHT = 0.01         # WorkerConfig's default
 LR = 1e-6                      # small: the router barely moves over the bench's steps
 GRAD_CLIP = 1.0
-
-
-@dataclass
-class StepSettings:
-    """What `mpipemoe bench --step` times; validated at construction (errors name the flag)."""
-
-    model: str
-    tokens: list
-    micro_batches: tuple = (1,)
-    layers: int | None = None          # the preset's when None
-    emulate: str = "8x8"
-    network: str = "dgx-a100"
-    transfer_ctas: int = 1
-    num_experts: int | None = None     # the expert group's ranks (one expert per rank) when None
-    expert_parallel: int | None = None  # E: rank 0's MoE layers run over an expert group of E ranks, the
-                                       # experts replicated over W / E groups whose gradients are reduced
-                                       # (GradientReduction); None: one group of all W ranks
-    routings: tuple = ("uniform",)
-    partitions: tuple = (1, 2, 4)
-    strategies: tuple = ("none", "S4")
-    grid: bool = True
-    schedule: str = "sequential"       # --schedule: a comma list of SCHEDULES, each timed (schedules)
-    moe_memory_gib: float | None = None  # the MoE activation budget auto's choice keeps within
-    dtype: str = "auto"
-    warmup: int = 1
-    repeats: int = 2
-    rounds: int = 3
-    seq_len: int | None = None
-    trace: str | None = None
-    seed: int = 0
-    cluster: EmulatedCluster = field(init=False, repr=False)
-    schedules: tuple = field(init=False)  # the settings of --schedule, in order, each once
-
-    def __post_init__(self) -> None:
-        preset = get_preset(self.model)  # names the presets
-        try:
-            self.cluster = EmulatedCluster.parse(self.emulate, self.network, transfer_ctas=self.transfer_ctas,
-                                                 expert_parallel=self.expert_parallel)
-        except ValueError as error:
-            raise ValueError(f"--emulate {self.emulate!r} --network {self.network!r}: {error}") from None
-        group = self.cluster.expert_ranks
-        if self.num_experts is None:
-            self.num_experts = group
-        if self.num_experts % group:
-            which = (f"the {group} ranks of an expert group (--expert-parallel {self.expert_parallel})"
-                     if self.expert_parallel is not None else f"the {group} emulated ranks of --emulate {self.emulate}")
-            raise ValueError(f"--experts {self.num_experts} must be a multiple of {which}: give --experts {group} "
-                             f"or a multiple of it")
-        if self.layers is not None and self.layers < 1:
-            raise ValueError(f"--layers {self.layers} is invalid: give the model's layers, >= 1")
-        names = [name.strip() for name in str(self.schedule).split(",")]
-        for name in names:
-            if name not in SCHEDULES:
-                raise ValueError(f"--schedule {name!r} is unknown: choose from {', '.join(SCHEDULES)} (a comma "
-                                 f"list times each, e.g. sequential,overlapped)")
-        self.schedules = tuple(dict.fromkeys(names))
-        if self.moe_memory_gib is not None and not self.moe_memory_gib > 0:
-            raise ValueError(f"moe_memory_gib={self.moe_memory_gib!r} is invalid: give the MoE layers' activation "
-                             f"budget in GiB, > 0 (or None: auto's choice of schedule then ignores memory)")
-        if not self.micro_batches or any(k < 1 for k in self.micro_batches):
-            raise ValueError(f"--micro-batches {list(self.micro_batches)} is invalid: give counts >= 1, e.g. 1,2")
-        seq_len = self.seq_len or preset.seq_len
-        if seq_len > preset.seq_len:
-            raise ValueError(f"--seq-len {seq_len} exceeds {self.model}'s {preset.seq_len}")
-        for tokens in self.tokens:
-            for k in self.micro_batches:
-                if tokens < 1 or tokens % (k * seq_len):
-                    raise ValueError(f"--tokens {tokens} with --micro-batches {k}: each micro-batch must hold whole "
-                                     f"sequences of {seq_len} tokens; give a multiple of {k * seq_len}")
-        for routing in self.routings:
-            check_routing(routing)
-        for name in ("repeats", "rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup {self.warmup} is invalid: give 0 or more")
-
-    def preset(self) -> ModelPreset:
-        base = get_preset(self.model)
-        return base.replace(num_layers=self.layers, num_experts=self.num_experts, seq_len=self.seq_len)
-
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data.pop("cluster", None)
-        return data
 
 
 # -- the data-parallel reduction -----------------------------------------------------------------
