@@ -38,7 +38,7 @@ float32 master weights, gradients and AdamW state stays resident; the step's pea
 includes them.
 
 Its parts: the settings (app/bench/step_settings.py), the step timed (app/bench/step_training.py),
-the bound and its check (app/bench/step_bound.py).
+the engines' models (app/bench/step_variants.py), the bound and its check (app/bench/step_bound.py).
 """
 from __future__ import annotations
 
@@ -49,97 +49,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
-from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting
+from app.bench.parts import chosen_setting
 from app.tracking.records import DEFAULT_OUT_DIR, RecordMeta, record_meta
-from app.bench.routing_replay import routing_push
 from app.bench.step_bound import add_bound_account, check_bounds
 from app.bench.step_settings import StepSettings
 from app.bench.step_training import GradientReduction, StepParts, step_batches, training_step
+from app.bench.step_variants import RoutingPushes, Variant, build_variants
 from app.bench.timeline import PASS_MARK, device_busy_ms, record_trace, trace_step
-from lm.model import (ModelPreset, MoETransformer, init_parameters, model_flops_per_token)
-from moe_engine.memory import HostBufferPool
+from lm.model import (ModelPreset, MoETransformer, model_flops_per_token)
 from moe_engine.perf_model import device_name
 from moe_engine.timing import time_interleaved
-from moe_sim.emulation import EmulatedExpertGroup
 from workers.distributed import DenseParallel
 from workers.loop import build_optimizer, peak_flops
 from workers.schedules import Lanes, choose_schedule
 
 LR = 1e-6                      # small: the router barely moves over the bench's steps
-
-
-# -- the models ----------------------------------------------------------------------------------
-
-def share_parameters(source: nn.Module, target: nn.Module) -> None:
-    """In place: every parameter of ``target`` becomes ``source``'s of the same name (the
-    engines share one layout), so the models of a run hold one set of weights."""
-    for name, param in source.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        setattr(target.get_submodule(owner) if owner else target, leaf, param)
-
-
-@dataclass
-class Variant:
-    engine: str
-    chosen_by: str
-    spec: tuple  # (partitions, strategy) asked for
-    model: MoETransformer
-
-
-def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedExpertGroup, device: torch.device
-                   ) -> list[Variant]:
-    """FastMoE, FasterMoE, MPipeMoE auto and the grid, sharing the first one's parameters."""
-    faster_group = group.for_peer_steps(FASTERMOE_GROUP_SIZE)
-    plans = [("fastmoe", "baseline", (1, "none"), group), ("fastermoe", "baseline", ("auto", "auto"), faster_group),
-             ("mpipemoe", "auto", ("auto", "auto"), group)]
-    if settings.grid:
-        plans += [("mpipemoe", "grid", (n, s), group) for n in settings.partitions for s in settings.strategies]
-    variants: list[Variant] = []
-    # One pinned-host pool for all models: their steps run one at a time, and each would
-    # otherwise keep its own offload buffers (as in the layer bench).
-    host_pool = HostBufferPool()
-    for engine, chosen_by, (n, strategy), on in plans:
-        model = MoETransformer(preset, engine=engine, group=on, partitions=n, strategy=strategy, host_pool=host_pool)
-        if variants:
-            share_parameters(variants[0].model, model)
-            model.to(device)
-        else:
-            model.to(device)
-            init_parameters(model, settings.seed)
-        model.train()
-        variants.append(Variant(engine, chosen_by, (n, strategy), model))
-    return variants
-
-
-class RoutingPushes:
-    """Per MoE layer, the push towards the routing asked for (app/bench/routing_replay.py), added to
-    the layer's input by a forward pre-hook on every model; set per point."""
-
-    def __init__(self, variants: list[Variant]):
-        self.pushes_L: list[torch.Tensor | None] = [None] * len(variants[0].model.moe_layers())
-        self.handles = [layer.register_forward_pre_hook(self._hook(index))
-                        for variant in variants for index, layer in enumerate(variant.model.moe_layers())]
-
-    def _hook(self, index: int) -> Callable:
-        def add_push(module: nn.Module, args: tuple) -> tuple | None:
-            push = self.pushes_L[index]
-            if push is None:
-                return None
-            x = args[0]
-            return (x + push.view(x.shape).to(x.dtype),) + tuple(args[1:])
-        return add_push
-
-    def set(self, routing: str, model: MoETransformer, micro_tokens: int, ranks: int, seed: int) -> None:
-        layers: list[Any] = model.moe_layers()
-        for index, layer in enumerate(layers):
-            self.pushes_L[index] = routing_push(routing, layer.router.weight, micro_tokens, model.preset.top_k,
-                                                ranks, layer=index, seed=seed + index)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 # -- one point -----------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from app.bench.step import build_variants
 from app.bench.step_bound import BOUND_SLACK, BoundViolation, add_bound_account, check_bounds, step_bound_ms
 from app.bench.step_settings import StepSettings
 from app.bench.step_training import GradientReduction
+from app.bench.step_variants import build_variants
 from app.cli import main
 from lm.model import param_counts
 from workers.distributed import split_params
