@@ -397,7 +397,7 @@ def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_p
 
 
 def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_moe_budget():
-    from app.bench.step import point_schedules
+    from app.bench.step_point import point_schedules
 
     settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
                             schedule="auto", moe_memory_gib=1e-6)
