@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from app import cli
-from app.bench.simulate import SimulateSettings, validate
+from app.bench.simulate import validate
+from app.bench.simulate_settings import SimulateSettings
 from app.reports.simulate import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
