@@ -4,5 +4,5 @@ training step (step; its settings: step_settings; the step timed: step_training;
 models: step_variants; one point: step_point; its bound: step_bound; its
 summaries: step_summary), stacked layers (stack), the parts they share (parts), peer layers
 (peers), timelines (timeline), the shapes (shapes), routings (routing_replay) and the simulator's
-predictions against records (simulate; its settings: simulate_settings; against records:
-simulate_validation)."""
+predictions against records (simulate; its settings: simulate_settings; its points:
+simulate_points; against records: simulate_validation)."""
