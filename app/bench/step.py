@@ -37,9 +37,10 @@ Parameters are shared by every model of a run (the engines have one layout), so 
 float32 master weights, gradients and AdamW state stays resident; the step's peak memory
 includes them.
 
-Its parts: the settings (app/bench/step_settings.py), the step timed (app/bench/step_training.py),
-the engines' models (app/bench/step_variants.py), one point timed (app/bench/step_point.py), the
-bound and its check (app/bench/step_bound.py), the Markdown and MLflow runs (app/bench/step_summary.py).
+Its parts: the settings (app/bench/step_settings.py), the step timed
+(app/bench/step_training.py), the engines' models (app/bench/step_variants.py), one point timed
+(app/bench/step_point.py), the bound and its check (app/bench/step_bound.py), the Markdown and
+the MLflow runs (app/bench/step_summary.py).
 """
 from __future__ import annotations
 
