@@ -19,7 +19,8 @@ from app.bench.layer import BenchSettings, bench_and_write, log_to_mlflow
 from app.bench.peers import PEERS
 from app.bench.shapes import LAYER_SHAPES
 from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE
-from app.bench.step import StepSettings, run_and_write
+from app.bench.step import run_and_write
+from app.bench.step_settings import StepSettings
 from moe_engine.comm import DEFAULT_COMM_SMS
 
 
@@ -106,7 +107,7 @@ def _split(text: str, cast=str) -> list:
 
 
 def run_step(args) -> int:
-    """`mpipemoe bench --step`: the flags as app/bench/step.py's settings."""
+    """`mpipemoe bench --step`: the flags as app/bench/step_settings.py's settings."""
     layer_only = [flag for flag, given in (("--peers", args.peers), ("--world-size", args.world_size != 1),
                                            ("--checkpointing", args.checkpointing),
                                            ("--memory-budget-share", args.memory_budget_share is not None),

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from app.bench.simulate import (DEFAULT_PARTITIONS, DEFAULT_PARTS, EXPERIMENT, SimulateSettings, measure,
-                                simulate_and_write, validate_and_write)
+from app.bench.simulate import DEFAULT_PARTS, EXPERIMENT, measure, simulate_and_write, validate_and_write
+from app.bench.simulate_settings import DEFAULT_PARTITIONS, SimulateSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from app.bench.step import (BOUND_SLACK, BoundViolation, GradientReduction, StepSettings, add_bound_account,
-                            build_variants, check_bounds, step_bound_ms)
+from app.bench.step_bound import BOUND_SLACK, BoundViolation, add_bound_account, check_bounds, step_bound_ms
+from app.bench.step_settings import StepSettings
+from app.bench.step_training import GradientReduction
+from app.bench.step_variants import build_variants
 from app.cli import main
 from lm.model import param_counts
 from workers.distributed import split_params
@@ -252,7 +254,8 @@ def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():
     model (FastMoE on the emulated group) from the same weights."""
     import copy
 
-    from app.bench.step import GRAD_CLIP, LR, StepParts, step_batches, training_step
+    from app.bench.step import LR
+    from app.bench.step_training import GRAD_CLIP, StepParts, step_batches, training_step
     from lm.model import lm_loss
     from workers.distributed import DenseParallel
     from workers.loop import build_optimizer
@@ -311,7 +314,7 @@ def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> 
     the emulated 2x2 cluster, with the bench's models and its lanes: the same losses, the same
     gradients, the same modelled collectives and reduction (the lane clones log into the
     group; the reduction is issued whole after the last backward)."""
-    from app.bench.step import StepParts, run_micro_batches, step_batches
+    from app.bench.step_training import StepParts, run_micro_batches, step_batches
     from workers.distributed import DenseParallel
     from workers.schedules import Lanes
 
@@ -394,7 +397,7 @@ def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_p
 
 
 def test_auto_keeps_the_sequential_schedule_when_two_micro_batches_overflow_the_moe_budget():
-    from app.bench.step import point_schedules
+    from app.bench.step_point import point_schedules
 
     settings = StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", micro_batches=(2,),
                             schedule="auto", moe_memory_gib=1e-6)

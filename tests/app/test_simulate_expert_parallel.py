@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench.simulate import SimulateSettings
+from app.bench.simulate_settings import SimulateSettings
 
 
 def test_a_degree_the_cluster_cannot_group_is_refused_naming_the_valid_ones():

@@ -328,7 +328,7 @@ def test_busiest_rank_becomes_rank_0_by_swapping_router_rows():
 def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
     """`simulate --validate` prices an emulated record in the emulated cluster (its layout,
     network and measured expert load), and the All-to-All stage against the network model."""
-    from app.bench.simulate import emulated_all_to_all_ms, validate
+    from app.bench.simulate_validation import emulated_all_to_all_ms, validate
     from moe_sim.parts import GpuParts
 
     out = tmp_path / "bench.json"

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from app import cli
-from app.bench.simulate import SimulateSettings, validate
+from app.bench.simulate_settings import SimulateSettings
+from app.bench.simulate_validation import validate
 from app.reports.simulate import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
@@ -589,7 +590,7 @@ def test_host_matched_simulation_reproduces_the_probe_it_is_matched_to(parts, tm
     """A record's host probe (the same layer at 64 tokens, timed beside it) scales the host
     term so that the simulator gives the probe's time at 64 tokens; at the record's own size
     the matched simulation is what the validation reports beside the plain one."""
-    from app.bench.simulate import _host_matched
+    from app.bench.simulate_validation import _host_matched
     from moe_sim.simulator import LayerShape, simulate_layer, single_gpu
 
     with open("results/bench-h200.json") as f:
@@ -662,7 +663,7 @@ def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_pat
     assert row["kind"] == "step" and row["simulated_ms"] == pytest.approx(expected.step_s * 1e3)
     assert row["error"] == pytest.approx(expected.step_s * 1e3 / 200.0 - 1)
     # the parts' spot check re-timed layers: a step record of the same model and setting is not one
-    from app.bench.simulate import _spot_check
+    from app.bench.simulate_validation import _spot_check
 
     spot_parts = type("Parts", (), {"notes": {"spot_check": [{"model": "gpt-xl", "tokens": 16384,
                                                               "engine": "mpipemoe", "partitions": 2, "strategy": "S4",
