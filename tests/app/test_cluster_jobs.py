@@ -194,7 +194,15 @@ def cluster(tmp_path_factory):
         print(f"cluster stopped: {time.monotonic() - stopping:.0f} s")
 
 
-def test_submitted_job_needs_the_token_and_logs_an_mlflow_run_over_http(cluster):
+@pytest.fixture(scope="module")
+def placement_job(cluster):
+    """tests/app/cluster_placement.py submitted as a job; the first test that asks for it starts it,
+    so that it runs beside that test's own job (the module's wall time: issue 42's 3 minutes)."""
+    out = cluster.root / "placement-job"
+    return out, cluster.submit(f"{sys.executable} -m tests.app.cluster_placement {out} {cluster.shared / 'data'}")
+
+
+def test_submitted_job_needs_the_token_and_logs_an_mlflow_run_over_http(cluster, placement_job):
     """A short ``mpipemoe train`` on BPE-tokenized data through Ray's job server: a client
     without the cluster's token is refused; the run is read back over HTTP."""
     from app.tracking.store import client, find_run, metric_history
@@ -345,14 +353,14 @@ def test_submitted_sweep_runs_a_trial_on_each_worker_node(cluster):
     assert all(r.info.status == "FINISHED" for r in trials)
 
 
-def test_one_worker_per_fake_gpu_spread_over_nodes(cluster):
-    """tests/app/cluster_placement.py as a job: 2 workers asking one ``fake_gpu`` each (as
-    ``{"GPU": 1}`` on the real cluster) land one on each worker node, and train together."""
+def test_one_worker_per_fake_gpu_spread_over_nodes(cluster, placement_job):
+    """tests/app/cluster_placement.py as a job (submitted beside the first test's job): 2 workers
+    asking one ``fake_gpu`` each (as ``{"GPU": 1}`` on the real cluster) land one on each worker
+    node, and train together."""
     from tests.app.cluster_placement import STEPS
 
-    out = cluster.root / "placement-job"
-    result = cluster.answer(cluster.submit(
-        f"{sys.executable} -m tests.app.cluster_placement {out} {cluster.shared / 'data'}"))
+    _, submission = placement_job
+    result = cluster.answer(submission)
     assert result["status"] == "SUCCEEDED", cluster.said(result) + cluster.logs()
     report = json.loads([line for line in result["logs"].splitlines() if line.startswith("{")][-1])
     assert report["error"] is None
