@@ -39,7 +39,7 @@ from app.bench.routing_replay import check_routing
 from app.tracking.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.tracking.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
 from app.bench.timeline import trace_name, trace_step
-from app.tracking.store import RunLogger, resolve_tracking_uri
+from app.tracking.store import log_result_run, results_store, scalar_fields
 from moe_engine import FastMoE, build_layer
 from moe_engine.comm import ExpertGroup
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
@@ -390,30 +390,21 @@ def _progress_line(r: dict, elapsed_s: float) -> str:
 
 def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
     """One MLflow run per record (tag kind=bench), plus one per summary (kind=bench-summary)."""
-    try:
-        import mlflow  # noqa: F401  (optional: the records are in the JSON either way)
-    except ImportError:
-        printer("MLflow is not installed here: records stay in the JSON (log them later with --import).")
-        return 0
-    uri = resolve_tracking_uri(tracking_uri)
-    if uri == "none":
+    uri = results_store(tracking_uri, printer, "MLflow is not installed here: records stay in the JSON (log them "
+                                               "later with --import).")
+    if uri is None:
         return 0
     meta = result["meta"]
     count = 0
     for kind, rows in ((BENCH, result["records"]), (BENCH_SUMMARY, result["summaries"])):
         for row in rows:
             name = row.get("setting") or row.get("engine", "summary")
-            run = RunLogger.start(uri, experiment, run_name=f"{row['model']}-{row['tokens']}-{name}",
-                                  tags={**kind_tags(kind), "device": meta["device"], "command": meta["command"][:250],
-                                        "measured_as": meta.get("measured_as", "measured")})
-            params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
+            params, metrics = scalar_fields(row)
             params.update(world_size=meta["world_size"], date=meta["date"], torch=meta["torch"],
                           **{k: meta[k] for k in ("network", "emulated_cluster") if k in meta})
-            metrics = {k: float(v) for k, v in row.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
-            run.log_params(params)
-            run.log_metrics(metrics, step=0, flush=True)
-            run.finish()
+            log_result_run(uri, experiment, f"{row['model']}-{row['tokens']}-{name}",
+                           {**kind_tags(kind), "device": meta["device"], "command": meta["command"][:250],
+                            "measured_as": meta.get("measured_as", "measured")}, params, metrics)
             count += 1
     printer(f"Logged {count} MLflow runs to {uri} (experiment {experiment!r}).")
     return count

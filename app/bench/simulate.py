@@ -33,29 +33,22 @@ EXPERIMENT = "mpipemoe-simulate"
 
 def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
     """One MLflow run per (point, engine), tag kind=simulate."""
-    try:
-        from app.tracking.store import NO_TRACKING, RunLogger, resolve_tracking_uri
-        import mlflow  # noqa: F401
-    except ImportError:
-        printer("MLflow is not installed here: results stay in the JSON.")
-        return 0
-    uri = resolve_tracking_uri(tracking_uri)
-    if uri == NO_TRACKING:
+    from app.tracking.store import log_result_run, results_store
+
+    uri = results_store(tracking_uri, printer, "MLflow is not installed here: results stay in the JSON.")
+    if uri is None:
         return 0
     count = 0
     for point in result["points"]:
         for row in point["engines"]:
-            run = RunLogger.start(uri, experiment, run_name=f"sim-{point['model']}-{point['tokens']}-"
-                                  f"{point['nodes']}x{point['gpus_per_node']}-{row['label']}",
-                                  tags={**kind_tags(SIMULATE), "command": result["meta"]["command"][:250]})
             params = {k: v for k, v in point.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)}
             params.update(label=row["label"], engine=row["engine"], partitions=row["partitions"],
                           strategy=row["strategy"], parts=result["meta"]["parts"])
             metrics = {k: v for k, v in {**point, **row}.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            run.log_params(params)
-            run.log_metrics(metrics, step=0, flush=True)
-            run.finish()
+            log_result_run(uri, experiment, f"sim-{point['model']}-{point['tokens']}-{point['nodes']}x"
+                                            f"{point['gpus_per_node']}-{row['label']}",
+                           {**kind_tags(SIMULATE), "command": result["meta"]["command"][:250]}, params, metrics)
             count += 1
     printer(f"Logged {count} MLflow runs to {uri} (experiment {experiment!r}).")
     return count

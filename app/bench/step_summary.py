@@ -50,26 +50,17 @@ def step_markdown(result: dict) -> str:
 
 def log_step_records(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
     """One MLflow run per step record (tag mpipemoe.kind=bench-step, measured_as=emulated)."""
-    try:
-        import mlflow  # noqa: F401  (optional: the records are in the JSON either way)
-    except ImportError:
-        printer("MLflow is not installed here: the step records stay in the JSON.")
-        return 0
     from app.tracking.run_kinds import BENCH_STEP, kind_tags
-    from app.tracking.store import RunLogger, resolve_tracking_uri
+    from app.tracking.store import log_result_run, results_store, scalar_fields
 
-    uri = resolve_tracking_uri(tracking_uri)
-    if uri == "none":
+    uri = results_store(tracking_uri, printer, "MLflow is not installed here: the step records stay in the JSON.")
+    if uri is None:
         return 0
     meta = result["meta"]
     for row in result["records"]:
-        run = RunLogger.start(uri, experiment, run_name=f"step-{row['model']}-{row['tokens']}-k{row['micro_batches']}-"
-                                                        f"{row['engine']}-{row['chosen_by']}-{row.get('schedule', 'sequential')}",
-                              tags={**kind_tags(BENCH_STEP), "device": meta["device"], "command": meta["command"][:250],
-                                    "measured_as": "emulated"})
-        run.log_params({k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)})
-        run.log_metrics({k: float(v) for k, v in row.items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool)}, step=0, flush=True)
-        run.finish()
+        log_result_run(uri, experiment, f"step-{row['model']}-{row['tokens']}-k{row['micro_batches']}-"
+                                        f"{row['engine']}-{row['chosen_by']}-{row.get('schedule', 'sequential')}",
+                       {**kind_tags(BENCH_STEP), "device": meta["device"], "command": meta["command"][:250],
+                        "measured_as": "emulated"}, *scalar_fields(row))
     printer(f"Logged {len(result['records'])} MLflow runs to {uri} (experiment {experiment!r}).")
     return len(result["records"])

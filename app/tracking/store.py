@@ -357,6 +357,33 @@ class RunLogger:
             self.spool.keep(status=status, reason=type(error).__name__)
 
 
+def results_store(tracking_uri: str | None, printer, absent: str) -> str | None:
+    """Where a command logs the runs of its result file (bench, its step form, simulate): the
+    resolved tracking URI, or None when tracking is off or MLflow is not installed (then
+    ``absent`` is printed: the results stay in their JSON either way)."""
+    if importlib.util.find_spec("mlflow") is None:
+        printer(absent)
+        return None
+    uri = resolve_tracking_uri(tracking_uri)
+    return None if uri == NO_TRACKING else uri
+
+
+def log_result_run(uri: str, experiment: str, run_name: str, tags: dict, params: dict, metrics: dict) -> None:
+    """One finished MLflow run holding one row of a result file: its params, and its metrics at
+    step 0."""
+    run = RunLogger.start(uri, experiment, run_name=run_name, tags=tags)
+    run.log_params(params)
+    run.log_metrics(metrics, step=0, flush=True)
+    run.finish()
+
+
+def scalar_fields(row: dict) -> tuple[dict, dict]:
+    """A result row's params (its str and int fields) and metrics (its numbers, as floats)."""
+    params = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not isinstance(v, bool)}
+    metrics = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return params, metrics
+
+
 class NullRun:
     """Stands in for ``RunLogger`` when tracking is off (tracking URI ``"none"``)."""
 

@@ -440,3 +440,24 @@ def test_the_overlapped_steps_timeline_holds_both_micro_batches_of_the_last_step
             for phase in ("forward", "backward"):
                 assert any(e["name"] == trace_mark(k, phase) for e in inside), (record["engine"], k, phase)
         assert threads["forward"].isdisjoint(threads["backward"])  # the backwards ran on the helper thread
+
+
+def test_step_records_are_logged_one_mlflow_run_each(tmp_path):
+    pytest.importorskip("mlflow")
+    from app.bench.step_summary import log_step_records
+    from app.tracking.run_kinds import BENCH_STEP
+    from app.tracking.store import client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    row = {"model": "tiny-gpt", "tokens": 4096, "micro_batches": 2, "engine": "mpipemoe", "chosen_by": "grid",
+           "schedule": "overlapped", "partitions": 2, "strategy": "S4", "step_ms": 12.5, "below_bound": False}
+    said = []
+    assert log_step_records({"meta": {"device": "cpu", "command": "mpipemoe bench --step"}, "records": [row]},
+                            uri, "steps", printer=said.append) == 1
+    assert log_step_records({"meta": {}, "records": [row]}, "none", "steps") == 0  # tracking off
+    (run,) = client(uri).search_runs([client(uri).get_experiment_by_name("steps").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "step-tiny-gpt-4096-k2-mpipemoe-grid-overlapped"
+    assert run.data.tags["mpipemoe.kind"] == BENCH_STEP and run.data.tags["measured_as"] == "emulated"
+    assert run.data.params["strategy"] == "S4" and "below_bound" not in run.data.params  # bools are neither
+    assert run.data.metrics == {"tokens": 4096.0, "micro_batches": 2.0, "partitions": 2.0, "step_ms": 12.5}
+    assert said == [f"Logged 1 MLflow runs to {uri} (experiment 'steps')."]
