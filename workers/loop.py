@@ -36,7 +36,7 @@ controller has consumed the previous one, and the controller polls every
 step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
 The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
-``config`` is the driver's ``worker_config()`` (app/jobs/launch.py, workers/config.py). One field is
+``config`` is the driver's ``worker_config()`` (app/jobs/job.py, workers/config.py). One field is
 for fault-injection tests only: ``fault = {"kind": ..., "step": s, "rank": r}`` (rank
 default: the last) makes rank r, at step s,
   - "exit":     exit abruptly like a killed process (fresh start only, so the restarted

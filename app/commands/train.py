@@ -22,7 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
-from app.jobs.launch import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob, resume_command, run_job
+from app.jobs.job import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob
+from app.jobs.launch import resume_command, run_job
 from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
 from app.jobs.resume import resumed_job_fields

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.jobs.launch import JOB_FILE, check_run_name, checkpoint_settings, continue_command
+from app.jobs.job import check_run_name
+from app.jobs.launch import JOB_FILE, checkpoint_settings, continue_command
 from app.tracking.store import resolve_tracking_uri
 from lm.data import default_data_dir
 from workers.reshard import resumed_settings

@@ -3,7 +3,7 @@
 
 Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
 is not allowed): the driver builds a ``Tuner`` around the function trainable
-``train_trial`` (app/jobs/trial.py, with the rest of a trial's side); each trial turns its config into an ``app.jobs.launch.TrainJob`` and
+``train_trial`` (app/jobs/trial.py, with the rest of a trial's side); each trial turns its config into an ``app.jobs.job.TrainJob`` and
 calls ``app.jobs.launch.run_job``, which builds and fits a ``TorchTrainer`` and logs the
 job as one MLflow run. The trial reports every step to Tune (``StepReporter``, the
 job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job's summary.
@@ -129,7 +129,7 @@ def parse_value(text: str):
 
 def parse_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     overrides = {}
@@ -160,7 +160,7 @@ def study_space(module, search: str, overrides: dict | None = None) -> dict:
     space.setdefault("checkpoint_every", 0)
     for key in ONE_PER_STUDY:
         _constant(space, key, None)
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     if unknown := sorted(set(space) - fields):

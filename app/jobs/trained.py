@@ -37,7 +37,8 @@ def trained_run(name: str, storage_path: str | None = None, echo=None) -> Traine
     loaded into one process, and the run's tokenizer. ``echo`` (default: stderr) gets one line
     per newer checkpoint skipped as damaged. Raises ValueError naming the fix when the run, a
     checkpoint or its tokenizer is missing, or the tokenizer does not fit the model."""
-    from app.jobs.launch import JOB_FILE, RUN_DATA, check_run_name
+    from app.jobs.job import check_run_name
+    from app.jobs.launch import JOB_FILE, RUN_DATA
     from lm.data import MANIFEST, Manifest
     from lm.errors import invocation
     from lm.tokenizer import load_prepared

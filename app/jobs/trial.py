@@ -57,7 +57,8 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
     ``pruned_at_step`` and marked KILLED."""
     from ray import tune
 
-    from app.jobs.launch import TrainJob, run_job
+    from app.jobs.job import TrainJob
+    from app.jobs.launch import run_job
 
     trial_id = tune.get_context().get_trial_id()
     fields = {f.name for f in dataclasses.fields(TrainJob)}

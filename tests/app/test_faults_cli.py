@@ -26,7 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from app import cli
-from app.jobs.launch import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
+from app.jobs.job import TrainJob
+from app.jobs.launch import JOB_FILE, failure_message, record_segment, save_job, summarize
 from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client
 from app.commands.train import steps_done

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs.launch import RUN_DATA, TrainJob, failure_message, save_job, worker_config
+from app.jobs.job import TrainJob, worker_config
+from app.jobs.launch import RUN_DATA, failure_message, save_job
 from lm.data import MANIFEST, keep_copy, prepare_dataset
 from tests.app.test_faults import _cli, _listing
 from workers import checkpoint as ckpt

@@ -53,7 +53,7 @@ def _grid_points(space: dict):
 
 @pytest.mark.parametrize("study", tune_spaces.STUDIES)
 def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION
@@ -117,7 +117,7 @@ def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
 
 
 def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     assert TrainJob().eval_every > 0   # what loss_metric assumes of a study that does not set it
     assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"
@@ -129,7 +129,8 @@ def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
 def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pruned(tmp_path, monkeypatch):
     import ray.tune
 
-    from app.jobs.launch import STOP_JOB, TrainJob
+    from app.jobs.job import TrainJob
+    from app.jobs.launch import STOP_JOB
 
     job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
     settings = trial.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),

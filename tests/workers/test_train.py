@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.jobs.launch import TrainJob, save_job, summarize, worker_config
+from app.jobs.job import TrainJob, worker_config
+from app.jobs.launch import save_job, summarize
 from app.commands.train import add_arguments, job_from_args
 from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
