@@ -23,10 +23,10 @@ import uuid
 from pathlib import Path
 
 from app.jobs.job import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob
-from app.jobs.launch import resume_command, run_job
+from app.jobs.launch import run_job
 from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
-from app.jobs.resume import resumed_job_fields
+from app.jobs.resume import resume_command, resumed_job_fields
 from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation

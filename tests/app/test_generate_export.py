@@ -14,7 +14,7 @@ import torch
 
 from app import cli
 from app.jobs.job import TrainJob, worker_config
-from app.jobs.launch import save_job
+from app.jobs.resume import save_job
 from lm.data import prepare_dataset
 from lm.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
 

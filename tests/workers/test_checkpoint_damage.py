@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from app.jobs.job import TrainJob
-from app.jobs.launch import choose_checkpoint
+from app.jobs.resume import choose_checkpoint
 from workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.faults

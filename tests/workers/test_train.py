@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.jobs.job import TrainJob, worker_config
-from app.jobs.launch import save_job, summarize
+from app.jobs.launch import summarize
+from app.jobs.resume import save_job
 from app.commands.train import add_arguments, job_from_args
 from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
