@@ -358,7 +358,7 @@ def test_an_engine_switch_on_resume_is_recorded_in_mlflow_and_the_report(tmp_pat
 # ---- Ray's token file -------------------------------------------------------------------------------------
 
 def test_rays_token_is_written_private(tmp_path, monkeypatch):
-    from app.jobs.launch import private_ray_token
+    from app.jobs.ray_start import private_ray_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):

@@ -186,7 +186,7 @@ def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path, mode)
 
 def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
     pytest.importorskip("ray")
-    from app.jobs.launch import build_trainer
+    from app.jobs.ray_start import build_trainer
 
     prepare_dataset(tmp_path / "data", max_bytes=50_000, row_len=1000)
     job = TrainJob(use_gpu=True, num_workers=4, data_dir=str(tmp_path / "data"),
