@@ -27,7 +27,7 @@ import pytest
 
 from app import cli
 from app.jobs.job import TrainJob
-from app.jobs.launch import failure_message, summarize
+from app.jobs.progress import failure_message, summarize
 from app.jobs.resume import JOB_FILE, record_segment, save_job
 from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client

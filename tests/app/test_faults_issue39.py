@@ -13,7 +13,7 @@ import torch
 
 from app import cli
 from app.jobs.job import TrainJob, worker_config
-from app.jobs.launch import failure_message
+from app.jobs.progress import failure_message
 from app.jobs.resume import RUN_DATA, save_job
 from lm.data import MANIFEST, keep_copy, prepare_dataset
 from tests.app.test_faults import _cli, _listing

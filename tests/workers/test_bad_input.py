@@ -17,7 +17,7 @@ import torch
 
 from app import cli
 from app.jobs.job import TrainJob
-from app.jobs.launch import _MetricsPump, summarize
+from app.jobs.progress import _MetricsPump, summarize
 from app.jobs.preflight import ensure_data
 from app.jobs.ray_start import build_trainer, check_resources
 from app.commands.train import add_arguments, job_from_args
