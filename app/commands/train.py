@@ -6,9 +6,9 @@
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
     mpipemoe train --config run.toml --steps 300     # a TOML file's options, flags override
 
-The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs/launch.py,
-shared with the sweep and capacity commands; this module is the command line, the
-``--engines`` comparison and the summary it prints. MLflow is imported only to quiet its
+The job itself (``TrainJob``: app/jobs/job.py; ``run_job``: checks, Ray, the trainer, MLflow:
+app/jobs/launch.py) is shared with the sweep and capacity commands; this module is the command
+line, the ``--engines`` comparison and the summary it prints. MLflow is imported only to quiet its
 logger (``_quiet_mlflow``): ``--tracking-uri none`` runs without it.
 """
 from __future__ import annotations

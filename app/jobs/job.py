@@ -4,8 +4,8 @@ run-name rules, and what the workers are given (``worker_config``: every setting
 
     job = TrainJob(preset="tiny-gpt", steps=50)      # validated, paths made absolute
 
-The checks against this machine, its data and a recorded run, and starting the job, are
-app/jobs/launch.py.
+The checks against this machine and the data are app/jobs/preflight.py; those against a
+recorded run, app/jobs/resume.py; running the job, app/jobs/launch.py.
 """
 from __future__ import annotations
 

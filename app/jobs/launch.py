@@ -1,13 +1,18 @@
-"""Building and starting Ray Train jobs: the driver side of ``mpipemoe train``, shared by the
-commands that run training jobs (train, sweep, capacity).
+"""Running a training job: the driver side of ``mpipemoe train``, shared by the commands that
+run training jobs (train, sweep, capacity).
 
     job = TrainJob(preset="tiny-gpt", steps=50)      # app/jobs/job.py: validated, paths made absolute
     summary = run_job(job)                           # checks, Ray, one MLflow run, the summary
 
 Three layers (docs/design.md §3): ``workers.loop.train_fn_per_worker`` runs in every worker;
-``build_trainer(job)`` makes the ``TorchTrainer``; ``run_job(job)`` starts/joins Ray,
-fits, and logs one MLflow run. The sweep calls ``run_job`` inside Ray Tune trials; the
-capacity search calls ``build_trainer`` with its own worker function.
+``build_trainer(job)`` (app/jobs/ray_start.py) makes the ``TorchTrainer``; ``run_job(job)``
+starts/joins Ray, fits, and logs one MLflow run. The sweep calls ``run_job`` inside Ray Tune
+trials; the capacity search calls ``build_trainer`` with its own worker function.
+
+``run_job`` checks the job before Ray starts (app/jobs/preflight.py; a recorded run's settings:
+app/jobs/resume.py), holds the run name's lock, fits so that Ctrl-C and SIGTERM stop the
+workers after their current step with a checkpoint (``TrainingInterrupted``), and ends the
+MLflow run with the summary (app/jobs/progress.py).
 
 MLflow is written by the *driver* only, from per-step metrics that rank 0 puts on a
 small Ray queue actor: workers on a cluster may not reach the tracking store, the
