@@ -299,7 +299,7 @@ class Trainer:
         self.sampler = rank_batches(config.data_dir, rank, world_size, config.data_shards, config.batch_size,
                                     window, config.seed)
         # the fixed validation batches; None without a split, or one too small for every rank (the
-        # driver says so: app/jobs/launch.py ensure_data)
+        # driver says so: app/jobs/preflight.py ensure_data)
         val_stream = open_val_stream(config.data_dir) if config.eval_every else None
         self.validation = None if val_stream is None or len(val_stream) // window < world_size else \
             ValidationBatches(val_stream, config.batch_size, window, config.eval_batches, rank, world_size)
