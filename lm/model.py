@@ -140,7 +140,7 @@ MODEL_OVERRIDES = ("seq_len", "num_experts", "num_layers") + ROUTING_OVERRIDES
 
 
 def check_routing_overrides(settings, fail) -> None:
-    """The routing overrides of ``settings`` (an app.jobs.launch.TrainJob: None keeps the
+    """The routing overrides of ``settings`` (an app.jobs.job.TrainJob: None keeps the
     preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
     top_k, factor, activation = settings.top_k, settings.capacity_factor, settings.activation
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):

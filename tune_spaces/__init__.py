@@ -13,7 +13,7 @@ Each study module gives:
 - ``DESCRIPTION``: one line for ``--help`` and the MLflow parent run.
 - ``param_space(search="grid") -> dict``: the Tune param space for that search algorithm
   (a grid for "grid", distributions for "random"/"optuna"). Keys are fields of
-  ``app.jobs.launch.TrainJob`` (preset, engine, steps, num_workers, batch_size,
+  ``app.jobs.job.TrainJob`` (preset, engine, steps, num_workers, batch_size,
   seq_len, partitions, strategy, lr, ...); every trial is one Ray Train run of the
   training application built from them. ``num_workers`` and ``steps`` are constants per
   study: ``app.jobs.sweep`` sizes the concurrency and ASHA's budget from them.
@@ -159,7 +159,7 @@ def load_data_file(path: Path) -> SimpleNamespace:
 
 def loss_metric(job_fields: dict) -> str:
     """The loss a study ranks by: VAL_LOSS when its training jobs evaluate (EVAL_FIELD above
-    0, or not set: ``app.jobs.launch.TrainJob`` evaluates by default), else TRAIN_LOSS."""
+    0, or not set: ``app.jobs.job.TrainJob`` evaluates by default), else TRAIN_LOSS."""
     every = job_fields.get(EVAL_FIELD, 1)
     return VAL_LOSS if isinstance(every, int) and every > 0 else TRAIN_LOSS
 

@@ -1,6 +1,6 @@
 """What the driver hands each Ray Train worker: one frozen, validated ``WorkerConfig``.
 
-The driver builds it with ``app.jobs.launch.worker_config(job, use_gpu)`` (all settings resolved:
+The driver builds it with ``app.jobs.job.worker_config(job, use_gpu)`` (all settings resolved:
 device, dtype, threads, the data's mask id); ``workers/loop.py`` (training) and
 ``workers/capacity.py`` (the batch-size search) read its attributes. Ray pickles it to the
 workers like any value. Tests build one directly, with the defaults below.
@@ -37,7 +37,7 @@ def _is_int(value: object) -> bool:
 
 
 def check_optimisation(settings: Any, fail: Callable[[str, object, str], NoReturn]) -> None:
-    """The optimisation settings of ``settings`` (a WorkerConfig or an app.jobs.launch.TrainJob):
+    """The optimisation settings of ``settings`` (a WorkerConfig or an app.jobs.job.TrainJob):
     ``fail(field, value, fix)`` raises for the first bad one."""
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "aux_loss_weight"):
         value = getattr(settings, name)

@@ -29,7 +29,7 @@ and on one gloo group two ranks issuing them in a different order would pair the
 collectives.
 
 DTensor and FSDP2 (``torch.distributed.tensor``, ``.fsdp``) are imported where they are used:
-importing them costs about 0.5 s, which the driver (app/jobs/launch.py reads ``training_state_bytes``
+importing them costs about 0.5 s, which the driver (app/jobs/job.py reads ``training_state_bytes``
 here) and DDP runs need not pay.
 """
 from __future__ import annotations

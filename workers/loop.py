@@ -36,7 +36,7 @@ controller has consumed the previous one, and the controller polls every
 step per 2 s (measured: 0.1 s steps took 2 s of wall time each on CPU and on an H200).
 The queue actor carries every step instead; Ray Train sees the checkpointed steps.
 
-``config`` is the driver's ``worker_config()`` (app/jobs/launch.py, workers/config.py). One field is
+``config`` is the driver's ``worker_config()`` (app/jobs/job.py, workers/config.py). One field is
 for fault-injection tests only: ``fault = {"kind": ..., "step": s, "rank": r}`` (rank
 default: the last) makes rank r, at step s,
   - "exit":     exit abruptly like a killed process (fresh start only, so the restarted
@@ -299,7 +299,7 @@ class Trainer:
         self.sampler = rank_batches(config.data_dir, rank, world_size, config.data_shards, config.batch_size,
                                     window, config.seed)
         # the fixed validation batches; None without a split, or one too small for every rank (the
-        # driver says so: app/jobs/launch.py ensure_data)
+        # driver says so: app/jobs/preflight.py ensure_data)
         val_stream = open_val_stream(config.data_dir) if config.eval_every else None
         self.validation = None if val_stream is None or len(val_stream) // window < world_size else \
             ValidationBatches(val_stream, config.batch_size, window, config.eval_batches, rank, world_size)

@@ -68,7 +68,7 @@ def check_worker_count(num_experts: int, global_batch: int, workers: int, where:
 
 
 def resumed_settings(recorded: dict[str, Any], given: dict[str, Any], name: str) -> dict[str, Any]:
-    """Local. The job settings (``app.jobs.launch.TrainJob`` fields) a resume of the run ``recorded``
+    """Local. The job settings (``app.jobs.job.TrainJob`` fields) a resume of the run ``recorded``
     continues with, when the user asked for ``given`` (options set on the command line).
 
     Same worker count: ``{**recorded, **given}``. Another ``num_workers``: the data keeps the

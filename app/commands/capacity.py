@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from app.jobs.capacity import CapacitySearch, comparison_table, find_capacity, log_to_mlflow
-from app.jobs.launch import TrainJob
+from app.jobs.job import TrainJob
 from app.tracking.records import DEFAULT_OUT_DIR, CapacityResult, RecordMeta, record_meta
 from app.tracking.store import resolve_tracking_uri
 from lm.model import PRESETS

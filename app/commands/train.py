@@ -6,9 +6,9 @@
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
     mpipemoe train --config run.toml --steps 300     # a TOML file's options, flags override
 
-The job itself (``TrainJob``, ``run_job``: checks, Ray, the trainer, MLflow) is app/jobs/launch.py,
-shared with the sweep and capacity commands; this module is the command line, the
-``--engines`` comparison and the summary it prints. MLflow is imported only to quiet its
+The job itself (``TrainJob``: app/jobs/job.py; ``run_job``: checks, Ray, the trainer, MLflow:
+app/jobs/launch.py) is shared with the sweep and capacity commands; this module is the command
+line, the ``--engines`` comparison and the summary it prints. MLflow is imported only to quiet its
 logger (``_quiet_mlflow``): ``--tracking-uri none`` runs without it.
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ import time
 import uuid
 from pathlib import Path
 
-from app.jobs.launch import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob, resume_command, run_job
+from app.jobs.job import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob
+from app.jobs.launch import run_job
 from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
-from app.jobs.resume import resumed_job_fields
+from app.jobs.resume import resume_command, resumed_job_fields
 from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.jobs.launch import TrainJob, build_trainer, ensure_data, init_ray
+from app.jobs.job import TrainJob
+from app.jobs.preflight import ensure_data
+from app.jobs.ray_start import build_trainer, init_ray
 from app.tracking.records import CapacityResult, EngineCapacity
 from app.tracking.run_kinds import CAPACITY, kind_tags
 from app.tracking.store import NO_TRACKING, RunLogger

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from app.jobs.launch import TrainJob, run_job
+from app.jobs.job import TrainJob
+from app.jobs.launch import run_job
 from app.tracking.run_kinds import COMPARE, kind_tags
 from app.tracking.store import NO_TRACKING, NullRun, RunLogger
 from moe_engine.config import ENGINES

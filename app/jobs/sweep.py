@@ -3,7 +3,7 @@
 
 Layers (Ray's Train-inside-Tune pattern under Train V2, where ``Tuner(TorchTrainer)``
 is not allowed): the driver builds a ``Tuner`` around the function trainable
-``train_trial`` (app/jobs/trial.py, with the rest of a trial's side); each trial turns its config into an ``app.jobs.launch.TrainJob`` and
+``train_trial`` (app/jobs/trial.py, with the rest of a trial's side); each trial turns its config into an ``app.jobs.job.TrainJob`` and
 calls ``app.jobs.launch.run_job``, which builds and fits a ``TorchTrainer`` and logs the
 job as one MLflow run. The trial reports every step to Tune (``StepReporter``, the
 job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job's summary.
@@ -29,8 +29,9 @@ job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job'
   finished trials are kept, unfinished and errored ones run again.
 
 Ray and Ray Tune (the ``ray`` extra) are imported inside the functions that use them, as
-in app/jobs/launch.py; so is app/jobs/launch.py itself, which loads torch (about 2 s): only a trial runs a
-job, and `mpipemoe sweep --help` stays fast.
+in app/jobs/launch.py; so are app/jobs/job.py and app/jobs/launch.py themselves, which load torch
+(about 2 s): only a trial runs a job, and `mpipemoe sweep --help` stays fast. A finished study's
+results are counted and tabled in app/jobs/study_results.py.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import tune_spaces
+from app.jobs.study_results import _cell, _varying, best_trial, count_pruned, count_trials, format_results
 from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, local_train_env, stopping_trainable,
                             study_parent_run, train_trial)
 from app.tracking import sweep_rank
@@ -66,7 +68,6 @@ class Plan:
     use_gpu: bool
     cpus_per_worker: float | None   # None: TrainJob's default (GPU runs)
     max_concurrent_trials: int
-
 
 
 def _floor2(value: float) -> float:
@@ -129,7 +130,7 @@ def parse_value(text: str):
 
 def parse_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     overrides = {}
@@ -160,7 +161,7 @@ def study_space(module, search: str, overrides: dict | None = None) -> dict:
     space.setdefault("checkpoint_every", 0)
     for key in ONE_PER_STUDY:
         _constant(space, key, None)
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     if unknown := sorted(set(space) - fields):
@@ -264,79 +265,6 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     # KILLED: interrupted; running the study again resumes it (and reopens this run)
     parent.finish("FAILED" if failed else "FINISHED" if finished == len(results) else "KILLED")
     return results
-
-
-def count_trials(results, metric: str = tune_spaces.METRIC) -> tuple[int, int]:
-    """(errored, finished) trials of a ResultGrid; the rest were interrupted or never started.
-    A trial stopped early by the scheduler (pruned) counts as finished: it reported ``metric``."""
-    failed = sum(1 for r in results if r.error)
-    finished = sum(1 for r in results if not r.error and metric in (r.metrics or {}))
-    return failed, finished
-
-
-def _pruned(result, steps) -> bool:
-    """Whether a trial stopped before the study's ``steps`` without an error (the scheduler's doing)."""
-    metrics = result.metrics or {}
-    return not result.error and steps is not None and "steps" not in metrics and metrics.get("step", steps) < steps
-
-
-def count_pruned(results, space: dict) -> int:
-    """Trials the scheduler stopped early: their last report is a step's, not the summary."""
-    steps = space.get("steps") if not isinstance(space.get("steps"), dict) else None
-    return sum(1 for r in results if _pruned(r, steps))
-
-
-def best_trial(results, metric: str, mode: str):
-    """The trial with the best last reported ``metric`` (lowest for mode "min"), None if none reported it."""
-    scored = [r for r in results if not r.error and math.isfinite((r.metrics or {}).get(metric, math.nan))]
-    if not scored:
-        return None
-    return (min if mode == "min" else max)(scored, key=lambda r: r.metrics[metric])
-
-
-def _varying(results) -> list[str]:
-    configs = [r.config or {} for r in results]
-    return sorted({k for c in configs for k in c if len({str(cc.get(k)) for cc in configs}) > 1})
-
-
-FINAL_VAL_LOSS = "final_val_loss"  # run_job's summary: the validation loss at the last step
-
-
-def format_results(results, metric: str = tune_spaces.METRIC, steps: int | None = None,
-                   mode: str | None = None) -> str:
-    """A plain-text table: one line per trial, the varying config and the key metrics; a
-    trial the scheduler stopped early shows "pruned@STEP", a refused or failed setting its
-    outcome. ``mode`` ("min"/"max"): trials sorted best first by ``metric`` (those without
-    it last); None: in Tune's order."""
-    rows = [(r.config or {}, r.metrics or {}, r.error, _pruned(r, steps)) for r in results]
-    if mode is not None:
-        def key(row):
-            value = row[1].get(metric, math.nan)
-            scored = isinstance(value, (int, float)) and math.isfinite(value)
-            return (0, value if mode == "min" else -value) if scored else (1, 0.0)
-        rows.sort(key=key)
-    varying = _varying(results)
-    ranked = [metric] if metric not in (tune_spaces.METRIC, tune_spaces.TRAIN_LOSS) else []
-    if metric != tune_spaces.VAL_LOSS and any(FINAL_VAL_LOSS in m for _, m, _, _ in rows):
-        ranked.append(FINAL_VAL_LOSS)  # a throughput study on data with a validation split
-    header = varying + ranked + ["tokens/s", "loss", "peak MiB", "status"]
-    lines = [header]
-    for config, metrics, error, pruned in rows:
-        peak = metrics.get("peak_memory_bytes")
-        loss = metrics.get("final_loss", metrics.get("loss"))
-        status = "ERROR" if error else str(metrics["outcome"]) if metrics.get("outcome") else \
-            f"pruned@{metrics.get('step')}" if pruned else "ok" if metric in metrics else "unfinished"
-        lines.append([_cell(config.get(k)) for k in varying]
-                     + [f"{metrics[m]:.4f}" if m in metrics else "-" for m in ranked] + [
-            f"{metrics.get(tune_spaces.METRIC, float('nan')):.0f}",
-            f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
-            f"{peak / 2**20:.1f}" if isinstance(peak, (int, float)) else "-", status])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)
-
-
-def _cell(value) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def study_overrides(set_items: list[str], shortcuts: dict) -> dict:

@@ -18,7 +18,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from app.jobs.launch import TrainJob
+from app.jobs.job import TrainJob
 
 # TrainJob fields a file may not set: the driver's nesting of a run under a sweep's.
 NOT_IN_FILES = ("parent_run_id",)

@@ -4,7 +4,7 @@ and the tokenizer the run trained with. Shared by ``mpipemoe generate`` (app/com
 
 The checkpoint is chosen as ``train --resume`` chooses it (``workers.checkpoint.choose``:
 sizes and CRC-32 checksums against its ``meta.json``; newer damaged ones are named and
-skipped). The tokenizer is the copy the run keeps in ``<run>/data/`` (app/jobs/launch.py,
+skipped). The tokenizer is the copy the run keeps in ``<run>/data/`` (app/jobs/resume.py,
 ``RUN_DATA``); a run trained before runs kept one uses its data folder's, if that still has
 the model's vocabulary.
 """
@@ -37,7 +37,8 @@ def trained_run(name: str, storage_path: str | None = None, echo=None) -> Traine
     loaded into one process, and the run's tokenizer. ``echo`` (default: stderr) gets one line
     per newer checkpoint skipped as damaged. Raises ValueError naming the fix when the run, a
     checkpoint or its tokenizer is missing, or the tokenizer does not fit the model."""
-    from app.jobs.launch import JOB_FILE, RUN_DATA, check_run_name
+    from app.jobs.job import check_run_name
+    from app.jobs.resume import JOB_FILE, RUN_DATA
     from lm.data import MANIFEST, Manifest
     from lm.errors import invocation
     from lm.tokenizer import load_prepared

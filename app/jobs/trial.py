@@ -5,8 +5,8 @@ outcome (refused, failed, pruned), the trainable that stops a pruned trial's job
 (``stopping_trainable``), the gate that caps the jobs running at once (``TrialGate``), and the
 Ray Train settings that keep an embedded trial's start-up short (``LOCAL_RAY_TRAIN_ENV``).
 
-Ray and Ray Tune are imported inside the functions that use them, and so is
-app/jobs/launch.py (it loads torch): `mpipemoe sweep --help` stays fast.
+Ray and Ray Tune are imported inside the functions that use them, and so are
+app/jobs/job.py and app/jobs/launch.py (they load torch): `mpipemoe sweep --help` stays fast.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def train_trial(config: dict, *, settings: TrialSettings) -> None:
     ``pruned_at_step`` and marked KILLED."""
     from ray import tune
 
-    from app.jobs.launch import TrainJob, run_job
+    from app.jobs.job import TrainJob
+    from app.jobs.launch import run_job
 
     trial_id = tune.get_context().get_trial_id()
     fields = {f.name for f in dataclasses.fields(TrainJob)}

@@ -38,7 +38,7 @@ def kind_filters(kind: str) -> tuple[str, str]:
 
 # A training run resumed with other settings (engine, partitions, strategy, ...): the tag holds
 # JSON, one object per segment: {"from_step": first step, the segment's settings}; written
-# by app/jobs/launch.py (record_segment), read by the report.
+# by app/jobs/resume.py (record_segment), read by the report.
 SEGMENTS_TAG = "mpipemoe.segments"
 
 

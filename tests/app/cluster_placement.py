@@ -35,7 +35,7 @@ def main(out_dir: str, data_dir: str) -> dict:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.jobs.launch import TrainJob, worker_config
+    from app.jobs.job import TrainJob, worker_config
 
     out = Path(out_dir)
     (out / "placement").mkdir(parents=True, exist_ok=True)

@@ -229,7 +229,7 @@ def test_submitted_job_needs_the_token_and_logs_an_mlflow_run_over_http(cluster,
 
 def _straight_losses(job) -> list[float]:
     """The job's N steps on 2 gloo ranks without Ray (no checkpoint, no restart)."""
-    from app.jobs.launch import worker_config
+    from app.jobs.job import worker_config
     from tests.distributed import run_on_ranks
 
     return run_on_ranks(2, _train_straight, worker_config(job, use_gpu=False))[0]
@@ -259,7 +259,7 @@ def _registered_checkpoints(run_dir: Path) -> int:
 
 
 def test_submitted_training_job_survives_the_loss_of_a_node(cluster):
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
     from app.tracking.store import client, find_run, metric_history
 
     storage = cluster.shared / "ray_results"

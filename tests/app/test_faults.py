@@ -179,7 +179,8 @@ def test_read_only_store(env, tmp_path, capsys):
 # ---- refused resumes change nothing ----------------------------------------------------------
 
 def test_refused_resume_changes_nothing_on_disk(env, tmp_path, capsys):
-    from app.jobs.launch import JOB_FILE, TrainJob, save_job
+    from app.jobs.job import TrainJob
+    from app.jobs.resume import JOB_FILE, save_job
 
     storage = tmp_path / "rr"
     save_job(TrainJob(preset="tiny-gpt", seq_len=32, storage_path=str(storage), name="base", tracking_uri="none",

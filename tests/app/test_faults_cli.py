@@ -26,7 +26,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from app import cli
-from app.jobs.launch import JOB_FILE, TrainJob, failure_message, record_segment, save_job, summarize
+from app.jobs.job import TrainJob
+from app.jobs.progress import failure_message, summarize
+from app.jobs.resume import JOB_FILE, record_segment, save_job
 from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client
 from app.commands.train import steps_done
@@ -121,14 +123,14 @@ def test_a_wrong_attempt_on_a_run_without_its_settings_file_changes_nothing(data
     # store and data from any folder
     after = {p: (storage / p).read_bytes() for p in _listing(storage) if (storage / p).is_file()}
     assert after == before and not (run_dir / JOB_FILE).exists()
-    from app.jobs.launch import check_continues
+    from app.jobs.resume import check_continues
 
     check_continues(TrainJob(preset="tiny-gpt", seq_len=32, num_workers=2, storage_path=str(storage), name="ck",
                              tracking_uri="none"))  # the printed settings continue it
 
 
 def test_routing_overrides_shape_the_model_and_bind_the_run(tmp_path):
-    from app.jobs.launch import check_continues, checkpoint_settings, continue_command
+    from app.jobs.resume import check_continues, checkpoint_settings, continue_command
 
     job = TrainJob(preset="tiny-gpt", top_k=1, capacity_factor=1.25, activation="swiglu", storage_path=str(tmp_path),
                    name="rt", tracking_uri="none")
@@ -356,7 +358,7 @@ def test_an_engine_switch_on_resume_is_recorded_in_mlflow_and_the_report(tmp_pat
 # ---- Ray's token file -------------------------------------------------------------------------------------
 
 def test_rays_token_is_written_private(tmp_path, monkeypatch):
-    from app.jobs.launch import private_ray_token
+    from app.jobs.ray_start import private_ray_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs.launch import RUN_DATA, TrainJob, failure_message, save_job, worker_config
+from app.jobs.job import TrainJob, worker_config
+from app.jobs.progress import failure_message
+from app.jobs.resume import RUN_DATA, save_job
 from lm.data import MANIFEST, keep_copy, prepare_dataset
 from tests.app.test_faults import _cli, _listing
 from workers import checkpoint as ckpt
@@ -103,7 +105,7 @@ def test_the_runs_kept_tokenizer_is_used_after_its_data_is_prepared_again(run, c
                        job.storage_path])
     capsys.readouterr()
     assert status == 0  # the run's BPE (vocabulary 300) from <run>/data, not the folder's bytes
-    from app.jobs.launch import check_same_tokenizer
+    from app.jobs.resume import check_same_tokenizer
 
     with pytest.raises(ValueError, match=r"run r trained on tokenizer .*\(vocabulary 300\), but .* now holds data "
                                          r"of tokenizer bytes-v1 \(vocabulary 259\) .*data prepare .*--tokenizer "):
@@ -209,7 +211,7 @@ def test_rays_dead_worker_words_are_said_as_a_dead_worker(tmp_path):
 
 
 def test_a_run_whose_first_checkpoint_never_finished_trains_again(tmp_path):
-    from app.jobs.launch import choose_checkpoint
+    from app.jobs.resume import choose_checkpoint
 
     job = TrainJob(storage_path=str(tmp_path), name="full", tracking_uri="none")
     (job.run_dir / "checkpoint_000005").mkdir(parents=True)

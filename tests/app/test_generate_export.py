@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs.launch import TrainJob, save_job, worker_config
+from app.jobs.job import TrainJob, worker_config
+from app.jobs.resume import save_job
 from lm.data import prepare_dataset
 from lm.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
 

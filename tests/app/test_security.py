@@ -63,7 +63,8 @@ def test_exposure_warning(host, warns):
 
 def test_embedded_ray_has_no_dashboard(monkeypatch):
     ray = pytest.importorskip("ray")
-    from app.jobs.launch import TrainJob, init_ray
+    from app.jobs.job import TrainJob
+    from app.jobs.ray_start import init_ray
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

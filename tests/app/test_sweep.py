@@ -17,7 +17,7 @@ import pytest
 
 import tune_spaces
 from app.commands import sweep as sweep_command
-from app.jobs import sweep, trial
+from app.jobs import study_results, sweep, trial
 from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,7 +53,7 @@ def _grid_points(space: dict):
 
 @pytest.mark.parametrize("study", tune_spaces.STUDIES)
 def test_every_trial_of_every_study_is_a_valid_train_job(study, tmp_path):
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     module = tune_spaces.load(study)
     assert module.DESCRIPTION
@@ -80,7 +80,7 @@ def test_unknown_study_names_the_choices():
 def test_results_table_shows_the_validation_loss_where_trials_have_one():
     from types import SimpleNamespace
 
-    from app.jobs.sweep import format_results
+    from app.jobs.study_results import format_results
 
     results = [SimpleNamespace(config={"lr": lr}, metrics=metrics, error=None) for lr, metrics in (
         (1e-3, {"tokens_per_s": 10.0, "final_loss": 3.0, "final_val_loss": 2.5}),
@@ -117,7 +117,7 @@ def test_grid_studies_refuse_optuna_before_ray_is_touched(tmp_path):
 
 
 def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
-    from app.jobs.launch import TrainJob
+    from app.jobs.job import TrainJob
 
     assert TrainJob().eval_every > 0   # what loss_metric assumes of a study that does not set it
     assert tune_spaces.loss_metric({}) == tune_spaces.VAL_LOSS == "val_loss"
@@ -129,7 +129,8 @@ def test_loss_studies_rank_by_validation_loss_where_the_jobs_evaluate():
 def test_trial_reports_every_step_carrying_the_metric_and_stops_its_job_when_pruned(tmp_path, monkeypatch):
     import ray.tune
 
-    from app.jobs.launch import STOP_JOB, TrainJob
+    from app.jobs.job import TrainJob
+    from app.jobs.launch import STOP_JOB
 
     job = TrainJob(name="lr-trial", steps=40, storage_path=str(tmp_path), data_dir=str(tmp_path), tracking_uri="none")
     settings = trial.TrialSettings(study="lr", tracking_uri="none", train_storage_path=str(tmp_path),
@@ -249,11 +250,11 @@ def test_pruned_trials_and_the_best_one_are_named(tmp_path):
                Result(config={"lr": 1e-1, "steps": 40}, metrics={"step": 10, "loss": 5.5}, error=None),
                Result(config={"lr": 3e-3, "steps": 40}, metrics={"step": 40, "steps": 40, "loss": 2.5}, error=None),
                Result(config={"lr": 3e-2, "steps": 40}, metrics={}, error=RuntimeError("x"))]
-    assert sweep.count_pruned(results, {"steps": 40}) == 1
-    assert sweep.best_trial(results, "loss", "min").config["lr"] == 3e-3
-    assert sweep.best_trial(results, "loss", "max").config["lr"] == 1e-1
-    assert sweep.count_trials(results, "loss") == (1, 3)
-    table = sweep.format_results(results, "loss", 40).splitlines()
+    assert study_results.count_pruned(results, {"steps": 40}) == 1
+    assert study_results.best_trial(results, "loss", "min").config["lr"] == 3e-3
+    assert study_results.best_trial(results, "loss", "max").config["lr"] == 1e-1
+    assert study_results.count_trials(results, "loss") == (1, 3)
+    table = study_results.format_results(results, "loss", 40).splitlines()
     assert table[0].split() == ["lr", "tokens/s", "loss", "peak", "MiB", "status"]
     assert table[2].split()[0] == "0.1" and table[2].split()[-1] == "pruned@10"
     assert table[3].split()[-1] == "ok" and table[4].split()[-1] == "ERROR"
@@ -341,7 +342,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
                   stop_grace_s=0)  # a light trainable runs no Train job to wait for
 
     first = sweep.run_study("smoke", **common)
-    assert sweep.count_trials(first) == (0, 1)  # only mpipemoe finished
+    assert study_results.count_trials(first) == (0, 1)  # only mpipemoe finished
     assert log.read_text().split() == ["mpipemoe", "fastmoe"]
 
     second = sweep.run_study("smoke", **common)  # same storage path: Tuner.restore
@@ -350,7 +351,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     starts = log.read_text().split()
     assert starts.count("mpipemoe") == 1  # finished before the interruption: not run again
     assert starts.count("fastmoe") == 2 and starts.count("fastermoe") == 1
-    assert sweep.count_trials(second) == (0, 3)
+    assert study_results.count_trials(second) == (0, 3)
 
     from app.tracking.store import client  # one parent run, reopened by the resume and closed again
 
@@ -374,7 +375,7 @@ def test_the_sweep_record_tool_reads_the_printed_table():
                                                     "tokens_per_s": 9e3, "peak_memory_bytes": 2**29}, error=None),
                Result(config={"lr": 1e-1}, metrics={"step": 10, "val_loss": 4.6, "loss": 4.8, "tokens_per_s": 8e3,
                                                     "peak_memory_bytes": 2**29}, error=None)]
-    log = (sweep.format_results(results, "val_loss", 40)
+    log = (study_results.format_results(results, "val_loss", 40)
            + "\nBest trial (lowest val_loss): lr=0.003 val_loss 2.51; 1 of 2 trials pruned by asha\n")
     made = tool.record(log, command="mpipemoe sweep lr")
     assert (made["trials"], made["pruned"], made["finished"], made["pruned_at"]) == (2, 1, 1, {"pruned@10": 1})
@@ -521,9 +522,9 @@ def test_the_final_table_is_sorted_by_the_metric_and_shows_refusals():
                       error=None),
                Result(config={"lr": 3e-3}, metrics={"val_loss": 2.5, "tokens_per_s": 1.0, "step": 8, "steps": 8},
                       error=None)]
-    rows = [line.split() for line in sweep.format_results(results, "val_loss", 8, "min").splitlines()[1:]]
+    rows = [line.split() for line in study_results.format_results(results, "val_loss", 8, "min").splitlines()[1:]]
     assert [(row[0], row[-1]) for row in rows] == [("0.003", "ok"), ("0.001", "ok"), ("0.1", "refused")]
-    rows = [line.split() for line in sweep.format_results(results, "val_loss", 8, "max").splitlines()[1:]]
+    rows = [line.split() for line in study_results.format_results(results, "val_loss", 8, "max").splitlines()[1:]]
     assert [row[0] for row in rows] == ["0.001", "0.003", "0.1"]
 
 
@@ -574,11 +575,11 @@ def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_lo
                   data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=_erroring_trial(log, marker),
                   stop_grace_s=0)
     first = sweep.run_study("smoke", **common)
-    assert sweep.count_trials(first) == (3, 0)
+    assert study_results.count_trials(first) == (3, 0)
     marker.unlink()
     log.write_text("")
     second = sweep.run_study("smoke", **common)  # Tuner.restore with the errored trials
-    assert sweep.count_trials(second) == (0, 3)
+    assert study_results.count_trials(second) == (0, 3)
     assert sorted(line.split()[2] for line in log.read_text().splitlines() if line.startswith("start")) == [
         "fastermoe", "fastmoe", "mpipemoe"]
     assert _most_at_once(log) == 1

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app import cli
-from app.jobs.launch import TrainJob
+from app.jobs.job import TrainJob
 from app.tracking.store import client
 from lm.data import prepare_dataset
 

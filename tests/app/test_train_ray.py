@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.jobs.launch import TrainJob, run_job
+from app.jobs.job import TrainJob
+from app.jobs.launch import run_job
 from app.tracking.store import client, metric_history
 from app.commands.train import add_arguments, run
 from app.jobs.compare import compare_engines

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from app import cli  # noqa: E402
-from app.jobs.launch import TrainJob, ensure_data, worker_config  # noqa: E402
+from app.jobs.job import TrainJob, worker_config  # noqa: E402
+from app.jobs.preflight import ensure_data  # noqa: E402
 from lm.data import BatchSampler, Manifest, load_rank_tokens, open_rank_stream, prepare_dataset  # noqa: E402
 from lm.tokenizer import HFTokenizer, TokenizerSpec, load_prepared  # noqa: E402
 

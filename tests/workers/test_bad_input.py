@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from app import cli
-from app.jobs.launch import TrainJob, _MetricsPump, build_trainer, check_resources, ensure_data, summarize
+from app.jobs.job import TrainJob
+from app.jobs.progress import _MetricsPump, summarize
+from app.jobs.preflight import ensure_data
+from app.jobs.ray_start import build_trainer, check_resources
 from app.commands.train import add_arguments, job_from_args
 from lm.data import MANIFEST, Manifest, load_rank_tokens, prepare_dataset
 from lm.model import MoETransformer, get_preset

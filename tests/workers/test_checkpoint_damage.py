@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from app.jobs.launch import TrainJob, choose_checkpoint
+from app.jobs.job import TrainJob
+from app.jobs.resume import choose_checkpoint
 from workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.faults

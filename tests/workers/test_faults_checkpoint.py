@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.jobs.launch import TrainJob, run_job
+from app.jobs.job import TrainJob
+from app.jobs.launch import run_job
 from app.tracking.store import client, metric_history
 from lm.data import prepare_dataset
 from workers import checkpoint as ckpt

@@ -157,7 +157,8 @@ def test_resumed_settings_keep_the_global_batch_and_the_data_layout():
 def test_a_recorded_run_under_another_worker_count_needs_its_layout(tmp_path):
     """``--name`` of a recorded run (not ``--resume``) with another --num-workers: the job
     keeps the per-worker batch, so the data would not continue; refused, naming --resume."""
-    from app.jobs.launch import TrainJob, check_continues, save_job
+    from app.jobs.job import TrainJob
+    from app.jobs.resume import check_continues, save_job
 
     common: dict[str, Any] = dict(preset="tiny-gpt", name="base", storage_path=str(tmp_path), data_dir=str(tmp_path),
                   tracking_uri="none")

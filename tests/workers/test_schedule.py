@@ -176,7 +176,7 @@ def test_load_metrics_count_every_routed_pair_and_the_dropped_ones(data_dir):
 def test_the_options_reach_the_workers_and_bad_ones_fail_before_ray(data_dir, tmp_path):
     import argparse
 
-    from app.jobs.launch import TrainJob, worker_config
+    from app.jobs.job import TrainJob, worker_config
     from app.commands.train import add_arguments, job_from_args
 
     parser = argparse.ArgumentParser()

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from app.jobs.launch import TrainJob, save_job, summarize, worker_config
+from app.jobs.job import TrainJob, worker_config
+from app.jobs.progress import summarize
+from app.jobs.resume import save_job
 from app.commands.train import add_arguments, job_from_args
 from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
@@ -184,7 +186,7 @@ def test_two_rank_gradients_equal_one_process_on_the_whole_batch(tmp_path, mode)
 
 def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
     pytest.importorskip("ray")
-    from app.jobs.launch import build_trainer
+    from app.jobs.ray_start import build_trainer
 
     prepare_dataset(tmp_path / "data", max_bytes=50_000, row_len=1000)
     job = TrainJob(use_gpu=True, num_workers=4, data_dir=str(tmp_path / "data"),
@@ -200,7 +202,7 @@ def test_build_trainer_gpu_uses_nccl_one_gpu_per_worker_and_bf16(tmp_path):
 
 def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
     from app.tracking.store import NullRun
-    from app.jobs.launch import _MetricsPump
+    from app.jobs.progress import _MetricsPump
 
     lines = []
     pump = _MetricsPump(None, NullRun(), TrainJob(steps=4, log_every=1), lines.append, None)
@@ -213,12 +215,12 @@ def test_metrics_pump_keeps_the_last_attempt_of_replayed_steps():
 
 def test_the_step_line_shows_load_imbalance_tokens_seen_and_the_eta(monkeypatch):
     from app.tracking.store import NullRun
-    from app.jobs import launch
+    from app.jobs import progress
 
     now = [0.0]  # steps 1, 10 and 20 arrive 30 s apart
-    monkeypatch.setattr(launch.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
     lines: list[str] = []
-    pump = launch._MetricsPump(None, NullRun(), TrainJob(steps=20, log_every=10), lines.append, None)
+    pump = progress._MetricsPump(None, NullRun(), TrainJob(steps=20, log_every=10), lines.append, None)
     for step, load in ((1, {}), (10, {"moe_load/imbalance_max": 1.314}), (20, {"moe_load/imbalance_max": 1.2})):
         now[0] = 30.0 * (step // 10)
         pump._handle({"step": step, "loss": 3.0, "lm_loss": 3.0, "aux_loss": 1.0, "tokens_per_s": 1.0,
