@@ -14,18 +14,15 @@ logger (``_quiet_mlflow``): ``--tracking-uri none`` runs without it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import shlex
 import time
 import uuid
-from pathlib import Path
 
 from app.jobs.job import COMPUTE_DTYPES, PARAM_DTYPES, TrainJob
 from app.jobs.launch import run_job
-from app.tracking.records import record_meta
 from app.jobs.compare import compare_engines
+from app.jobs.progress import steps_done, write_summary_json
 from app.jobs.resume import resume_command, resumed_job_fields
 from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
@@ -159,22 +156,6 @@ def _quiet_mlflow() -> None:
     except ImportError:  # --tracking-uri none on a machine without MLflow
         return
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-
-
-def write_summary_json(path: str, summary: dict, job: TrainJob) -> None:
-    """The summary (or comparison) with the command, date, hardware and settings under ``meta``."""
-    meta = {**record_meta("train", use_gpu=job.use_gpu is not False),
-            "job": {k: v for k, v in dataclasses.asdict(job).items() if v is not None}}
-    Path(path).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str) + "\n")
-
-
-def steps_done(summary: dict) -> str:
-    """``50 steps``, or for a resumed run ``steps 301-312 (12 in this run, 312 in all)``: the
-    losses and speeds beside it are those of the steps this run trained."""
-    first, last = summary.get("first_step", 1), summary["steps"]
-    if first <= 1:
-        return f"{last} steps"
-    return f"steps {first}-{last} ({summary.get('steps_run', last - first + 1)} in this run, {last} in all)"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,17 +3,22 @@ per-step metrics that rank 0 puts on a small Ray queue become the history, the c
 lines and the MLflow metrics; a restart of the workers is said and recorded), the summary of a
 run (``summarize``; for a run that had nothing left to train, its last recorded step:
 ``_recorded_last_step``) and the line a failed job ends with (``failure_message``: the root
-cause, a dead worker said as such, and the command that resumes the run).
+cause, a dead worker said as such, and the command that resumes the run), and what the train
+command prints and writes of a finished run (``steps_done``, ``write_summary_json``).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import queue as queue_lib
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from app.jobs.job import TrainJob
 from app.jobs.resume import resume_command
+from app.tracking.records import record_meta
 from workers import checkpoint as ckpt
 
 
@@ -224,3 +229,19 @@ def _root_cause(error: BaseException) -> str:
         seen = nested
     text = str(seen).strip().splitlines()
     return f"{type(seen).__name__}: {text[-1] if text else ''}"
+
+
+def write_summary_json(path: str, summary: dict, job: TrainJob) -> None:
+    """The summary (or comparison) with the command, date, hardware and settings under ``meta``."""
+    meta = {**record_meta("train", use_gpu=job.use_gpu is not False),
+            "job": {k: v for k, v in dataclasses.asdict(job).items() if v is not None}}
+    Path(path).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str) + "\n")
+
+
+def steps_done(summary: dict) -> str:
+    """``50 steps``, or for a resumed run ``steps 301-312 (12 in this run, 312 in all)``: the
+    losses and speeds beside it are those of the steps this run trained."""
+    first, last = summary.get("first_step", 1), summary["steps"]
+    if first <= 1:
+        return f"{last} steps"
+    return f"steps {first}-{last} ({summary.get('steps_run', last - first + 1)} in this run, {last} in all)"

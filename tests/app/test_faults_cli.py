@@ -31,7 +31,7 @@ from app.jobs.progress import failure_message, summarize
 from app.jobs.resume import JOB_FILE, record_segment, save_job
 from app.reports.report import load_records, write_report
 from app.tracking.store import RunLogger, client
-from app.commands.train import steps_done
+from app.jobs.progress import steps_done
 from lm.data import MANIFEST, prepare_dataset
 from tests.app.test_faults import REPO, _cli, _listing, _read_only_view
 from workers import checkpoint as ckpt
