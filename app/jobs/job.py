@@ -206,7 +206,10 @@ class TrainJob:
         if self.expert_parallel is not None:
             check_expert_degree(self.expert_parallel, self.model_preset().num_experts, self.num_workers,
                                 "TrainJob.expert_parallel")
-        self.model_preset().check_world_size(self.num_workers, self.expert_parallel)
+        if self.expert_parallel is not None or self.use_gpu is False:
+            self.model_preset().check_world_size(self.num_workers, self.expert_parallel)
+        # Else the default degree is the GPUs of one node where they divide the experts: known once
+        # Ray is up (ray_start.build_trainer checks it), so gpt-s (8 experts) may ask for 64 GPUs.
         if self.moe_memory_gib is not None:
             self._check_moe_memory_budget()
         self.storage_path = str(Path(self.storage_path or "ray_results").expanduser().resolve())

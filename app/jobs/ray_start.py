@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from app.jobs.job import TrainJob, worker_config
+from app.jobs.job import TrainJob, expert_degree, worker_config
 from workers.loop import train_fn_per_worker
 
 
@@ -109,7 +109,11 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
     from ray.train.torch import TorchConfig, TorchTrainer
 
     use_gpu = _resolve_gpu(job)
-    config = worker_config(job, use_gpu, metrics_queue, _gpus_per_node() if use_gpu else None).replace(
+    gpus_per_node = _gpus_per_node() if use_gpu else None
+    if job.expert_parallel is None:  # the default degree, now that the GPUs of a node are known
+        degree = expert_degree(job, gpus_per_node)
+        job.model_preset().check_world_size(job.num_workers, None if degree == job.num_workers else degree)
+    config = worker_config(job, use_gpu, metrics_queue, gpus_per_node).replace(
         stop_flag=stop_flag, **(extra_config or {}))
     resources = {"CPU": config.cpus_per_worker}
     if use_gpu:

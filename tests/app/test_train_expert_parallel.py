@@ -53,3 +53,27 @@ def test_the_summary_and_the_mlflow_params_record_the_degree(trained):
 def test_a_degree_that_does_not_divide_the_experts_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"TrainJob.expert_parallel=3 is invalid: .* use --expert-parallel 1, 2, 4"):
         TrainJob(preset="tiny-gpt", num_workers=4, expert_parallel=3, tracking_uri="none")
+
+
+def test_the_default_degree_is_checked_once_the_gpus_of_a_node_are_known(tmp_path, monkeypatch):
+    """gpt-s (8 experts) on 64 GPUs without --expert-parallel (issue 38): accepted before Ray is
+    up; on 8-GPU nodes the default expert groups are one node's 8 GPUs; on 3-GPU nodes (no
+    divisor of the experts) the default is the world, refused naming the valid degrees; on CPU
+    (--use-gpu off) it is refused at once."""
+    from app.jobs import ray_start
+    from lm.data import prepare_dataset
+
+    data = tmp_path / "data"
+    prepare_dataset(data, max_bytes=2**15)
+    job = TrainJob(preset="gpt-s", num_workers=64, data_dir=str(data), tracking_uri="none",
+                   storage_path=str(tmp_path / "runs"))
+    monkeypatch.setattr(ray_start, "_resolve_gpu", lambda job: True)
+    monkeypatch.setattr(ray_start, "_gpus_per_node", lambda: 8)
+    trainer = ray_start.build_trainer(job)
+    assert trainer.train_loop_config.expert_parallel == 8
+    monkeypatch.setattr(ray_start, "_gpus_per_node", lambda: 3)
+    with pytest.raises(ValueError, match=r"num_experts=8 is invalid: .*\(64, the number of workers\).*"
+                                         r"use --expert-parallel 1, 2, 4, 8 "):
+        ray_start.build_trainer(job)
+    with pytest.raises(ValueError, match=r"use --expert-parallel 1, 2, 4, 8 "):
+        TrainJob(preset="gpt-s", num_workers=64, use_gpu=False, data_dir=str(data), tracking_uri="none")

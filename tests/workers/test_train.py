@@ -40,9 +40,12 @@ def test_bad_job_names_the_field(change, field):
 
 
 def test_job_checks_experts_against_workers():
+    """On CPU at once; with GPUs possible once Ray is up (the default degree is a node's GPUs:
+    tests/app/test_train_expert_parallel.py)."""
     with pytest.raises(ValueError, match=r"num_experts=4 is invalid: .*expert-parallel degree \(3, the number of workers\)"):
-        TrainJob(num_workers=3)
-    TrainJob(num_workers=3, num_experts=6)
+        TrainJob(num_workers=3, use_gpu=False)
+    TrainJob(num_workers=3, num_experts=6, use_gpu=False)
+    TrainJob(num_workers=3)  # on 1-GPU nodes the default expert groups would be single GPUs
 
 
 def test_job_defaults_are_absolute_and_named(tmp_path, monkeypatch):
