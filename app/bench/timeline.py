@@ -80,18 +80,20 @@ PASS_MARK = "mpipemoe.pass"  # the record_function around each traced pass
 
 def device_events(trace: dict, last_pass_only: bool = True) -> list[dict]:
     """The device-side events (kernels, memcpys, memsets) of a Chrome trace; with
-    `last_pass_only`, those launched during the last `PASS_MARK` range (when there is one):
-    the pass traced in steady state, its kernels queued behind the pass before it."""
+    `last_pass_only`, those launched since the last `PASS_MARK` range began (when there is
+    one): the pass traced in steady state, its kernels queued behind the pass before it. Not
+    only inside the range: a helper thread (the overlapped schedule's) may still be launching
+    the pass's last kernels when the range ends, and nothing is traced after the last pass."""
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     events = trace.get("traceEvents", [])
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
     marks = _ranges(events, PASS_MARK)  # the host's ranges (the device track repeats them in device time)
     if not (last_pass_only and marks):
         return device
-    _, start, end = marks[-1]
+    _, start, _ = marks[-1]
     launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    return [e for e in device if start <= launched.get(e.get("args", {}).get("correlation"), -1.0) <= end]
+    return [e for e in device if start <= launched.get(e.get("args", {}).get("correlation"), -1.0)]
 
 
 def _roles(events: list[dict]) -> list[str]:

@@ -47,12 +47,14 @@ def test_account_takes_the_last_pass_by_launch_time():
         # the device track's copy of a range, in device time: not a pass (an H100 trace's last
         # such range held 28 of ~500 kernels and none of the link's waits)
         {"ph": "X", "cat": "gpu_user_annotation", "name": "mpipemoe.pass", "ts": 2400, "dur": 50},
-        runtime(1, 10), runtime(2, 150),
+        runtime(1, 10), runtime(2, 150), runtime(3, 230),
         with_corr(kernel("cutlass_gemm", 20, 2000, 7), 1),      # launched in the first pass
         with_corr(kernel("cutlass_gemm", 2020, 500, 7), 2),     # launched in the second: queued behind
+        with_corr(kernel("spin_until", 2520, 300, 9), 3),       # by a helper thread, after the range ended
     ]}
     account = stream_account(trace)
-    assert account["span_ms"] == pytest.approx(0.5) and account["device_events"] == 1
+    assert account["span_ms"] == pytest.approx(0.8) and account["device_events"] == 2
+    assert account["comm_busy_ms"] == pytest.approx(0.3)
 
 
 def test_kernels_launched_through_the_driver_count_like_the_runtimes():
