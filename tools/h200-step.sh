@@ -21,7 +21,7 @@ STEP="--step --emulate 8x8 --experts 64 --network dgx-h200 --routing uniform --p
       --strategies none,S4 --tracking-uri none"
 for stage in "$@"; do case $stage in
 gpu-tests)  # every GPU test
-  step gpu-tests-$(cut -c1-7 .git-commit 2>/dev/null || echo tree) ${GPU_TESTS_LIMIT:-280} \
+  step gpu-tests-$(head -1 .git-commit 2>/dev/null | cut -c1-7 | grep . || echo tree) ${GPU_TESTS_LIMIT:-280} \
       python3 -m pytest -q -rs -p no:cacheprovider -m gpu ;;
 step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, both schedules (issue 37)
   step step-xl ${STEP_LIMIT:-450} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
