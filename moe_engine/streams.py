@@ -52,11 +52,42 @@ def honouring_sm_carveout():
         yield
         return
     previous = torch.backends.cuda.preferred_blas_library()
+    if previous == torch._C._BlasBackend.Cublaslt:  # already (a caller's, e.g. holding_sm_carveout): no write
+        yield
+        return
     torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
+
+
+@contextlib.contextmanager
+def holding_sm_carveout(device: torch.device, count: int):
+    """Every GEMM launched inside, from any thread, leaves ``count`` SMs of ``device`` free
+    (`sm_carveout`), with cuBLASLt preferred so that per-expert GEMMs honour it; both are set
+    once on entry and the caller's settings restored on exit. No-op off CUDA, for 0, or on
+    a torch without the carve-out.
+
+    The carve-out and the preferred BLAS are process-wide settings that torch reads at each
+    GEMM's launch without a lock (it checks that the carve-out has a value, then reads it):
+    a thread changing them while another thread launches a GEMM can fail that launch ("bad
+    optional access", seen on an H100 in the overlapped step bench). Where two host threads
+    launch GEMMs (the overlapped micro-batch schedule: a forward beside a backward, whose
+    GEMMs autograd launches from its own thread) one setting is held for the whole section;
+    `StreamSet.reserving_sms` and `honouring_sm_carveout` inside leave it as it is."""
+    if device.type != "cuda" or count <= 0 or not sm_carveout_available():
+        yield
+        return
+    carve_out = torch._C._get_sm_carveout_experimental()
+    library = torch.backends.cuda.preferred_blas_library()
+    torch._C._set_sm_carveout_experimental(sm_carveout(count, torch.cuda.get_device_properties(device).multi_processor_count))
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(library)
+        torch._C._set_sm_carveout_experimental(carve_out)
 
 
 class Pending:
@@ -142,26 +173,22 @@ class StreamSet:
         """GEMMs launched inside leave `count` SMs free for the communication kernels that
         run beside them (torch's SM carve-out, which its grouped GEMMs and cuBLASLt honour;
         the per-expert loops ask for cuBLASLt, `honouring_sm_carveout`), at most all SMs
-        but one (`sm_carveout`); the caller's setting is restored after. No-op off CUDA,
-        for 0, or on a torch without the carve-out.
-
-        The carve-out is one setting for the whole process, and the overlapped micro-batch
-        schedule runs two lanes' pipelines from two threads: a lane that leaves after another
-        lane changed the setting leaves it alone (restoring its own `previous` would bring back
-        the other lane's reservation after that lane had left: a carve-out leaked into every
-        later GEMM). Lanes reserve the same count, so the last of them to leave restores
-        the caller's setting."""
-        if not self.is_cuda or count <= 0 or not sm_carveout_available():
+        but one (`sm_carveout`); it is unset after. No-op off CUDA, for 0, on a torch
+        without the carve-out, or while a carve-out is already on: the caller's, which it
+        leaves as it is. The carve-out is one setting for the whole process: where two
+        threads launch GEMMs (the overlapped micro-batch schedule) the schedule holds one
+        for its whole section (`holding_sm_carveout`), so no lane writes it while another
+        launches."""
+        if not self.is_cuda or count <= 0 or not sm_carveout_available() or \
+                torch._C._get_sm_carveout_experimental() is not None:
             yield
             return
-        previous = torch._C._get_sm_carveout_experimental()
-        reserved = sm_carveout(count, torch.cuda.get_device_properties(self.device).multi_processor_count)
-        torch._C._set_sm_carveout_experimental(reserved)
+        torch._C._set_sm_carveout_experimental(
+            sm_carveout(count, torch.cuda.get_device_properties(self.device).multi_processor_count))
         try:
             yield
         finally:
-            if torch._C._get_sm_carveout_experimental() == reserved:
-                torch._C._set_sm_carveout_experimental(previous)
+            torch._C._set_sm_carveout_experimental(None)
 
     def join(self) -> None:
         """The caller's current stream waits for every side stream given work since the

@@ -37,6 +37,9 @@ Schedules (``SCHEDULES``):
   forward and backward hooks, which two micro-batches in flight would interleave: it takes
   the sequential schedule (WorkerConfig refuses the pair).
   Memory: two micro-batches' activations are live at once (``MemoryBudget.in_flight``).
+  SMs (CUDA): the SMs the MoE layers leave to communication are held for the whole
+  section (``Lanes.holding_sms``): the other lane's All-to-All may run beside any GEMM, and
+  the carve-out is a process-wide setting no thread may write while another launches.
   With M = 1 there is nothing to overlap and it runs the sequential schedule.
 
 Profiler ranges (``trace_mark``): ``mpipemoe.micro_batch{k}.forward`` / ``.backward`` around
@@ -57,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_engine.streams import holding_sm_carveout
 from workers.distributed import DenseParallel
 
 SCHEDULES = ("sequential", "overlapped")
@@ -200,6 +204,16 @@ class Lanes:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.backward_done = None
 
+    def holding_sms(self) -> contextlib.AbstractContextManager[None]:
+        """Local. The SMs the MoE layers leave to communication (their groups' ``comm_sms``),
+        held for a whole overlapped section (moe_engine.streams.holding_sm_carveout): the other
+        lane's All-to-All may run beside any GEMM, and no thread may write the process-wide
+        carve-out while another launches a GEMM. No-op off CUDA."""
+        if not self.streams:
+            return contextlib.nullcontext()
+        count = max((getattr(layer.group, "comm_sms", 0) for layer in self.layers), default=0)
+        return holding_sm_carveout(self.streams[0].device, count)
+
     def close(self) -> None:
         self.helper.shutdown(wait=True)
 
@@ -262,6 +276,15 @@ def _sequential(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: Lo
 
 def _overlapped(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: LossOf[T],
                 lanes: Lanes) -> list[Any]:
+    with lanes.holding_sms():
+        records = _overlapped_section(parallel, micro_batches, loss_of, lanes)
+    parallel.reduce_dense_gradients()
+    return records
+
+
+def _overlapped_section(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: LossOf[T],
+                        lanes: Lanes) -> list[Any]:
+    """The forwards and backwards of the overlapped schedule (two host threads launch work)."""
     records = []
     in_flight: Future[None] | None = None  # the backward running on the helper thread
     try:
@@ -281,7 +304,6 @@ def _overlapped(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: Lo
             with contextlib.suppress(ScheduleError):
                 in_flight.result()
         lanes.join()
-    parallel.reduce_dense_gradients()
     return records
 
 

@@ -341,6 +341,11 @@ def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> 
                 variant.model.zero_grad(set_to_none=True)
                 with own_group.logging_calls() as calls:
                     losses = run_micro_batches(schedule, parts, batches)
+                if device.type == "cuda":  # the overlapped section's carve-out, held whole and given back
+                    assert torch._C._get_sm_carveout_experimental() is None
+                    with lanes.holding_sms():
+                        sms = torch.cuda.get_device_properties(device).multi_processor_count
+                        assert torch._C._get_sm_carveout_experimental() == min(group.comm_sms, sms - 1)
                 grads = {name: p.grad.clone() for name, p in variant.model.named_parameters() if p.grad is not None}
                 outcome[schedule] = (losses, grads, sorted((c.kind, c.seconds) for c in calls),
                                      list(reduction.issued))
@@ -367,7 +372,8 @@ def test_the_overlapped_step_has_the_sequential_steps_losses_and_gradients_on_th
 @pytest.mark.gpu
 def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link():
     """On the GPU: the lanes' compute streams and the shared link stream (both lanes' waits
-    on it) give the sequential step's losses and gradients in fp32."""
+    on it) give the sequential step's losses and gradients in fp32; the SMs the layers leave
+    to communication are held for the whole overlapped section and given back after."""
     _overlapped_against_sequential(torch.device("cuda"), 2)
 
 

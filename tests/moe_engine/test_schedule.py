@@ -14,6 +14,7 @@ import contextlib
 import functools
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -136,37 +137,62 @@ def test_the_sm_carve_out_is_on_only_while_an_all_to_all_is_in_flight():
     assert backward[("fetch_dy", 2)] == 0
 
 
-def test_two_lanes_leaving_in_either_order_restore_the_callers_carve_out_cpu_twin(monkeypatch):
-    """Issue 39 (seen on an H100: a carve-out of 16 left on after the overlapped step bench):
-    the carve-out is one setting per process and two lanes' threads reserve SMs at once. Whatever
-    order they leave in, the caller's setting comes back. The process-wide knob and the device's
-    SM count are stood in for (CPU)."""
+def test_inside_a_held_carve_out_no_lane_writes_the_process_wide_settings_cpu_twin(monkeypatch):
+    """Issue 39 (seen on an H100: "bad optional access" in the overlapped step bench; torch
+    reads the carve-out at each GEMM's launch without a lock, and the other lane's thread
+    unset it meanwhile). The overlapped schedule holds one carve-out, with cuBLASLt, for its
+    whole section: the lanes' reservations and the per-expert loops' BLAS choice inside write
+    neither setting, and the caller's come back after. Outside a hold a reservation sets the
+    carve-out (clamped) and unsets it; a caller's carve-out is left as it is. The
+    process-wide knobs and the device's SM count are stood in for (CPU)."""
     from types import SimpleNamespace
 
-    from moe_engine.streams import StreamSet
+    from moe_engine.streams import StreamSet, holding_sm_carveout, honouring_sm_carveout
 
-    knob = {"value": None}
-    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: knob["value"], raising=False)
-    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda v: knob.update(value=v), raising=False)
+    knob: dict[str, Any] = {"carve_out": None, "blas": torch._C._BlasBackend.Cublas}
+    writes: list[tuple[str, Any]] = []
+
+    def set_carve_out(value):
+        writes.append(("carve_out", value))
+        knob["carve_out"] = value
+
+    def blas_library(backend=None):
+        if backend is not None:
+            writes.append(("blas", backend))
+            knob["blas"] = torch._C._BlasBackend.Cublaslt if backend == "cublaslt" else backend
+        return knob["blas"]
+
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: knob["carve_out"], raising=False)
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", set_carve_out, raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", blas_library)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     lane_a, lane_b = StreamSet(torch.device("cpu")), StreamSet(torch.device("cpu"))
     lane_a.is_cuda = lane_b.is_cuda = True
     for caller in (None, 8):
-        for b_leaves_first in (False, True):
-            knob["value"] = caller
-            a, b = lane_a.reserving_sms(16), lane_b.reserving_sms(16)
-            a.__enter__()
-            b.__enter__()
-            assert knob["value"] == 16
-            first, second = (b, a) if b_leaves_first else (a, b)
-            first.__exit__(None, None, None)
-            second.__exit__(None, None, None)
-            assert knob["value"] == caller, (caller, b_leaves_first)
-    with lane_a.reserving_sms(16):  # nested in one lane: the inner one restores the outer's
-        with lane_a.reserving_sms(10**6):
-            assert knob["value"] == 131
-        assert knob["value"] == 16
-    assert knob["value"] == 8
+        knob["carve_out"] = caller
+        with holding_sm_carveout(torch.device("cuda"), 16):
+            assert knob == {"carve_out": 16, "blas": torch._C._BlasBackend.Cublaslt}
+            writes.clear()
+            with lane_a.reserving_sms(16), lane_b.reserving_sms(16), honouring_sm_carveout():
+                assert knob["carve_out"] == 16
+            with lane_b.reserving_sms(16), honouring_sm_carveout():
+                pass
+            assert writes == []
+        assert knob == {"carve_out": caller, "blas": torch._C._BlasBackend.Cublas}
+    knob["carve_out"] = None
+    with lane_a.reserving_sms(10**6):
+        assert knob["carve_out"] == 131
+        with honouring_sm_carveout():
+            assert knob["blas"] == torch._C._BlasBackend.Cublaslt
+        assert knob["blas"] == torch._C._BlasBackend.Cublas
+    assert knob["carve_out"] is None
+    knob["carve_out"] = 8
+    writes.clear()
+    with lane_a.reserving_sms(16):
+        assert knob["carve_out"] == 8
+    assert writes == [] and knob["carve_out"] == 8
+    with holding_sm_carveout(torch.device("cpu"), 16), holding_sm_carveout(torch.device("cuda"), 0):
+        assert writes == []  # off CUDA, or nothing to leave: nothing set
 
 
 def test_the_sm_carve_out_is_clamped_to_leave_the_gemms_an_sm():
