@@ -147,18 +147,27 @@ def busiest_rank_first(shares_E: list[float], ranks: int) -> list[float]:
 
 
 def routing_push(spec: str, router_ED: torch.Tensor, tokens: int, top_k: int, ranks: int = 1,
-                 layer: int | None = None, seed: int = 0) -> torch.Tensor | None:
+                 layer: int | None = None, seed: int = 0, impose_uniform: bool = False) -> torch.Tensor | None:
     """Local. [tokens, D] to add to a layer's input so that its router routes as ``spec``
-    says (module docstring), in the router's dtype and device; None for uniform."""
-    if spec == "uniform":
+    says (module docstring), in the router's dtype and device. Uniform: None, the inputs'
+    own routing (the layer bench's random inputs route near-uniformly), or with
+    ``impose_uniform`` equal shares pushed like a replay's, and skewed's other half too:
+    the step bench's, whose model routes its own activations (at initialization most of a
+    layer's tokens can pick one expert: 28% of gpt-s's at 64 experts, on an H100), which
+    an emulated cluster's ranks would all send to rank 0 (moe_sim/emulation.py)."""
+    if spec == "uniform" and not impose_uniform:
         return None
     unit_ED = router_ED.detach().float()
     unit_ED = unit_ED / unit_ED.norm(dim=1, keepdim=True).clamp_min(1e-12)
     push_TD = torch.zeros(tokens, router_ED.shape[1], device=router_ED.device)
+    equal_E = [1.0] * router_ED.shape[0]
     if spec == "skewed":
         push_TD[: tokens // 2] = PUSH * unit_ED[0]
+        if impose_uniform and tokens - tokens // 2:
+            picks_TK = assign_experts(equal_E, tokens - tokens // 2, top_k, seed).to(router_ED.device)
+            push_TD[tokens // 2:] += PUSH * unit_ED[picks_TK].sum(1)
         return push_TD.to(router_ED.dtype)
-    shares_E = target_shares(spec, router_ED.shape[0], layer)
+    shares_E = equal_E if spec == "uniform" else target_shares(spec, router_ED.shape[0], layer)
     assert shares_E is not None  # check_routing: a replay
     picks_TK = assign_experts(busiest_rank_first(shares_E, ranks), tokens, top_k, seed).to(router_ED.device)
     push_TD += PUSH * unit_ED[picks_TK].sum(1)

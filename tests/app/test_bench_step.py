@@ -470,3 +470,21 @@ def test_step_records_are_logged_one_mlflow_run_each(tmp_path):
     assert run.data.params["strategy"] == "S4" and "below_bound" not in run.data.params  # bools are neither
     assert run.data.metrics == {"tokens": 4096.0, "micro_batches": 2.0, "partitions": 2.0, "step_ms": 12.5}
     assert said == [f"Logged 1 MLflow runs to {uri} (experiment 'steps')."]
+
+
+def test_uniform_routing_is_imposed_on_the_step_benchs_model(tmp_path):
+    """The step bench's model routes its own activations, which can send a layer's tokens
+    unevenly (here 19% of layer 1's pairs to one of 8 experts unpushed; gpt-s at 64 experts
+    sent 28% to expert 0 on an H100), and every emulated rank routes as rank 0 does, so
+    rank 0 would take that share of 64 ranks' rows: "uniform" is imposed, each expert of
+    each layer takes 1/E of the (token, choice) pairs."""
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "2", "--emulate", "2x4", "--experts", "8",
+                 "--tokens", "512", "--rounds", "1", "--repeats", "1", "--warmup", "0", "--no-grid",
+                 "--tracking-uri", "none", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["engine"] for r in records} == {"fastmoe", "fastermoe", "mpipemoe"}
+    for r in records:
+        assert len(r["expert_load_by_layer"]) == 2
+        for shares in r["expert_load_by_layer"]:
+            assert shares == pytest.approx([1 / 8] * 8, abs=1e-3), r["engine"]
