@@ -35,6 +35,6 @@ def param_space(search: str = "grid") -> dict:
         "strategy": "none",
         "checkpoint_every": 0,  # a trial is short; no checkpoints to write
         "eval_every": 10,       # a validation loss at each ASHA rung (10, 30) and the end
-        "eval_batches": 2,
+        "eval_batches": 16,     # 16 x 4 x 64 = 4,096 validation tokens per rung (docs/sweeps.md: at 512 the rank flipped)
     }
 
