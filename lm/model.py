@@ -190,10 +190,10 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def is_mixtral_style(preset: ModelPreset) -> bool:
-    """True when ``preset`` has Mixtral's architecture (and is a decoder): its export is a
-    transformers ``MixtralForCausalLM``."""
-    return preset.kind == "gpt" and all(getattr(preset, k) == v for k, v in MIXTRAL_STYLE.items()
-                                        if k != "rope_theta")
+    """True when ``preset`` has Mixtral's architecture (a decoder, dropless: transformers'
+    Mixtral drops no token): its export is a transformers ``MixtralForCausalLM``."""
+    return preset.kind == "gpt" and preset.capacity_factor is None and all(
+        getattr(preset, k) == v for k, v in MIXTRAL_STYLE.items() if k != "rope_theta")
 
 
 # Preset fields a training run may override (``mpipemoe train --num-experts``, ``--top-k``, ...);

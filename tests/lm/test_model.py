@@ -71,6 +71,16 @@ def test_a_mixtral_style_model_has_no_biases_nor_position_table():
     assert model.blocks[0].moe.config.router_rule == "topk-then-softmax" and not model.blocks[0].moe.config.bias
 
 
+def test_only_dropless_decoders_of_mixtrals_architecture_export_as_mixtral():
+    from lm.model import is_mixtral_style
+
+    mixtral = get_preset("tiny-mixtral")
+    assert is_mixtral_style(mixtral) and is_mixtral_style(get_preset("mixtral-s"))
+    assert not is_mixtral_style(mixtral.replace(capacity_factor=1.25))  # transformers' Mixtral drops no token
+    assert not is_mixtral_style(mixtral.replace(activation="gelu"))
+    assert not is_mixtral_style(get_preset("tiny-gpt"))
+
+
 def test_rotary_scores_depend_on_the_distance_between_positions_only():
     from lm.model import apply_rotary, rotary_cos_sin
 
