@@ -4,10 +4,16 @@
     model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe")
     logits_BSV, aux_loss = model(tokens_BS)
 
-Every block is pre-LN: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
+Every block is pre-norm: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
 *every* block is a MoE layer from ``moe_engine`` (docs/design.md §4.1), so a preset with L
 layers has L MoE layers. Attention uses ``F.scaled_dot_product_attention`` (causal for
 GPT, bidirectional for BERT). The LM head is tied to the token embedding.
+
+The architecture fields of a preset: ``norm`` (LayerNorm or RMSNorm), ``positions`` (learned
+embeddings, or rotary on q and k in Hugging Face's layout: ``rotate_half`` pairs dimension i
+with i + d/2), ``bias`` (on every linear layer and expert) and ``router_rule``. The
+Mixtral-style presets (``MIXTRAL_STYLE``) export as a transformers ``MixtralForCausalLM``
+(workers/hf_mixtral.py).
 
 Mixed precision (the Trainer's ``torch.autocast`` over float32 parameters): the residual
 stream, the LayerNorm outputs and every layer's input and output are in the autocast dtype
@@ -30,6 +36,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +45,13 @@ from torch import nn
 import moe_engine
 from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, ProfileCache
 from moe_engine.comm import ExpertGroup
-from moe_engine.config import ACTIVATIONS, ENGINES, STRATEGIES
+from moe_engine.config import ACTIVATIONS, ENGINES, ROUTER_RULES, STRATEGIES
 from moe_engine.granularity import DEFAULT_CANDIDATES
 from moe_engine.memory import predict_memory
 
 KINDS = ("gpt", "bert")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
 HEAD_ROWS_MULTIPLE = 8  # the LM head's product runs on rows padded to this (16 bytes of bf16)
 PARTITION_CHOICES = "'auto' or an integer >= 1"
 
@@ -67,6 +76,11 @@ class ModelPreset:
     capacity_factor: None = dropless routing.
     activation:      expert activation ("relu", "gelu", "swiglu").
     vocab_size:      tokens in the vocabulary (the byte tokenizer of lm.data has 259).
+    norm:            "layernorm" or "rmsnorm" (every norm of the model), with epsilon ``norm_eps``.
+    positions:       "learned" (an embedding of seq_len positions added to the tokens) or
+                     "rotary" (q and k rotated per head, base ``rope_theta``; no parameters).
+    bias:            biases on the attention projections and the experts (b1, b2).
+    router_rule:     how the gate weights come from the router's logits (moe_engine ROUTER_RULES).
     """
 
     kind: str
@@ -80,6 +94,12 @@ class ModelPreset:
     capacity_factor: float | None = None
     activation: str = "gelu"
     vocab_size: int = 259
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    positions: str = "learned"
+    rope_theta: float = 10000.0
+    bias: bool = True
+    router_rule: str = "softmax-then-topk"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -93,6 +113,30 @@ class ModelPreset:
             _fail("num_heads", self.num_heads, f"it must divide d_model={self.d_model}")
         if self.top_k > self.num_experts:
             _fail("top_k", self.top_k, f"use at most num_experts={self.num_experts}")
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        for name, choices in (("norm", NORMS), ("positions", POSITIONS), ("router_rule", ROUTER_RULES),
+                              ("activation", ACTIVATIONS)):
+            if getattr(self, name) not in choices:
+                _fail(name, getattr(self, name), f"choose one of {', '.join(choices)}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                _fail(name, value, "give a finite number > 0 (e.g. 1e-5 for norm_eps, 10000.0 for rope_theta)")
+        if not isinstance(self.bias, bool):
+            _fail("bias", self.bias, "give True or False")
+        if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
+            _fail("positions", self.positions, f"rotary positions rotate pairs of a head's dimensions: choose "
+                  f"num_heads so that d_model / num_heads (now {self.d_model // self.num_heads}) is even, "
+                  f"or positions='learned'")
+
+    def as_dict(self) -> dict:
+        """The preset as checkpoints store it (``meta.json``'s "preset"): every field, but the
+        architecture fields only where they differ from the defaults, so a model of the
+        original architecture records (and compares with its older checkpoints) as before."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in ARCHITECTURE_FIELDS}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in defaults or v != defaults[k]}
 
     def replace(self, **changes) -> "ModelPreset":
         """A copy with some fields changed (validated again); None values are ignored."""
@@ -121,6 +165,13 @@ def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
     return [p for p in range(1, world_size + 1) if world_size % p == 0 and num_experts % p == 0]
 
 
+# Fields added after the first checkpoints were written; `ModelPreset.as_dict` leaves them out at
+# their defaults.
+ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule")
+# Mixtral's architecture: RMSNorm, rotary positions, no biases, SwiGLU experts, top-k-then-softmax gate.
+MIXTRAL_STYLE: dict[str, Any] = {"norm": "rmsnorm", "positions": "rotary", "rope_theta": 1e6, "bias": False, "activation": "swiglu",
+                 "router_rule": "topk-then-softmax"}
+
 # The paper's models (docs/design.md §6) plus tiny ones that train on 2 CPU cores in a minute.
 PRESETS: dict[str, ModelPreset] = {
     "gpt-s": ModelPreset("gpt", d_model=1024, d_hidden=4096, num_layers=24, num_heads=16, seq_len=1024),
@@ -130,7 +181,19 @@ PRESETS: dict[str, ModelPreset] = {
                             seq_len=64),
     "tiny-bert": ModelPreset("bert", d_model=128, d_hidden=256, num_layers=2, num_heads=4, num_experts=4,
                              seq_len=64),
+    # Mixtral-style (export loads in transformers as MixtralForCausalLM): 8 experts, top-2
+    "mixtral-s": ModelPreset("gpt", d_model=1024, d_hidden=3584, num_layers=24, num_heads=16, num_experts=8,
+                             seq_len=1024, **MIXTRAL_STYLE),
+    "tiny-mixtral": ModelPreset("gpt", d_model=128, d_hidden=256, num_layers=2, num_heads=4, num_experts=4,
+                                seq_len=64, **MIXTRAL_STYLE),
 }
+
+
+def is_mixtral_style(preset: ModelPreset) -> bool:
+    """True when ``preset`` has Mixtral's architecture (a decoder, dropless: transformers'
+    Mixtral drops no token): its export is a transformers ``MixtralForCausalLM``."""
+    return preset.kind == "gpt" and preset.capacity_factor is None and all(
+        getattr(preset, k) == v for k, v in MIXTRAL_STYLE.items() if k != "rope_theta")
 
 
 # Preset fields a training run may override (``mpipemoe train --num-experts``, ``--top-k``, ...);
@@ -186,13 +249,35 @@ def is_expert_param(name: str) -> bool:
     return "experts." in name
 
 
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos_Sd, sin_Sd), float32: position s, dimension i turns by s / theta^(2(i mod d/2)/d),
+    the two halves of a head repeating the d/2 frequencies (Hugging Face's rotary layout, in
+    its arithmetic: the same float32 numbers as transformers' Mixtral)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs_Sh = torch.arange(seq_len, device=device).float()[:, None] * inv_freq[None, :]
+    angles_Sd = torch.cat((freqs_Sh, freqs_Sh), dim=-1)
+    return angles_Sd.cos(), angles_Sd.sin()
+
+
+def apply_rotary(x_BMSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated: x · cos + rotate_half(x) · sin, rotate_half(x) = [-x2, x1] for the halves x1, x2."""
+    x1, x2 = x_BMSd.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_BMSd * cos_Sd.to(x_BMSd.dtype) + rotated * sin_Sd.to(x_BMSd.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, causal: bool):
+    """Multi-head attention; ``rope_theta`` set: rotary positions on q and k."""
+
+    def __init__(self, d_model: int, num_heads: int, causal: bool, bias: bool = True,
+                 rope_theta: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.causal = causal
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.rope_theta = rope_theta
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -200,6 +285,9 @@ class Attention(nn.Module):
         q_BMSd, k_BMSd, v_BMSd = (
             t.view(B, S, self.num_heads, D // self.num_heads).transpose(1, 2)
             for t in self.qkv(x_BSD).chunk(3, dim=-1))
+        if self.rope_theta is not None:  # rotary positions
+            cos_Sd, sin_Sd = rotary_cos_sin(S, D // self.num_heads, self.rope_theta, x_BSD.device)
+            q_BMSd, k_BMSd = apply_rotary(q_BMSd, cos_Sd, sin_Sd), apply_rotary(k_BMSd, cos_Sd, sin_Sd)
         # 2. attention (flash/memory-efficient kernels where available)
         out_BMSd = F.scaled_dot_product_attention(q_BMSd, k_BMSd, v_BMSd, is_causal=self.causal)
         # 3. merge heads, output projection
@@ -217,15 +305,38 @@ class LayerNorm(nn.LayerNorm):
             return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, the statistics in float32 and the output in the
+    input's dtype (the arithmetic of transformers' MixtralRMSNorm)."""
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * normed.to(x.dtype)
+
+
+def make_norm(preset: ModelPreset) -> nn.Module:
+    """The norm ``preset`` names, over d_model."""
+    if preset.norm == "rmsnorm":
+        return RMSNorm(preset.d_model, preset.norm_eps)
+    return LayerNorm(preset.d_model, eps=preset.norm_eps)
+
+
 STAGE_MARKS = ("mpipemoe.block.attention", "mpipemoe.block.moe")  # a block's stages in a trace
 
 
 class Block(nn.Module):
     def __init__(self, preset: ModelPreset, moe: nn.Module):
         super().__init__()
-        self.ln1 = LayerNorm(preset.d_model)
-        self.attn = Attention(preset.d_model, preset.num_heads, causal=preset.kind == "gpt")
-        self.ln2 = LayerNorm(preset.d_model)
+        self.ln1 = make_norm(preset)
+        self.attn = Attention(preset.d_model, preset.num_heads, causal=preset.kind == "gpt", bias=preset.bias,
+                              rope_theta=preset.rope_theta if preset.positions == "rotary" else None)
+        self.ln2 = make_norm(preset)
         self.moe = moe
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +352,8 @@ class Block(nn.Module):
 def preset_moe_config(preset: ModelPreset) -> MoEConfig:
     """The MoE layers' configuration of a model of ``preset``."""
     return MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden, num_experts=preset.num_experts,
-                     top_k=preset.top_k, capacity_factor=preset.capacity_factor, activation=preset.activation)
+                     top_k=preset.top_k, capacity_factor=preset.capacity_factor, activation=preset.activation,
+                     bias=preset.bias, router_rule=preset.router_rule)
 
 
 def leanest_moe_memory(preset: ModelPreset, tokens: int, world_size: int, dtype: torch.dtype,
@@ -289,7 +401,8 @@ class MoETransformer(nn.Module):
         self.engine = engine
         moe_config = preset_moe_config(preset)
         self.tok_embed = nn.Embedding(preset.vocab_size, preset.d_model)
-        self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model)
+        # learned positions; rotary ones live in the attention and have no parameters
+        self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model) if preset.positions == "learned" else None
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         host_pool = host_pool if host_pool is not None else HostBufferPool()
         budget = None if memory_budget is None else MemoryBudget(memory_budget, layers=preset.num_layers,
@@ -304,7 +417,7 @@ class MoETransformer(nn.Module):
             Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
                                                    profile=profiles, host_pool=host_pool, memory_budget=budget))
             for _ in range(preset.num_layers))
-        self.ln_f = LayerNorm(preset.d_model)
+        self.ln_f = make_norm(preset)
 
     def forward(self, tokens_BS: torch.Tensor, ids_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """ids_checked: the caller has checked the token ids against the vocabulary (on the
@@ -314,8 +427,9 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.preset.seq_len}")
         if not ids_checked:
             check_token_ids(tokens_BS, self.preset.vocab_size)
-        positions_S = torch.arange(S, device=tokens_BS.device)
-        x_BSD = self.tok_embed(tokens_BS) + self.pos_embed(positions_S)
+        x_BSD = self.tok_embed(tokens_BS)
+        if self.pos_embed is not None:
+            x_BSD = x_BSD + self.pos_embed(torch.arange(S, device=tokens_BS.device))
         if torch.is_autocast_enabled(x_BSD.device.type):  # the residual stream in the compute dtype
             x_BSD = x_BSD.to(torch.get_autocast_dtype(x_BSD.device.type))
         aux_losses = []

@@ -3,7 +3,7 @@
     ids = generate(model, prompt_ids, max_new_tokens=100, top_k=40, temperature=0.8,
                    generator=torch.Generator().manual_seed(0))
 
-Each new token reads the last ``seq_len`` tokens (the model's learned positions); the whole
+Each new token reads the last ``seq_len`` tokens (the positions the model has); the whole
 window is run again per token (no KV cache: the models this serves are small, and the MoE
 engines take whole batches). ``top_k`` 1 or ``temperature`` 0 is greedy (argmax; no
 randomness). Otherwise the logits are divided by ``temperature``, all but the ``top_k``

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
+# How the router turns a token's E logits into its k gate weights:
+# "softmax-then-topk": softmax over all E, the k largest, renormalised to sum 1 when k > 1 (GShard);
+# "topk-then-softmax": the k largest logits, softmax over those k (Mixtral; weight 1 when k = 1).
+# For k > 1 the two are the same function (exp(l_i) / sum over the k chosen), rounded differently.
+ROUTER_RULES = ("softmax-then-topk", "topk-then-softmax")
 # The one definition of the engines and strategies; every other module imports these.
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 STRATEGIES = ("none", "S1", "S2", "S3", "S4")   # mpipemoe's memory strategies (docs/design.md §5)
@@ -31,6 +36,8 @@ class MoEConfig:
                      ceil(capacity_factor * k * tokens / E) (token, choice) pairs per rank.
     activation:      "relu", "gelu" or "swiglu" (swiglu adds experts.w3).
     bias:            whether the expert FFNs have biases b1 and b2.
+    router_rule:     how the gate weights come from the logits (ROUTER_RULES); the
+                     load-balance loss reads the softmax over all E either way.
     """
 
     d_model: int
@@ -40,6 +47,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     activation: str = "gelu"
     bias: bool = True
+    router_rule: str = "softmax-then-topk"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
@@ -56,6 +64,8 @@ class MoEConfig:
             _fail("activation", self.activation, f"choose one of {', '.join(ACTIVATIONS)}")
         if not isinstance(self.bias, bool):
             _fail("bias", self.bias, "give True or False")
+        if self.router_rule not in ROUTER_RULES:
+            _fail("router_rule", self.router_rule, f"choose one of {', '.join(ROUTER_RULES)}")
 
     def experts_per_rank(self, world_size: int) -> int:
         """E_local; raises if the experts cannot be spread evenly over the ranks."""

@@ -39,9 +39,13 @@ def reference_moe(x_TD: Tensor, router_weight: Tensor, w1: Tensor, b1: Tensor | 
         logits = torch.stack([x_TD[t].to(wide) @ router_weight[e].to(wide) for e in range(E)])
         p = torch.softmax(logits, dim=0)
         probs.append(p)
-        top_w, top_e = torch.topk(p, K)
-        if K > 1:
-            top_w = top_w / top_w.sum()
+        if config.router_rule == "topk-then-softmax":  # softmax over the k largest logits
+            top_logits, top_e = torch.topk(logits, K)
+            top_w = torch.softmax(top_logits, dim=0)
+        else:  # softmax over all E, the k largest renormalised
+            top_w, top_e = torch.topk(p, K)
+            if K > 1:
+                top_w = top_w / top_w.sum()
         choices.append([int(e) for e in top_e])
         weights.append(top_w)
     # GShard capacity: all first choices in token order, then second choices, ...

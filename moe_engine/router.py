@@ -1,4 +1,5 @@
-"""Top-k gate: softmax over experts, top-k choice, capacity, load-balance loss.
+"""Top-k gate: softmax and top-k choice (in the order ``MoEConfig.router_rule`` names),
+capacity, load-balance loss.
 
 Shapes: see moe_engine's legend (moe_engine/__init__.py).
 Everything here is local to the rank (no collectives).
@@ -79,9 +80,13 @@ class Router(nn.Module):
         # top-k, renormalisation and the balance loss run in fp32 or wider.
         logits_TE = (x_TD @ self.weight.t()).to(router_dtype(x_TD.dtype))
         probs_TE = torch.softmax(logits_TE, dim=-1)
-        weights_TK, expert_ids_TK = torch.topk(probs_TE, config.top_k, dim=-1)
-        if config.top_k > 1:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if config.router_rule == "topk-then-softmax":
+            top_logits_TK, expert_ids_TK = torch.topk(logits_TE, config.top_k, dim=-1)
+            weights_TK = torch.softmax(top_logits_TK, dim=-1)
+        else:
+            weights_TK, expert_ids_TK = torch.topk(probs_TE, config.top_k, dim=-1)
+            if config.top_k > 1:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         keep_TK = capacity_mask(expert_ids_TK, config.num_experts,
                                 expert_capacity(config, x_TD.shape[0]))
         return Routing(expert_ids_TK, weights_TK, keep_TK, self._balance_loss(probs_TE, expert_ids_TK))

@@ -40,6 +40,11 @@ SCENARIOS = [
              skew_to_expert=3),
     Scenario("one_expert_capacity_overflow_k1", MoEConfig(8, 12, 8, top_k=1, capacity_factor=1.0, bias=False),
              (10, 11, 8, 9), skew_to_expert=5),
+    # Mixtral's gate without biases: weight 1 for the one choice (softmax-then-topk gives its
+    # probability), so an engine that ignores the rule fails here
+    Scenario("k1_topk_then_softmax_swiglu_no_bias",
+             MoEConfig(8, 12, 8, top_k=1, activation="swiglu", bias=False, router_rule="topk-then-softmax"),
+             (9, 12, 7, 10)),
     Scenario("empty_experts", MoEConfig(8, 12, 8, top_k=1, activation="relu"), (2, 3, 1, 2)),
     Scenario("empty_batch_on_some_ranks", MoEConfig(8, 12, 8, top_k=2), (0, 7, 0, 5)),
 ]

@@ -212,7 +212,7 @@ class WorkerConfig:
 
     def preset_dict(self) -> dict[str, Any]:
         """The model preset as checkpoints store it (``meta.json``'s "preset")."""
-        return dataclasses.asdict(self.preset)
+        return self.preset.as_dict()
 
     def settings(self) -> dict[str, Any]:
         """The resolved settings as MLflow logs them: every field but the preset (logged as

@@ -3,9 +3,12 @@
     mpipemoe export --run NAME --out exported/NAME
 
 Writes ``model.safetensors`` (every tensor of the model, experts whole, float32),
-``config.json`` (Hugging Face-style names plus the preset that rebuilds the model) and
-``tokenizer.json`` (the run's tokenizer as a ``tokenizers`` file). Load it back with
-``workers.weights.load_exported(DIR)``; the folder layout is workers/weights.py's docstring.
+``config.json`` (Hugging Face-style names, the whole architecture, and the preset that
+rebuilds the model) and ``tokenizer.json`` (the run's tokenizer as a ``tokenizers`` file).
+Load it back with ``workers.weights.load_exported(DIR)``; the folder layout is
+workers/weights.py's docstring. A Mixtral-style run (``--preset tiny-mixtral``, ``mixtral-s``)
+exports as a transformers ``MixtralForCausalLM`` (workers/hf_mixtral.py):
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it, no remote code.
 """
 from __future__ import annotations
 

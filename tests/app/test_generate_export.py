@@ -21,14 +21,14 @@ from lm.tokenizer import ByteTokenizer, byte_tokenizer_as_hf
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def train_run(root, preset: str, name: str, tokenizer: str) -> dict:
+    """A run ``name`` of ``preset``, trained STEPS steps in this process on data tokenized by
+    ``tokenizer``, with its checkpoint; and the trained model's logits on one batch."""
     from workers import checkpoint as ckpt
     from workers.loop import Trainer
 
-    root = tmp_path_factory.mktemp("trained")
-    prepare_dataset(root / "data", max_bytes=2**17, row_len=512, tokenizer="bpe:300")
-    job = TrainJob(preset="tiny-gpt", name="tiny", steps=STEPS, num_workers=1, batch_size=4, seq_len=32,
+    prepare_dataset(root / "data", max_bytes=2**17, row_len=512, tokenizer=tokenizer)
+    job = TrainJob(preset=preset, name=name, steps=STEPS, num_workers=1, batch_size=4, seq_len=32,
                    lr=3e-3, storage_path=str(root / "runs"), data_dir=str(root / "data"), tracking_uri="none")
     save_job(job)
     config = worker_config(job, use_gpu=False)
@@ -46,6 +46,11 @@ def trained(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     return {"job": job, "losses": losses, "window": window_BS, "logits": logits, "root": root}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("trained"), "tiny-gpt", "tiny", "bpe:300")
 
 
 def _cli(argv, capsys):
@@ -110,6 +115,18 @@ def test_export_round_trips_to_the_same_logits(trained, capsys):
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == run_tokenizer.eos_id
 
 
+def test_an_export_config_states_the_whole_architecture(trained, capsys):
+    out = trained["root"] / "exported-architecture"
+    assert _cli(["export", "--run", "tiny", "--out", str(out), "--storage-path", trained["job"].storage_path],
+                capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ("model_type", "norm_type", "norm_eps", "position_embedding_type", "rope_theta",
+                                   "attention_bias", "expert_bias", "hidden_act", "gated_experts", "router_rule")} == {
+        "model_type": "mpipemoe", "norm_type": "layernorm", "norm_eps": 1e-5, "position_embedding_type": "learned",
+        "rope_theta": None, "attention_bias": True, "expert_bias": True, "hidden_act": "gelu",
+        "gated_experts": False, "router_rule": "softmax-then-topk"}
+
+
 def test_the_byte_tokenizer_exports_as_a_tokenizers_file_with_the_same_ids(tmp_path):
     from tokenizers import Tokenizer
 
@@ -130,3 +147,51 @@ def test_sampling_rules():
     drawn = {next_token(logits, 2, 1.0, generator) for _ in range(200)}
     assert drawn == {1, 3}  # only the 2 most likely tokens
     assert len({next_token(logits, 0, 5.0, generator) for _ in range(400)}) == 4
+
+
+@pytest.fixture(scope="module")
+def trained_mixtral(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("mixtral"), "tiny-mixtral", "mixtral", "bytes")
+
+
+def test_a_mixtral_style_export_loads_in_transformers_and_generates_the_same_tokens(trained_mixtral, capsys):
+    """transformers (a test-only dependency) loads the export as a MixtralForCausalLM without
+    remote code, with every tensor used and none missing; its logits are ours within float32
+    rounding, and its greedy generation is ``mpipemoe generate``'s, token for token."""
+    transformers = pytest.importorskip("transformers")
+    from lm.sampling import generate
+    from lm.tokenizer import ByteTokenizer
+    from workers.weights import load_exported
+
+    out, storage = trained_mixtral["root"] / "exported", trained_mixtral["job"].storage_path
+    assert _cli(["export", "--run", "mixtral", "--out", str(out), "--storage-path", storage], capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["hidden_act"]) == \
+        ("mixtral", ["MixtralForCausalLM"], "silu")
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["vocab_size"]) == (4, 2, 259)
+    assert (config["max_position_embeddings"], config["eos_token_id"], config["tie_word_embeddings"]) == \
+        (32, ByteTokenizer.eos_id, True)
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    with torch.no_grad():
+        theirs = hf(trained_mixtral["window"]).logits
+    torch.testing.assert_close(theirs, trained_mixtral["logits"], rtol=1e-5, atol=1e-5)
+
+    model, _ = load_exported(out)  # our loader reads the Mixtral names back
+    with torch.no_grad():
+        assert torch.equal(model(trained_mixtral["window"])[0], trained_mixtral["logits"])
+
+    prompt = "def main("
+    prompt_ids = ByteTokenizer().encode(prompt).tolist()
+    new = 20  # the prompt and these within max_position_embeddings (32): both see the whole window
+    with torch.no_grad():
+        hf_ids = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None)[0, len(prompt_ids):].tolist()
+        ours = generate(model, prompt_ids, max_new_tokens=new)
+    assert ours == hf_ids and len(hf_ids) == new
+    status, printed, _ = _cli(["generate", "--run", "mixtral", "--prompt", prompt, "--max-new-tokens", str(new),
+                               "--storage-path", storage], capsys)
+    assert status == 0 and printed == prompt + ByteTokenizer().decode(hf_ids) + "\n"

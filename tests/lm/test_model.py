@@ -41,10 +41,60 @@ def test_paper_presets_have_the_paper_shapes():
 
 
 @pytest.mark.parametrize("change, field", [({"num_heads": 5}, "num_heads"), ({"kind": "t5"}, "kind"),
-                                           ({"d_model": 0}, "d_model"), ({"top_k": 9}, "top_k")])
+                                           ({"d_model": 0}, "d_model"), ({"top_k": 9}, "top_k"),
+                                           ({"norm": "batchnorm"}, "norm"), ({"positions": "alibi"}, "positions"),
+                                           ({"router_rule": "sinkhorn"}, "router_rule"), ({"bias": 1}, "bias"),
+                                           ({"norm_eps": 0.0}, "norm_eps"), ({"rope_theta": -1.0}, "rope_theta"),
+                                           ({"positions": "rotary", "num_heads": 128}, "positions")])
 def test_bad_preset_names_the_field(change, field):
     with pytest.raises(ValueError, match=rf"ModelPreset\.{field}="):
         get_preset("tiny-gpt").replace(**change)
+
+
+def test_the_original_architecture_records_as_before_and_the_mixtral_one_in_full():
+    """Checkpoints store ``as_dict``: the presets of the original architecture without the
+    architecture fields (their older checkpoints compare equal on resume), tiny-mixtral with them."""
+    assert set(get_preset("tiny-gpt").as_dict()) == {"kind", "d_model", "d_hidden", "num_layers", "num_heads",
+                                                     "num_experts", "seq_len", "top_k", "capacity_factor",
+                                                     "activation", "vocab_size"}
+    mixtral = get_preset("tiny-mixtral")
+    assert ModelPreset(**mixtral.as_dict()) == mixtral
+    assert {k: mixtral.as_dict()[k] for k in ("norm", "positions", "bias", "router_rule")} == \
+        {"norm": "rmsnorm", "positions": "rotary", "bias": False, "router_rule": "topk-then-softmax"}
+
+
+def test_a_mixtral_style_model_has_no_biases_nor_position_table():
+    model = _model("tiny-mixtral")
+    names = [name for name, _ in model.named_parameters()]
+    assert not [n for n in names if n.endswith("bias") or n.endswith(("b1", "b2")) or "pos_embed" in n]
+    assert "blocks.0.moe.experts.w3" in names and "blocks.0.ln1.weight" in names
+    assert model.blocks[0].moe.config.router_rule == "topk-then-softmax" and not model.blocks[0].moe.config.bias
+
+
+def test_only_dropless_decoders_of_mixtrals_architecture_export_as_mixtral():
+    from lm.model import is_mixtral_style
+
+    mixtral = get_preset("tiny-mixtral")
+    assert is_mixtral_style(mixtral) and is_mixtral_style(get_preset("mixtral-s"))
+    assert not is_mixtral_style(mixtral.replace(capacity_factor=1.25))  # transformers' Mixtral drops no token
+    assert not is_mixtral_style(mixtral.replace(activation="gelu"))
+    assert not is_mixtral_style(get_preset("tiny-gpt"))
+
+
+def test_rotary_scores_depend_on_the_distance_between_positions_only():
+    from lm.model import apply_rotary, rotary_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    q_d, k_d = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    cos_Sd, sin_Sd = (t.double() for t in rotary_cos_sin(20, 32, 10000.0, torch.device("cpu")))
+
+    def score(m, n):
+        rotate = lambda x, p: apply_rotary(x[None, None, None], cos_Sd[p:p + 1], sin_Sd[p:p + 1])  # noqa: E731
+        return float((rotate(q_d, m) * rotate(k_d, n)).sum())
+
+    assert score(7, 3) == pytest.approx(score(15, 11), rel=1e-6)  # distance 4 both times
+    assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-3)
+    assert score(0, 0) == pytest.approx(float(q_d @ k_d), rel=1e-12)  # position 0: no rotation
 
 
 def test_experts_must_divide_by_the_expert_parallel_degree():

@@ -63,7 +63,7 @@ def test_cli_user_error_is_one_line_without_traceback(capsys, tmp_path):
     assert status == 1
     assert err.strip().splitlines() == [
         "mpipemoe train: error: preset='gpt-zz' is unknown: choose one of gpt-s, gpt-xl, bert-l, tiny-gpt, "
-        "tiny-bert (--debug shows the traceback)"]
+        "tiny-bert, mixtral-s, tiny-mixtral (--debug shows the traceback)"]
     status, err = _run_cli(["train", "--preset", "gpt-zz", "--storage-path", str(tmp_path), "--debug"], capsys)
     assert status == 1 and "Traceback (most recent call last)" in err and "get_preset" in err
 
