@@ -35,7 +35,9 @@ import dataclasses
 import math
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -169,8 +171,9 @@ def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
 # their defaults.
 ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule")
 # Mixtral's architecture: RMSNorm, rotary positions, no biases, SwiGLU experts, top-k-then-softmax gate.
-MIXTRAL_STYLE: dict[str, Any] = {"norm": "rmsnorm", "positions": "rotary", "rope_theta": 1e6, "bias": False, "activation": "swiglu",
-                 "router_rule": "topk-then-softmax"}
+MIXTRAL_STYLE: Mapping[str, Any] = MappingProxyType({
+    "norm": "rmsnorm", "positions": "rotary", "rope_theta": 1e6, "bias": False, "activation": "swiglu",
+    "router_rule": "topk-then-softmax"})
 
 # The paper's models (docs/design.md §6) plus tiny ones that train on 2 CPU cores in a minute.
 PRESETS: dict[str, ModelPreset] = {
