@@ -10,7 +10,8 @@ unit tests.
 2-core CI machine (two ``ray.init`` calls with different
 settings in one process conflict, and a stale ``ray_current_cluster`` file makes a
 later ``ray.init`` try to reach a dead cluster). Tests that need their own Ray
-cluster (e.g. ``ray.cluster_utils.Cluster``) run it in a subprocess.
+cluster (e.g. ``ray.cluster_utils.Cluster``) run it in a subprocess. ``pytest_configure``
+gives every Ray Train job of the session the quick start-up settings of an embedded sweep.
 """
 from __future__ import annotations
 
