@@ -41,13 +41,13 @@ def ray_local():
 def pytest_configure(config):
     """Every Ray Train job of the session (in this process, in the ``mpipemoe`` subprocesses the
     tests start, in Tune trials) gets the standard Ray Train settings that an embedded sweep
-    gives its trials (``app.jobs.trial.LOCAL_RAY_TRAIN_ENV``, docs/sweeps.md): the controller
+    gives its trials (``app.jobs.ray_start.LOCAL_RAY_TRAIN_ENV``, docs/sweeps.md): the controller
     checks its workers every 0.5 s, not 2 s (a job's start, each checkpoint report and its end
     wait for such a check), and no preemption watcher process. Set before any Ray starts, so
     Ray's processes and the subprocesses inherit them; values set outside pytest win. Measured
     on 2 cores: a 2-worker job with two checkpoint reports spent 1.6 s, not 6.1 s, between its
     first step and its end."""
-    from app.jobs.trial import local_train_env
+    from app.jobs.ray_start import local_train_env
 
     os.environ.update(local_train_env())
 

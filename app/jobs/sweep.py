@@ -19,7 +19,7 @@ job's ``on_step``), so a scheduler such as ASHA can stop it early, then the job'
 - **Start-up.** A trial's Train job costs seconds of process starts for ~1.5 s of steps
   on a tiny model, so Tune reuses trial processes (``reuse_actors``; ``StoppingTrial``
   waits for a pruned trial's function first) and embedded Ray's Train jobs get
-  ``LOCAL_RAY_TRAIN_ENV`` (docs/sweeps.md, "Start-up per trial").
+  ``ray_start.LOCAL_RAY_TRAIN_ENV`` (docs/sweeps.md, "Start-up per trial").
 - **MLflow.** Each trial's run is logged by ``run_job`` in the experiment named
   after the study, nested under one parent run per study (tag ``kind=study``).
   There is deliberately no ``MLflowLoggerCallback``: it would log a second run
@@ -45,7 +45,7 @@ from typing import Any
 
 import tune_spaces
 from app.jobs.study_results import _cell, _varying, best_trial, count_pruned, count_trials, format_results
-from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, local_train_env, stopping_trainable,
+from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, stopping_trainable,
                             study_parent_run, train_trial)
 from app.tracking import sweep_rank
 from app.tracking.store import RunLogger, check_store, resolve_tracking_uri
@@ -296,6 +296,8 @@ def run_sweep(spec: str, set_items: list[str], shortcuts: dict, *, name: str | N
     if started and address:
         ray.init(address=address, logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose)
     elif started:  # a new embedded instance, never someone else's cluster found on this machine
+        from app.jobs.ray_start import local_train_env
+
         ray.init(address="local", include_dashboard=False, object_store_memory=300 * 2**20,
                  logging_level="WARNING" if verbose else "ERROR", log_to_driver=verbose,
                  runtime_env={"env_vars": local_train_env()})

@@ -2,8 +2,7 @@
 every trial shares, the function trainable that turns a trial's config into a training job
 (``train_trial``), the per-step report to Tune (``StepReporter``), the MLflow record of every
 outcome (refused, failed, pruned), the trainable that stops a pruned trial's job
-(``stopping_trainable``), the gate that caps the jobs running at once (``TrialGate``), and the
-Ray Train settings that keep an embedded trial's start-up short (``LOCAL_RAY_TRAIN_ENV``).
+(``stopping_trainable``) and the gate that caps the jobs running at once (``TrialGate``).
 
 Ray and Ray Tune are imported inside the functions that use them, and so are
 app/jobs/job.py and app/jobs/launch.py (they load torch): `mpipemoe sweep --help` stays fast.
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -215,23 +213,6 @@ def stopping_trainable(trainable, stop_grace_s: float = STOP_GRACE_S):
             return super().reset_config(new_config)
 
     return StoppingTrial
-
-
-# Standard Ray Train settings for the Train jobs of a study on embedded local Ray (one node,
-# this machine), where the user has not set them. Every trial starts and ends a Train job, and
-# each of the controller's state changes waits for its next check on the workers (default
-# every 2 s); and each job starts a preemption watcher, one more process, while a local node
-# is never drained. Measured on 2 shared cores, an lr-study trial's Train job (40 steps, ~1.5 s
-# of training), start to end: 13-15 s with these, 13-20 s without (docs/sweeps.md).
-LOCAL_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-
-
-def local_train_env(environ=None) -> dict[str, str]:
-    """``LOCAL_RAY_TRAIN_ENV`` less the variables set in ``environ`` (default ``os.environ``):
-    the user's own values win. ``run`` gives them to embedded Ray's job (``runtime_env``); Ray
-    Train passes them on from each trial to its controller and workers."""
-    environ = os.environ if environ is None else environ
-    return {k: v for k, v in LOCAL_RAY_TRAIN_ENV.items() if k not in environ}
 
 
 def trial_metrics(summary: dict, metric: str = tune_spaces.METRIC, last_step: dict | None = None) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 import tune_spaces
 from app.commands import sweep as sweep_command
-from app.jobs import study_results, sweep, trial
+from app.jobs import ray_start, study_results, sweep, trial
 from app.tracking.run_kinds import run_kind
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -231,10 +231,29 @@ def test_a_reused_trial_process_waits_for_the_previous_trial_function(monkeypatc
 
 
 def test_local_ray_train_settings_leave_the_users_own_alone():
-    assert trial.local_train_env({}) == trial.LOCAL_RAY_TRAIN_ENV
-    assert set(trial.LOCAL_RAY_TRAIN_ENV) <= _ray_train_propagated()  # Ray Train hands them on to its workers
+    assert ray_start.local_train_env({}) == ray_start.LOCAL_RAY_TRAIN_ENV
+    assert set(ray_start.LOCAL_RAY_TRAIN_ENV) <= _ray_train_propagated()  # Ray Train hands them on to its workers
     mine = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"}
-    assert trial.local_train_env(mine) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    assert ray_start.local_train_env(mine) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def test_a_training_run_on_embedded_ray_gets_the_local_settings_and_a_cluster_keeps_its_own(monkeypatch):
+    """`mpipemoe train` starting its own local Ray gives its Train job the settings a sweep's
+    trials get (each job start, checkpoint report and end waits for the controller's check);
+    joining a cluster (--address) leaves Ray's defaults."""
+    ray = pytest.importorskip("ray")
+    from app.jobs.job import TrainJob
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # the user's own: kept
+    assert ray_start.init_ray(TrainJob(), address=None) is True
+    assert ray_start.init_ray(TrainJob(), address="10.0.0.1:6379") is True
+    embedded, cluster = calls
+    assert embedded["runtime_env"] == {"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}}
+    assert "runtime_env" not in cluster
 
 
 def _ray_train_propagated() -> set:
