@@ -189,6 +189,14 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
     return results
 
 
+def check_layouts(rank: int, world_size: int, scenario_names: list, engines: list, layouts: list) -> dict:
+    """Per rank: {(dtype, degree): check_matrix's result} for each (dtype, degree) of
+    ``layouts``, in one process group: each group costs a start of ``world_size`` processes
+    (torch imported in each), the longest part of a small layout's check on 2 cores."""
+    return {(dtype, degree): check_matrix(rank, world_size, scenario_names, engines, dtype, degree)
+            for dtype, degree in layouts}
+
+
 def check_micro_batch_schedules(rank: int, world_size: int, scenario_names: list, engines: list,
                                 schedule: str = "overlapped", micro_batches: int = 2) -> dict:
     """Per rank: {(scenario, engine): {quantity: max error}} of ``micro_batches`` micro-batches

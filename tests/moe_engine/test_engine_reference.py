@@ -3,28 +3,32 @@ on 1, 2 and 4 ranks: outputs, aux loss, input gradients and every parameter grad
 The engines run in float64 (per-expert loop) and float32 (the grouped kernel). On 4 ranks
 also with expert-parallel degrees 1 and 2 (expert groups of that many ranks; 4: the world),
 in float64 only: the grouped kernel sees the same per-rank shapes as in the 4-rank group."""
+import functools
+
 import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tests.engine_cases import ENGINES, SCENARIOS, check_matrix
+from tests.engine_cases import ENGINES, SCENARIOS, check_layouts
 
 pytestmark = pytest.mark.gloo
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5}
-_results: dict = {}
-
-
-def matrix_results(world_size: int, dtype: torch.dtype, degree: int | None = None) -> list:
-    if (world_size, dtype, degree) not in _results:
-        names = [s.name for s in SCENARIOS]
-        _results[world_size, dtype, degree] = run_on_ranks(world_size, check_matrix, names, ENGINES, dtype, degree)
-    return _results[world_size, dtype, degree]
-
 
 LAYOUTS = [pytest.param(w, None, dtype, id=f"W{w}-{name}") for w in (1, 2, 4)
            for dtype, name in ((torch.float64, "float64"), (torch.float32, "float32-grouped"))] \
     + [pytest.param(4, p, torch.float64, id=f"W4-P{p}-float64") for p in (2, 1)]
+
+
+@functools.cache
+def world_results(world_size: int) -> list:
+    """Every layout of ``world_size`` ranks checked in one process group (check_layouts), by rank."""
+    layouts = [(dtype, degree) for w, degree, dtype in (p.values for p in LAYOUTS) if w == world_size]
+    return run_on_ranks(world_size, check_layouts, [s.name for s in SCENARIOS], ENGINES, layouts, timeout=1200.0)
+
+
+def matrix_results(world_size: int, dtype: torch.dtype, degree: int | None = None) -> list:
+    return [per_rank[dtype, degree] for per_rank in world_results(world_size)]
 
 
 @pytest.mark.parametrize("world_size,degree,dtype", LAYOUTS)
