@@ -1,7 +1,7 @@
 """A Mixtral-style model (``lm.model.is_mixtral_style``) as a Hugging Face ``MixtralForCausalLM``
 checkpoint, and back: the ``config.json`` fields and the tensor names and layouts.
 
-    tensors = to_mixtral(model.state_dict(), model.preset)     # HF names -> float32 tensors
+    tensors = to_mixtral(model.state_dict(), model.preset)     # the same tensors under HF's names
     state = from_mixtral(tensors, preset)                        # our state_dict again
 
 The names are those of Mixtral's published checkpoints, which every transformers version
@@ -70,7 +70,7 @@ def to_mixtral(state: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str,
         for weight in EXPERT_WEIGHTS:
             for expert, matrix in enumerate(state[f"{ours}.moe.experts.{weight}"]):
                 tensors[f"{theirs}.block_sparse_moe.experts.{expert}.{weight}.weight"] = matrix.t()
-    return {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in tensors.items()}
+    return tensors
 
 
 def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str, torch.Tensor]:

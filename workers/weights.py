@@ -108,7 +108,7 @@ def export_tensors(model: MoETransformer) -> dict[str, torch.Tensor]:
 
     state = model.state_dict()
     if is_mixtral_style(model.preset):
-        return to_mixtral(state, model.preset)
+        state = to_mixtral(state, model.preset)
     return {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in state.items()}
 
 
