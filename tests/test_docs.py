@@ -40,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -369,8 +370,10 @@ def run_block(block: Block, repo: Path, activated: bool) -> str:
     text = block.runnable_text()
     command = ([sys.executable, "-c", text] if block.lang == "python" and block.cmd is None
                else ["bash", "-euo", "pipefail", "-c", text])
+    started = time.monotonic()
     done = subprocess.run(command, cwd=repo, env=run_env(repo, activated), capture_output=True, text=True,
                           timeout=block.timeout)
+    print(f"{block.where}: {time.monotonic() - started:.1f} s")  # (pytest -s shows where a story's time goes)
     output = done.stdout + done.stderr
     assert done.returncode == 0, (f"{block.where}: the documented command failed (exit {done.returncode}):\n"
                                   f"{text}\n--- output (last 3000 characters) ---\n{output[-3000:]}")

@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-ep layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -29,6 +29,12 @@ step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, 
 step-small)  # gpt-s (4 layers) at 16k tokens per GPU, both schedules
   step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
       --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
+step-ep)  # issue 38: gpt-s (4 layers, 64 experts) at 8k tokens per GPU, expert groups of 8 (a node) and of 64
+  for net in dgx-h200 dgx-a100; do for e in 8 64; do
+    step step-ep$e-$net ${STEP_LIMIT:-100} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
+        --model gpt-s --layers 4 --tokens 8192 --micro-batches 1 --partitions 1,2 --strategies none --no-grid \
+        --expert-parallel $e --tracking-uri none --out "$OUT/step-$CARD-emulated-8x8-$net-gpt-s-e$e.json"
+  done; done ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
   step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
       --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200.json" ;;

@@ -1,4 +1,4 @@
-"""A 2-worker Ray Train job asking one ``fake_gpu`` (a GPU-like custom resource) per worker,
+"""A 2-worker Ray Train job asking one ``fake_gpu`` (a GPU-like custom resource) and no CPU per worker,
 run as a job on a cluster whose worker nodes carry one ``fake_gpu`` each (the local cluster
 of tests/app/test_cluster_jobs.py): it must put one worker on each worker node, none on the
 head, and the two train the tiny model together (gloo, expert parallel over both) to the last
@@ -49,9 +49,10 @@ def main(out_dir: str, data_dir: str) -> dict:
         config = {"worker": worker_config(job, use_gpu=False), "placement_dir": str(out / "placement")}
         trainer = TorchTrainer(
             placed_train_fn, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
-            # one fake GPU per worker, like {"GPU": 1} on the real cluster
+            # one fake GPU per worker, like {"GPU": 1} on the real cluster; no CPU: the job runs
+            # beside a sweep whose trials hold every CPU of the worker nodes
             scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False,
-                                                   resources_per_worker={"CPU": 0.5, "fake_gpu": 1}),
+                                                   resources_per_worker={"CPU": 0, "fake_gpu": 1}),
             run_config=ray.train.RunConfig(name=job.name, storage_path=job.storage_path,
                                            failure_config=ray.train.FailureConfig(max_failures=0)))
         result = trainer.fit()
