@@ -6,12 +6,16 @@ import tempfile
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from workers.distributed import cpu_threads_per_process
 
 
 def _worker(rank, world_size, init_file, fn, args, queue, collective_timeout_s):
     try:
+        torch.set_num_threads(cpu_threads_per_process(world_size))  # the ranks share the cores
         if world_size > 1:
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
@@ -26,7 +30,8 @@ def _worker(rank, world_size, init_file, fn, args, queue, collective_timeout_s):
 
 def run_on_ranks(world_size: int, fn, *args, timeout: float = 300.0, collective_timeout_s: float = 120.0):
     """fn(rank, world_size, *args) on each rank; returns the list of results by rank.
-    With world_size 1 it runs in this process, without a process group.
+    With world_size 1 it runs in this process, without a process group. Each rank process
+    uses its share of the cores (``cpu_threads_per_process``).
     ``collective_timeout_s``: the process group's timeout (a collective waiting longer fails)."""
     if world_size == 1:
         return [fn(0, 1, *args)]

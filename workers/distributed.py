@@ -57,6 +57,18 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def cpu_threads_per_process(processes: int) -> int:
+    """The intra-op threads each of ``processes`` CPU processes of one machine should use: its
+    share of the cores this process may run on, at least 1. torch's default (every core in
+    every process) oversubscribes the cores, and the idle threads of each process's pool spin
+    on cores the others need: 4 gloo ranks on 2 cores ran the engine reference matrix 2.2x
+    slower (31.8 and 34.5 s against 15.6 and 13.9 s)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
+
+
 def split_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(dense, expert) parameter lists, in a fixed order (same on every rank)."""
     dense: list[torch.nn.Parameter] = []

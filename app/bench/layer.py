@@ -46,6 +46,7 @@ from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
 from moe_engine.granularity import GranularitySearch
 from moe_engine.memory import HostBufferPool, predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
+from workers.distributed import cpu_threads_per_process
 
 # uniform: random inputs through a random router (about 1/E of the rows per expert);
 # skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
@@ -304,6 +305,8 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    elif settings.world_size > 1:  # rank processes of their own: they share the cores
+        torch.set_num_threads(cpu_threads_per_process(settings.world_size))
     if settings.world_size > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=settings.world_size, timeout=timedelta(minutes=5))

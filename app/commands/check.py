@@ -20,6 +20,7 @@ from torch import nn
 from moe_engine import FastMoE, FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.config import STRATEGIES
 from moe_engine.reference import reference_moe
+from workers.distributed import cpu_threads_per_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,7 @@ def _engines(args: argparse.Namespace) -> list[tuple[str, Callable[[MoEConfig], 
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, args, queue) -> None:
+    torch.set_num_threads(cpu_threads_per_process(world_size))  # the ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
     try:
