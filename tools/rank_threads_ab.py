@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from tests.distributed import run_on_ranks  # noqa: E402
 from tests.engine_cases import ENGINES, SCENARIOS, check_layouts  # noqa: E402
+from workers.distributed import cpu_threads_per_process  # noqa: E402
 
 RANKS = 4
 
@@ -28,19 +29,11 @@ RANKS = 4
 def _with_threads(rank: int, world_size: int, threads: int | None, *args):
     """check_layouts with ``threads`` intra-op threads (None: torch's default, every core;
     run_on_ranks set the share before this runs)."""
-    torch.set_num_threads(threads if threads is not None else _all_cores())
+    torch.set_num_threads(threads if threads is not None else cpu_threads_per_process(1))  # 1 process: every core
     return check_layouts(rank, world_size, *args)
 
 
-def _all_cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def main() -> None:
-    from workers.distributed import cpu_threads_per_process
-
     scenarios = [s.name for s in SCENARIOS][:3]
     for threads in (None, cpu_threads_per_process(RANKS)) * 2:
         started = time.monotonic()

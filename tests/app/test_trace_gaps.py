@@ -48,3 +48,17 @@ def test_a_trace_without_a_pass_or_device_work_says_so(tmp_path, capsys):
     assert main([str(tmp_path), "--gaps", "2"]) == 0
     out = capsys.readouterr().out
     assert "host pass 1.00 ms, device busy 0.54 ms, idle 0.35 ms, 2 launches" in out and "before copy" in out
+
+
+def test_idle_time_is_summed_by_the_innermost_repository_frame_running_when_each_gap_began():
+    from tools.trace_stacks import idle_by_frame
+
+    frames = [_event("python_function", "workers/schedules.py(221): _backward", 1000, 900),
+              _event("python_function", "moe_engine/dispatcher.py(239): plan_exchanged", 1140, 50),
+              _event("python_function", "torch/nn/modules/module.py(1783): _call_impl", 1145, 20)]
+    pass_ms, idle_ms, gaps, ranked = idle_by_frame(_trace() + frames)
+    assert (pass_ms, gaps) == (pytest.approx(1.0), 2) and idle_ms == pytest.approx(0.35)
+    # the gap from 1150 begins inside plan_exchanged (innermost of ours; torch's frame is not ours),
+    # the one from 1500 inside _backward only
+    assert ranked == [("moe_engine/dispatcher.py(239): plan_exchanged", pytest.approx(0.25), 1),
+                      ("workers/schedules.py(221): _backward", pytest.approx(0.1), 1)]
