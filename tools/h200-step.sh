@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-ep layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -34,6 +34,21 @@ step-ep)  # issue 38: gpt-s (4 layers, 64 experts) at 8k tokens per GPU, expert 
     step step-ep$e-$net ${STEP_LIMIT:-100} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
         --model gpt-s --layers 4 --tokens 8192 --micro-batches 1 --partitions 1,2 --strategies none --no-grid \
         --expert-parallel $e --tracking-uri none --out "$OUT/step-$CARD-emulated-8x8-$net-gpt-s-e$e.json"
+  done; done ;;
+step-ep-xl)  # issue 38: the same for gpt-xl (4 layers, 64 experts) at 8k tokens per GPU
+  for net in dgx-h200 dgx-a100; do for e in 8 64; do
+    step step-ep-xl$e-$net ${STEP_LIMIT:-150} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
+        --model gpt-xl --layers 4 --tokens 8192 --micro-batches 1 --partitions 1,2 --strategies none --no-grid \
+        --expert-parallel $e --tracking-uri none --out "$OUT/step-$CARD-emulated-8x8-$net-gpt-xl-e$e.json"
+  done; done ;;
+expert-loop)  # issue 38: the A100 path's per-expert GEMM loop against the grouped kernel, side by side:
+  # E = 8 (8 experts per GPU), dgx-a100; fp16 takes the loop (no grouped kernel for fp16, as
+  # none for any dtype on sm80), bf16 the grouped kernel; the same GEMM rate on this GPU
+  for model in gpt-s gpt-xl; do for dtype in bf16 fp16; do
+    step expert-loop-$model-$dtype ${STEP_LIMIT:-150} python3 -m app.cli bench --step --emulate 8x8 --experts 64 \
+        --network dgx-a100 --model $model --layers 4 --tokens 8192 --micro-batches 1 --partitions 1,2 \
+        --strategies none --no-grid --expert-parallel 8 --dtype $dtype --tracking-uri none \
+        --out "$OUT/step-$CARD-emulated-8x8-dgx-a100-$model-e8-$dtype.json"
   done; done ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
   step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
