@@ -33,11 +33,15 @@ train: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Two test processes (pytest-xdist), each taking whole modules (a module's fixtures start once):
+# a Ray Train job's start leaves one of two cores idle about half its time (README, Tests).
+PYTEST_PARALLEL := -n 2 --dist loadfile
+
 test: typecheck
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not ray"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not ray"
 
 bench: $(STAMP)
 	$(VENV)/bin/mpipemoe bench --tokens 256 --partitions 1,2 --strategies none,S3 --rounds 1 --repeats 1 --tracking-uri none

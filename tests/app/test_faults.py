@@ -426,8 +426,10 @@ class _Driver:
             time.sleep(0.5)
         return False
 
-    def group_gone(self, timeout: float = 20) -> bool:
-        """Whether every process of the driver's session (Ray's and the workers) has ended."""
+    def group_gone(self, timeout: float = 60) -> bool:
+        """Whether every process of the driver's session (Ray's and the workers) has ended
+        within ``timeout`` (seen: more than 20 s for Ray's processes on 2 cores beside another
+        test process)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
