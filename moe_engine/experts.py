@@ -28,7 +28,7 @@ import copy
 import functools
 from collections.abc import Iterator
 from typing import Any, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -79,6 +79,8 @@ class ExpertSegments:
     counts:      the same on the host when known without reading the device (several ranks
                  read their count tables anyway); None otherwise.
     counts_copy: the counts on their way to the host (one rank on CUDA), for `host_counts`.
+    one_hots:    `one_hot`'s answers by dtype, built once per segments (the forward's bias add
+                 and the backward's bias gradient ask for the same one).
     """
 
     rows: int
@@ -86,6 +88,7 @@ class ExpertSegments:
     counts_L: torch.Tensor
     counts: list[int] | None = None
     counts_copy: HostCountsCopy | None = None
+    one_hots: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_counts(cls, counts: list[int], device: torch.device | str | None) -> "ExpertSegments":
@@ -103,12 +106,21 @@ class ExpertSegments:
             object.__setattr__(self, "counts", counts)  # frozen: the one late field
         return self.counts  # type: ignore[return-value]  # (set just above)
 
+    @property
+    def experts(self) -> int:
+        """L, the local experts the rows split into."""
+        return self.counts_L.shape[0]
+
     def one_hot(self, dtype: torch.dtype) -> torch.Tensor:
         """Local, no device reads. [N, L] in ``dtype``: row r's expert as a one-hot row (a row
         of the identity repeated over each segment), the left operand that applies per-expert
-        vectors (biases) to the rows, or sums the rows per expert, as one GEMM."""
-        eye_LL = torch.eye(self.counts_L.shape[0], dtype=dtype, device=self.counts_L.device)
-        return eye_LL.repeat_interleave(self.counts_L, dim=0, output_size=self.rows)
+        vectors (biases) to the rows, or sums the rows per expert, as one GEMM. Built once per
+        dtype and kept (N x L numbers: a partition's rows times its local experts): two
+        launches each time it was built were a host cost of the many-partition passes."""
+        if dtype not in self.one_hots:
+            eye_LL = torch.eye(self.experts, dtype=dtype, device=self.counts_L.device)
+            self.one_hots[dtype] = eye_LL.repeat_interleave(self.counts_L, dim=0, output_size=self.rows)
+        return self.one_hots[dtype]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -251,6 +263,8 @@ def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments, out_dtype: torch
     L, out_dtype = seg.ends_L.shape[0], out_dtype or dy_NO.dtype
     if seg.rows == 0:
         return dy_NO.new_zeros(L, dy_NO.shape[-1], dtype=out_dtype)
+    if L == 1:  # one expert (as many experts as GPUs): the column sums, one reduction
+        return dy_NO.sum(0, keepdim=True, dtype=out_dtype)
     if out_dtype != dy_NO.dtype:
         if dy_NO.device.type == "cuda" and _grouped_kernel_widens("cuda") and grouped_kernel_supports(
                 dy_NO, dy_NO.shape[-1]):
@@ -282,6 +296,8 @@ def _add_bias(y_NO: torch.Tensor, b_LO: torch.Tensor | None, seg: ExpertSegments
     and y + b rounds once, as the elementwise add does."""
     if b_LO is None or seg.rows == 0:
         return y_NO
+    if b_LO.shape[0] == 1:  # one expert: one bias for every row, broadcast (y read and written once)
+        return y_NO.add_(b_LO[0])
     if y_NO.dtype == torch.bfloat16 and b_LO.dtype == torch.bfloat16:
         return y_NO.addmm_(seg.one_hot(y_NO.dtype), b_LO)
     return y_NO.add_(b_LO.repeat_interleave(seg.counts_L, dim=0, output_size=seg.rows))

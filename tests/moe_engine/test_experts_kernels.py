@@ -1,6 +1,7 @@
 """moe_engine/experts.py's memory-bound pieces in their cheaper form give the same numbers:
 the bias add as a one-hot GEMM (bf16: bitwise the repeat-and-add it replaced), the one-hot
-rows (the bias gradient's left operand on CUDA), the host counts read once per partition."""
+rows (the bias gradient's left operand on CUDA) built once, one local expert's bias as a
+broadcast, the host counts read once per partition."""
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,31 @@ def test_one_hot_rows_sum_each_experts_rows():
     assert one_hot_NL.shape == (12, 4) and torch.equal(one_hot_NL.sum(1), torch.ones(12, dtype=torch.float64))
     dy_NO = torch.randn(12, 16, dtype=torch.float64)
     torch.testing.assert_close(one_hot_NL.t() @ dy_NO, grouped_bias_grad(dy_NO, seg), rtol=0, atol=1e-12)
+
+
+def test_one_hot_rows_are_built_once_per_dtype():
+    """The forward's bias add and the backward's bias gradient share one build (two launches
+    each time: a host cost of many-partition passes)."""
+    seg = _segments([3, 2])
+    assert seg.one_hot(torch.bfloat16) is seg.one_hot(torch.bfloat16)
+    assert seg.one_hot(torch.float32) is not seg.one_hot(torch.bfloat16)
+    assert seg.one_hot(torch.float32).dtype == torch.float32 and len(seg.one_hots) == 2
+
+
+@pytest.mark.parametrize("dtype,wide", [(torch.bfloat16, torch.float32), (torch.float32, None),
+                                        (torch.float64, None)])
+def test_one_local_expert_adds_and_sums_its_bias_over_every_row(dtype, wide):
+    """L = 1 (as many experts as GPUs): the bias is broadcast over the rows and its gradient
+    is the column sums, with the same numbers as the per-expert forms (no one-hot built)."""
+    torch.manual_seed(2)
+    seg = _segments([11])
+    y_NO, b_LO = torch.randn(11, 16).to(dtype), torch.randn(1, 16).to(dtype)
+    assert torch.equal(_add_bias(y_NO.clone(), b_LO, seg), y_NO + b_LO.repeat_interleave(seg.counts_L, dim=0))
+    dy_NO = torch.randn(11, 16).to(dtype)
+    got = grouped_bias_grad(dy_NO, seg, wide)
+    assert got.shape == (1, 16) and got.dtype == (wide or dtype)
+    torch.testing.assert_close(got, dy_NO.to(wide or dtype).sum(0, keepdim=True))
+    assert not seg.one_hots
 
 
 def test_host_counts_are_read_once_and_kept():
