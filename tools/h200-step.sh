@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -23,12 +23,23 @@ for stage in "$@"; do case $stage in
 gpu-tests)  # every GPU test
   step gpu-tests-$(head -1 .git-commit 2>/dev/null | cut -c1-7 | grep . || echo tree) ${GPU_TESTS_LIMIT:-280} \
       python3 -m pytest -q -rs -p no:cacheprovider -m gpu ;;
-step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, both schedules (issue 37)
-  step step-xl ${STEP_LIMIT:-450} python3 -m app.cli bench $STEP --model gpt-xl --layers 4 --tokens 32768 \
-      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-xl.json" ;;
-step-small)  # gpt-s (4 layers) at 16k tokens per GPU, both schedules
-  step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --model gpt-s --layers 4 --tokens 16384 \
-      --micro-batches 1,2 --schedule sequential,overlapped --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
+step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, both schedules, every
+  # step traced (issue 37: the timeline of both micro-batches); the traces come back as one archive
+  step step-xl ${STEP_LIMIT:-540} python3 -m app.cli bench $STEP --strategies none --model gpt-xl --layers 4 \
+      --tokens 32768 --micro-batches 1,2 --schedule sequential,overlapped --trace /tmp/step-xl-traces \
+      --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-xl.json"
+  tar -czf "$OUT/step-xl-traces.tgz" -C /tmp step-xl-traces ;;
+step-small)  # gpt-s (4 layers) at 32k tokens per GPU, both schedules (issue 37's smaller points)
+  step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --strategies none --model gpt-s --layers 4 \
+      --tokens 32768 --micro-batches 1,2 --schedule sequential,overlapped \
+      --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
+step-routing)  # issue 36: the step under uniform and skewed routing, FastMoE, FasterMoE and auto, K = 1
+  for net in ${NETWORKS:-dgx-h200 dgx-a100}; do
+    step step-routing-$net ${STEP_LIMIT:-280} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
+        --model ${MODELS:-gpt-xl} --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 --routing uniform,skewed \
+        --partitions 1,2,4 --strategies none --no-grid --tracking-uri none \
+        --out "$OUT/step-$CARD-emulated-8x8-$net-routing.json"
+  done ;;
 step-ep)  # issue 38: gpt-s (4 layers, 64 experts) at 8k tokens per GPU, expert groups of 8 (a node) and of 64
   for net in dgx-h200 dgx-a100; do for e in 8 64; do
     step step-ep$e-$net ${STEP_LIMIT:-100} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \

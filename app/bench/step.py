@@ -27,7 +27,8 @@ Each engine and setting is timed three ways in the same interleaved rounds (so a
 of the machine falls on all alike): the step as modelled (`step_ms`); with the All-to-Alls
 and small collectives at zero time (`no_all_to_all_ms`: the copies run, the waits do not);
 and with every modelled transfer at zero time (`compute_ms`: the step's compute alone in its
-conditions; on CUDA its device-busy time, profiled: `compute_floor_ms`). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
+conditions, the fastest of its wall-clock timings; on CUDA also `compute_device_busy_ms`, the
+device's busy time in it, profiled: `device_busy_floor_ms`). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
 link time: no schedule beats either, and on CUDA a record faster than 0.98x its bound fails
 the run (`check_bounds`) after the records are written (on CPU no wait runs: not checked). `exposed_all_to_all_ms` = step_ms −
 no_all_to_all_ms. The automatic setting takes the bound terms of the grid setting it settled

@@ -151,6 +151,7 @@ def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
         assert r["reduction_ms"] == pytest.approx(reduction_ms)  # one bucket: the tiny model's dense gradients
         assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] == pytest.approx(
             max(r["compute_ms"], r["all_to_all_ms"] + r["reduction_ms"]))
+        assert r["compute_device_busy_ms"] is None  # profiled on CUDA only
         assert sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-3)
     auto = records[2]  # its bound terms are its grid twin's when the grid has its setting
     assert (auto.get("bound_terms_from") == "grid twin") == ((auto["partitions"], auto["strategy"]) == (2, "S4"))
@@ -183,6 +184,7 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
     for r in (r for r in records if r["engine"] == "fastmoe"):
         assert r["step_ms"] >= 0.98 * (r["all_to_all_ms"] + r["reduction_ms"]) and r["all_to_all_ms"] > 1.0
         assert r["compute_ms"] < r["step_ms"]
+        assert 0 < r["compute_device_busy_ms"] < r["compute_ms"]  # tiny-gpt's device waits for the host
         if r["schedule"] == "sequential":
             assert r["exposed_all_to_all_ms"] > 0.5 * r["all_to_all_ms"]
 
