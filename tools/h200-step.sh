@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small routing-run step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -33,10 +33,15 @@ step-small)  # gpt-s (4 layers) at 32k tokens per GPU, both schedules (issue 37'
   step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --strategies none --model gpt-s --layers 4 \
       --tokens 32768 --micro-batches 1,2 --schedule sequential,overlapped \
       --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
-step-routing)  # issue 36: the step under uniform and skewed routing, FastMoE, FasterMoE and auto, K = 1
+routing-run)  # issue 36: a real routing, early and late: gpt-s (4 layers, 64 experts) trained on the BPE
+  # data carried in .routing-data (`mpipemoe data prepare --tokenizer bpe:8192 --out .routing-data`)
+  step routing-run ${ROUTING_LIMIT:-150} python3 tools/routing_from_training.py --data .routing-data --preset gpt-s \
+      --layers 4 --experts 64 --steps 300 --at 20,300 --out-dir "$OUT" ;;
+step-routing)  # issue 36: the step under uniform, skewed (and replayed: ROUTINGS) routing, FastMoE, FasterMoE and auto, K = 1
   for net in ${NETWORKS:-dgx-h200 dgx-a100}; do
     step step-routing-$net ${STEP_LIMIT:-280} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
-        --model ${MODELS:-gpt-xl} --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 --routing uniform,skewed \
+        --model ${MODELS:-gpt-xl} --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 \
+        --routing ${ROUTINGS:-uniform,skewed} \
         --partitions 1,2,4 --strategies none --no-grid --tracking-uri none \
         --out "$OUT/step-$CARD-emulated-8x8-$net-routing.json"
   done ;;
