@@ -318,9 +318,10 @@ class EmulatedCall:
 def fill_from_own_block(output_ND: torch.Tensor, input_RD: torch.Tensor, input_splits: Sequence[int]) -> None:
     """Local. output row j = own row j mod |own|, own = the input rows rank 0 sends itself
     (input_RD[:input_splits[0]]; the whole input when that is empty; zeros when the
-    input is empty). Contiguous copies only, doubling what is filled (about log2 W of them):
-    on CUDA they run on the copy engines, so the stand-in for the network's data movement
-    takes no SM from the kernels beside it (the modelled time is the wait's)."""
+    input is empty). At most two copies whatever the world size: the whole repeats of the
+    block as one broadcast copy, then the remainder — as NCCL issues one kernel per
+    collective (the repeats copied by doubling took about log2 W launches per transfer, host
+    time that grew with the partitions and flattered none of the settings it slowed)."""
     rows = output_ND.shape[0]
     if rows == 0:
         return
@@ -330,12 +331,20 @@ def fill_from_own_block(output_ND: torch.Tensor, input_RD: torch.Tensor, input_s
     if size == 0:
         output_ND.zero_()
         return
-    filled = min(size, rows)
-    output_ND[:filled].copy_(source[:filled])
-    while filled < rows:
-        step = min(filled, rows - filled)
-        output_ND[filled:filled + step].copy_(output_ND[:step])
-        filled += step
+    repeats, rest = divmod(rows, size)
+    if repeats == 1 or not output_ND.is_contiguous():
+        filled = min(size, rows)
+        output_ND[:filled].copy_(source[:filled])
+        while filled < rows:
+            step = min(filled, rows - filled)
+            output_ND[filled:filled + step].copy_(output_ND[:step])
+            filled += step
+        return
+    if repeats:
+        block = output_ND[:repeats * size].view(repeats, size, *source.shape[1:])
+        block.copy_(source.unsqueeze(0).expand_as(block))
+    if rest:
+        output_ND[repeats * size:].copy_(source[:rest])
 
 
 # The host range around a freed transfer's copy (`free_transfers`), for a profiler trace: the

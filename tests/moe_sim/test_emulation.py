@@ -153,6 +153,14 @@ def test_dispatch_output_is_rank_0s_own_block_from_every_source():
     empty = torch.ones(2, 1)
     fill_from_own_block(empty, input_RD[:0], [0, 0])
     assert empty.flatten().tolist() == [0, 0]
+    wide_RD = torch.arange(20.0).view(10, 2)
+    for rows in (1, 2, 7, 64):  # fewer rows than the block, one block, repeats with and without a remainder
+        out = torch.empty(rows, 2)
+        fill_from_own_block(out, wide_RD, [2, 8])
+        assert torch.equal(out, wide_RD[torch.arange(rows) % 2])
+    strided = torch.empty(2, 7).t()  # a non-contiguous output takes the same rows
+    fill_from_own_block(strided, wide_RD, [2, 8])
+    assert torch.equal(strided, wide_RD[torch.arange(7) % 2])
 
 
 def test_modelled_seconds_are_network_py_s_price_of_rank_0s_bytes():
