@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small routing-run step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-rest routing-run step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -36,6 +36,13 @@ step-small)  # gpt-s (4 layers) at 32k tokens per GPU, both schedules (issue 37'
   step step-small ${STEP_LIMIT:-300} python3 -m app.cli bench $STEP --strategies none --model gpt-s --layers 4 \
       --tokens 32768 --micro-batches 1,2 --schedule sequential,overlapped \
       --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-s.json" ;;
+step-rest)  # issue 37's other points: gpt-xl at 16k and bert-l at 32k tokens per GPU, both schedules
+  for point in gpt-xl:16384 bert-l:32768; do
+    step step-rest-${point%%:*} ${STEP_LIMIT:-200} python3 -m app.cli bench --step --emulate 8x8 --experts 64 \
+        --network dgx-h200 --routing uniform --partitions 1,2 --strategies none --rounds 2 --tracking-uri none \
+        --model ${point%%:*} --layers 4 --tokens ${point##*:} --micro-batches 1,2 --schedule sequential,overlapped \
+        --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-${point%%:*}-${point##*:}.json"
+  done ;;
 routing-run)  # issue 36: a real routing, early and late: gpt-s (4 layers, 64 experts) trained on the BPE
   # data carried in .routing-data (`mpipemoe data prepare --tokenizer bpe:8192 --out .routing-data`)
   step routing-run ${ROUTING_LIMIT:-150} python3 tools/routing_from_training.py --data .routing-data --preset gpt-s \
