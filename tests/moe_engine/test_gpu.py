@@ -472,10 +472,16 @@ def test_with_ready_order_a_ready_transfer_takes_the_link_before_an_earlier_one_
     """--link-order ready: lane 0's transfer waits behind 30 ms of its lane's compute; lane
     1's, issued after it with its data ready, ends within a few ms (issued order: behind lane
     0's, after 40 ms). Two ready transfers of the two lanes still take the link one at a time."""
+    from moe_sim.emulation import EmulatedCluster
+
     device = torch.device("cuda")
 
     def run(order: str, compute_s: float, transfer_s: float) -> tuple[float, float]:
-        group, lane = _lanes_on_one_link(device, order)
+        group = EmulatedCluster.parse("2x2").build()
+        group.timing.link = torch.cuda.Stream(device)
+        group.timing.link_free = torch.zeros(1, dtype=torch.int64, device=device)
+        group.timing.link_order = order
+        lane = group.lane_groups(1)[0]
         group.clock.claim(group.timing.link_free, 1e-4)  # compiles the kernels
         group.clock.sleep(1e-4, device)
         torch.cuda.synchronize()
@@ -500,29 +506,6 @@ def test_with_ready_order_a_ready_transfer_takes_the_link_before_an_earlier_one_
     assert lane1 <= 0.015 and lane0 >= 0.035  # lane 1 went first; lane 0 after its compute
     lane0, lane1 = run("ready", 0.0, 0.01)
     assert max(lane0, lane1) >= 0.02 and min(lane0, lane1) >= 0.01  # one at a time
-
-
-def _lanes_on_one_link(device, order):
-    """An emulated 2x2 group and its lane-1 clone on one link served in ``order`` (on CUDA a
-    link stream; its clock for the ready order on the device)."""
-    from moe_sim.emulation import EmulatedCluster
-
-    group = EmulatedCluster.parse("2x2").build()
-    if device.type == "cuda":
-        group.timing.link = torch.cuda.Stream(device)
-    group.timing.link_free = torch.zeros(1, dtype=torch.int64, device=device)
-    group.timing.link_order = order
-    return group, group.lane_groups(1)[0]
-
-
-def test_with_ready_order_a_ready_transfer_takes_the_link_before_an_earlier_one_whose_data_is_late_cpu_twin():
-    """On CPU the two lanes share the group's timing and no transfer waits or claims the clock."""
-    for order in ("issued", "ready"):
-        group, lane = _lanes_on_one_link(CPU, order)
-        assert lane.lane == 1 and lane.timing is group.timing and lane.link_stream(CPU) is None
-        lane.occupy_link(0.005, CPU)
-        group.occupy_link(0.005, CPU)
-        assert int(group.timing.link_free.item()) == 0
 
 
 def _emulated_group_with_ctas(device, ctas):
