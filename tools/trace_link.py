@@ -14,9 +14,7 @@ readiness is the end of the last compute kernel its host thread launched before 
 a link gap counts as head-of-line blocking when one of the next five transfers in the link's
 order, from the other thread, was launched and ready before the gap ended. An approximation:
 the host and device clocks of a trace are one timeline, and a transfer's data may come from
-earlier kernels than its thread's last. Under `--link-order ready` each lane has its own link
-stream (all of them are read), and a wait's kernel also spans its wait for the link to free,
-so `link ms` counts that wait too.
+earlier kernels than its thread's last.
 """
 from __future__ import annotations
 
@@ -48,13 +46,9 @@ def link_account(events: list[dict]) -> dict:
     waits = Counter(e["args"]["stream"] for e in device if "spin" in e["name"])
     if not waits:
         raise ValueError("no emulated link waits (spin kernels) in the last pass")
-    # the link's streams: those that hold waits and no other work (`--link-order ready`: one per lane)
-    link_streams = {stream for stream in waits
-                    if all("spin" in e["name"] or "claim_link" in e["name"] for e in device if e["args"]["stream"] == stream)}
-    link_streams = link_streams or {waits.most_common(1)[0][0]}
-    link = sorted((e for e in device if e["args"]["stream"] in link_streams and "spin" in e["name"]),
-                  key=lambda e: float(e["ts"]))
-    compute = [e for e in device if e["args"]["stream"] not in link_streams]
+    link_stream = waits.most_common(1)[0][0]
+    link = sorted((e for e in device if e["args"]["stream"] == link_stream), key=lambda e: float(e["ts"]))
+    compute = [e for e in device if e["args"]["stream"] != link_stream]
 
     def launched(e: dict) -> float:
         return float(launches[e["args"]["correlation"]]["ts"])

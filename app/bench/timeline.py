@@ -30,7 +30,7 @@ import torch
 from workers.schedules import profiler_config
 
 # Kernels that are communication: NCCL's, and the emulated link's wall-clock wait (moe_sim/emulation.py).
-COMM_KERNEL = re.compile(r"nccl|spin_for_ns|spin_until|stamp_now|claim_link", re.IGNORECASE)
+COMM_KERNEL = re.compile(r"nccl|spin_for_ns|spin_until|stamp_now", re.IGNORECASE)
 HOST_COPY = re.compile(r"Memcpy (DtoH|HtoD)", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|sm90_xmma|cublas", re.IGNORECASE)
 # The host events that launch device work: the CUDA runtime's (cudaLaunchKernel: torch's kernels)
