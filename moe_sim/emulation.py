@@ -38,7 +38,7 @@ import copy
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -213,19 +213,6 @@ class WallClockWait:
             with torch.cuda.device(started.device):
                 self._kernels().spin_until[(self.ctas,)](started, nanoseconds)
 
-    def claim(self, link_free: torch.Tensor, seconds: float) -> None:
-        """Occupy the current stream for `seconds` of a link shared with other streams:
-        `link_free` (one int64 on the device: the link's next free time, ns of the timer)
-        moves atomically to this transfer's end, which starts when the stream reaches it or
-        when the link frees, whichever is later — transfers take the link in the order their
-        data is ready, one at a time."""
-        nanoseconds = int(round(seconds * 1e9))
-        if nanoseconds > 0:
-            with torch.cuda.device(link_free.device):
-                start = torch.empty(1, dtype=torch.int64, device=link_free.device)
-                self._kernels().claim_link[(1,)](link_free, start, nanoseconds, num_warps=1)  # one claim
-                self._kernels().spin_until[(self.ctas,)](start, nanoseconds)
-
     def measure_dilation(self, device: torch.device, seconds: float = 0.01, gemm_size: int = 8192) -> dict:
         """How long a wait of `seconds` takes, as a ratio to `seconds`: alone on an idle
         device, and beside a loop of bf16 GEMMs on another stream (what every emulated
@@ -294,24 +281,7 @@ def _build_wait_kernels():
         while now - start < duration_ns:
             now = globaltimer()
 
-    @triton.jit
-    def claim_link(free_ptr, start_ptr, duration_ns):
-        # the link's next free time (ns) moves to this transfer's end, atomically: a transfer
-        # starts when it is ready (now) or when the link frees, whichever is later
-        free = tl.atomic_add(free_ptr, 0)
-        start = tl.maximum(globaltimer(), free)
-        seen = tl.atomic_cas(free_ptr, free, start + duration_ns)
-        while seen != free:
-            free = seen
-            start = tl.maximum(globaltimer(), free)
-            seen = tl.atomic_cas(free_ptr, free, start + duration_ns)
-        tl.store(start_ptr, start)
-
-    return SimpleNamespace(spin_for_ns=spin_for_ns, stamp_now=stamp_now, spin_until=spin_until,
-                           claim_link=claim_link)
-
-
-LINK_ORDERS = ("issued", "ready")  # EmulatedTiming.link_order
+    return SimpleNamespace(spin_for_ns=spin_for_ns, stamp_now=stamp_now, spin_until=spin_until)
 
 
 @dataclass
@@ -327,25 +297,10 @@ class EmulatedTiming:
            for it, and other modelled traffic (the data-parallel reduction) queues there too:
            transfers that share the NICs take their time one after another, so no step can
            beat the sum of its modelled transfers.
-    link_order: how the link serves the overlapped schedule's two lanes (LINK_ORDERS).
-           "issued" (default): one stream, transfers in the order the host issued them, so a
-           lane's transfer also waits behind the other lane's earlier one until that one's
-           data is ready. "ready": a link stream per lane (`lane_links`, lane 0's is `link`),
-           each transfer claiming the shared `link_free` time (WallClockWait.claim): the
-           transfers still take the link one at a time, in the order their data is ready,
-           as NICs serve two communicators.
     """
 
     scale: float = 1.0
     link: "torch.cuda.Stream | None" = None
-    link_order: str = "issued"
-    lane_links: dict = field(default_factory=dict)   # lane (1, 2, ...) -> its link stream ("ready")
-    link_free: "torch.Tensor | None" = None          # "ready": the link's next free time, ns, on the device
-
-    def __post_init__(self) -> None:
-        if self.link_order not in LINK_ORDERS:
-            raise ValueError(f"link_order={self.link_order!r} is invalid: give one of {', '.join(LINK_ORDERS)} "
-                             f"(--link-order)")
 
 
 @dataclass(frozen=True)
@@ -425,7 +380,6 @@ class EmulatedExpertGroup(ExpertGroup):
         self._source_steps: dict[tuple, torch.Tensor] = {}
         self._free_transfers = False  # within `free_transfers()`
         self.lane_of: EmulatedExpertGroup | None = None  # the group a lane clone stands beside (lane_groups)
-        self.lane = 0                                     # its lane: 0, or 1... for lane_groups' clones
 
     @contextlib.contextmanager
     def free_transfers(self) -> Iterator[None]:
@@ -470,9 +424,8 @@ class EmulatedExpertGroup(ExpertGroup):
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count={count!r} is invalid: give the lanes beside lane 0, >= 0")
         clones = [copy.copy(self) for _ in range(count)]
-        for lane, clone in enumerate(clones, start=1):
+        for clone in clones:
             clone.lane_of = self.lane_of or self
-            clone.lane = lane
         return clones
 
     @property
@@ -616,32 +569,16 @@ class EmulatedExpertGroup(ExpertGroup):
         for the link later). Without a link, the current stream holds for `seconds`."""
         if device.type != "cuda" or seconds <= 0:
             return
-        link = self.link_stream(device)
+        link = self.timing.link
         if link is None:
             self.clock.sleep(seconds, device)
             return
         current = torch.cuda.current_stream(device)
         link.wait_stream(current)
         with torch.cuda.stream(link):
-            if self.timing.link_order == "ready":
-                if self.timing.link_free is None:
-                    raise RuntimeError("EmulatedTiming.link_order='ready' needs link_free: one int64 zero on the "
-                                       "device (app/bench/step.py sets it with the link)")
-                self.clock.claim(self.timing.link_free, seconds)
-            else:
-                self.clock.sleep(seconds, device)
+            self.clock.sleep(seconds, device)
         if wait:
             current.wait_stream(link)
-
-    def link_stream(self, device: torch.device):
-        """Local. The link stream this group's transfers wait on: `timing.link`, or with
-        link_order "ready" its lane's own (made on first use; lane 0's is `timing.link`)."""
-        timing = self.timing
-        if timing.link is None or timing.link_order == "issued" or self.lane == 0:
-            return timing.link
-        if self.lane not in timing.lane_links:
-            timing.lane_links[self.lane] = torch.cuda.Stream(device)
-        return timing.lane_links[self.lane]
 
     def _occupy_current_stream(self, seconds: float, device: torch.device) -> None:
         if device.type == "cuda":

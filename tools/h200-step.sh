@@ -28,7 +28,7 @@ step-xl)  # gpt-xl (4 layers) at 32k tokens per GPU, one and two micro-batches, 
   # (FasterMoE's 16-partition traces stay behind: the device returns at most 16 MiB a file)
   step step-xl ${STEP_LIMIT:-540} python3 -m app.cli bench $STEP --strategies none --model gpt-xl --layers 4 \
       --tokens ${XL_TOKENS:-32768} --partitions ${XL_PARTITIONS:-1,2,4} --rounds ${XL_ROUNDS:-3} --micro-batches 1,2 --schedule sequential,overlapped --trace /tmp/step-xl-traces \
-      --link-order ${LINK_ORDER:-issued} --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-xl${LINK_ORDER:+-$LINK_ORDER}.json"
+      --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-gpt-xl.json"
   for k in k1 k2; do
     (cd /tmp && tar -czf "$OUT/step-xl-traces-$k.tgz" $(ls step-xl-traces/*-$k-* 2>/dev/null | grep -v fastermoe))
   done ;;

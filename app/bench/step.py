@@ -21,9 +21,7 @@ data-parallel ranks priced by moe_sim/network.py, issued when its last gradient 
 backward. The overlapped schedule's lane 1 uses lane clones of the emulated group
 (EmulatedExpertGroup.lane_groups): the same link. All modelled transfers take their time one after another
 on one stream standing for the node's link (EmulatedTiming.link): the All-to-Alls and the
-reduction share the NICs. With --link-order ready each lane has its own link stream and the
-transfers claim one clock on the device (EmulatedTiming.link_order): still one at a time, in
-the order their data is ready.
+reduction share the NICs.
 
 Each engine and setting is timed three ways in the same interleaved rounds (so a slow spell
 of the machine falls on all alike): the step as modelled (`step_ms`); with the All-to-Alls
@@ -77,8 +75,6 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
     if device.type == "cuda":
         group.dilation = group.clock.measure_dilation(device)
         group.timing.link = torch.cuda.Stream(device)
-        group.timing.link_free = torch.zeros(1, dtype=torch.int64, device=device)  # --link-order ready's clock
-    group.timing.link_order = settings.link_order
     preset = settings.preset()
     variants = build_variants(settings, preset, group, device)
     parallel = DenseParallel(variants[0].model, world_size=1, device=device,

@@ -160,7 +160,7 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             "d_model": preset.d_model, "d_hidden": preset.d_hidden, "num_heads": preset.num_heads,
             "num_experts": preset.num_experts, "top_k": preset.top_k, "activation": preset.activation,
             "vocab_size": preset.vocab_size, "causal": preset.kind == "gpt", "dtype": str(dtype).replace("torch.", ""),
-            "device": device_name(device), **group.cluster.record_fields(), "link_order": group.timing.link_order}
+            "device": device_name(device), **group.cluster.record_fields()}
         if len(slot) == 3:
             record.update(no_all_to_all_ms=timings[slot[1]].median_ms, compute_ms=timings[slot[2]].fastest_ms,
                           compute_device_busy_ms=device_busy_floor_ms(fns[slot[2]], device,

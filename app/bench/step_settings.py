@@ -8,7 +8,7 @@ import torch
 
 from app.bench.routing_replay import check_routing
 from lm.model import ModelPreset, get_preset
-from moe_sim.emulation import LINK_ORDERS, EmulatedCluster
+from moe_sim.emulation import EmulatedCluster
 from workers.schedules import SCHEDULES as RUN_SCHEDULES
 
 SCHEDULES = (*RUN_SCHEDULES, "auto")  # --schedule's settings (run_micro_batches; auto: choose_schedule)
@@ -41,7 +41,6 @@ class StepSettings:
     rounds: int = 3
     seq_len: int | None = None
     trace: str | None = None
-    link_order: str = "issued"         # --link-order: how the emulated link serves two lanes (EmulatedTiming)
     seed: int = 0
     cluster: EmulatedCluster = field(init=False, repr=False)
     schedules: tuple = field(init=False)  # the settings of --schedule, in order, each once
@@ -87,8 +86,6 @@ class StepSettings:
         for name in ("repeats", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
-        if self.link_order not in LINK_ORDERS:
-            raise ValueError(f"--link-order {self.link_order!r} is unknown: choose from {', '.join(LINK_ORDERS)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup {self.warmup} is invalid: give 0 or more")
 

@@ -22,7 +22,6 @@ from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE
 from app.bench.step import run_and_write
 from app.bench.step_settings import StepSettings
 from moe_engine.comm import DEFAULT_COMM_SMS
-from moe_sim.emulation import LINK_ORDERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,11 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --step: comma list of micro-batch schedules, each timed: sequential, overlapped "
                              "(the forward of micro-batch k+1 beside the backward of k), auto (overlapped with >= 2 "
                              "micro-batches a step)")
-    parser.add_argument("--link-order", default="issued", choices=LINK_ORDERS,
-                        help="with --step: how the emulated link serves the overlapped schedule's two lanes: issued "
-                             "(default: one stream, in the order the host issued the transfers) or ready (a stream "
-                             "per lane, transfers taking the link one at a time as their data is ready, as NICs "
-                             "serve two communicators)")
     parser.add_argument("--out", default=None, help="JSON file to write (default out/bench-<device>-<date>.json; "
                         "with --layers out/stacked-<device>-<date>.json)")
     parser.add_argument("--tracking-uri", default=None,
@@ -131,7 +125,6 @@ def run_step(args) -> int:
         emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
         transfer_ctas=args.transfer_ctas, num_experts=args.experts, expert_parallel=args.expert_parallel,
         routings=tuple(_split(args.routing)), grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
-        link_order=args.link_order,
         **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
                                            ("strategies", args.strategies and tuple(_split(args.strategies))),
                                            ("repeats", args.repeats), ("rounds", args.rounds)) if value is not None})
@@ -147,8 +140,7 @@ def run(args) -> int:
     if args.step:
         return run_step(args)
     step_only = [flag for flag, given in (("--micro-batches", args.micro_batches != "1"),
-                                          ("--schedule", args.schedule != "sequential"),
-                                          ("--link-order", args.link_order != "issued")) if given]
+                                          ("--schedule", args.schedule != "sequential")) if given]
     if step_only:
         raise ValueError(f"{' and '.join(step_only)} time a whole training step: add --step (or drop them)")
     if args.expert_parallel is not None:

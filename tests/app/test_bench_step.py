@@ -315,7 +315,7 @@ def test_on_cuda_the_link_holds_every_modelled_transfer_and_no_record_beats_its_
         assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] >= r["compute_ms"]
 
 
-def _overlapped_against_sequential(device: torch.device, micro_batches: int, link_order: str = "issued") -> None:
+def _overlapped_against_sequential(device: torch.device, micro_batches: int) -> None:
     """Each engine's step body (no optimizer step) by both schedules from the same weights on
     the emulated 2x2 cluster, with the bench's models and its lanes: the same losses, the same
     gradients, the same modelled collectives and reduction (the lane clones log into the
@@ -327,10 +327,8 @@ def _overlapped_against_sequential(device: torch.device, micro_batches: int, lin
     settings = StepSettings(model="tiny-gpt", tokens=[64 * micro_batches], layers=2, emulate="2x2",
                             partitions=(2,), strategies=("S4",), dtype="fp32")
     group = settings.cluster.build()
-    group.timing.link_order = link_order
     if device.type == "cuda":
         group.timing.link = torch.cuda.Stream(device)
-        group.timing.link_free = torch.zeros(1, dtype=torch.int64, device=device)
     variants = [v for v in build_variants(settings, settings.preset(), group, device) if v.chosen_by != "auto"]
     parallel = DenseParallel(variants[0].model, device=device)
     reduction = GradientReduction(parallel.dense, group, device)
@@ -375,32 +373,15 @@ def test_the_overlapped_step_has_the_sequential_steps_losses_and_gradients_on_th
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("link_order", ["issued", "ready"])
-def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link(link_order):
-    """On the GPU: the lanes' compute streams and the link (one stream for both lanes'
-    waits, or one per lane claiming one clock) give the sequential step's losses and
-    gradients in fp32; the SMs the layers leave to communication are held for the whole
-    overlapped section and given back after."""
-    _overlapped_against_sequential(torch.device("cuda"), 2, link_order)
+def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link():
+    """On the GPU: the lanes' compute streams and the shared link stream (both lanes' waits
+    on it) give the sequential step's losses and gradients in fp32; the SMs the layers leave
+    to communication are held for the whole overlapped section and given back after."""
+    _overlapped_against_sequential(torch.device("cuda"), 2)
 
 
 def test_on_cuda_the_emulated_lanes_run_the_overlapped_step_on_the_link_cpu_twin():
     _overlapped_against_sequential(torch.device("cpu"), 2)
-
-
-def test_the_link_order_is_a_step_setting_recorded_in_each_record(tmp_path, capsys):
-    out = tmp_path / "step.json"
-    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
-                 "--micro-batches", "2", "--partitions", "2", "--strategies", "S4", "--no-grid", "--rounds", "1",
-                 "--repeats", "1", "--warmup", "0", "--tracking-uri", "none", "--schedule", "overlapped",
-                 "--link-order", "ready", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert {r["link_order"] for r in result["records"]} == {"ready"}
-    assert result["meta"]["settings"]["link_order"] == "ready"
-    with pytest.raises(ValueError, match="--link-order 'fifo' is unknown: choose from issued, ready"):
-        StepSettings(model="tiny-gpt", tokens=[128], layers=1, emulate="1x2", link_order="fifo")
-    assert main(["bench", "--emulate", "1x2", "--link-order", "ready", "--tracking-uri", "none"]) != 0
-    assert "--link-order time a whole training step: add --step" in capsys.readouterr().err
 
 
 def test_each_schedule_is_a_setting_of_the_run_and_auto_says_what_it_chose(tmp_path):

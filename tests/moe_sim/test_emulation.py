@@ -18,8 +18,6 @@ from moe_sim.network import (PRESETS, ClusterLayout, all_reduce_s, all_to_all_tr
                                 hierarchical_all_to_all_s, rank_traffic, small_collective_s, uniform_load)
 from tests.distributed import run_on_ranks
 
-CPU = torch.device("cpu")
-
 CONFIG = MoEConfig(d_model=16, d_hidden=32, num_experts=8, top_k=2)
 TOKENS = 96
 # (engine, argument): MPipeMoE (n, strategy), FasterMoE's peers per step, FastMoE.
@@ -444,30 +442,3 @@ def test_lane_clones_share_the_cluster_prices_and_link_and_log_into_their_group(
     assert faster.lane_groups(0) == []
     with pytest.raises(ValueError, match="count=-1 is invalid"):
         group.lane_groups(-1)
-
-
-def test_the_link_order_is_checked_and_each_lane_clone_knows_its_lane():
-    from moe_sim.emulation import EmulatedTiming
-
-    with pytest.raises(ValueError, match=r"link_order='fifo' is invalid: give one of issued, ready \(--link-order\)"):
-        EmulatedTiming(link_order="fifo")
-    group = EmulatedCluster.parse("2x2").build()
-    lanes = group.lane_groups(2)
-    assert [group.lane] + [lane.lane for lane in lanes] == [0, 1, 2]
-    assert all(lane.timing is group.timing for lane in lanes)  # one link, one clock
-    peer = lanes[0].for_peer_steps(2)  # FasterMoE's sibling of a lane clone keeps the lane
-    assert peer.lane == 1 and peer.timing is group.timing
-
-
-def test_issued_order_shares_one_link_stream_and_ready_order_gives_each_lane_its_own():
-    """Which stream a group's transfers wait on (CUDA streams stood in for by plain objects:
-    the choice is the host's; the waits themselves run on the GPU, tests/moe_engine/test_gpu.py)."""
-    group = EmulatedCluster.parse("2x2").build()
-    lane = group.lane_groups(1)[0]
-    assert group.link_stream(CPU) is None and lane.link_stream(CPU) is None  # no link: the current stream
-    shared, own = object(), object()
-    group.timing.link = shared
-    assert group.link_stream(CPU) is shared and lane.link_stream(CPU) is shared
-    group.timing.link_order = "ready"
-    group.timing.lane_links[1] = own
-    assert group.link_stream(CPU) is shared and lane.link_stream(CPU) is own  # lane 0 keeps the link
