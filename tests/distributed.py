@@ -19,6 +19,10 @@ def _worker(rank, world_size, init_file, fn, args, queue, collective_timeout_s):
         if world_size > 1:
             dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                     world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+            # Every rank's mesh is complete before any rank goes on: a rank whose function
+            # makes no collective could otherwise exit (closing its sockets) while a peer is
+            # still connecting ("Gloo connectFullMesh failed ... Connection closed by peer").
+            dist.barrier()
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report every failure to the parent, then exit
