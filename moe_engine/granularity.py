@@ -1,8 +1,9 @@
 """Online search of the partition count n (the paper's Algorithm 1, guarded).
 
 The best n depends on the token count B, the model and the hardware. The
-search times candidate n on real forward+backward passes (after a warm-up),
-all ranks agree on the result (slowest rank's times), and the cache maps token
+search times candidate n on real forward+backward passes (after a warm-up; a
+candidate's time is its fastest timed pass, since stalls only add time), all
+ranks agree on the result (slowest rank's times), and the cache maps token
 counts to n. A new B between two cached counts with the same n reuses it (the
 paper's assumption that the best n does not decrease as B grows); between two
 different n only the candidates in between are timed.
@@ -137,7 +138,7 @@ class GranularitySearch:
                min_partitions: int = 1, prefer_fastest: bool = False) -> int:
         """Local. n for a pass over `tokens` tokens from agreed values only: tokens and skew
         (the max over ranks), and, when `timing_agreement_due` said so before this call, the
-        slowest rank's mean seconds per candidate (`agreed_seconds`; None otherwise).
+        slowest rank's fastest pass per candidate, in seconds (`agreed_seconds`; None otherwise).
 
         min_partitions: the smallest n allowed (e.g. the fewest partitions that fit a
         memory budget); cached choices below it are ignored and not searched.
@@ -173,17 +174,23 @@ class GranularitySearch:
                 and 2 <= timed < len(search.candidates) and timed != search.checked_after)
 
     def local_seconds(self) -> list[float]:
-        """Local. This rank's mean seconds per candidate (in `candidates` order) of the
-        active search; inf where nothing was timed to its end."""
+        """Local. This rank's fastest timed pass per candidate (in `candidates` order) of the
+        active search; inf where nothing was timed to its end.
+
+        The fastest, not the mean: a stall (the host descheduled, the caching allocator
+        freeing and re-allocating under memory pressure) only adds time. Emulated 8x8 on
+        the H200, gpt-xl 8k under skew, the mean of two passes timed n = 8 at 227.9 ms
+        where the bench's own rounds timed that setting at 119.7, and the search kept n = 4
+        at 128.2 ms (`results/bench-h200-emulated-8x8-dgx-h200.json`; docs/engine.md)."""
         samples = self.active.samples if self.active is not None else {}
-        means = []
-        for n in self.candidates:
-            seconds = [s for t in samples.get(n, []) if (s := t.seconds()) is not None]
-            means.append(sum(seconds) / len(seconds) if seconds else math.inf)
-        return means
+        return [min(self._timed_seconds(samples.get(n, [])), default=math.inf) for n in self.candidates]
+
+    @staticmethod
+    def _timed_seconds(timings: list[PassTiming]) -> list[float]:
+        return [s for t in timings if (s := t.seconds()) is not None]
 
     def agreed_seconds(self, group: ExpertGroup) -> dict[int, float]:
-        """Collective. The slowest rank's `local_seconds` per candidate n. The all-reduce
+        """Collective. The slowest rank's `local_seconds` (its fastest pass) per candidate n. The all-reduce
         runs on the timed passes' device (NCCL rejects CPU tensors)."""
         search = self.active
         if search is None or search.device is None:  # the search only advances in timing_for_pass
@@ -319,7 +326,11 @@ class GranularitySearch:
             self.cache.remove(previous)
         self.cache.append(CacheEntry(search.tokens, best, search.skew_bucket))
         self.cache.sort(key=lambda e: e.tokens)
-        self._decide("chose", search.tokens, best, reason=search.reason, times=times)
+        # The timed passes of this rank, beside the agreed times (a log for readers; the
+        # choice above used agreed values only).
+        local_ms = {n: [round(1e3 * s, 3) for s in self._timed_seconds(search.samples.get(n, []))]
+                    for n in search.candidates}
+        self._decide("chose", search.tokens, best, reason=search.reason, times=times, local_passes_ms=local_ms)
         for violation in self.monotonicity_violations():
             if search.tokens in (violation[0], violation[2]):
                 self._decide("monotonicity violated", search.tokens, best,

@@ -8,7 +8,7 @@ from only reach them through an agreement. A pass, with the layer's steps (layer
 
   1. `local_values`   Local. This rank's values besides the pass statistics: whether it holds
                       the hardware profile and that profile's digest (strategy "auto"), and the
-                      search's mean seconds per candidate when the search compares them this
+                      search's time per candidate (its fastest pass) when it compares them this
                       pass (partitions "auto").
   2. the values ride in the count exchange with the pass statistics (NaN/Inf, the token count,
      the routing skew; dispatcher.exchange_counts, the collective dispatch needs anyway), so
@@ -66,7 +66,7 @@ class AgreedValues:
     stats: PassStats                          # NaN/Inf anywhere, the largest token count, the routing skew
     profile_missing: bool                     # some rank holds no hardware profile: every rank measures it
     profile_differs: bool                     # the ranks' profiles differ: every rank adopts rank 0's
-    search_seconds: dict[int, float] | None   # slowest rank's mean seconds per candidate n; None: not compared
+    search_seconds: dict[int, float] | None   # slowest rank's fastest pass per candidate n, s; None: not compared
     backward: bool                            # the pass records for backward (grad enabled)
     device: torch.device                      # the pass's data device (agreements run there)
     dtype: torch.dtype                        # the dtype the experts run in (experts.compute_dtype)
