@@ -240,19 +240,50 @@ def plan_exchanged(routing: Routing, chunk_P: torch.Tensor, partitions: int, tab
                    group: ExpertGroup) -> DispatchPlan:
     """Local, no device reads (the counts are on the host). The plan with several ranks:
     the C chunks of the count exchange merge into `partitions` runs of C/n chunks."""
-    tokens, top_k = routing.expert_ids_TK.shape
     chunks, num_experts = tables.sent_CE.shape
     world, local, n = group.size, num_experts // group.size, partitions
     if chunks % n:
         raise ValueError(f"partitions={n} must divide the {chunks} count chunks of this pass")
     per = chunks // n
-    device = chunk_P.device
     partition_P = chunk_P // per if per > 1 else chunk_P
+    sent_nWL = tables.sent_CE.reshape(n, per, world, local).sum(axis=1)
+    recv_nWL = tables.received_WCL.reshape(world, n, per, local).sum(axis=2).transpose(1, 0, 2)
+    return _plan_from_tables(routing, partition_P, sent_nWL, recv_nWL, tables.stats)
+
+
+def plan_exchanged_by_peers(routing: Routing, partitions: int, tables: CountTables, group: ExpertGroup
+                            ) -> DispatchPlan:
+    """Local, no device reads (the counts are on the host). The plan with several ranks
+    when the n partitions split the *destinations* (FasterMoE's split, `chunk_by_peers`
+    with groups of W/n peers) whatever the chunks the counts were exchanged in: a pair's
+    partition follows from its expert, so the per-expert totals of the count tables say
+    what each partition sends and receives. A rank sends rank d its rows in partition
+    ((d − rank) mod W) // (W/n) and receives source s's in ((rank − s) mod W) // (W/n)."""
+    num_experts = tables.sent_CE.shape[1]
+    world, local, n, rank = group.size, num_experts // group.size, partitions, group.rank
+    if n < 1 or world % n:
+        raise ValueError(f"partitions={n} must divide the expert-parallel world size {world} to split by peers")
+    peers_per_partition = world // n
+    partition_P = chunk_by_peers(routing.expert_ids_TK, local, rank, world, peers_per_partition)
+    ranks = np.arange(world)
+    sent_nWL = np.zeros((n, world, local), dtype=np.int64)
+    sent_nWL[((ranks - rank) % world) // peers_per_partition, ranks] = tables.sent_CE.sum(axis=0).reshape(world, local)
+    recv_nWL = np.zeros((n, world, local), dtype=np.int64)
+    recv_nWL[((rank - ranks) % world) // peers_per_partition, ranks] = tables.received_WCL.sum(axis=1)
+    return _plan_from_tables(routing, partition_P, sent_nWL, recv_nWL, tables.stats)
+
+
+def _plan_from_tables(routing: Routing, partition_P: torch.Tensor, sent_nWL: np.ndarray, recv_nWL: np.ndarray,
+                      stats: PassStats) -> DispatchPlan:
+    """Local. The plan from each pair's partition and the rows each partition sends to and
+    receives from every rank, per local expert ([n, W, L] on the host)."""
+    tokens, top_k = routing.expert_ids_TK.shape
+    n, world, local = sent_nWL.shape
+    num_experts = world * local
+    device = partition_P.device
     keys_P = _pair_keys(routing, partition_P, n, num_experts, single=False)
     pair_order = torch.argsort(keys_P, stable=True)
 
-    sent_nWL = tables.sent_CE.reshape(n, per, world, local).sum(axis=1)
-    recv_nWL = tables.received_WCL.reshape(world, n, per, local).sum(axis=2).transpose(1, 0, 2)
     send_splits_nW = sent_nWL.sum(axis=2)
     recv_splits_nW = recv_nWL.sum(axis=2)
     rows_received_n = recv_splits_nW.sum(axis=1)
@@ -297,7 +328,7 @@ def plan_exchanged(routing: Routing, chunk_P: torch.Tensor, partitions: int, tab
         ))
         sent += rows_sent
         received += rows_received
-    return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, parts, False, tables.stats)
+    return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, parts, False, stats)
 
 
 def plan_dispatch(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_experts: int,

@@ -3,8 +3,9 @@
     from moe_engine import build_layer
     layer = build_layer("mpipemoe:4:S3", MoEConfig(1024, 4096, 8), group, dtype=torch.bfloat16)
 
-A spec is "fastmoe", "fastermoe[:group_size]" or "mpipemoe[:partitions[:strategy]]"
-(partitions an integer or "auto"), as the bench, the tools and the tests name engines.
+A spec is "fastmoe", "fastermoe[:group_size]" or "mpipemoe[:partitions[:strategy[:split]]]"
+(partitions an integer or "auto"; split "tokens" or "peers", MPipeMoE's `split`), as the
+bench, the tools and the tests name engines.
 """
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from typing import Any
 from torch import nn
 
 from .comm import ExpertGroup
-from .config import ENGINES, STRATEGY_CHOICES, MoEConfig
+from .config import ENGINES, SPLITS, STRATEGY_CHOICES, MoEConfig
 from .layers import FastMoE, FasterMoE, MPipeMoE
 
 # Options only one engine takes; the others ignore them, so one call serves every engine
 # (lm.model builds each layer of a model this way, whatever its engine).
-MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool")
+MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split")
 FASTERMOE_OPTIONS = ("group_size",)
 
 
@@ -31,16 +32,17 @@ class EngineSpec:
     partitions: int | str | None = None
     strategy: str | None = None
     group_size: int | None = None
+    split: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> EngineSpec:
         engine, *args = spec.split(":")
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
-        most = {"fastmoe": 0, "fastermoe": 1, "mpipemoe": 2}[engine]
+        most = {"fastmoe": 0, "fastermoe": 1, "mpipemoe": 3}[engine]
         if len(args) > most:
             raise ValueError(f"engine spec {spec!r} is invalid: {engine} takes at most {most} setting(s) "
-                             f"(e.g. fastmoe, fastermoe:4, mpipemoe:4:S3)")
+                             f"(e.g. fastmoe, fastermoe:4, mpipemoe:4:S3, mpipemoe:16:none:peers)")
         try:
             if engine == "fastermoe":
                 return cls(engine, group_size=int(args[0]) if args else None)
@@ -51,12 +53,16 @@ class EngineSpec:
         if strategy is not None and strategy not in STRATEGY_CHOICES:
             raise ValueError(f"engine spec {spec!r} is invalid: strategy {strategy!r}: choose one of "
                              f"{', '.join(STRATEGY_CHOICES)}")
-        return cls(engine, partitions=partitions, strategy=strategy)
+        split = args[2] if len(args) > 2 else None
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"engine spec {spec!r} is invalid: split {split!r}: choose one of {', '.join(SPLITS)}")
+        return cls(engine, partitions=partitions, strategy=strategy, split=split)
 
     def options(self) -> dict[str, int | str]:
         """The settings the spec names, as ``build_layer`` options."""
         return {name: value for name, value in (("partitions", self.partitions), ("strategy", self.strategy),
-                                                ("group_size", self.group_size)) if value is not None}
+                                                ("group_size", self.group_size), ("split", self.split))
+                if value is not None}
 
 
 def build_layer(engine: str | EngineSpec, config: MoEConfig, group: ExpertGroup | None = None,

@@ -51,7 +51,16 @@ SCENARIOS = [
 
 ENGINES = (["fastmoe"]
            + [f"mpipemoe:{n}:{s}" for n in (1, 2, 3, 4, 7) for s in STRATEGIES]
-           + [f"fastermoe:{g}" for g in (1, 2, 4)])
+           + [f"fastermoe:{g}" for g in (1, 2, 4)]
+           # split by peers: n divides the expert group's size, so each runs where it can
+           + [f"mpipemoe:2:{s}:peers" for s in STRATEGIES] + [f"mpipemoe:4:{s}:peers" for s in ("none", "S4")])
+
+
+def runs_on(spec: str, expert_group_size: int) -> bool:
+    """Whether the engine spec can run on an expert group of that many ranks (a peer split's
+    n must divide it)."""
+    fields = spec.split(":")
+    return not (len(fields) == 4 and fields[3] == "peers" and expert_group_size % int(fields[1]))
 
 
 def build_engine(spec: str, config: MoEConfig, dtype=torch.float64):
@@ -181,7 +190,7 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
             continue
         problem = make_problem(scenario, world_size)
         solve_reference(problem, scenario.config)
-        for spec in engines:
+        for spec in (e for e in engines if runs_on(e, layout.degree)):
             torch.manual_seed(0)
             layer = build_layer(spec, scenario.config, group, dtype=dtype)
             load_params(layer, problem, layout.expert_rank)
@@ -218,7 +227,7 @@ def check_micro_batch_schedules(rank: int, world_size: int, scenario_names: list
         for problem in problems:
             problem.params = problems[0].params  # one model, different tokens per micro-batch
             solve_reference(problem, scenario.config)
-        for spec in engines:
+        for spec in (e for e in engines if runs_on(e, layout.degree)):
             torch.manual_seed(0)
             layer = build_engine(spec, scenario.config)
             load_params(layer, problems[0], rank)

@@ -88,6 +88,71 @@ def test_expert_order_round_trip_with_several_ranks():
         assert torch.equal(dispatcher.from_expert_major(grouped, p.source_order_N), rows)
 
 
+@pytest.mark.parametrize("partitions", [1, 2, 4])
+def test_a_peer_split_plans_from_any_count_chunks_what_fastermoe_plans_from_peer_steps(partitions):
+    """MPipeMoE's split="peers" exchanges its counts in token chunks (here 3) and derives
+    each partition's rows from the per-expert totals; FasterMoE exchanges them per peer
+    step. Both plans must be the same: partition i sends only to, and receives only from,
+    its group of W/n peers, the same rows in the same order (rank 1 of 4: the steps are
+    relative to the rank)."""
+    import numpy as np
+
+    W, L, rank, C = 4, 2, 1, 3
+    g = W // partitions
+    torch.manual_seed(3)
+    T, K = 10, 2
+    routing = Router(MoEConfig(4, 8, W * L, top_k=K))(torch.randn(T, 4))
+    received_WL = np.random.default_rng(1).integers(0, 5, size=(W, L))
+    stats = np.zeros((W, dispatcher.STATS), dtype=np.int64)
+
+    class Rank1Of4:
+        size, distributed = W, True
+
+    Rank1Of4.rank = rank
+    # split by peers, counted in C token chunks (the received rows spread over them)
+    token_chunks = dispatcher.chunk_by_tokens(T, K, C, "cpu")
+    received_WCL = np.zeros((W, C, L), dtype=np.int64)
+    received_WCL[:, 0] = received_WL - received_WL // 2
+    received_WCL[:, 2] = received_WL // 2
+    counts = dispatcher.count_rows(routing, token_chunks, C, W * L, single=False).numpy()
+    peers = dispatcher.plan_exchanged_by_peers(routing, partitions, dispatcher.CountTables(counts, received_WCL, stats),
+                                               Rank1Of4())  # type: ignore[arg-type]  # (a stand-in group)
+    # FasterMoE's way: counted per peer step
+    steps = dispatcher.chunk_by_peers(routing.expert_ids_TK, L, rank, W, g)
+    step_counts = dispatcher.count_rows(routing, steps, partitions, W * L, single=False).numpy()
+    received_by_step = np.zeros((W, partitions, L), dtype=np.int64)
+    for source in range(W):
+        received_by_step[source, ((rank - source) % W) // g] = received_WL[source]
+    faster = dispatcher.plan_exchanged(routing, steps, partitions,
+                                       dispatcher.CountTables(step_counts, received_by_step, stats),
+                                       Rank1Of4())  # type: ignore[arg-type]
+    assert torch.equal(peers.token_index_R, faster.token_index_R)
+    for i, (a, b) in enumerate(zip(peers.partitions, faster.partitions)):
+        assert a.send_splits == b.send_splits and a.recv_splits == b.recv_splits
+        assert a.segments.counts == b.segments.counts
+        assert torch.equal(a.token_index_R, b.token_index_R)
+        group = [d for d in range(W) if ((d - rank) % W) // g == i]
+        assert all(rows == 0 for d, rows in enumerate(a.send_splits) if d not in group)
+    assert sum(sum(p.recv_splits) for p in peers.partitions) == received_WL.sum()
+
+
+def test_a_peer_split_needs_a_divisor_of_the_world_size():
+    from moe_engine import MPipeMoE
+
+    class ThreeRanks:
+        size, rank, distributed = 3, 0, True
+
+    with pytest.raises(ValueError, match=r"partitions=2 must divide the expert-parallel world size 3"):
+        dispatcher.plan_exchanged_by_peers(None, 2, dispatcher.CountTables(  # type: ignore[arg-type]
+            torch.zeros(1, 3).numpy(), torch.zeros(3, 1, 1).numpy(), torch.zeros(3, 3).numpy()), ThreeRanks())
+    with pytest.raises(ValueError, match=r"split='halves' is invalid: give one of 'tokens', 'peers'"):
+        MPipeMoE(MoEConfig(8, 16, 4), split="halves")
+    with pytest.raises(ValueError, match=r"partitions=2 is invalid with split='peers': give a divisor of the "
+                                         r"expert-parallel world size 1"):
+        MPipeMoE(MoEConfig(8, 16, 4), partitions=2, split="peers")
+    assert MPipeMoE(MoEConfig(8, 16, 4), split="peers").search.candidates == [1]
+
+
 def test_chunk_by_tokens_more_chunks_than_tokens():
     part = dispatcher.chunk_by_tokens(3, 2, 7, "cpu")
     assert part.tolist() == [0, 0, 2, 2, 4, 4]
