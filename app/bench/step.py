@@ -45,6 +45,7 @@ the MLflow runs (app/bench/step_summary.py).
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Callable
@@ -68,8 +69,12 @@ LR = 1e-6                      # small: the router barely moves over the bench's
 
 # -- the run -------------------------------------------------------------------------------------
 
-def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[dict], None]) -> list[dict]:
-    """Every routing, token count and micro-batch count of ``settings`` (module docstring)."""
+def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[dict], None],
+                   not_measured: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every routing, token count and micro-batch count of ``settings`` (module docstring).
+    A point that runs out of device memory is passed to ``not_measured`` (its routing,
+    tokens, micro-batches and the error's first line), its memory freed, and the run goes
+    on with the next point; without ``not_measured`` the error ends the run."""
     torch.manual_seed(settings.seed)
     group = settings.cluster.build()
     if device.type == "cuda":
@@ -95,14 +100,34 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
         for routing in settings.routings:
             for tokens in settings.tokens:
                 for k in settings.micro_batches:
-                    records += bench_step_point(settings, preset, variants, pushes, lambda v: all_parts[id(v)],
-                                                routing, tokens, k, device, log)
+                    try:
+                        records += bench_step_point(settings, preset, variants, pushes, lambda v: all_parts[id(v)],
+                                                    routing, tokens, k, device, log)
+                    except torch.OutOfMemoryError as error:
+                        if not_measured is None:
+                            raise
+                        release_point_memory(variants, device)
+                        not_measured({"model": settings.model, "routing": routing, "tokens": tokens,
+                                      "micro_batches": k, "reason": "out of memory: "
+                                      + str(error).strip().splitlines()[0]})
     finally:
         pushes.remove()
         reduction.remove()
         for lane in lanes.values():
             lane.close()
     return records
+
+
+def release_point_memory(variants: list, device: torch.device) -> None:
+    """After a point ran out of memory: drop every gradient the failed step left (the
+    models share their parameters) and the graph it held, and give the cached blocks back,
+    so the next point starts from the models' own memory."""
+    for variant in variants:
+        variant.model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | None, experiment: str,
@@ -125,13 +150,14 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
                                                f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
 
     finished: list[dict] = []
+    skipped: list[dict] = []
 
     def write(complete: bool) -> dict:
         """The JSON and the Markdown, whole (rewritten after every record: a run stopped by a
         time limit keeps the points it finished)."""
         meta = {**record_meta("bench", on_gpu), "device": name, "world_size": cluster.ranks,
                 **cluster.record_fields(), "processes": 1, "kind": "step", "settings": settings.to_json(),
-                "wall_s": round(time.time() - started, 1), "complete": complete}
+                "wall_s": round(time.time() - started, 1), "complete": complete, "not_measured": skipped}
         result = {"meta": meta, "records": finished}
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as handle:
@@ -149,8 +175,14 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
                 + (f"  bound {record['step_bound_ms']:.2f}" if record.get("step_bound_ms") else ""))
         write(complete=False)
 
+    def not_measured(point: dict) -> None:
+        skipped.append(point)
+        printer(f"  [{time.time() - started:6.0f} s] {point['model']} {point['routing']:<8} {point['tokens']:>6} tok "
+                f"K={point['micro_batches']} not measured: {point['reason']}")
+        write(complete=False)
+
     try:
-        run_step_bench(settings, device, arrived)
+        run_step_bench(settings, device, arrived, not_measured)
     except KeyboardInterrupt:
         write(complete=False)
         printer(f"Stopped: wrote the {len(finished)} records finished so far to {out}")

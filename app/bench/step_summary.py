@@ -48,6 +48,11 @@ def step_markdown(result: dict) -> str:
             f"{fmt(peak and peak / 2**30, '.1f')} | "
             f"{fmt(base.get('fastmoe') and base['fastmoe'] / r['step_ms'], '.2f')} | "
             f"{fmt(base.get('fastermoe') and base['fastermoe'] / r['step_ms'], '.2f')} |")
+    missing = result["meta"].get("not_measured") or []
+    if missing:
+        lines += ["", "Points not measured (the run went on with the next point):", ""]
+        lines += [f"- {p['model']}, {p['routing']} routing, {p['tokens']} tokens, K={p['micro_batches']}: {p['reason']}"
+                  for p in missing]
     return "\n".join(lines) + "\n"
 
 

@@ -239,7 +239,7 @@ def test_the_report_takes_the_best_of_every_schedule_against_the_baselines_plain
 def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
     import app.bench.step as bench_step
 
-    def one_then_stop(settings, device, log):
+    def one_then_stop(settings, device, log, not_measured=None):
         log({"model": "tiny-gpt", "routing": "uniform", "tokens": 128, "micro_batches": 1, "engine": "fastmoe",
              "chosen_by": "baseline", "partitions": 1, "strategy": "none", "step_ms": 5.0, "step_ms_std": 0.1,
              "layers": 1, "all_to_all_ms": 0.1, "reduction_ms": 0.1})
@@ -252,6 +252,44 @@ def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["meta"]["complete"] is False and [r["engine"] for r in result["records"]] == ["fastmoe"]
     assert "| tiny-gpt | 1 | uniform | 128 | 1 | fastmoe |" in (tmp_path / "step.md").read_text()
+
+
+def test_a_point_out_of_memory_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    # On the H200 the skewed 32k point ran out of memory and ended the run, losing the
+    # points after it. Now it is named in the JSON and the Markdown, and the next point runs.
+    import app.bench.step as bench_step
+
+    real_point = bench_step.bench_step_point
+    released = []
+
+    def point(settings, preset, variants, pushes, parts_of, routing, tokens, k, device, log):
+        if tokens == 256:
+            for p in variants[0].model.parameters():  # a failed backward's leftovers
+                p.grad = torch.zeros_like(p)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB\nmore detail")
+        return real_point(settings, preset, variants, pushes, parts_of, routing, tokens, k, device, log)
+
+    real_release = bench_step.release_point_memory
+
+    def release(variants, device):
+        real_release(variants, device)
+        released.append(all(p.grad is None for v in variants for p in v.model.parameters()))
+
+    monkeypatch.setattr(bench_step, "bench_step_point", point)
+    monkeypatch.setattr(bench_step, "release_point_memory", release)
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2",
+                 "--tokens", "256,128", "--no-grid", "--rounds", "1", "--repeats", "1",
+                 "--tracking-uri", "none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["complete"] is True and released == [True]
+    assert result["meta"]["not_measured"] == [{"model": "tiny-gpt", "routing": "uniform", "tokens": 256,
+                                               "micro_batches": 1, "reason": "out of memory: CUDA out of memory. "
+                                                                             "Tried to allocate 24.00 GiB"}]
+    assert {r["tokens"] for r in result["records"]} == {128}
+    assert {r["engine"] for r in result["records"]} == {"fastmoe", "fastermoe", "mpipemoe"}
+    markdown = (tmp_path / "step.md").read_text()
+    assert "- tiny-gpt, uniform routing, 256 tokens, K=1: out of memory: CUDA out of memory." in markdown
 
 
 def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():

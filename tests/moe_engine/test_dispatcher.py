@@ -106,9 +106,7 @@ def test_a_peer_split_plans_from_any_count_chunks_what_fastermoe_plans_from_peer
     stats = np.zeros((W, dispatcher.STATS), dtype=np.int64)
 
     class Rank1Of4:
-        size, distributed = W, True
-
-    Rank1Of4.rank = rank
+        size, rank, distributed = W, 1, True
     # split by peers, counted in C token chunks (the received rows spread over them)
     token_chunks = dispatcher.chunk_by_tokens(T, K, C, "cpu")
     received_WCL = np.zeros((W, C, L), dtype=np.int64)
@@ -144,7 +142,8 @@ def test_a_peer_split_needs_a_divisor_of_the_world_size():
 
     with pytest.raises(ValueError, match=r"partitions=2 must divide the expert-parallel world size 3"):
         dispatcher.plan_exchanged_by_peers(None, 2, dispatcher.CountTables(  # type: ignore[arg-type]
-            torch.zeros(1, 3).numpy(), torch.zeros(3, 1, 1).numpy(), torch.zeros(3, 3).numpy()), ThreeRanks())
+            torch.zeros(1, 3).numpy(), torch.zeros(3, 1, 1).numpy(), torch.zeros(3, 3).numpy()),
+            ThreeRanks())  # type: ignore[arg-type]  # (a stand-in group)
     with pytest.raises(ValueError, match=r"split='halves' is invalid: give one of 'tokens', 'peers'"):
         MPipeMoE(MoEConfig(8, 16, 4), split="halves")
     with pytest.raises(ValueError, match=r"partitions=2 is invalid with split='peers': give a divisor of the "
