@@ -18,7 +18,7 @@ ROUTER_RULES = ("softmax-then-topk", "topk-then-softmax")
 ENGINES = ("mpipemoe", "fastmoe", "fastermoe")
 STRATEGIES = ("none", "S1", "S2", "S3", "S4")   # mpipemoe's memory strategies (docs/design.md §5)
 STRATEGY_CHOICES = ("auto", *STRATEGIES)        # what a user may ask for: "auto" lets the planner choose
-SPLITS = ("tokens", "peers")  # how MPipeMoE's n partitions divide a pass (layers.MPipeMoE, split=)
+SPLITS = ("tokens", "peers", "auto")  # how MPipeMoE's n partitions divide a pass (layers.MPipeMoE, split=)
 
 
 def _fail(field: str, value: object, fix: str) -> NoReturn:

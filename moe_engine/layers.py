@@ -39,7 +39,7 @@ from .comm import ExpertGroup
 from .config import SPLITS, MemoryBudget, MoEConfig
 from .dispatcher import STATS, DispatchPlan, PassStats
 from .experts import Experts, compute_dtype
-from .granularity import DEFAULT_CANDIDATES, GranularitySearch, skew_bucket
+from .granularity import SEARCH_SPLITS, GranularitySearch, skew_bucket
 from .memory import HostBufferPool, RestorePolicy
 from .perf_model import HardwareProfile, ProfileCache
 from .pipeline import PipelinedExperts, PipelineRun
@@ -158,15 +158,14 @@ class MoELayerBase(nn.Module):
         """Local. Chunk of each (token, choice) pair."""
         return torch.zeros(routing.expert_ids_TK.numel(), dtype=torch.long, device=routing.expert_ids_TK.device)
 
-    @property
-    def _count_chunks(self) -> int:
-        """The chunks the row counts are exchanged in (the planner's)."""
-        return self.planner.count_chunks
-
-    def _plan_partitions(self, routing: Routing, chunk_P: torch.Tensor, partitions: int,
+    def _plan_partitions(self, routing: Routing, chunk_P: torch.Tensor, pass_plan: PassPlan,
                          tables: dispatcher.CountTables) -> DispatchPlan:
-        """Local. The dispatch plan of ``partitions`` runs of the exchanged count chunks."""
-        return dispatcher.plan_exchanged(routing, chunk_P, partitions, tables, self.group)
+        """Local. The dispatch plan of the pass plan's partitions, from the exchanged counts:
+        runs of the count chunks (split by tokens, or FasterMoE's chunks by peer step), or,
+        split by peers, groups of destinations (`dispatcher.plan_exchanged_by_peers`)."""
+        if pass_plan.split == "peers":
+            return dispatcher.plan_exchanged_by_peers(routing, pass_plan.partitions, tables, self.group)
+        return dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
 
     def plan(self, x_TD: torch.Tensor, routing: Routing) -> tuple[DispatchPlan, PassPlan]:
         """Step 2. With one rank: local, no device reads. With several: count rows (local),
@@ -187,7 +186,7 @@ class MoELayerBase(nn.Module):
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
             return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
-        chunks = self._count_chunks
+        chunks = planner.count_chunks
         chunk_P = self._chunk_pairs(routing, chunks)
         counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
         skew = skew_bucket(counts_CE.sum(0)) if planner.wants_skew else 0
@@ -201,7 +200,7 @@ class MoELayerBase(nn.Module):
         agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype)
         replayed = self._replayed_plan()
         pass_plan = replayed or planner.decide(agreed)
-        plan = self._plan_partitions(routing, chunk_P, pass_plan.partitions, tables)
+        plan = self._plan_partitions(routing, chunk_P, pass_plan, tables)
         return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
 
     # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
@@ -342,70 +341,68 @@ class MPipeMoE(MoELayerBase):
                    For a model of L such layers give MemoryBudget(bytes=..., layers=L): each
                    layer's saved tensors count L times, one working set once.
     search:        the GranularitySearch to use (candidates, re-check period, ...).
-    split:         how the n partitions divide a pass: "tokens" (default, the paper's: n
-                   contiguous token ranges, each one All-to-All over every rank) or "peers"
-                   (FasterMoE's: partition i holds the rows for one group of W/n destination
-                   ranks, so a pass sends W messages whatever n; n must divide the
-                   expert-parallel world size W). Either way the partitions share the
-                   buffers and restore them by the strategy.
-    host_pool:     pinned host buffers for offloads; share one between layers if you like.
-                   An offloading strategy (S1–S3) whose buffers would not fit in the host
-                   memory the pool may take falls back to S4 on every rank, with a logged
-                   reason (``host_fallback_reason``).
+    split:         how the n partitions divide a pass: "tokens" (the paper's: n contiguous
+                   token ranges, each one All-to-All over every rank), "peers" (FasterMoE's:
+                   partition i holds the rows for one group of W/n destination ranks, so a
+                   pass sends W messages whatever n; n must divide the expert-parallel world
+                   size W) or "auto" (the search times both at each candidate n; needs
+                   partitions="auto"). Default: the given search's `splits`; else "auto" with
+                   partitions="auto", "tokens" with a fixed n. Either way the partitions
+                   share the buffers and restore them by the strategy.
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
                  profile: HardwareProfile | ProfileCache | None = None,
                  memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
-                 split: str = "tokens", device=None, dtype=None):
-        if split not in SPLITS:
+                 split: str | None = None, device=None, dtype=None):
+        if split is not None and split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: give one of {', '.join(map(repr, SPLITS))}")
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
-        if split == "peers":
-            search = self._peer_search(partitions, search)
+        split, search = self._split_and_search(partitions, split, search)
         self.planner = Planner(config, self.group, partitions, strategy, profile=profile,
-                               memory_budget=memory_budget, search=search, host_pool=self.host_pool)
+                               memory_budget=memory_budget, search=search, host_pool=self.host_pool,
+                               split=split if split != "auto" else "tokens")
         self.partitions, self.strategy, self.memory_budget, self.split = partitions, strategy, memory_budget, split
         self.search = self.planner.search
         self.last_partitions: int | None = None
+        self.last_split: str | None = None
         self.last_strategy: str | None = None  # type: ignore[assignment]  # (None until the first pass)
 
-    def _peer_search(self, partitions: int | str, search: GranularitySearch | None) -> GranularitySearch | None:
-        """The checks of split="peers": every n it may run divides the world size W. The
-        default search keeps its candidates that do."""
+    def _split_and_search(self, partitions: int | str, split: str | None, search: GranularitySearch | None
+                          ) -> tuple[str, GranularitySearch | None]:
+        """The split (the default resolved, see the class docstring) and the search, checked
+        against each other and the world size W: a peer split's n divides W."""
         world = self.group.size
         if partitions != "auto":
-            if isinstance(partitions, int) and not isinstance(partitions, bool) and partitions >= 1 \
-                    and world % partitions:
+            split = split or "tokens"
+            if split == "auto":
+                raise ValueError(f"split='auto' needs partitions='auto' (the search times both splits); with "
+                                 f"partitions={partitions!r} give split='tokens' or 'peers'")
+            if split == "peers" and isinstance(partitions, int) and not isinstance(partitions, bool) \
+                    and partitions >= 1 and world % partitions:
                 raise ValueError(f"partitions={partitions} is invalid with split='peers': give a divisor of the "
                                  f"expert-parallel world size {world} (each partition is W/n peers)")
-            return search
+            return split, search
+        splits = {"tokens": ("tokens",), "peers": ("peers",), "auto": SEARCH_SPLITS}
         if search is None:
-            return GranularitySearch(candidates=[n for n in DEFAULT_CANDIDATES if world % n == 0])
-        wrong = [n for n in search.candidates if world % n]
-        if wrong:
-            raise ValueError(f"search.candidates={search.candidates} is invalid with split='peers': {wrong} do not "
-                             f"divide the expert-parallel world size {world}; give divisors of it")
-        return search
-
-    @property
-    def _count_chunks(self) -> int:
-        # Split by peers, a pair's partition follows from its expert: the per-expert totals
-        # (one chunk) give every partition's rows, whatever n the planner then picks.
-        return 1 if self.split == "peers" else self.planner.count_chunks
+            split = split or "auto"
+            search = GranularitySearch(splits=splits[split])
+        elif split is None:
+            split = "auto" if len(search.splits) > 1 else search.splits[0]
+        elif tuple(search.splits) != splits[split]:
+            raise ValueError(f"split={split!r} contradicts the search's splits={search.splits}: give "
+                             f"GranularitySearch(splits={splits[split]}) or leave split out")
+        search.limit_to_world(world)
+        return split, search
 
     def _chunk_pairs(self, routing, chunks):
         tokens = routing.expert_ids_TK.shape[0]
         return dispatcher.chunk_by_tokens(tokens, self.config.top_k, chunks, routing.expert_ids_TK.device)
 
-    def _plan_partitions(self, routing, chunk_P, partitions, tables):
-        if self.split == "peers":
-            return dispatcher.plan_exchanged_by_peers(routing, partitions, tables, self.group)
-        return super()._plan_partitions(routing, chunk_P, partitions, tables)
 
     def _run_experts(self, x_TD, plan, pass_plan):
-        self.last_partitions = pass_plan.partitions
+        self.last_partitions, self.last_split = pass_plan.partitions, pass_plan.split
         return super()._run_experts(x_TD, plan, pass_plan)
 
     @property

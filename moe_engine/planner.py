@@ -47,7 +47,7 @@ import torch
 from .comm import ExpertGroup
 from .config import STRATEGIES, MemoryBudget, MoEConfig
 from .dispatcher import DispatchPlan, PassStats
-from .granularity import GranularitySearch, PassTiming
+from .granularity import GranularitySearch, PassTiming, Setting
 from .memory import HostBufferPool, RestorePolicy, predict_memory
 from .perf_model import SHARED_STRATEGIES, HardwareProfile, PerformanceModel, ProfileCache, adopt_rank0
 
@@ -66,7 +66,7 @@ class AgreedValues:
     stats: PassStats                          # NaN/Inf anywhere, the largest token count, the routing skew
     profile_missing: bool                     # some rank holds no hardware profile: every rank measures it
     profile_differs: bool                     # the ranks' profiles differ: every rank adopts rank 0's
-    search_seconds: dict[int, float] | None   # slowest rank's fastest pass per candidate n, s; None: not compared
+    search_seconds: dict[Setting, float] | None  # slowest rank's fastest pass per setting, s; None: not compared
     backward: bool                            # the pass records for backward (grad enabled)
     device: torch.device                      # the pass's data device (agreements run there)
     dtype: torch.dtype                        # the dtype the experts run in (experts.compute_dtype)
@@ -82,12 +82,14 @@ class AgreedHeadroom:
 
 @dataclass(frozen=True)
 class PassPlan:
-    """What a pass runs: n partitions, the restore strategy, and whether the host check moved
-    it from an offload to S4."""
+    """What a pass runs: n partitions, the restore strategy, whether the host check moved
+    it from an offload to S4, and how the partitions split the pass ("tokens" or "peers":
+    layers.MPipeMoE's `split`)."""
 
     partitions: int
     strategy: str
     host_fallback: bool = False
+    split: str = "tokens"
 
 
 class Planner:
@@ -98,21 +100,24 @@ class Planner:
     profile:       a HardwareProfile, or a ProfileCache (default: one of this planner's own).
     memory_budget: bytes the layer's activations may use, or a MemoryBudget shared by a
                    stack of such layers (None: no budget).
-    search:        the GranularitySearch for partitions="auto" (default: GranularitySearch()).
+    search:        the GranularitySearch for partitions="auto" (default: GranularitySearch()); its
+                   `splits` say how the partitions may split a pass.
     host_pool:     the pool offloads take host buffers from (its headroom is checked).
+    split:         with a fixed n, how its partitions split a pass ("tokens" or "peers").
     """
 
     def __init__(self, config: MoEConfig, group: ExpertGroup, partitions: int | str = 1, strategy: str = "none", *,
                  profile: HardwareProfile | ProfileCache | None = None,
                  memory_budget: int | MemoryBudget | None = None,
-                 search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None):
+                 search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
+                 split: str = "tokens"):
         if partitions != "auto" and (isinstance(partitions, bool) or not isinstance(partitions, int)
                                      or partitions < 1):
             raise ValueError(f"partitions={partitions!r} is invalid: give 'auto' or an integer >= 1")
         if strategy != "auto" and strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is invalid: give 'auto' or one of {', '.join(STRATEGIES)}")
         self.config, self.group = config, group
-        self.partitions, self.strategy = partitions, strategy
+        self.partitions, self.strategy, self.split = partitions, strategy, split
         self.profile = profile if profile is not None else ProfileCache()
         self.memory_budget = MemoryBudget.of(memory_budget)
         self.search = search if search is not None else GranularitySearch()
@@ -126,8 +131,11 @@ class Planner:
     @property
     def count_chunks(self) -> int:
         """Chunks the counts are exchanged in: n when fixed; with the online search, a
-        multiple of every candidate n (n is chosen only once the agreed values arrive)."""
-        return self.partitions if self.partitions != "auto" else math.lcm(*self.search.candidates)  # type: ignore[return-value]  # (partitions is an int unless "auto")
+        multiple of every candidate n split by tokens (n is chosen only once the agreed
+        values arrive). A split by peers needs only the per-expert totals (one chunk)."""
+        if self.partitions != "auto":
+            return 1 if self.split == "peers" else self.partitions  # type: ignore[return-value]  # (partitions is an int unless "auto")
+        return math.lcm(*self.search.token_candidates) if self.search.token_candidates else 1
 
     @property
     def wants_skew(self) -> bool:
@@ -147,7 +155,7 @@ class Planner:
             values += [int(held is None), held.digest() if held is not None else 0]
         if self.partitions == "auto":
             due = self.search.timing_agreement_due()
-            seconds = self.search.local_seconds() if due else [0.0] * len(self.search.candidates)
+            seconds = self.search.local_seconds() if due else [0.0] * len(self.search.settings)
             values += np.asarray(seconds, dtype=np.float64).view(np.int64).tolist()
         return values
 
@@ -165,7 +173,7 @@ class Planner:
         top = values_W.max(axis=0) if values_W.size else values_W.reshape(-1)
         search_seconds = None
         if self.partitions == "auto" and self.search.timing_agreement_due():
-            search_seconds = dict(zip(self.search.candidates, top.astype(np.int64).view(np.float64).tolist()))
+            search_seconds = dict(zip(self.search.settings, top.astype(np.int64).view(np.float64).tolist()))
         return AgreedValues(stats, profile_missing, profile_differs, search_seconds, torch.is_grad_enabled(),
                             torch.device(device), dtype)
 
@@ -181,16 +189,16 @@ class Planner:
             # The fit prices the activations in the dtype the experts run in (bf16 under
             # autocast), as the strategy model and the job's memory check do: priced in the
             # float32 parameters' dtype, a budget that n = 1 fits forced n = 16 (gpt-xl).
-            n = self.search.decide(tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
-                                   min_partitions=self._fewest_partitions_within_budget(
-                                       tokens, agreed.dtype, agreed.stats.skew_bucket),
-                                   prefer_fastest=self.memory_budget is not None or self.strategy == "none")
+            n, split = self.search.decide_setting(
+                tokens, agreed.stats.skew_bucket, agreed.search_seconds, agreed.backward,
+                min_partitions=self._fewest_partitions_within_budget(tokens, agreed.dtype, agreed.stats.skew_bucket),
+                prefer_fastest=self.memory_budget is not None or self.strategy == "none")
         else:
-            n = self.partitions  # type: ignore[assignment]  # (partitions is an int unless "auto")
+            n, split = self.partitions, self.split  # type: ignore[assignment]  # (partitions is an int unless "auto")
         strategy = self.strategy
         if strategy == "auto":
             strategy = self._model_strategy(agreed, tokens, n)
-        return PassPlan(n, strategy)
+        return PassPlan(n, strategy, split=split)
 
     def _model_strategy(self, agreed: AgreedValues, tokens: int, n: int) -> str:
         """The performance model's strategy for ``tokens`` at ``n`` (agreed values and the
@@ -230,17 +238,17 @@ class Planner:
         if skew_bucket > 0 and world > 1:
             received = math.ceil(self.config.top_k * tokens * min(world, 2 ** (skew_bucket + 0.5)))
         budget = self.memory_budget
-        for n in self.search.candidates:
+        for n in self.search.partition_counts:
             estimates = [predict_memory(self.config, tokens, world, n, s, dtype=dtype, rows_received=received)
                          for s in STRATEGIES]
             leanest = min(budget.need_of(e) for e in estimates)
             if leanest <= budget.bytes:
                 return n
-        return self.search.candidates[-1]
+        return self.search.partition_counts[-1]
 
     def timing_for_pass(self, plan: PassPlan, device: torch.device) -> PassTiming | None:
         """Local. The stopwatches of a pass the search measures (None: not measured)."""
-        return self.search.timing_for_pass(plan.partitions, device) if self.partitions == "auto" else None
+        return self.search.timing_for_pass(plan.partitions, device, plan.split) if self.partitions == "auto" else None
 
     # -- 4. host memory (one agreement collective, when the pass shape changes) --------------------
     def check_host_memory(self, plan: PassPlan, dispatch: DispatchPlan, agreed: AgreedValues) -> PassPlan:
@@ -249,7 +257,7 @@ class Planner:
         shape (tokens, skew, n, strategy) differs from the last one checked; else local."""
         if not (agreed.backward and RestorePolicy.of(plan.strategy).offloads):
             return plan
-        key = (agreed.stats.max_tokens, agreed.stats.skew_bucket, plan.partitions, plan.strategy)
+        key = (agreed.stats.max_tokens, agreed.stats.skew_bucket, plan.partitions, plan.split, plan.strategy)
         if self._host_check is not None and self._host_check[0] == key:
             return self.decide_host(plan, self._host_check[1])
         grow, usable = self._host_need(plan.strategy, dispatch, agreed.dtype, pin=agreed.device.type == "cuda")

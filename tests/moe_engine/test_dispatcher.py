@@ -136,6 +136,7 @@ def test_a_peer_split_plans_from_any_count_chunks_what_fastermoe_plans_from_peer
 
 def test_a_peer_split_needs_a_divisor_of_the_world_size():
     from moe_engine import MPipeMoE
+    from moe_engine.granularity import GranularitySearch, Setting
 
     class ThreeRanks:
         size, rank, distributed = 3, 0, True
@@ -144,12 +145,18 @@ def test_a_peer_split_needs_a_divisor_of_the_world_size():
         dispatcher.plan_exchanged_by_peers(None, 2, dispatcher.CountTables(  # type: ignore[arg-type]
             torch.zeros(1, 3).numpy(), torch.zeros(3, 1, 1).numpy(), torch.zeros(3, 3).numpy()),
             ThreeRanks())  # type: ignore[arg-type]  # (a stand-in group)
-    with pytest.raises(ValueError, match=r"split='halves' is invalid: give one of 'tokens', 'peers'"):
+    with pytest.raises(ValueError, match=r"split='halves' is invalid: give one of 'tokens', 'peers', 'auto'"):
         MPipeMoE(MoEConfig(8, 16, 4), split="halves")
     with pytest.raises(ValueError, match=r"partitions=2 is invalid with split='peers': give a divisor of the "
                                          r"expert-parallel world size 1"):
         MPipeMoE(MoEConfig(8, 16, 4), partitions=2, split="peers")
-    assert MPipeMoE(MoEConfig(8, 16, 4), split="peers").search.candidates == [1]
+    assert MPipeMoE(MoEConfig(8, 16, 4), split="peers").search.settings == [Setting(1, "peers")]
+    # one rank has no peers to split by: the automatic split times the token split only
+    assert {s.split for s in MPipeMoE(MoEConfig(8, 16, 4)).search.settings} == {"tokens"}
+    with pytest.raises(ValueError, match=r"split='auto' needs partitions='auto'"):
+        MPipeMoE(MoEConfig(8, 16, 4), partitions=2, split="auto")
+    with pytest.raises(ValueError, match=r"split='peers' contradicts the search's splits=\('tokens',\)"):
+        MPipeMoE(MoEConfig(8, 16, 4), split="peers", search=GranularitySearch())
 
 
 def test_chunk_by_tokens_more_chunks_than_tokens():

@@ -19,7 +19,7 @@ def test_a_spec_names_the_engine_and_its_settings():
     ("fastmoe:2", r"fastmoe takes at most 0 setting"),
     ("mpipemoe:two", r"'two' is not an integer"),
     ("mpipemoe:2:S9", r"strategy 'S9'"),
-    ("mpipemoe:2:S1:halves", r"split 'halves': choose one of tokens, peers"),
+    ("mpipemoe:2:S1:halves", r"split 'halves': choose one of tokens, peers, auto"),
     ("mpipemoe:2:S1:peers:x", r"mpipemoe takes at most 3 setting"),
 ])
 def test_a_bad_spec_names_what_is_wrong(spec, message):

@@ -5,7 +5,7 @@ import torch
 
 from moe_engine import FastMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
-from moe_engine.granularity import GranularitySearch, skew_bucket
+from moe_engine.granularity import GranularitySearch, Setting, skew_bucket
 from tests.distributed import run_on_ranks
 
 
@@ -30,9 +30,9 @@ class ScriptedSearch(GranularitySearch):
         self._tokens = tokens
         return super().choose(tokens, skew, group, timing_wanted, min_partitions, prefer_fastest)
 
-    def timing_for_pass(self, n, device):
+    def timing_for_pass(self, n, device, split="tokens"):
         self._n = n
-        return super().timing_for_pass(n, device)
+        return super().timing_for_pass(n, device, split)
 
     def _new_timing(self, device):
         return FakeTiming(self.cost(self._tokens, self._n))
@@ -142,9 +142,9 @@ def test_the_planner_asks_the_search_for_the_fastest_n_where_more_partitions_buy
     asked = []
 
     class Recording(GranularitySearch):
-        def decide(self, *args, **kwargs):
+        def decide_setting(self, *args, **kwargs):
             asked.append(kwargs.get("prefer_fastest"))
-            return super().decide(*args, **kwargs)
+            return super().decide_setting(*args, **kwargs)
 
     layer = MPipeMoE(MoEConfig(16, 32, 4, top_k=2), partitions="auto", strategy=strategy, memory_budget=budget,
                      search=Recording(candidates=(1, 2), warmup=0, repeats=1))
@@ -188,12 +188,13 @@ def test_bad_search_settings():
         GranularitySearch(candidates=(0, 2))
 
 
-def _auto_layer_matches_fastmoe(rank, world_size):
+def _auto_layer_matches_fastmoe(rank, world_size, splits=("tokens",)):
     config = MoEConfig(16, 32, 2 * world_size, top_k=2)
     torch.manual_seed(0)
     reference = FastMoE(config, dtype=torch.float64)
     layer = MPipeMoE(config, partitions="auto", strategy="auto", dtype=torch.float64,
-                     search=GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1, give_up_slower=None))
+                     search=GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1, give_up_slower=None,
+                                              splits=splits))
     layer.load_state_dict(reference.state_dict())
     chosen = []
     for step in range(5):
@@ -208,7 +209,8 @@ def _auto_layer_matches_fastmoe(rank, world_size):
         torch.testing.assert_close(yb, ya)
         torch.testing.assert_close(xb.grad, xa.grad)
         torch.testing.assert_close(layer.experts.w1.grad, reference.experts.w1.grad)
-        chosen.append((layer.last_partitions, layer.last_strategy))
+        chosen.append((layer.last_partitions, layer.last_strategy) if len(splits) == 1
+                      else (layer.last_partitions, layer.last_split))
     return chosen, [d["event"] for d in layer.search.decisions], layer.profile.profiles
 
 
@@ -290,6 +292,20 @@ def test_ranks_cut_the_search_at_the_same_pass():
     assert results[0][0] == [1, 2, 1, 1] and "search cut short" in results[0][1]
 
 
+def _auto_split_layer_matches_fastmoe(rank, world_size):
+    return _auto_layer_matches_fastmoe(rank, world_size, splits=("tokens", "peers"))
+
+
+@pytest.mark.gloo
+def test_an_auto_split_layer_is_exact_under_either_split_and_ranks_agree():
+    # 2 ranks: the search times 1, 2 and 2 split by peers (4 split by peers needs 4 ranks)
+    results = run_on_ranks(2, _auto_split_layer_matches_fastmoe)
+    chosen = [r[0] for r in results]
+    assert chosen[0] == chosen[1], f"ranks chose differently: {chosen}"
+    assert chosen[0][:4] == [(1, "tokens"), (2, "tokens"), (2, "peers"), (4, "tokens")]
+    assert "chose" in results[0][1]
+
+
 class RecordingGroup(ExpertGroup):
     """One process; records the device of each all-reduce's tensor and answers zeros."""
 
@@ -312,3 +328,67 @@ def test_the_agreement_runs_on_the_timed_passes_device():
         search.timing_for_pass(n, torch.device("meta"))
     assert group.devices and all(d == torch.device("meta") for d in group.devices), group.devices
     assert search.decisions[-1]["event"] == "chose"
+
+
+class ScriptedSplitSearch(GranularitySearch):
+    """Times both splits: a synthetic cost(n, split) instead of the clock."""
+
+    def __init__(self, cost, **kwargs):
+        super().__init__(splits=("tokens", "peers"), **kwargs)
+        self.cost = cost
+
+    def timing_for_pass(self, n, device, split="tokens"):
+        self._setting = (n, split)
+        return super().timing_for_pass(n, device, split)
+
+    def _new_timing(self, device):
+        return FakeTiming(self.cost(*self._setting))
+
+
+def run_setting_passes(search, tokens, passes):
+    group = ExpertGroup(None)
+    chosen = []
+    for _ in range(passes):
+        seconds = search.agreed_seconds(group) if search.timing_agreement_due() else None
+        setting = search.decide_setting(tokens, 0, seconds, True)
+        search.timing_for_pass(setting.partitions, torch.device("cpu"), setting.split)
+        chosen.append(setting.label)
+    return chosen
+
+
+def test_with_both_splits_each_n_is_timed_split_by_tokens_and_by_peers():
+    # Under skew more partitions win, but n = 16 split by tokens pays n·W messages: the
+    # peer split at 16 is fastest. n = 1 is timed once (one partition however it is split).
+    cost = {(1, "tokens"): 10.0, (2, "tokens"): 8.0, (2, "peers"): 8.5, (4, "tokens"): 6.0,
+            (4, "peers"): 6.2, (8, "tokens"): 5.5, (8, "peers"): 5.4, (16, "tokens"): 9.0, (16, "peers"): 5.0}
+    search = ScriptedSplitSearch(lambda n, split: cost[n, split], warmup=0, repeats=1, give_up_slower=None)
+    chosen = run_setting_passes(search, 4096, 9 + 2)
+    assert chosen == [1, 2, "2:peers", 4, "4:peers", 8, "8:peers", 16, "16:peers", "16:peers", "16:peers"]
+    chose = search.decisions[-1]
+    assert chose["event"] == "chose" and (chose["partitions"], chose["split"]) == (16, "peers")
+    assert chose["times"]["16:peers"] == 5.0 and chose["times"][16] == 9.0
+    assert search.cache[0].setting == Setting(16, "peers")
+
+
+def test_a_split_that_only_gets_slower_stops_being_timed_the_other_goes_on():
+    # split by tokens n = 4 is 60% slower than the fastest and slower than n = 2: 8 and 16
+    # split by tokens are not timed, while the peer split goes on to its fastest n = 8.
+    cost = {(1, "tokens"): 1.0, (2, "tokens"): 1.1, (2, "peers"): 0.9, (4, "tokens"): 1.5,
+            (4, "peers"): 0.8, (8, "tokens"): 9.0, (8, "peers"): 0.7, (16, "tokens"): 9.0, (16, "peers"): 0.75}
+    search = ScriptedSplitSearch(lambda n, split: cost[n, split], warmup=0, repeats=1)
+    chosen = run_setting_passes(search, 4096, 8)
+    assert chosen == [1, 2, "2:peers", 4, "4:peers", "8:peers", "16:peers", "8:peers"]
+    cut = next(d for d in search.decisions if d["event"] == "search cut short")
+    assert cut["skipped"] == [8, 16] and "split by peers" not in cut["reason"]
+
+
+def test_a_world_size_keeps_the_peer_splits_it_can_run():
+    search = GranularitySearch(candidates=(1, 2, 3, 4, 8), splits=("tokens", "peers"))
+    search.limit_to_world(4)
+    assert [s.label for s in search.settings] == [1, 2, "2:peers", 3, 4, "4:peers", 8]
+    assert search.token_candidates == [1, 2, 3, 4, 8] and search.partition_counts == [1, 2, 3, 4, 8]
+    only_peers = GranularitySearch(candidates=(3, 5), splits=("peers",))
+    with pytest.raises(ValueError, match=r"none divides the expert-parallel world size 4"):
+        only_peers.limit_to_world(4)
+    with pytest.raises(ValueError, match=r"splits=\('rows',\) is invalid"):
+        GranularitySearch(splits=("rows",))

@@ -12,7 +12,7 @@ import torch
 from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.dispatcher import PassStats
-from moe_engine.granularity import GranularitySearch
+from moe_engine.granularity import GranularitySearch, Setting
 from moe_engine.perf_model import HardwareProfile, PerformanceModel, ProfileCache, ProfileStore
 from moe_engine.planner import AgreedHeadroom, AgreedValues, PassPlan, Planner
 from tests.distributed import run_on_ranks
@@ -37,10 +37,11 @@ def agreed(tokens=64, seconds=None, backward=True, dtype=torch.float32):
 def test_the_search_proceeds_on_the_agreed_timings():
     search = GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1, give_up_slower=None)
     planner = Planner(CONFIG, ExpertGroup(None), partitions="auto", strategy="S4", search=search)
-    seconds = {1: 3.0, 2: 1.0, 4: 2.0}   # the slowest rank's means, as the exchange would agree them
+    seconds = {1: 3.0, 2: 1.0, 4: 2.0}   # the slowest rank's fastest passes, as the exchange would agree them
+    agreed_seconds = {Setting(n): t for n, t in seconds.items()}
     chosen = []
     for _ in range(5):
-        plan = planner.decide(agreed(seconds=seconds if search.timing_agreement_due() else None))
+        plan = planner.decide(agreed(seconds=agreed_seconds if search.timing_agreement_due() else None))
         planner.timing_for_pass(plan, torch.device("cpu"))
         chosen.append(plan.partitions)
     assert chosen == [1, 2, 4, 2, 2]
@@ -329,8 +330,8 @@ def test_the_budget_floor_on_n_prices_the_dtype_the_experts_run_in():
     planner = Planner(config, ExpertGroup(None), partitions="auto", strategy="S4", search=search,
                       memory_budget=budget)
     floors = []
-    decide = search.decide
-    search.decide = lambda *args, min_partitions, **kw: floors.append(min_partitions) or decide(
+    decide = search.decide_setting
+    search.decide_setting = lambda *args, min_partitions, **kw: floors.append(min_partitions) or decide(
         *args, min_partitions=min_partitions, **kw)
     planner.decide(agreed(tokens=4096, dtype=torch.bfloat16))
     planner.decide(agreed(tokens=4096, dtype=torch.float32))
