@@ -386,6 +386,8 @@ class MoETransformer(nn.Module):
     group:     the expert-parallel process group (None = default group if initialised).
     partitions: MPipeMoE's n ("auto": the online search; with one rank and no memory
                budget there is nothing to overlap nor to save, and n is 1).
+    split:     MPipeMoE's split of its partitions ("tokens", "peers", "auto"; None: the
+               layer's default, "auto" with the online search, layers.MPipeMoE).
     host_pool: host buffers for offloads, shared by the MoE layers (default: a new pool).
     memory_budget: bytes of activations for all MoE layers together (mpipemoe): each layer
                gets MemoryBudget(memory_budget, layers=num_layers, in_flight=in_flight);
@@ -396,7 +398,7 @@ class MoETransformer(nn.Module):
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
                  partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None,
-                 in_flight: int = 1):
+                 in_flight: int = 1, split: str | None = None):
         super().__init__()
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -416,9 +418,11 @@ class MoETransformer(nn.Module):
             # online search's trial passes at n = 8 and 16 took 0.675 and 0.722 s a gpt-xl
             # batch-128 step, against n = 1's 0.635 s: results/training-h200-mfu/).
             partitions = 1
+        split_option = {} if split is None else {"split": split}
         self.blocks = nn.ModuleList(
             Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
-                                                   profile=profiles, host_pool=host_pool, memory_budget=budget))
+                                                   profile=profiles, host_pool=host_pool, memory_budget=budget,
+                                                   **split_option))
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
 
@@ -462,7 +466,7 @@ class MoETransformer(nn.Module):
         """Settings the engine chose at the last step (first MoE layer), where it exposes them."""
         first = self.blocks[0].moe
         choices = {}
-        for key, attr in (("partitions", "last_partitions"), ("strategy", "last_strategy")):
+        for key, attr in (("partitions", "last_partitions"), ("strategy", "last_strategy"), ("split", "last_split")):
             value = getattr(first, attr, None)
             if value is not None:
                 choices[key] = value

@@ -383,6 +383,7 @@ class LayerResult:
     all_to_all_s: float = 0.0            # one full-size (n = 1) All-to-All; none with one rank
     leaving_node: float = 0.0
     host_waits: int = 0                  # blocking device reads per pass (1 with several ranks, 0 with one)
+    split: str = "tokens"                # MPipeMoE's split ("peers": FasterMoE's partitions; layers.MPipeMoE)
 
     @property
     def total_s(self) -> float:
@@ -685,14 +686,19 @@ def _host_cost(parts, engine: str, strategy: str, local_experts: int):
 
 
 def _build(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: int, strategy: str,
-           group_size: int):
+           group_size: int, split: str = "tokens"):
     """(schedule object, layer, partitions, strategy) as the engine runs them."""
+    W = cluster.layout.ranks
     if engine == "fastmoe":
         layer, partitions, strategy = _Layer(shape, cluster, parts, 1), 1, "none"
     elif engine == "fastermoe":
-        W = cluster.layout.ranks
         partitions, strategy = fastermoe_steps(W, group_size), "none"
         layer = _FasterLayer(shape, cluster, parts, partitions, min(group_size, W))
+    elif split == "peers":  # MPipeMoE on FasterMoE's partitions: groups of W/n peers
+        if W % partitions:
+            raise ValueError(f"partitions={partitions} is invalid with split='peers': give a divisor of the "
+                             f"{W} ranks of the expert group")
+        layer = _FasterLayer(shape, cluster, parts, partitions, W // partitions)
     else:
         layer = _Layer(shape, cluster, parts, partitions)
     host = _host_cost(parts, engine, strategy, layer.local)
@@ -706,15 +712,20 @@ def _memory(engine: str, shape: LayerShape, cluster: Cluster, layer: _Layer, par
 
 
 def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: int = 1,
-                   strategy: str = "none", group_size: int = 4) -> LayerResult:
+                   strategy: str = "none", group_size: int = 4, split: str = "tokens") -> LayerResult:
     """Forward+backward of one layer of `engine` on the busiest rank of `cluster`.
 
-    mpipemoe: `partitions` and `strategy` as given. fastmoe: one partition, keep
+    mpipemoe: `partitions`, `strategy` and `split` as given (split "peers": FasterMoE's
+    partitions, groups of W/n peers, with the strategy's restores). fastmoe: one partition, keep
     everything (act(A) too). fastermoe: ceil(W / group_size) steps, step s exchanging
     with the ring offsets s·g … s·g+g−1 (layers.FasterMoE), keep everything.
     """
     _check(engine, partitions, strategy)
-    schedule, layer, partitions, strategy = _build(engine, shape, cluster, parts, partitions, strategy, group_size)
+    if split not in ("tokens", "peers"):
+        raise ValueError(f"split={split!r} is invalid: give 'tokens' or 'peers'")
+    split = split if engine == "mpipemoe" else "peers" if engine == "fastermoe" else "tokens"
+    schedule, layer, partitions, strategy = _build(engine, shape, cluster, parts, partitions, strategy, group_size,
+                                                   split)
     prog = Program()
     forward_end = schedule.forward(prog)
     schedule.backward(prog)
@@ -725,7 +736,7 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     return LayerResult(engine, partitions, strategy, forward_s, timeline.makespan_s - forward_s,
                        memory.peak_bytes, memory.host_bytes, timeline.busy_s,
                        all_to_all_s=full.all_to_all(full.b), leaving_node=full.traffic.leaving_node,
-                       host_waits=prog.host_waits)
+                       host_waits=prog.host_waits, split=split)
 
 
 def all_to_all_options(shape: LayerShape, cluster: Cluster, parts) -> dict:
@@ -853,7 +864,7 @@ def memory_bytes_per_s(parts, d_model: int) -> float:
 def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster, parts, partitions: int = 1,
                   strategy: str = "none", group_size: int = 4, dtype_bytes: int = 2,
                   shard_dense: bool = False, micro_batches: int = 1, overlap_reduction: bool = False,
-                  expert_parallel: int | None = None) -> StepResult:
+                  expert_parallel: int | None = None, split: str = "tokens") -> StepResult:
     """One training step (forward, backward, gradient all-reduce, AdamW) on the busiest rank,
     trained as ``workers/loop.py`` does: float32 master weights, compute in ``dtype_bytes``.
 
@@ -896,7 +907,7 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
                          f"{', '.join(str(p) for p in expert_degrees(cluster.layout) if model.num_experts % p == 0)}")
     expert_cluster = replace(cluster, layout=group_layout)
     layer_shape = model.layer(tokens // K)
-    moe = simulate_layer(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size)
+    moe = simulate_layer(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size, split)
     D, T, S = model.d_model, tokens // K, model.seq_len
     rate = dense_flops_per_s(parts, D, model.d_hidden, T)
     bandwidth = memory_bytes_per_s(parts, D)
@@ -911,7 +922,8 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
     master = dense_here + model.expert_params(P)
     optimizer = 28 * master / bandwidth
     memory = _memory(moe.engine, layer_shape, expert_cluster,
-                     _build(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size)[1],
+                     _build(engine, layer_shape, expert_cluster, parts, partitions, strategy, group_size,
+                            moe.split)[1],
                      moe.partitions, moe.strategy)
     attention_saved = 7 * T * D * dtype_bytes + T * model.num_heads * 4
     activations = model.num_layers * (attention_saved + memory.saved_bytes)

@@ -31,7 +31,8 @@ from app.bench.layer_bound import add_overlap_account, add_own_pass_stages, chec
 from app.bench.layer_summary import markdown_table, summarize, targets
 from app.bench.measure import (busiest_rank_first, expert_gemm_efficiency, layer_pass, pipeline_stages,
                                settle_and_measure_memory, time_layers)
-from app.bench.parts import FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, peak_memory_bytes, point_config
+from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, peak_memory_bytes,
+                             point_config, same_setting, setting_n)
 from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE, bench_stack_point, progress_line, stack_markdown
 from app.bench.shapes import DTYPES, LAYER_SHAPES
 from app.bench.peers import build_peer, check_peers, dense_floor_step, require_peers
@@ -43,7 +44,7 @@ from app.tracking.store import log_result_run, results_store, scalar_fields
 from moe_engine import FastMoE, build_layer
 from moe_engine.comm import ExpertGroup
 from moe_sim.emulation import EmulatedCluster, EmulatedExpertGroup
-from moe_engine.granularity import GranularitySearch
+from moe_engine.granularity import SEARCH_SPLITS, GranularitySearch
 from moe_engine.memory import HostBufferPool, predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
 from workers.distributed import cpu_threads_per_process
@@ -52,6 +53,13 @@ from workers.distributed import cpu_threads_per_process
 # skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
 # replay:FILE: the loads a training run logged (`mpipemoe routing`; app/bench/routing_replay.py).
 ROUTINGS = ("uniform", "skewed", "replay:FILE")
+
+
+def grid_partitions(settings: "BenchSettings", world_size: int) -> list[tuple[str, int]]:
+    """(split, n) of the grid: every n split by tokens; split by peers, the n > 1 that divide
+    the expert-parallel world size (n = 1 is one partition however it is split)."""
+    return [(split, n) for split in settings.splits for n in settings.partitions
+            if split == "tokens" or (n > 1 and world_size % n == 0)]
 
 
 @dataclass
@@ -64,6 +72,7 @@ class BenchSettings:
     dtype: str = "auto"
     partitions: tuple = (1, 2, 4, 8)
     strategies: tuple = ("none", "S1", "S2", "S3", "S4")
+    splits: tuple = ("tokens",)   # the grid's splits of a pass (MPipeMoE's split): tokens, peers
     grid: bool = True
     warmup: int = 1
     repeats: int = 3
@@ -92,6 +101,13 @@ class BenchSettings:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
         for routing in self.routings:
             check_routing(routing)  # uniform, skewed or replay:FILE
+        for split in self.splits:
+            if split not in SEARCH_SPLITS:
+                raise ValueError(f"--splits {','.join(self.splits)} is invalid: {split!r} is not a split; give "
+                                 f"tokens, peers or both (tokens,peers)")
+        if self.layers > 1 and tuple(self.splits) != ("tokens",):
+            raise ValueError(f"--splits {','.join(self.splits)} with --layers {self.layers}: stacks time the grid "
+                             f"split by tokens (and auto, which times both); drop --splits")
         for name in ("repeats", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)} is invalid: give at least 1")
@@ -185,14 +201,15 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                 ("fastermoe", "baseline", lambda: build_layer("fastermoe", config, faster_group,
                                                               group_size=FASTERMOE_GROUP_SIZE, device=device,
                                                               dtype=dtype)),
+                # auto as a user gets it: the search times both splits (where they can run)
                 ("mpipemoe", "auto", lambda: build_layer("mpipemoe:auto:auto", config, group, profile=profile,
-                                                         search=GranularitySearch(candidates=settings.partitions),
+                                                         search=GranularitySearch(candidates=settings.partitions,
+                                                                                  splits=SEARCH_SPLITS),
                                                          host_pool=host_pool, device=device, dtype=dtype))]
     if settings.grid:
-        variants += [("mpipemoe", "grid", lambda n=n, s=s: build_layer(f"mpipemoe:{n}:{s}", config, group,
-                                                                       host_pool=host_pool, device=device,
-                                                                       dtype=dtype))
-                     for n in settings.partitions for s in settings.strategies]
+        variants += [("mpipemoe", "grid", lambda n=n, s=s, split=split: build_layer(
+                          f"mpipemoe:{n}:{s}:{split}", config, group, host_pool=host_pool, device=device, dtype=dtype))
+                     for split, n in grid_partitions(settings, group.size) for s in settings.strategies]
     # measured_rows: each layer's `last_rows` after its measured pass (the host probe's passes
     # below, at 64 tokens, overwrite them); None for peers and the floor.
     layers, memories, measured_rows = [], [], []
@@ -231,7 +248,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
             largest_partition_received=largest_partition).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
-                  "partitions": n, "strategy": strategy, "chosen_by": chosen_by, **timing, **memory,
+                  "partitions": n, "strategy": strategy, "split": chosen_split(layer), "chosen_by": chosen_by,
+                  **timing, **memory,
                   "predicted_memory_bytes": predicted_memory,
                   **({"rows_sent": rows_sent, "rows_received": rows_received,
                       "largest_partition_received": largest_partition} if rows_sent is not None else {}),
@@ -246,8 +264,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         records.append(record)
     for record in records:
         if record["chosen_by"] == "auto":
-            twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
-                         and r["strategy"] == record["strategy"]), None)
+            twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)), None)
             if twin:
                 record.update(host_probe_ms=twin["host_probe_ms"], host_probe_tokens=twin["host_probe_tokens"])
     emulated = isinstance(group, EmulatedExpertGroup)
@@ -386,7 +403,7 @@ def _progress_line(r: dict, elapsed_s: float) -> str:
     if "setting" in r:  # a stack's (app/bench/stack.py)
         return progress_line(r, elapsed_s)
     peak = r.get("peak_memory_bytes")
-    return (f"  [{elapsed_s:6.0f} s] {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<11} {r['chosen_by']:<8} n={r['partitions']:<2} "
+    return (f"  [{elapsed_s:6.0f} s] {r['model']:>6} {r.get('routing', 'uniform'):<7} {r['tokens']:>6} tok  {r['engine']:<11} {r['chosen_by']:<8} n={setting_n(r):<2} "
             f"{r['strategy']:<4}  {r['fwd_bwd_ms']:9.2f} ms  "
             f"{'' if peak is None else f'peak {peak / 2**20:8.0f} MiB'}")
 

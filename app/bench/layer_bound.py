@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from app.bench.measure import layer_pass
+from app.bench.parts import same_setting, setting_label
 from app.bench.timeline import device_busy_ms, record_trace
 from moe_engine.timing import Stopwatch, synchronize
 from moe_sim.emulation import FREE_TRANSFER_COPY
@@ -108,8 +109,7 @@ def add_own_pass_stages(records: list, layers: list, x, grad_y, settings: BenchS
             record.update(own_pass_stages(layer, x, grad_y, settings, device))
     for record, layer in zip(records, layers):
         if record["chosen_by"] == "auto":
-            twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
-                         and r["strategy"] == record["strategy"]), None)
+            twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)), None)
             record.update({k: twin[k] for k in STAGE_KEYS} if twin else own_pass_stages(layer, x, grad_y, settings,
                                                                                           device))
 
@@ -171,6 +171,6 @@ def check_bounds(records: list, out: str) -> None:
     raise BoundError(
         f"{len(below)} record(s) ran below {BOUND_TOLERANCE}x their floor, first {first['model']} "
         f"{first.get('routing', 'uniform')} {first['tokens']} tokens {first['engine']} {first['chosen_by']} "
-        f"{first['partitions']}/{first['strategy']}: {first['fwd_bwd_ms']:.2f} ms against a floor of "
+        f"{setting_label(first)}: {first['fwd_bwd_ms']:.2f} ms against a floor of "
         f"{first['floor_ms']:.2f} ms; the stage times are not floors of the pass, so its bound_ratio "
         f"and realized_saving in {out} are wrong: report it with that file")

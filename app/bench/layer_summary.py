@@ -4,7 +4,7 @@ n, the lean (memory-saving) setting, the overlap account and the targets' shares
 committed records (tools/render_records.py) runs only this."""
 from __future__ import annotations
 
-from app.bench.parts import markdown_head
+from app.bench.parts import markdown_head, setting_label, setting_n
 from app.bench.peers import peer_summary, peer_table
 from app.tracking.records import BenchResult, RecordMeta
 
@@ -23,7 +23,7 @@ def summarize(records: list) -> list:
             continue
         fast, auto = fast[0], auto[0]
         summary = {"model": model, "tokens": tokens, "routing": routing, "auto_partitions": auto["partitions"],
-                   "auto_strategy": auto["strategy"], "auto_fwd_bwd_ms": auto["fwd_bwd_ms"],
+                   "auto_split": auto.get("split", "tokens"), "auto_strategy": auto["strategy"], "auto_fwd_bwd_ms": auto["fwd_bwd_ms"],
                    "fastmoe_fwd_bwd_ms": fast["fwd_bwd_ms"],
                    "speedup_vs_fastmoe": fast["fwd_bwd_ms"] / auto["fwd_bwd_ms"],
                    "expert_gemm_efficiency": auto.get("expert_gemm_efficiency")}
@@ -44,10 +44,12 @@ def summarize(records: list) -> list:
             # The best is the fastest of every setting measured: every n x strategy, auto included.
             best = min([auto, *grid], key=lambda r: r["fwd_bwd_ms"])
             summary.update(grid_best_partitions=best["partitions"], grid_best_strategy=best["strategy"],
+                           grid_best_setting=setting_label(best),
                            grid_best_chosen_by=best["chosen_by"], grid_best_fwd_bwd_ms=best["fwd_bwd_ms"],
                            auto_vs_grid_best=auto["fwd_bwd_ms"] / best["fwd_bwd_ms"] - 1)
             shared = [r for r in grid if r["strategy"] != "none"]
-            same_n = [r for r in grid if r["partitions"] == auto["partitions"]]
+            same_n = [r for r in grid if (r["partitions"], r.get("split", "tokens"))
+                      == (auto["partitions"], auto.get("split", "tokens"))]
             if same_n:
                 fastest = min(same_n, key=lambda r: r["fwd_bwd_ms"])
                 picked = next((r for r in same_n if r["strategy"] == auto["strategy"]), None)
@@ -74,7 +76,7 @@ def overlap_summary(point: list, auto: dict) -> dict:
     if not settings:
         return {}
     best = min(settings, key=lambda r: r["fwd_bwd_ms"])
-    summary = {"best_setting": f"{best['partitions']}/{best['strategy']}", "best_fwd_bwd_ms": best["fwd_bwd_ms"],
+    summary = {"best_setting": setting_label(best), "best_fwd_bwd_ms": best["fwd_bwd_ms"],
                "best_floor_ms": best["floor_ms"], "best_realized_saving": best.get("realized_saving"),
                "auto_realized_saving": auto.get("realized_saving")}
     faster = [r for r in point if r["engine"] == "fastermoe" and r.get("realized_saving") is not None]
@@ -97,10 +99,10 @@ def memory_saving_setting(fastmoe: dict, settings: list) -> dict:
         return {}
     best_lean = min(lean, key=lambda r: r["fwd_bwd_ms"])
     fastest = min(measured, key=lambda r: r["fwd_bwd_ms"])
-    return {"lean_setting": f"{best_lean['partitions']}/{best_lean['strategy']}",
+    return {"lean_setting": setting_label(best_lean),
             "lean_memory_ratio_vs_fastmoe": best_lean["peak_memory_bytes"] / fastmoe["peak_memory_bytes"],
             "lean_vs_fastest": best_lean["fwd_bwd_ms"] / fastest["fwd_bwd_ms"] - 1,
-            "fastest_setting": f"{fastest['partitions']}/{fastest['strategy']}"}
+            "fastest_setting": setting_label(fastest)}
 
 
 def targets(summaries: list) -> dict:
@@ -189,13 +191,14 @@ def markdown_table(result: BenchResult | dict) -> str:
               "expert GEMM eff. |", "|" + "---|" * 19]
     for s in summaries:
         lines.append(
-            f"| {s['model']} | {s.get('routing', 'uniform')} | {s['tokens']} | {s['auto_partitions']} | "
+            f"| {s['model']} | {s.get('routing', 'uniform')} | {s['tokens']} | "
+            f"{setting_n({'engine': 'mpipemoe', 'partitions': s['auto_partitions'], 'split': s.get('auto_split')})} | "
             f"{s['auto_strategy']} | "
             f"{s['auto_fwd_bwd_ms']:.2f} | {s['fastmoe_fwd_bwd_ms']:.2f} | {fmt(s['speedup_vs_fastmoe'], '.2f')} | "
             f"{fmt(s.get('speedup_vs_fastermoe'), '.2f')} | {fmt(s.get('memory_ratio_vs_fastmoe'), '.2f')} | "
             f"{fmt(s.get('all_to_all_ms'), '.2f')} | {fmt(s.get('expert_ms'), '.2f')} | "
             f"{fmt(s.get('auto_vs_floor'), '+.1%')} | "
-            f"{s.get('grid_best_partitions', '–')}/{s.get('grid_best_strategy', '–')} | "
+            f"{s.get('grid_best_setting', '–/–')} | "
             f"{fmt(s.get('auto_vs_grid_best'), '+.1%')} | {fmt(s.get('strategy_pick_vs_fastest'), '+.1%')} | "
             + (f"{s['lean_setting']} ({fmt(s.get('lean_memory_ratio_vs_fastmoe'), '.2f')}) | {fmt(s.get('lean_vs_fastest'), '+.1%')} | "
                if "lean_setting" in s else "– | – | ")
@@ -212,7 +215,7 @@ def markdown_table(result: BenchResult | dict) -> str:
     for r in records:
         peak = r.get("peak_memory_bytes")
         lines.append(f"| {r['model']} | {r.get('routing', 'uniform')} | {r['tokens']} | {r['engine']} | "
-                     f"{r['chosen_by']} | {r['partitions']} | "
+                     f"{r['chosen_by']} | {setting_n(r)} | "
                      f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
                      f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | "
                      f"{fmt(r.get('predicted_memory_bytes') and r['predicted_memory_bytes'] / 2**20, '.0f')} | "

@@ -56,6 +56,32 @@ def chosen_setting(layer) -> tuple[int, str]:
     return n, getattr(layer, "last_strategy", None) or "none"
 
 
+def chosen_split(layer) -> str:
+    """How the last pass's partitions split it: MPipeMoE's `last_split` ("tokens" or
+    "peers"), "peers" for FasterMoE, "tokens" for FastMoE, peers and no layer."""
+    if isinstance(layer, FasterMoE):
+        return "peers"
+    return getattr(layer, "last_split", None) or "tokens"
+
+
+def setting_label(record: dict) -> str:
+    """A record's MPipeMoE setting as the reports name it: "n/strategy", "n:peers/strategy"
+    when its partitions split the pass by peers."""
+    return f"{setting_n(record)}/{record['strategy']}"
+
+
+def same_setting(a: dict, b: dict) -> bool:
+    """Whether two records ran the same n, strategy and split (an auto record and its grid twin)."""
+    return (a["partitions"], a["strategy"], a.get("split", "tokens")) == \
+        (b["partitions"], b["strategy"], b.get("split", "tokens"))
+
+
+def setting_n(record: dict) -> str:
+    """The n column of a report: n, "n:peers" for an MPipeMoE pass split by peers."""
+    peers = record.get("engine") == "mpipemoe" and record.get("split") == "peers"
+    return f"{record['partitions']}{':peers' if peers else ''}"
+
+
 def markdown_head(title: str, meta: RecordMeta) -> list[str]:
     """The first lines of the Markdown beside a bench JSON: what ran where, when, with which code."""
     return [f"# {title} — {meta.extra['device']} × {meta.extra['world_size']}, {meta.date}", "",

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from app.bench.parts import setting_label
 from moe_engine import MoEConfig
 
 PEERS = ("torchtitan",)
@@ -231,7 +232,7 @@ def peer_summary(point: list) -> dict:
                 and r["peak_memory_bytes"] <= LEAN_MEMORY_SHARE * titan["peak_memory_bytes"]]
         if lean:
             best = min(lean, key=lambda r: r["fwd_bwd_ms"])
-            out.update(lean_setting=f"{best['partitions']}/{best['strategy']}", lean_vs_torchtitan=ratio(best, titan),
+            out.update(lean_setting=setting_label(best), lean_vs_torchtitan=ratio(best, titan),
                        lean_memory_vs_torchtitan=best["peak_memory_bytes"] / titan["peak_memory_bytes"])
     return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from app.bench.parts import setting_n
+
 TOLERANCE = 0.15          # the validation target: |simulated / measured - 1| <= 15%
 
 
@@ -16,6 +18,13 @@ def _bound(busy: dict, total: float) -> str:
     names = {"host": "host issue cost", "compute": "device compute", "copy": "host copies", "comm": "All-to-All"}
     stream = max(busy, key=busy.get)
     return f"{names[stream]} ({busy[stream] / total:.0%} busy)"
+
+
+def record_split(record: dict) -> str:
+    """How the record's MPipeMoE partitions split its pass ("tokens" for records made
+    before the field existed, and for the other engines, which the simulator prices by
+    their own schedule)."""
+    return (record.get("split") or "tokens") if record["engine"] == "mpipemoe" else "tokens"
 
 
 def _host_matched(parts, record: dict, shape_at, cluster):
@@ -28,7 +37,7 @@ def _host_matched(parts, record: dict, shape_at, cluster):
     if not probe_ms:
         return None
     at_probe = simulate_layer(record["engine"], shape_at(record["host_probe_tokens"]), cluster, parts,
-                              record["partitions"], record["strategy"])
+                              record["partitions"], record["strategy"], split=record_split(record))
     host_ms = at_probe.busy_s["host"] * 1e3
     device_ms = at_probe.total_s * 1e3 - host_ms
     return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
@@ -142,23 +151,25 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
             def shape_at(tokens, r=r):
                 return LayerShape(r["d_model"], r["d_hidden"], r["num_experts"], tokens, r["top_k"], r["activation"],
                                   2 if r["dtype"] == "bfloat16" else 4, r.get("bias", True))
-            sim = simulate_layer(r["engine"], shape_at(r["tokens"]), cluster, parts, r["partitions"], r["strategy"])
+            split = record_split(r)
+            sim = simulate_layer(r["engine"], shape_at(r["tokens"]), cluster, parts, r["partitions"], r["strategy"],
+                                 split=split)
             error = sim.total_s * 1e3 / r["fwd_bwd_ms"] - 1
             matched_parts = _host_matched(parts, r, shape_at, cluster)
             matched = None if matched_parts is None else simulate_layer(
-                r["engine"], shape_at(r["tokens"]), cluster, matched_parts, r["partitions"], r["strategy"])
+                r["engine"], shape_at(r["tokens"]), cluster, matched_parts, r["partitions"], r["strategy"], split=split)
             modelled_a2a_ms = emulated_all_to_all_ms(bench["meta"], r)
             dilation = r["all_to_all_ms"] / modelled_a2a_ms if modelled_a2a_ms else None
             dilated = None if dilation is None else simulate_layer(
                 r["engine"], shape_at(r["tokens"]), _dilated(cluster, dilation), parts, r["partitions"],
-                r["strategy"])
+                r["strategy"], split=split)
             measured_peak = r.get("peak_memory_bytes")
             memory_error = sim.peak_bytes / measured_peak - 1 if measured_peak else None
             memory_model_current = r.get("predicted_memory_bytes") == _predicted_memory_now(r)
             rows.append({"source": os.path.basename(path), "measured_as": r.get("measured_as", "measured"),
                          "routing": r.get("routing", "uniform"), "model": r["model"], "tokens": r["tokens"],
                          "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
-                         "strategy": r["strategy"], "measured_ms": r["fwd_bwd_ms"],
+                         "split": split, "strategy": r["strategy"], "measured_ms": r["fwd_bwd_ms"],
                          "measured_ms_std": r.get("fwd_bwd_ms_std"), "simulated_ms": sim.total_s * 1e3,
                          "error": error, "measured_peak_bytes": measured_peak, "simulated_peak_bytes": sim.peak_bytes,
                          "memory_error": memory_error, "memory_model_current": memory_model_current,
@@ -183,14 +194,14 @@ def _step_row(source: str, r: dict, cluster, parts) -> dict:
                        r["top_k"], r["activation"], r["vocab_size"], r["causal"])
     sim = simulate_step(r["engine"], model, r["tokens"], cluster, parts, r["partitions"], r["strategy"],
                         dtype_bytes=2 if r["dtype"] in ("bfloat16", "float16") else 4,
-                        micro_batches=r["micro_batches"], overlap_reduction=True)
+                        micro_batches=r["micro_batches"], overlap_reduction=True, split=record_split(r))
     error = sim.step_s * 1e3 / r["step_ms"] - 1
     measured_peak = r.get("peak_memory_bytes")
     busy = {"moe": sim.moe_s * 1e3, "dense": sim.dense_s * 1e3, "reduction": sim.exposed_reduction_s * 1e3,
             "optimizer": sim.optimizer_s * 1e3}
     return {"source": source, "kind": "step", "measured_as": r.get("measured_as", "emulated"),
             "routing": r.get("routing", "uniform"), "model": f"{r['model']} x{r['layers']} K={r['micro_batches']}",
-            "tokens": r["tokens"], "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"],
+            "tokens": r["tokens"], "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"], "split": record_split(r),
             "strategy": r["strategy"], "measured_ms": r["step_ms"], "measured_ms_std": r.get("step_ms_std"),
             "simulated_ms": sim.step_s * 1e3, "error": error, "measured_peak_bytes": measured_peak,
             "simulated_peak_bytes": sim.peak_bytes,
@@ -290,7 +301,7 @@ def validation_markdown(result: dict) -> str:
     for r in result["rows"]:
         flag = "**" if abs(r["error"]) > TOLERANCE else ""
         lines.append(
-            f"| {r['source']} | {r['model']} | {r['tokens']} | {r['engine']} | {r['chosen_by']} | {r['partitions']} | "
+            f"| {r['source']} | {r['model']} | {r['tokens']} | {r['engine']} | {r['chosen_by']} | {setting_n(r)} | "
             f"{r['strategy']} | {r['measured_ms']:.2f} | {r['simulated_ms']:.2f} | {flag}{r['error']:+.1%}{flag} | "
             + ("-" if r["measured_peak_bytes"] is None else f"{r['measured_peak_bytes'] / 2**20:.0f}")
             + f" | {r['simulated_peak_bytes'] / 2**20:.0f} | "

@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from app.tracking.records import DEFAULT_OUT_DIR, record_meta
+from app.bench.parts import setting_n
 from app.bench.step_bound import check_bounds
 from app.bench.step_point import bench_step_point
 from app.bench.step_settings import StepSettings
@@ -170,7 +171,7 @@ def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | N
         finished.append(record)
         printer(f"  [{time.time() - started:6.0f} s] {record['model']} {record['routing']:<8} {record['tokens']:>6} tok "
                 f"K={record['micro_batches']} {record['engine']:<10} {record['chosen_by']:<8} "
-                f"n={record['partitions']:<2} {record['strategy']:<4} {record.get('schedule', 'sequential'):<10} "
+                f"n={setting_n(record):<2} {record['strategy']:<4} {record.get('schedule', 'sequential'):<10} "
                 f"{record['step_ms']:9.2f} ms"
                 + (f"  bound {record['step_bound_ms']:.2f}" if record.get("step_bound_ms") else ""))
         write(complete=False)

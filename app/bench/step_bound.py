@@ -4,6 +4,8 @@ time), the account added to each record (`add_bound_account`) and the check that
 when a record beats its floor (`check_bounds`, BoundViolation)."""
 from __future__ import annotations
 
+from app.bench.parts import setting_label
+
 BOUND_SLACK = 0.98             # a record faster than this share of its bound fails the run
 
 
@@ -22,7 +24,7 @@ def check_bounds(records: list[dict], slack: float = BOUND_SLACK) -> None:
     bad = [r for r in records if r.get("step_bound_ms") and r["step_ms"] < slack * r["step_bound_ms"]]
     if bad:
         names = "; ".join(f"{r['model']} {r['tokens']} tok K={r['micro_batches']} {r['routing']} {r['engine']} "
-                          f"{r['chosen_by']} n={r['partitions']}/{r['strategy']}: {r['step_ms']:.2f} ms < "
+                          f"{r['chosen_by']} n={setting_label(r)}: {r['step_ms']:.2f} ms < "
                           f"{slack} x bound {r['step_bound_ms']:.2f} ms" for r in bad)
         raise BoundViolation(f"{len(bad)} step record(s) beat their floor, so the emulation or the bound is "
                              f"wrong (the records are written, marked below_bound): {names}")

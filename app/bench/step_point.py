@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from app.bench.parts import chosen_setting
+from app.bench.parts import chosen_setting, chosen_split, same_setting, setting_label, setting_n
 from app.bench.step_bound import add_bound_account
 from app.bench.step_settings import StepSettings
 from app.bench.step_training import StepParts, step_batches, training_step
@@ -128,13 +128,17 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
     load = _expert_load(variants[0].model, timed[0].step, device)
     # Three timings per engine, setting and schedule, interleaved: as modelled, without the
     # All-to-Alls, compute alone; the automatic one only as modelled when the grid has its setting.
-    grid_settings = {chosen_setting(v.model.moe_layers()[0]) for v in variants if v.chosen_by == "grid"}
+    def setting_of(variant: Variant) -> tuple:
+        first = variant.model.moe_layers()[0]
+        return (*chosen_setting(first), chosen_split(first))
+
+    grid_settings = {setting_of(v) for v in variants if v.chosen_by == "grid"}
     fns: list[Callable[[], object]] = []
     for entry in timed:
         parts = parts_of(entry.variant)
         entry.slot = [len(fns)]
         fns.append(entry.step)
-        if entry.variant.chosen_by != "auto" or chosen_setting(entry.variant.model.moe_layers()[0]) not in grid_settings:
+        if entry.variant.chosen_by != "auto" or setting_of(entry.variant) not in grid_settings:
             entry.slot.append(len(fns))
             fns.append(_with_network(parts, 0.0, 1.0, entry.step))
             entry.slot.append(len(fns))
@@ -145,12 +149,12 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
     records = []
     for entry, comm in zip(timed, modelled):
         variant, slot = entry.variant, entry.slot
-        n, strategy = chosen_setting(variant.model.moe_layers()[0])
+        n, strategy, split = setting_of(variant)
         memory = _peak_memory(entry.step, device)
         step_ms = timings[slot[0]].median_ms
         record: dict[str, Any] = {
             "kind": "step", "engine": variant.engine, "chosen_by": variant.chosen_by, "partitions": n,
-            "strategy": strategy, "schedule": entry.schedule, **schedules[entry.schedule], "model": settings.model,
+            "strategy": strategy, "split": split, "schedule": entry.schedule, **schedules[entry.schedule], "model": settings.model,
             "layers": preset.num_layers, "tokens": tokens, "micro_batches": micro_batches,
             "batch_size": tokens // (micro_batches * preset.seq_len), "seq_len": preset.seq_len,
             "routing": routing, "step_ms": step_ms, "step_ms_std": timings[slot[0]].spread_s * 1e3,
@@ -174,9 +178,8 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
         records.append(record)
     for record in records:
         if "compute_ms" not in record:  # the automatic setting: its grid twin's bound terms (same schedule)
-            twin = next((r for r in records if r["chosen_by"] == "grid" and r["partitions"] == record["partitions"]
-                         and r["strategy"] == record["strategy"] and r["schedule"] == record["schedule"]
-                         and "compute_ms" in r), None)
+            twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)
+                         and r["schedule"] == record["schedule"] and "compute_ms" in r), None)
             if twin is not None:
                 record.update(no_all_to_all_ms=twin["no_all_to_all_ms"], compute_ms=twin["compute_ms"],
                               compute_device_busy_ms=twin["compute_device_busy_ms"], bound_terms_from="grid twin")
@@ -230,5 +233,5 @@ def step_trace_name(record: dict) -> str:
 
     parts = ["step", record["model"], str(record["layers"]), str(record["tokens"]), f"k{record['micro_batches']}",
              record["routing"].rsplit("/", 1)[-1], record["engine"], record["chosen_by"],
-             f"{record['partitions']}-{record['strategy']}", record.get("schedule", "sequential")]
+             f"{setting_n(record)}-{record['strategy']}", record.get("schedule", "sequential")]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in parts) + ".json.gz"

@@ -32,6 +32,7 @@ class StepSettings:
     routings: tuple = ("uniform",)
     partitions: tuple = (1, 2, 4)
     strategies: tuple = ("none", "S4")
+    splits: tuple = ("tokens",)        # the grid's splits of a pass (MPipeMoE's split): tokens, peers
     grid: bool = True
     schedule: str = "sequential"       # --schedule: a comma list of SCHEDULES, each timed (schedules)
     moe_memory_gib: float | None = None  # the MoE activation budget auto's choice keeps within
@@ -60,6 +61,10 @@ class StepSettings:
                      if self.expert_parallel is not None else f"the {group} emulated ranks of --emulate {self.emulate}")
             raise ValueError(f"--experts {self.num_experts} must be a multiple of {which}: give --experts {group} "
                              f"or a multiple of it")
+        for split in self.splits:
+            if split not in ("tokens", "peers"):
+                raise ValueError(f"--splits {','.join(self.splits)} is invalid: {split!r} is not a split; give "
+                                 f"tokens, peers or both (tokens,peers)")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"--layers {self.layers} is invalid: give the model's layers, >= 1")
         names = [name.strip() for name in str(self.schedule).split(",")]

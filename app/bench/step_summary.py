@@ -3,6 +3,7 @@ generated from the JSON (`step_markdown`, against the baselines' plain step: `pl
 and one MLflow run per record (`log_step_records`)."""
 from __future__ import annotations
 
+from app.bench.parts import setting_n
 from app.tracking.records import RecordMeta
 
 def plain_baselines(point: list[dict]) -> dict[str, float]:
@@ -39,7 +40,7 @@ def step_markdown(result: dict) -> str:
         peak = r.get("peak_memory_bytes")
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['routing']} | {r['tokens']} | {r['micro_batches']} | {r['engine']} | "
-            f"{r['chosen_by']} | {r['partitions']} | {r['strategy']} | {r.get('schedule', 'sequential')} | "
+            f"{r['chosen_by']} | {setting_n(r)} | {r['strategy']} | {r.get('schedule', 'sequential')} | "
             f"{r['step_ms']:.2f} | {r['step_ms_std']:.2f} | "
             f"{fmt(r.get('step_bound_ms'), '.2f')} | {fmt(r.get('step_vs_bound'), '+.1%')} | "
             f"{fmt(r.get('compute_ms'), '.2f')} | {fmt(r.get('compute_device_busy_ms'), '.2f')} | "

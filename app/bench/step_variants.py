@@ -29,7 +29,7 @@ def share_parameters(source: nn.Module, target: nn.Module) -> None:
 class Variant:
     engine: str
     chosen_by: str
-    spec: tuple  # (partitions, strategy) asked for
+    spec: tuple  # (partitions, strategy, split) asked for (split None: the layer's default)
     model: MoETransformer
 
 
@@ -37,16 +37,19 @@ def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedE
                    ) -> list[Variant]:
     """FastMoE, FasterMoE, MPipeMoE auto and the grid, sharing the first one's parameters."""
     faster_group = group.for_peer_steps(FASTERMOE_GROUP_SIZE)
-    plans = [("fastmoe", "baseline", (1, "none"), group), ("fastermoe", "baseline", ("auto", "auto"), faster_group),
-             ("mpipemoe", "auto", ("auto", "auto"), group)]
+    plans = [("fastmoe", "baseline", (1, "none", None), group),
+             ("fastermoe", "baseline", ("auto", "auto", None), faster_group),
+             ("mpipemoe", "auto", ("auto", "auto", None), group)]  # auto as a user gets it: both splits timed
     if settings.grid:
-        plans += [("mpipemoe", "grid", (n, s), group) for n in settings.partitions for s in settings.strategies]
+        plans += [("mpipemoe", "grid", (n, s, split), group) for split in settings.splits for n in settings.partitions
+                  if split == "tokens" or (n > 1 and group.size % n == 0) for s in settings.strategies]
     variants: list[Variant] = []
     # One pinned-host pool for all models: their steps run one at a time, and each would
     # otherwise keep its own offload buffers (as in the layer bench).
     host_pool = HostBufferPool()
-    for engine, chosen_by, (n, strategy), on in plans:
-        model = MoETransformer(preset, engine=engine, group=on, partitions=n, strategy=strategy, host_pool=host_pool)
+    for engine, chosen_by, (n, strategy, split), on in plans:
+        model = MoETransformer(preset, engine=engine, group=on, partitions=n, strategy=strategy, host_pool=host_pool,
+                               split=split if engine == "mpipemoe" else None)
         if variants:
             share_parameters(variants[0].model, model)
             model.to(device)
@@ -54,7 +57,7 @@ def build_variants(settings: StepSettings, preset: ModelPreset, group: EmulatedE
             model.to(device)
             init_parameters(model, settings.seed)
         model.train()
-        variants.append(Variant(engine, chosen_by, (n, strategy), model))
+        variants.append(Variant(engine, chosen_by, (n, strategy, split), model))
     return variants
 
 

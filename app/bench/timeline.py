@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from app.bench.parts import setting_n
 from workers.schedules import profiler_config
 
 # Kernels that are communication: NCCL's, and the emulated link's wall-clock wait (moe_sim/emulation.py).
@@ -251,7 +252,7 @@ def device_busy_ms(trace: dict, mark: str, *, excluding: str | None = None) -> l
 
 def trace_name(record: dict) -> str:
     """File name of a record's trace: model, tokens, routing, engine and setting."""
-    setting = f"{record['partitions']}-{record['strategy']}"
+    setting = f"{setting_n(record)}-{record['strategy']}"
     parts = [record["model"], str(record["tokens"]), record.get("routing", "uniform"), record["engine"],
              record["chosen_by"], setting]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", str(p)) for p in parts) + ".json.gz"

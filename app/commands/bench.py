@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid of MPipeMoE partitions (default 1,2,4,8; with --step 1,2,4)")
     parser.add_argument("--strategies", default=None,
                         help="grid of MPipeMoE strategies (default none,S1,S2,S3,S4; with --step none,S4)")
+    parser.add_argument("--splits", default="tokens",
+                        help="how the grid's MPipeMoE partitions split a pass: tokens, peers (FasterMoE's groups of "
+                             "W/n ranks, n dividing W) or both, tokens,peers (default tokens; auto times both)")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
                         help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
@@ -124,7 +127,8 @@ def run_step(args) -> int:
         micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
         emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
         transfer_ctas=args.transfer_ctas, num_experts=args.experts, expert_parallel=args.expert_parallel,
-        routings=tuple(_split(args.routing)), grid=not args.no_grid, schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
+        routings=tuple(_split(args.routing)), grid=not args.no_grid, splits=tuple(_split(args.splits)),
+        schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
         **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
                                            ("strategies", args.strategies and tuple(_split(args.strategies))),
                                            ("repeats", args.repeats), ("rounds", args.rounds)) if value is not None})
@@ -154,7 +158,8 @@ def run(args) -> int:
         tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
         num_experts=args.experts or 8, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
         partitions=tuple(_split(args.partitions or "1,2,4,8", int)),
-        strategies=tuple(_split(args.strategies or "none,S1,S2,S3,S4")), grid=not args.no_grid, warmup=args.warmup,
+        strategies=tuple(_split(args.strategies or "none,S1,S2,S3,S4")), splits=tuple(_split(args.splits)),
+        grid=not args.no_grid, warmup=args.warmup,
         repeats=3 if args.repeats is None else args.repeats, rounds=5 if args.rounds is None else args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),

@@ -251,7 +251,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                                       "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
                                       "final_val_ppl")},
                             step=summary.get("steps", 0))
-        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "micro_batch_schedule", "checkpoint_path")
+        run.set_tags({k: summary[k] for k in ("partitions", "strategy", "split", "micro_batch_schedule",
+                                              "checkpoint_path")
                       if summary.get(k) is not None})
         run.finish("FINISHED")
         for pruned in ckpt.prune(job.run_dir, job.keep_checkpoints):  # those of earlier fits too

@@ -157,7 +157,7 @@ def summarize(history: list[dict]) -> dict:
     for key in ("model_tflops_per_s", "mfu"):  # model FLOPs (docs/training.md); MFU on known GPUs
         if all(key in m for m in steady):
             summary[key] = statistics.median(m[key] for m in steady)
-    for key in ("partitions", "strategy", "micro_batch_schedule"):
+    for key in ("partitions", "strategy", "split", "micro_batch_schedule"):
         if key in history[-1]:
             summary[key] = history[-1][key]
     evaluated = [m for m in history if "val_loss" in m]

@@ -45,7 +45,8 @@ def step_summaries(rows: list[dict]) -> list[dict]:
     counts; the baselines by their sequential (plain) step, `auto` under the schedule it chose."""
     latest: dict[tuple, dict[tuple, dict]] = {}
     for row in rows:
-        setting = (row["engine"], row["chosen_by"], int(float(row["partitions"])), row["strategy"], _schedule(row))
+        setting = (row["engine"], row["chosen_by"], int(float(row["partitions"])), row["strategy"],
+                   row.get("split") or "tokens", _schedule(row))
         latest.setdefault(_point(row), {})[setting] = row
     summaries = []
     for point, settings in sorted(latest.items()):
@@ -57,7 +58,9 @@ def step_summaries(rows: list[dict]) -> list[dict]:
         if not ours:
             continue
         best = min(ours, key=lambda r: float(r["step_ms"]))
-        summary = dict(zip(POINT, point), best_setting=f"{int(float(best['partitions']))}/{best['strategy']}",
+        peers = best["engine"] == "mpipemoe" and best.get("split") == "peers"
+        summary = dict(zip(POINT, point),
+                       best_setting=f"{int(float(best['partitions']))}{':peers' if peers else ''}/{best['strategy']}",
                        best_schedule=_schedule(best), best_step_ms=float(best["step_ms"]), best_mfu=best.get("mfu"))
         if fast:
             summary["fastmoe_step_ms"] = float(fast[0]["step_ms"])

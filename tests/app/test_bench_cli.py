@@ -308,3 +308,28 @@ def test_comm_sms_needs_an_emulated_cluster(tmp_path, capsys):
     assert main(["bench", "--comm-sms", "8", "--tokens", "64", "--tracking-uri", "none",
                  "--out", str(tmp_path / "b.json")]) == 1
     assert "--comm-sms 8 sets the SMs an emulated cluster leaves to communication" in capsys.readouterr().err
+
+
+def test_the_grid_times_the_peer_split_and_auto_searches_both_splits(tmp_path):
+    """`--splits tokens,peers`: the grid's n that divide the expert group's ranks run split by
+    peers too, each record names its split, and auto's search timed both splits."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--emulate", "2x2", "--tokens", "256", "--partitions", "1,2,3", "--strategies", "none,S1",
+                 "--splits", "tokens,peers", "--rounds", "1", "--repeats", "1", "--tracking-uri", "none",
+                 "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    grid = {(r["partitions"], r["strategy"], r["split"]) for r in records if r["chosen_by"] == "grid"}
+    # n = 3 does not divide the 4 ranks, and n = 1 is one partition however it is split
+    assert grid == {(n, s, "tokens") for n in (1, 2, 3) for s in ("none", "S1")} | \
+        {(2, s, "peers") for s in ("none", "S1")}
+    assert next(r for r in records if r["engine"] == "fastermoe")["split"] == "peers"
+    auto = next(r for r in records if r["chosen_by"] == "auto")
+    started = next(d for d in auto["search_decisions"] if d["event"] == "search started")
+    assert started["candidates"] == [1, 2, "2:peers", 3]
+    assert "| mpipemoe | grid | 2:peers | S1 |" in out.with_suffix(".md").read_text()
+
+
+def test_splits_are_named_and_checked(tmp_path, capsys):
+    assert main(["bench", "--splits", "rows", "--tokens", "64", "--tracking-uri", "none",
+                 "--out", str(tmp_path / "b.json")]) == 1
+    assert "--splits rows is invalid: 'rows' is not a split; give tokens, peers or both" in capsys.readouterr().err

@@ -529,3 +529,16 @@ def test_uniform_routing_is_imposed_on_the_step_benchs_model(tmp_path):
         assert len(r["expert_load_by_layer"]) == 2
         for shares in r["expert_load_by_layer"]:
             assert shares == pytest.approx([1 / 8] * 8, abs=1e-3), r["engine"]
+
+
+def test_the_step_grid_times_the_peer_split_and_each_record_names_its_split(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--tokens", "128",
+                 "--partitions", "1,2", "--strategies", "none", "--splits", "tokens,peers", "--rounds", "1",
+                 "--repeats", "1", "--tracking-uri", "none", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {(r["partitions"], r["split"]) for r in records if r["chosen_by"] == "grid"} == \
+        {(1, "tokens"), (2, "tokens"), (2, "peers")}
+    assert {r["engine"]: r["split"] for r in records if r["chosen_by"] == "baseline"} == \
+        {"fastmoe": "tokens", "fastermoe": "peers"}
+    assert "| grid | 2:peers | none |" in out.with_suffix(".md").read_text()
