@@ -6,7 +6,7 @@
 #   bash tools/h200-step.sh layer-xl layer-small
 # Writes under $OUT (default ./out): step-*.json/.md, bench-*.json/.md, <stage>.log.
 set -u
-[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-rest routing-run step-routing step-ep step-ep-xl expert-loop layer-xl layer-small"; exit 2; }
+[ $# -gt 0 ] || { echo "give stages: gpu-tests step-xl step-small step-rest routing-run step-routing step-split step-ep step-ep-xl expert-loop layer-split layer-xl layer-small"; exit 2; }
 source "$(dirname "$0")/device-setup.sh"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
@@ -76,6 +76,17 @@ expert-loop)  # issue 38: the A100 path's per-expert GEMM loop against the group
         --strategies none --no-grid --expert-parallel 8 --dtype $dtype --tracking-uri none \
         --out "$OUT/step-$CARD-emulated-8x8-dgx-a100-$model-e8-$dtype.json"
   done; done ;;
+layer-split)  # issue 36 (auto vs FasterMoE under skew): gpt-xl 16k and 8k, uniform and skewed, the grid split
+  # by tokens and by peers at n = 2..16 (16 split by peers with strategy none is FasterMoE's schedule)
+  step layer-split ${LAYER_LIMIT:-330} python3 -m app.cli bench --emulate 8x8 --experts 64 --network ${NETWORK:-dgx-h200} \
+      --routing uniform,skewed --model gpt-xl --tokens ${SPLIT_TOKENS:-16384,8192} --partitions 1,2,4,8,16 \
+      --strategies none,S4 --splits tokens,peers --rounds 2 --repeats 2 --tracking-uri none \
+      --out "$OUT/bench-$CARD-emulated-8x8-${NETWORK:-dgx-h200}-split.json" ;;
+step-split)  # the same on the step: gpt-xl (4 layers) 16k under skewed and replayed routing (ROUTINGS)
+  step step-split ${STEP_LIMIT:-400} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network dgx-h200 \
+      --model gpt-xl --layers 4 --tokens 16384 --micro-batches 1 --routing ${ROUTINGS:-uniform,skewed} \
+      --partitions 4,8,16 --strategies none --splits tokens,peers --rounds 2 --tracking-uri none \
+      --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-split.json" ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto
   step layer-xl ${LAYER_LIMIT:-330} python3 -m app.cli bench $LAYER --model gpt-xl --tokens 32768,16384,8192 \
       --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200.json" ;;

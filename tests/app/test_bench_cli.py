@@ -252,15 +252,15 @@ def _emulated_bounds(out, *options) -> dict:
             assert max(comm, compute) <= min(r["overlap_bound_ms"], r["phase_floor_ms"]) + 1e-9
             assert r["floor_ms"] == r["phase_floor_ms"]  # the floor checked, not the pipeline model
             assert r["bound_ratio"] == pytest.approx(r["fwd_bwd_ms"] / r["floor_ms"])
-        by = {(r["engine"], r["chosen_by"], r["partitions"], r["strategy"]): r for r in layers}
+        by = {(r["engine"], r["chosen_by"], r["partitions"], r["strategy"], r["split"]): r for r in layers}
         # The same transfers are priced alike: FastMoE and MPipeMoE at n = 1 move the same rows, and
         # a backward moves what its forward did; two partitions pay each transfer's latency twice.
-        fast, one, two = by["fastmoe", "baseline", 1, "none"], by["mpipemoe", "grid", 1, "none"], \
-            by["mpipemoe", "grid", 2, "none"]
+        fast, one, two = by["fastmoe", "baseline", 1, "none", "tokens"], by["mpipemoe", "grid", 1, "none", "tokens"], \
+            by["mpipemoe", "grid", 2, "none", "tokens"]
         assert fast["comm_fwd_ms"] == pytest.approx(one["comm_fwd_ms"]) == pytest.approx(fast["comm_bwd_ms"])
         assert two["comm_fwd_ms"] > one["comm_fwd_ms"]
         auto = next(r for r in layers if r["chosen_by"] == "auto")
-        twin = by.get(("mpipemoe", "grid", auto["partitions"], auto["strategy"]))
+        twin = by.get(("mpipemoe", "grid", auto["partitions"], auto["strategy"], auto["split"]))
         assert twin is None or all(auto[key] == twin[key] for key in STAGE_KEYS)
         fastest = min((r for r in layers if r["engine"] == "mpipemoe"), key=lambda r: r["fwd_bwd_ms"])
         assert summary["grid_best_fwd_bwd_ms"] == fastest["fwd_bwd_ms"]
@@ -277,8 +277,8 @@ def test_no_emulated_pass_beats_its_own_bound(tmp_path):
     fails otherwise); balanced and skewed, every engine, a grid of strategies."""
     result = _emulated_bounds(tmp_path / "bench.json", "--model", "gpt-s", "--tokens", "8192", "--emulate", "8x8",
                               "--network", "dgx-h200", "--experts", "64", "--partitions", "1,2,4",
-                              "--strategies", "none,S3", "--routing", "uniform,skewed", "--rounds", "2",
-                              "--repeats", "2")
+                              "--strategies", "none,S3", "--splits", "tokens,peers", "--routing", "uniform,skewed",
+                              "--rounds", "2", "--repeats", "2")
     assert all(r["bound_ratio"] >= 0.98 for r in result["records"] if "bound_ratio" in r)
     assert all(r["timeline"]["comm_busy_ms"] > 0 for r in result["records"] if r["engine"] != "dense-floor")
 
@@ -286,7 +286,7 @@ def test_no_emulated_pass_beats_its_own_bound(tmp_path):
 def test_no_emulated_pass_beats_its_own_bound_cpu_twin(tmp_path):
     """The same on CPU (emulated 2x2, the issue's `--strategies none` alone, which failed)."""
     _emulated_bounds(tmp_path / "bench.json", "--emulate", "2x2", "--tokens", "256", "--partitions", "1,2",
-                     "--strategies", "none", "--rounds", "1", "--repeats", "1")
+                     "--strategies", "none", "--splits", "tokens,peers", "--rounds", "1", "--repeats", "1")
 
 
 def test_a_record_below_its_bound_fails_the_bench_naming_it():
