@@ -32,7 +32,8 @@ def _format_step(m: dict, steps: int, elapsed_s: float, eta_s: float | None = No
             + (f"  load {m['moe_load/imbalance_max']:.2f}" if "moe_load/imbalance_max" in m else "")
             + (f"  seen {_short_count(m['tokens_seen'])} tok" if "tokens_seen" in m else "")
             + (f"  ETA {_short_duration(eta_s)}" if eta_s is not None else ""))
-    choices = [f"{k}={m[k]}" for k in ("partitions", "strategy") if k in m]
+    peers = ":peers" if m.get("split") == "peers" else ""  # MPipeMoE's partitions split by peers
+    choices = [f"{k}={m[k]}{peers if k == 'partitions' else ''}" for k in ("partitions", "strategy") if k in m]
     return line + (f"  [{' '.join(choices)}]" if choices else "")
 
 
