@@ -319,7 +319,7 @@ class GranularitySearch:
         if merged is not None:
             merged.uses += 1
             if merged.uses % self.recheck_every == 0:
-                self._start(tokens, skew, self._neighbours(merged.partitions),
+                self._start(tokens, skew, self._neighbours(merged.setting),
                             f"periodic re-check of cached n={merged.setting.label}")
             return
         ns = self.partition_counts
@@ -335,11 +335,13 @@ class GranularitySearch:
         self._start(tokens, skew, self._with_n_between(ns[max(0, inside[0] - 1)], ns[min(len(ns) - 1, inside[-1] + 1)]),
                     "no cached n for this token count")
 
-    def _neighbours(self, n: int) -> list[Setting]:
-        """Every setting of n and of the candidate n on either side of it."""
+    def _neighbours(self, setting: Setting) -> list[Setting]:
+        """The setting, the candidate n on either side of it in its split, and its n in the
+        other split (n = 1 is every split's)."""
         ns = self.partition_counts
-        i = ns.index(n) if n in ns else 0
-        return self._with_n_between(ns[max(0, i - 1)], ns[min(len(ns) - 1, i + 1)])
+        i = ns.index(setting.partitions) if setting.partitions in ns else 0
+        return [s for s in self._with_n_between(ns[max(0, i - 1)], ns[min(len(ns) - 1, i + 1)])
+                if s.split == setting.split or s.partitions in (1, setting.partitions)]
 
     def _start(self, tokens: int, skew: int, candidates: list[Setting], reason: str) -> None:
         candidates = self._allowed(list(candidates))

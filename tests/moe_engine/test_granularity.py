@@ -392,3 +392,15 @@ def test_a_world_size_keeps_the_peer_splits_it_can_run():
         only_peers.limit_to_world(4)
     with pytest.raises(ValueError, match=r"splits=\('rows',\) is invalid"):
         GranularitySearch(splits=("rows",))
+
+
+def test_a_periodic_recheck_times_the_neighbours_in_its_split_and_its_n_in_the_other():
+    cost = {(1, "tokens"): 9.0, (2, "tokens"): 8.0, (2, "peers"): 7.0, (4, "tokens"): 6.0, (4, "peers"): 5.0,
+            (8, "tokens"): 7.0, (8, "peers"): 6.0}
+    search = ScriptedSplitSearch(lambda n, split: cost[n, split], candidates=(1, 2, 4, 8), warmup=0, repeats=1,
+                                 recheck_every=3, give_up_slower=None)
+    run_setting_passes(search, 4096, 7 + 3)
+    assert search.cache[0].setting == Setting(4, "peers")
+    recheck = [d for d in search.decisions if d["event"] == "search started"][-1]
+    assert "periodic re-check of cached n=4:peers" in recheck["reason"]
+    assert recheck["candidates"] == ["2:peers", 4, "4:peers", "8:peers"]  # not 2 and 8 split by tokens
