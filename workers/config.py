@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn
 
 from lm.data import MASK_ID
 from lm.model import ModelPreset
-from moe_engine.config import ENGINES, STRATEGY_CHOICES
+from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 
 SCHEDULE_CHOICES = ("sequential", "overlapped", "auto")  # micro-batch schedules (workers/schedules.py)
 
@@ -104,6 +104,7 @@ class WorkerConfig:
     data_dir: str
     partitions: int | str = "auto"
     strategy: str = "auto"
+    split: str | None = None          # MPipeMoE's split of its partitions (None: the layer's default)
     moe_memory_budget_bytes: int | None = None
     seed: int = 0
     lr: float = 3e-4
@@ -157,6 +158,8 @@ class WorkerConfig:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
         if self.strategy not in STRATEGY_CHOICES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
+        if self.split is not None and self.split not in SPLITS:
+            _fail("split", self.split, f"choose one of {', '.join(SPLITS)} or None")
         if self.partitions != "auto" and not (isinstance(self.partitions, int) and _is_int(self.partitions)
                                                and self.partitions >= 1):
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')

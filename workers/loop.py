@@ -272,7 +272,7 @@ class Trainer:
         # Collective: the expert groups and the expert-data-parallel groups (workers/distributed.py)
         expert_group, replica_group = expert_groups(self.layout, config.collective_timeout_s)
         model = MoETransformer(self.preset, engine=config.engine, group=expert_group, partitions=config.partitions,
-                               strategy=config.strategy, host_pool=host_pool,
+                               strategy=config.strategy, split=config.split, host_pool=host_pool,
                                memory_budget=config.moe_memory_budget_bytes,
                                in_flight=LANES if self.schedule == "overlapped" else 1)
         model.to(device=device)  # float32 master parameters; compute dtype via autocast

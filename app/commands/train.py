@@ -28,7 +28,7 @@ from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
 from lm.model import PRESETS
-from moe_engine.config import ACTIVATIONS, ENGINES, STRATEGY_CHOICES
+from moe_engine.config import ACTIVATIONS, ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 
 PRESET_NAMES = tuple(PRESETS)
@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", "tokens per sequence (default: the preset's)", type=int)
     add("--partitions", "mpipemoe partitions n: auto or an integer")
     add("--strategy", "mpipemoe memory strategy", choices=STRATEGY_CHOICES)
+    add("--split", "mpipemoe: how the partitions split a step's tokens: tokens, peers (FasterMoE's groups of "
+        "destination workers) or auto (the search times both; the default with --partitions auto)", choices=SPLITS)
     add("--moe-memory-gib", "mpipemoe: GiB of activation memory for all MoE layers together (per worker and "
         "micro-batch); the automatic partitions and strategy choose the fastest setting that fits", type=float)
     add("--seed", "model init and data order", type=int)

@@ -22,7 +22,7 @@ from app.tracking.store import check_store_form, resolve_tracking_uri
 from lm import data as data_lib
 from lm.model import (MODEL_OVERRIDES, MoETransformer, check_routing_overrides, get_preset, leanest_moe_memory,
                       param_counts)
-from moe_engine.config import ENGINES, STRATEGY_CHOICES
+from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
 from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
 
@@ -92,6 +92,8 @@ class TrainJob:
     seq_len: int | None = None         # None: the preset's seq_len
     partitions: str | int = "auto"     # mpipemoe pipeline partitions n: "auto" or int >= 1
     strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
+    split: str | None = None           # mpipemoe partitions split by tokens | peers | auto (None: the engine's
+                                       # default, auto with --partitions auto; docs/engine.md)
     moe_memory_gib: float | None = None  # mpipemoe: GiB of activations for all MoE layers of a worker's
                                        # micro-batch together; "auto" n and strategy then fit it
     seed: int = 0                      # model init and data order
@@ -161,6 +163,15 @@ class TrainJob:
             _fail("partitions", self.partitions, "give 'auto' or an integer >= 1")
         if self.strategy not in STRATEGY_CHOICES:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
+        if self.split is not None:
+            if self.split not in SPLITS:
+                _fail("split", self.split, f"choose one of {', '.join(SPLITS)}")
+            if self.engine != "mpipemoe":
+                _fail("split", self.split, f"only the mpipemoe engine splits its partitions; drop --split or use "
+                      f"--engine mpipemoe (not {self.engine})")
+            if self.split == "auto" and self.partitions != "auto":
+                _fail("split", self.split, "the search chooses the split with --partitions auto; give --split "
+                      "tokens or peers with a fixed --partitions")
         if self.moe_memory_gib is not None:
             if isinstance(self.moe_memory_gib, bool) or not isinstance(self.moe_memory_gib, (int, float)) \
                     or not 0 < self.moe_memory_gib < math.inf:
@@ -279,7 +290,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
     dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
     return WorkerConfig(
         preset=preset, engine=job.engine, partitions=job.partitions,
-        strategy=job.strategy, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
+        strategy=job.strategy, split=job.split, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
                                                         else int(job.moe_memory_gib * 2**30)),
         expert_parallel=expert_degree(job, gpus_per_node),
         seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,

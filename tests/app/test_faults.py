@@ -627,3 +627,18 @@ def test_moe_memory_budget_is_checked_before_ray_starts(flags, message, capsys, 
     assert status == 1
     assert line == f"mpipemoe train: error: {message} (--debug shows the traceback)"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--split", "peers", "--engine", "fastmoe"],
+     "TrainJob.split='peers' is invalid: only the mpipemoe engine splits its partitions; drop --split or use "
+     "--engine mpipemoe (not fastmoe)"),
+    (["--split", "auto", "--partitions", "2"],
+     "TrainJob.split='auto' is invalid: the search chooses the split with --partitions auto; give --split "
+     "tokens or peers with a fixed --partitions"),
+])
+def test_the_split_is_checked_before_ray_starts(flags, message, capsys, tmp_path):
+    status, line, _, _ = _cli(["train", *flags, "--storage-path", str(tmp_path)], capsys)
+    assert status == 1
+    assert line == f"mpipemoe train: error: {message} (--debug shows the traceback)"
+    assert list(tmp_path.iterdir()) == []

@@ -23,6 +23,7 @@ from app.jobs.compare import comparison_table
 from lm.data import MASK_ID, prepare_dataset
 from lm.model import MoETransformer, get_preset, init_parameters, lm_batch, lm_loss
 from workers.distributed import DenseParallel, clip_grad_norm, split_params
+from workers.config import WorkerConfig
 from workers.loop import learning_rate
 
 
@@ -72,8 +73,6 @@ def test_worker_config_resolves_device_dtype_and_preset(tmp_path):
 
 
 def test_a_capacity_search_setting_that_is_missing_is_named():
-    from workers.config import WorkerConfig
-
     config = WorkerConfig(get_preset("tiny-gpt"), "mpipemoe", data_dir="(tokens given)", steps_per_trial=2)
     assert config.search_setting("steps_per_trial") == 2
     with pytest.raises(ValueError, match=r"WorkerConfig.start_batch=None is invalid: the capacity search needs it"):
@@ -92,6 +91,18 @@ def test_cli_arguments_build_the_job(tmp_path):
     assert job_from_args(parser.parse_args(["--storage-path", str(tmp_path)])).steps == TrainJob.steps
     with pytest.raises(ValueError, match="--resume gone: no run recorded at"):
         job_from_args(parser.parse_args(["--resume", "gone", "--storage-path", str(tmp_path)]))
+
+
+def test_the_split_flag_reaches_the_workers_model(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    job = job_from_args(parser.parse_args(["--split", "peers", "--partitions", "2", "--storage-path",
+                                           str(tmp_path), "--name", "x"]))
+    assert (job.split, job.partitions) == ("peers", 2)
+    config = WorkerConfig(get_preset("tiny-gpt"), "mpipemoe", data_dir="(tokens given)", partitions=2, split="peers")
+    assert config.split == "peers"
+    with pytest.raises(ValueError, match=r"WorkerConfig.split='rows' is invalid: choose one of tokens, peers, auto"):
+        WorkerConfig(get_preset("tiny-gpt"), "mpipemoe", data_dir="(tokens given)", split="rows")
 
 
 def test_resume_takes_the_recorded_settings(tmp_path):
