@@ -621,15 +621,6 @@ def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated
      "TrainJob.moe_memory_gib=0.0001 is invalid: the leanest MPipeMoE setting (n=16, S1) needs 0.00166 GiB for "
      "the 2 MoE layers of a 512-token micro-batch (tiny-gpt, --batch-size 8): give --moe-memory-gib 0.002 or "
      "more, or a smaller --batch-size"),
-])
-def test_moe_memory_budget_is_checked_before_ray_starts(flags, message, capsys, tmp_path):
-    status, line, _, _ = _cli(["train", *flags, "--storage-path", str(tmp_path)], capsys)
-    assert status == 1
-    assert line == f"mpipemoe train: error: {message} (--debug shows the traceback)"
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("flags, message", [
     (["--split", "peers", "--engine", "fastmoe"],
      "TrainJob.split='peers' is invalid: only the mpipemoe engine splits its partitions; drop --split or use "
      "--engine mpipemoe (not fastmoe)"),
@@ -637,7 +628,7 @@ def test_moe_memory_budget_is_checked_before_ray_starts(flags, message, capsys, 
      "TrainJob.split='auto' is invalid: the search chooses the split with --partitions auto; give --split "
      "tokens or peers with a fixed --partitions"),
 ])
-def test_the_split_is_checked_before_ray_starts(flags, message, capsys, tmp_path):
+def test_moe_memory_budget_and_split_are_checked_before_ray_starts(flags, message, capsys, tmp_path):
     status, line, _, _ = _cli(["train", *flags, "--storage-path", str(tmp_path)], capsys)
     assert status == 1
     assert line == f"mpipemoe train: error: {message} (--debug shows the traceback)"
