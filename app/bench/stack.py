@@ -36,7 +36,7 @@ from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.bench.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
-from moe_engine.granularity import GranularitySearch
+from moe_engine.granularity import SEARCH_SPLITS, GranularitySearch
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import calibrate, device_name
 from moe_engine.timing import synchronize, time_fn
@@ -176,7 +176,9 @@ def bench_stack_point(model: str, tokens: int, routing: str, settings, group: Ex
             elif setting.engine == "mpipemoe":
                 options["host_pool"] = host_pool
                 if setting.chosen_by in ("auto", "budget"):
-                    options.update(profile=profile, search=GranularitySearch(candidates=settings.partitions))
+                    # both splits, as a user's auto layer times them (one rank keeps the token split)
+                    options.update(profile=profile, search=GranularitySearch(candidates=settings.partitions,
+                                                                             splits=SEARCH_SPLITS))
                 if setting.chosen_by == "budget":
                     options["memory_budget"] = budget = memory_budget(settings, L, reference_setting(records))
                     record["budget_bytes"] = budget.bytes
