@@ -11,6 +11,9 @@ throughput, prints the time/memory Pareto front and, with ``--memory-cap-gib``, 
 setting under the cap (memory: the settled peak, after the online choice of an ``auto``
 setting). The model, batch, workers and steps are the defaults below; ``mpipemoe sweep
 granularity --preset P --batch-size B --num-workers W --steps S`` asks it of your own.
+``--set split=tokens,peers`` adds the split of MPipeMoE's partitions (docs/engine.md, "Two
+ways to split a pass"; a fixed n split by peers must divide the expert group's workers); an
+``auto`` setting's ranking line names the split it settled on (``n=8:peers none``).
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, layer_inputs, markdown_head, peak_memory_bytes,
-                             point_config)
+from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, markdown_head,
+                             peak_memory_bytes, point_config)
 from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.bench.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
@@ -119,10 +119,11 @@ def measure_stack(stack: Stack, x: torch.Tensor, grad_y: torch.Tensor, device, w
     synchronize(device)
     activation = peak_memory_bytes(step, device)
     timing = time_fn(step, device, warmup, repeats)
-    chosen = Counter(chosen_setting(layer) for layer in stack.layers)
-    (n, strategy), _ = chosen.most_common(1)[0]
+    chosen = Counter((*chosen_setting(layer), chosen_split(layer)) for layer in stack.layers)
+    (n, strategy, split), _ = chosen.most_common(1)[0]
     return {"fwd_bwd_ms": timing.mean_ms, "fwd_bwd_ms_std": timing.stdev_s * 1e3, "activation_bytes": activation,
-            "partitions": n, "strategy": strategy, "chosen": sorted(f"{p}/{s}" for p, s in chosen)}
+            "partitions": n, "strategy": strategy, "split": split,
+            "chosen": sorted(f"{p}{':peers' if sp == 'peers' else ''}/{s}" for p, s, sp in chosen)}
 
 
 def add_ratios(record: dict, reference: dict | None) -> None:

@@ -226,7 +226,7 @@ def trial_metrics(summary: dict, metric: str = tune_spaces.METRIC, last_step: di
         metrics["step"] = metrics["steps"]
     if metric == tune_spaces.TRAIN_LOSS and "final_loss" in metrics:
         metrics.setdefault(metric, metrics["final_loss"])
-    for key in ("partitions", "strategy"):  # the settings an auto choice settled on
+    for key in ("partitions", "strategy", "split"):  # the settings an auto choice settled on
         if summary.get(key) is not None:
             metrics[key] = summary[key]
     if not math.isfinite(metrics.get(metric, math.nan)):

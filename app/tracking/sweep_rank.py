@@ -77,7 +77,8 @@ def points(rows: list[tuple[dict, dict, object]], keys: list[str] | None = None)
         rates = [float(m[THROUGHPUT]) for m in measured]
         peaks = [float(peak) for m in measured if (peak := m.get(SETTLED_PEAK, m.get(PEAK))) is not None]
         outcome = OK if measured else next((o for o in (REFUSED, FAILED, PRUNED) if o in outcomes), FAILED)
-        chosen = sorted({f"n={m['partitions']} {m['strategy']}" for m in measured
+        chosen = sorted({f"n={m['partitions']}{':peers' if m.get('split') == 'peers' else ''} {m['strategy']}"
+                         for m in measured
                          if m.get("partitions") is not None and m.get("strategy") is not None})
         reasons = sorted({str(m.get("reason") or e) for (m, e), o in zip(members, outcomes)
                           if o in (REFUSED, FAILED) and (m.get("reason") or e)})

@@ -699,3 +699,16 @@ def test_a_pruned_trial_ends_at_its_rung_and_its_mlflow_run_is_killed(ray_local,
     [run] = mlflow.search_runs([mlflow.get_experiment_by_name("held").experiment_id])
     assert (run.info.status, run.data.tags["pruned_at_step"], run.data.tags["outcome"]) == ("KILLED", "3", "pruned")
     assert [step for step, _ in metric_history(sweep_dirs["tracking_uri"], run.info.run_id, "loss")] == [1, 2, 3]
+
+
+def test_an_auto_setting_names_the_split_it_settled_on():
+    from app.tracking import sweep_rank
+
+    auto = {"partitions": "auto", "strategy": "none", "steps": 6}
+    rows: list[tuple[dict, dict, object]] = [
+        (auto, {"tokens_per_s": 100.0, "peak_memory_bytes": 2**20, "partitions": 8, "strategy": "none",
+                "split": "peers"}, None),
+        (auto, {"tokens_per_s": 90.0, "peak_memory_bytes": 2**20, "partitions": 4, "strategy": "none",
+                "split": "tokens"}, None)]
+    point, = sweep_rank.points(rows)
+    assert point.chosen == "n=4 none; n=8:peers none"
