@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from moe_engine.config import ENGINES, STRATEGIES, MoEConfig
+from moe_engine.granularity import SEARCH_SPLITS
 from moe_engine.memory import RestorePolicy, predict_memory
 from moe_engine.perf_model import SAVING_SLACK
 from moe_engine.schedule import COMPUTE, backward_schedule, forward_schedule
@@ -721,7 +722,7 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     with the ring offsets s·g … s·g+g−1 (layers.FasterMoE), keep everything.
     """
     _check(engine, partitions, strategy)
-    if split not in ("tokens", "peers"):
+    if split not in SEARCH_SPLITS:
         raise ValueError(f"split={split!r} is invalid: give 'tokens' or 'peers'")
     split = split if engine == "mpipemoe" else "peers" if engine == "fastermoe" else "tokens"
     schedule, layer, partitions, strategy = _build(engine, shape, cluster, parts, partitions, strategy, group_size,

@@ -17,6 +17,7 @@ import torch
 
 from moe_engine import MoEConfig, build_layer
 from moe_engine.config import STRATEGIES
+from moe_engine.factory import EngineSpec
 from moe_engine.reference import reference_moe
 
 
@@ -59,8 +60,8 @@ ENGINES = (["fastmoe"]
 def runs_on(spec: str, expert_group_size: int) -> bool:
     """Whether the engine spec can run on an expert group of that many ranks (a peer split's
     n must divide it)."""
-    fields = spec.split(":")
-    return not (len(fields) == 4 and fields[3] == "peers" and expert_group_size % int(fields[1]))
+    parsed = EngineSpec.parse(spec)
+    return not (parsed.split == "peers" and expert_group_size % parsed.partitions)
 
 
 def build_engine(spec: str, config: MoEConfig, dtype=torch.float64):

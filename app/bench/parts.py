@@ -11,6 +11,7 @@ from app.bench.shapes import LAYER_SHAPES
 from app.tracking.records import RecordMeta
 from app.bench.routing_replay import routing_push
 from moe_engine import FasterMoE, MoEConfig
+from moe_engine.granularity import Setting
 
 FASTERMOE_GROUP_SIZE = 4  # FasterMoE's peers per exchange step (layers.FasterMoE's default, FasterMoE's own)
 
@@ -78,8 +79,9 @@ def same_setting(a: dict, b: dict) -> bool:
 
 def setting_n(record: dict) -> str:
     """The n column of a report: n, "n:peers" for an MPipeMoE pass split by peers."""
-    peers = record.get("engine") == "mpipemoe" and record.get("split") == "peers"
-    return f"{record['partitions']}{':peers' if peers else ''}"
+    if record.get("engine") != "mpipemoe":
+        return str(record["partitions"])
+    return str(Setting(record["partitions"], record.get("split") or "tokens").label)
 
 
 def markdown_head(title: str, meta: RecordMeta) -> list[str]:

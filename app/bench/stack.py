@@ -36,7 +36,7 @@ from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.bench.peers import build_peer
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
-from moe_engine.granularity import SEARCH_SPLITS, GranularitySearch
+from moe_engine.granularity import SEARCH_SPLITS, GranularitySearch, Setting
 from moe_engine.memory import HostBufferPool
 from moe_engine.perf_model import calibrate, device_name
 from moe_engine.timing import synchronize, time_fn
@@ -123,7 +123,7 @@ def measure_stack(stack: Stack, x: torch.Tensor, grad_y: torch.Tensor, device, w
     (n, strategy, split), _ = chosen.most_common(1)[0]
     return {"fwd_bwd_ms": timing.mean_ms, "fwd_bwd_ms_std": timing.stdev_s * 1e3, "activation_bytes": activation,
             "partitions": n, "strategy": strategy, "split": split,
-            "chosen": sorted(f"{p}{':peers' if sp == 'peers' else ''}/{s}" for p, s, sp in chosen)}
+            "chosen": sorted(f"{Setting(p, sp).label}/{s}" for p, s, sp in chosen)}
 
 
 def add_ratios(record: dict, reference: dict | None) -> None:

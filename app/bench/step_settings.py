@@ -8,6 +8,7 @@ import torch
 
 from app.bench.routing_replay import check_routing
 from lm.model import ModelPreset, get_preset
+from moe_engine.granularity import SEARCH_SPLITS
 from moe_sim.emulation import EmulatedCluster
 from workers.schedules import SCHEDULES as RUN_SCHEDULES
 
@@ -62,7 +63,7 @@ class StepSettings:
             raise ValueError(f"--experts {self.num_experts} must be a multiple of {which}: give --experts {group} "
                              f"or a multiple of it")
         for split in self.splits:
-            if split not in ("tokens", "peers"):
+            if split not in SEARCH_SPLITS:
                 raise ValueError(f"--splits {','.join(self.splits)} is invalid: {split!r} is not a split; give "
                                  f"tokens, peers or both (tokens,peers)")
         if self.layers is not None and self.layers < 1:

@@ -19,6 +19,7 @@ from pathlib import Path
 from app.jobs.job import TrainJob
 from app.jobs.resume import resume_command
 from app.tracking.records import record_meta
+from moe_engine.granularity import Setting
 from workers import checkpoint as ckpt
 
 
@@ -32,8 +33,8 @@ def _format_step(m: dict, steps: int, elapsed_s: float, eta_s: float | None = No
             + (f"  load {m['moe_load/imbalance_max']:.2f}" if "moe_load/imbalance_max" in m else "")
             + (f"  seen {_short_count(m['tokens_seen'])} tok" if "tokens_seen" in m else "")
             + (f"  ETA {_short_duration(eta_s)}" if eta_s is not None else ""))
-    peers = ":peers" if m.get("split") == "peers" else ""  # MPipeMoE's partitions split by peers
-    choices = [f"{k}={m[k]}{peers if k == 'partitions' else ''}" for k in ("partitions", "strategy") if k in m]
+    shown = {**m, "partitions": Setting(m["partitions"], m.get("split") or "tokens").label} if "partitions" in m else m
+    choices = [f"{k}={shown[k]}" for k in ("partitions", "strategy") if k in shown]
     return line + (f"  [{' '.join(choices)}]" if choices else "")
 
 
