@@ -847,6 +847,7 @@ class StepResult:
     small_collectives_s: float = 0.0  # the losses' and the gradient norm's all-reduces
     expert_parallel: int = 1          # P: the ranks of one expert group (W: no expert replicas)
     expert_reduction_s: float = 0.0   # expert gradients in float32 over the W / P replicas, after the backward
+    host_s: float = 0.0               # the MoE layers' host issue cost (their busy host), in moe_s
 
 
 def dense_flops_per_s(parts, d_model: int, d_hidden: int, rows: int) -> float:
@@ -939,4 +940,5 @@ def simulate_step(engine: str, model: ModelShape, tokens: int, cluster: Cluster,
         exposed = max(0.0, reduce - (backward - first_bucket))
     step = K * (model.num_layers * moe.total_s + dense) + exposed + expert_reduce + optimizer + small
     return StepResult(engine, moe.partitions, moe.strategy, step, K * model.num_layers * moe.total_s, K * dense, reduce,
-                      optimizer, peak, state, activations, K, exposed, small, P, expert_reduce)
+                      optimizer, peak, state, activations, K, exposed, small, P, expert_reduce,
+                      K * model.num_layers * moe.busy_s["host"])

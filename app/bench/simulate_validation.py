@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from app.bench.parts import setting_n
 
-TOLERANCE = 0.15          # the validation target: |simulated / measured - 1| <= 15%
+TOLERANCE = 0.15          # flagged in the tables: |simulated / measured - 1| > 15%
+TARGET = 0.10             # issue 36's target: 90% of the emulated records within 10%
 
 
 def _bound(busy: dict, total: float) -> str:
@@ -106,8 +108,6 @@ def _predicted_memory_now(record: dict) -> int:
 
 def _dilated(cluster, factor: float):
     """`cluster` with its network `factor` times slower (bandwidths divided, costs multiplied)."""
-    from dataclasses import replace
-
     network = cluster.network
     slower = replace(network, intra_bytes_per_s=network.intra_bytes_per_s / factor,
                      inter_bytes_per_s=network.inter_bytes_per_s / factor,
@@ -136,6 +136,11 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
         with open(path) as f:
             bench = json.load(f)
         cluster_of = _record_cluster(bench["meta"])
+        device, parts_device = bench["meta"].get("device"), getattr(parts, "device", None)
+        if device and parts_device and device != parts_device:
+            printer(f"  {path}: measured on {device}, the parts on {parts_device}: not simulated here "
+                    f"(measure the parts on {device}: mpipemoe simulate --measure-parts)")
+            continue
         if cluster_of is None:
             printer(f"  {path}: {bench['meta']['world_size']} real ranks: only one-GPU and emulated records are "
                     f"simulated here")
@@ -187,20 +192,30 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
 def _step_row(source: str, r: dict, cluster, parts) -> dict:
     """A step record (app/bench/step.py) against `simulator.simulate_step` for its model,
     tokens, micro-batches and setting, the reduction overlapped with the last backward as
-    the bench models it. Step rows carry what layer rows do (no host probe, no dilation)."""
+    the bench models it; with the host term matched to the record's host probe where it has
+    one (`_step_host_matched`). Step rows carry what layer rows do (no dilation)."""
     from moe_sim.simulator import ModelShape, simulate_step
 
     model = ModelShape(r["d_model"], r["d_hidden"], r["layers"], r["num_heads"], r["seq_len"], r["num_experts"],
                        r["top_k"], r["activation"], r["vocab_size"], r["causal"])
-    sim = simulate_step(r["engine"], model, r["tokens"], cluster, parts, r["partitions"], r["strategy"],
-                        dtype_bytes=2 if r["dtype"] in ("bfloat16", "float16") else 4,
-                        micro_batches=r["micro_batches"], overlap_reduction=True, split=record_split(r))
+
+    def step_at(tokens: int, cluster=cluster, parts=parts, seq_len: int = r["seq_len"]):
+        return simulate_step(r["engine"], replace(model, seq_len=seq_len), tokens, cluster, parts, r["partitions"],
+                             r["strategy"],
+                             dtype_bytes=2 if r["dtype"] in ("bfloat16", "float16") else 4,
+                             micro_batches=r["micro_batches"], overlap_reduction=True, split=record_split(r))
+    sim = step_at(r["tokens"])
+    matched_parts = _step_host_matched(parts, r, cluster, step_at)
+    matched = None if matched_parts is None else step_at(r["tokens"], parts=matched_parts)
     error = sim.step_s * 1e3 / r["step_ms"] - 1
     measured_peak = r.get("peak_memory_bytes")
     busy = {"moe": sim.moe_s * 1e3, "dense": sim.dense_s * 1e3, "reduction": sim.exposed_reduction_s * 1e3,
             "optimizer": sim.optimizer_s * 1e3}
     return {"source": source, "kind": "step", "measured_as": r.get("measured_as", "emulated"),
-            "routing": r.get("routing", "uniform"), "model": f"{r['model']} x{r['layers']} K={r['micro_batches']}",
+            "routing": r.get("routing", "uniform"),
+            "model": f"{r['model']} x{r['layers']} K={r['micro_batches']}"
+                     + (" overlapped" if r.get("schedule") == "overlapped" else ""),
+            "schedule": r.get("schedule", "sequential"),
             "tokens": r["tokens"], "engine": r["engine"], "chosen_by": r["chosen_by"], "partitions": r["partitions"], "split": record_split(r),
             "strategy": r["strategy"], "measured_ms": r["step_ms"], "measured_ms_std": r.get("step_ms_std"),
             "simulated_ms": sim.step_s * 1e3, "error": error, "measured_peak_bytes": measured_peak,
@@ -208,8 +223,27 @@ def _step_row(source: str, r: dict, cluster, parts) -> dict:
             "memory_error": sim.peak_bytes / measured_peak - 1 if measured_peak else None,
             "memory_model_current": True, "busy_ms": busy,
             "term_off": (max(busy, key=lambda k: busy[k]) + " (largest part)") if abs(error) > TOLERANCE else "",
-            "host_probe_ms": None, "host_matched_ms": None, "host_matched_error": None, "network_dilation": None,
-            "dilated_ms": None, "dilated_error": None}
+            "host_probe_ms": r.get("host_probe_ms"),
+            "host_matched_ms": None if matched is None else matched.step_s * 1e3,
+            "host_matched_error": None if matched is None else matched.step_s * 1e3 / r["step_ms"] - 1,
+            "network_dilation": None, "dilated_ms": None, "dilated_error": None}
+
+
+def _step_host_matched(parts, r: dict, cluster, step_at):
+    """`parts` with the MoE layers' host term scaled so that the simulated step reproduces the
+    record's host probe (the step's compute alone at a few tokens, app/bench/step_point.py
+    HOST_PROBE_SEQ_LEN), or None for a record without one. The probe runs with every modelled
+    transfer at zero time, so it is simulated on a free network; what the simulated probe's
+    device does besides the host's issue is subtracted, as for a layer (`_host_matched`)."""
+    from moe_sim.simulator import HostScaled
+
+    probe_ms = r.get("host_probe_ms")
+    if not probe_ms:
+        return None
+    at_probe = step_at(r["host_probe_tokens"], cluster=_dilated(cluster, 1e-9), seq_len=r["host_probe_seq_len"])
+    host_ms = at_probe.host_s * 1e3
+    device_ms = at_probe.step_s * 1e3 - host_ms
+    return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -223,6 +257,7 @@ def _summary(rows: list[dict]) -> dict:
         matched = sorted(abs(r["host_matched_error"]) for r in mine if r.get("host_matched_error") is not None)
         summary[source] = {
             "records": len(mine), "within_15pct": sum(e <= TOLERANCE for e in errors),
+            "within_10pct": sum(e <= TARGET for e in errors),
             "mean_abs_error": sum(errors) / len(errors), "median_abs_error": errors[len(errors) // 2],
             "max_abs_error": errors[-1], "mean_signed_error": sum(r["error"] for r in mine) / len(mine),
             "memory_records": len(memory),
@@ -256,12 +291,13 @@ def validation_markdown(result: dict) -> str:
              "look at (docs/simulate.md, *Validation*). Memory is summarised over the records whose memory-model "
              "prediction at measurement time is today's (the others were measured with an earlier engine).", "",
              "## Summary", "",
-             "| measurements | records | time within 15% | mean abs. error | median | max | mean signed | "
-             "host-bound (sim.) within 15% | device-bound within 15% | memory within 15% | memory max error | "
-             "host matched to the probe: within 15% | its max error |",
-             "|" + "---|" * 13]
+             "| measurements | records | time within 10% | within 15% | mean abs. error | median | max | "
+             "mean signed | host-bound (sim.) within 15% | device-bound within 15% | memory within 15% | "
+             "memory max error | host matched to the probe: within 15% | its max error |",
+             "|" + "---|" * 14]
     for source, s in result["summary"].items():
-        lines.append(f"| {source} | {s['records']} | {s['within_15pct']} | {s['mean_abs_error']:.1%} | "
+        lines.append(f"| {source} | {s['records']} | {s['within_10pct']} | {s['within_15pct']} | "
+                     f"{s['mean_abs_error']:.1%} | "
                      f"{s['median_abs_error']:.1%} | {s['max_abs_error']:.1%} | {s['mean_signed_error']:+.1%} | "
                      f"{s['host_bound_within_15pct']} of {s['host_bound_records']} | "
                      f"{s['device_bound_within_15pct']} of {s['records'] - s['host_bound_records']} | "

@@ -1,7 +1,8 @@
 """One point of the training-step bench (app/bench/step.py): every engine, setting and
 schedule at one routing, token count and micro-batch count, timed three ways in interleaved
-rounds (as modelled, without the All-to-Alls, compute alone; `bench_step_point`), with the
-modelled collectives, the expert load, the peak memory and the timeline of each: its records."""
+rounds (as modelled, without the All-to-Alls, compute alone; `bench_step_point`) with the host
+probe beside them (HOST_PROBE_SEQ_LEN), with the modelled collectives, the expert load, the
+peak memory and the timeline of each: its records."""
 from __future__ import annotations
 
 import functools
@@ -22,6 +23,13 @@ from moe_engine.perf_model import device_name
 from moe_engine.timing import time_interleaved
 from workers.loop import peak_flops
 from workers.schedules import choose_schedule
+
+# The host probe: the step's compute alone (every modelled transfer at zero time) on K
+# micro-batches of one sequence of this many tokens, so that the device has almost nothing
+# to do and the time is the host's cost of issuing the step (the simulator's host term is
+# matched to it: app/bench/simulate_validation.py).
+HOST_PROBE_SEQ_LEN = 64
+
 
 def _logged_step(parts: StepParts, schedule: str, batches: list) -> dict:
     """One step with the group's log on: the modelled seconds of its All-to-Alls and small
@@ -118,6 +126,9 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
     dtype = settings.compute_dtype(device)
     schedules = point_schedules(settings, preset, tokens, micro_batches, dtype)
     batches = step_batches(preset, tokens, micro_batches, device, settings.seed)
+    probe_seq_len = min(HOST_PROBE_SEQ_LEN, preset.seq_len)
+    probe_batches = step_batches(preset, micro_batches * probe_seq_len, micro_batches, device, settings.seed,
+                                 seq_len=probe_seq_len)
     pushes.set(routing, variants[0].model, tokens // micro_batches, group.size, settings.seed)
     # variant-major: a setting's schedules side by side in the records
     timed = [Timed(v, schedule, functools.partial(training_step, schedule, parts_of(v), batches))
@@ -128,6 +139,8 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
     load = _expert_load(variants[0].model, timed[0].step, device)
     # Three timings per engine, setting and schedule, interleaved: as modelled, without the
     # All-to-Alls, compute alone; the automatic one only as modelled when the grid has its setting.
+    # A fourth, the host probe, for all but the automatic one (a step at the probe's few tokens
+    # would start its search there): its record takes its grid twin's.
     def setting_of(variant: Variant) -> tuple:
         first = variant.model.moe_layers()[0]
         return (*chosen_setting(first), chosen_split(first))
@@ -143,6 +156,10 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             fns.append(_with_network(parts, 0.0, 1.0, entry.step))
             entry.slot.append(len(fns))
             fns.append(_with_network(parts, 0.0, 0.0, entry.step))
+        if entry.variant.chosen_by != "auto":
+            entry.slot.append(len(fns))
+            fns.append(_with_network(parts, 0.0, 0.0,
+                                     functools.partial(training_step, entry.schedule, parts, probe_batches)))
     timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
     flops_per_token = model_flops_per_token(preset)
     peak = peak_flops(device, str(dtype).replace("torch.", ""))
@@ -165,7 +182,10 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             "num_experts": preset.num_experts, "top_k": preset.top_k, "activation": preset.activation,
             "vocab_size": preset.vocab_size, "causal": preset.kind == "gpt", "dtype": str(dtype).replace("torch.", ""),
             "device": device_name(device), **group.cluster.record_fields()}
-        if len(slot) == 3:
+        if len(slot) == 4:
+            record.update(host_probe_ms=timings[slot[3]].median_ms, host_probe_tokens=micro_batches * probe_seq_len,
+                          host_probe_seq_len=probe_seq_len)
+        if len(slot) >= 3:
             record.update(no_all_to_all_ms=timings[slot[1]].median_ms, compute_ms=timings[slot[2]].fastest_ms,
                           compute_device_busy_ms=device_busy_floor_ms(fns[slot[2]], device,
                                                                       settings.rounds * settings.repeats))
@@ -177,12 +197,13 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             record["search_decisions"] = first.search.decisions  # the first layer's
         records.append(record)
     for record in records:
-        if "compute_ms" not in record:  # the automatic setting: its grid twin's bound terms (same schedule)
-            twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)
-                         and r["schedule"] == record["schedule"] and "compute_ms" in r), None)
-            if twin is not None:
-                record.update(no_all_to_all_ms=twin["no_all_to_all_ms"], compute_ms=twin["compute_ms"],
-                              compute_device_busy_ms=twin["compute_device_busy_ms"], bound_terms_from="grid twin")
+        twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)
+                     and r["schedule"] == record["schedule"] and "compute_ms" in r), None)
+        if record["chosen_by"] == "auto" and twin is not None:  # the host probe of the setting it settled on
+            record.update({key: twin[key] for key in ("host_probe_ms", "host_probe_tokens", "host_probe_seq_len")})
+        if "compute_ms" not in record and twin is not None:  # the automatic setting: its grid twin's bound terms
+            record.update(no_all_to_all_ms=twin["no_all_to_all_ms"], compute_ms=twin["compute_ms"],
+                          compute_device_busy_ms=twin["compute_device_busy_ms"], bound_terms_from="grid twin")
         add_bound_account(record)
     if settings.trace:
         for record, entry in zip(records, timed):

@@ -186,13 +186,16 @@ def training_step(schedule: str, parts: StepParts, batches: list) -> list[float]
     return values
 
 
-def step_batches(preset: ModelPreset, tokens: int, micro_batches: int, device: torch.device, seed: int) -> list:
+def step_batches(preset: ModelPreset, tokens: int, micro_batches: int, device: torch.device, seed: int,
+                 seq_len: int | None = None) -> list:
     """K micro-batches of (inputs_BS, targets_BS): random token ids (the routing is imposed
-    by the pushes, not by the text)."""
+    by the pushes, not by the text); sequences of ``seq_len`` tokens (the preset's unless
+    given: the host probe's are shorter)."""
     generator = torch.Generator().manual_seed(seed)
-    batch = tokens // (micro_batches * preset.seq_len)
+    seq_len = seq_len or preset.seq_len
+    batch = tokens // (micro_batches * seq_len)
     batches = []
     for _ in range(micro_batches):
-        window = torch.randint(0, preset.vocab_size, (batch, preset.seq_len + 1), generator=generator)
+        window = torch.randint(0, preset.vocab_size, (batch, seq_len + 1), generator=generator)
         batches.append((window[:, :-1].contiguous().to(device), window[:, 1:].contiguous().to(device)))
     return batches

@@ -153,8 +153,13 @@ def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
             max(r["compute_ms"], r["all_to_all_ms"] + r["reduction_ms"]))
         assert r["compute_device_busy_ms"] is None  # profiled on CUDA only
         assert sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-3)
-    auto = records[2]  # its bound terms are its grid twin's when the grid has its setting
-    assert (auto.get("bound_terms_from") == "grid twin") == ((auto["partitions"], auto["strategy"]) == (2, "S4"))
+    for r in records[:2] + records[3:]:  # the host probe: 2 micro-batches of one short sequence each
+        assert r["host_probe_ms"] > 0 and r["host_probe_seq_len"] == min(64, settings.preset().seq_len)
+        assert r["host_probe_tokens"] == 2 * r["host_probe_seq_len"]
+    auto = records[2]  # its bound terms and host probe are its grid twin's when the grid has its setting
+    twin = (auto["partitions"], auto["strategy"]) == (2, "S4")
+    assert (auto.get("bound_terms_from") == "grid twin") == twin
+    assert auto.get("host_probe_ms") == (records[3]["host_probe_ms"] if twin else None)
     assert "| tiny-gpt | 1 | uniform | 128 | 2 | fastmoe |" in (tmp_path / "step.md").read_text()
 
 

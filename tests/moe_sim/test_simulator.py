@@ -645,6 +645,49 @@ def test_a_step_of_micro_batches_prices_each_and_hides_the_reduction_behind_the_
         simulate_step("mpipemoe", model, 16384, _cluster(8), parts, micro_batches=3)
 
 
+def test_a_step_records_host_probe_matches_the_simulated_steps_host_term(parts, tmp_path):
+    """A step record's host probe (the step's compute alone at one short sequence per
+    micro-batch, app/bench/step_point.py) scales the MoE layers' host term so that the
+    simulated step on a free network gives the probe's time at the probe's size; the
+    validation reports the matched step beside the plain one, and a record measured on
+    another device than the parts is not simulated."""
+    from dataclasses import replace
+
+    from app.bench.simulate_validation import _dilated, _step_host_matched
+
+    meta = {"measured_as": "emulated", "nodes": 8, "gpus_per_node": 8, "network": "dgx-h200", "world_size": 64,
+            "kind": "step"}
+    model = ModelShape(2048, 8192, 4, 16, 1024, 64)
+    h200 = Cluster(ClusterLayout(8, 8), PRESETS["dgx-h200"])
+    at_probe = simulate_step("mpipemoe", replace(model, seq_len=64), 128, _dilated(h200, 1e-9), parts, 2, "S4",
+                             micro_batches=2, overlap_reduction=True)
+    assert 0 < at_probe.host_s < at_probe.step_s
+    step = {"kind": "step", "engine": "mpipemoe", "chosen_by": "grid", "partitions": 2, "strategy": "S4",
+            "model": "gpt-xl", "layers": 4, "tokens": 16384, "micro_batches": 2, "seq_len": 1024, "d_model": 2048,
+            "d_hidden": 8192, "num_heads": 16, "num_experts": 64, "top_k": 2, "activation": "gelu", "vocab_size": 259,
+            "causal": True, "dtype": "bfloat16", "routing": "uniform", "step_ms": 200.0, "peak_memory_bytes": None,
+            "host_probe_tokens": 128, "host_probe_seq_len": 64}
+
+    def step_at(tokens, cluster=h200, parts=parts, seq_len=1024):
+        return simulate_step("mpipemoe", replace(model, seq_len=seq_len), tokens, cluster, parts, 2, "S4",
+                             micro_batches=2, overlap_reduction=True)
+    for probe_ms in (2.0 * at_probe.step_s * 1e3, 3.0 * at_probe.step_s * 1e3):
+        matched = _step_host_matched(parts, dict(step, host_probe_ms=probe_ms), h200, step_at)
+        again = step_at(128, cluster=_dilated(h200, 1e-9), parts=matched, seq_len=64)
+        assert again.step_s * 1e3 == pytest.approx(probe_ms, rel=1e-6)
+    assert _step_host_matched(parts, step, h200, step_at) is None  # nothing to match without a probe
+
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps({"meta": meta, "records": [dict(step, host_probe_ms=probe_ms)]}))
+    row = validate([str(path)], parts, printer=lambda *_: None)["rows"][0]
+    assert row["host_matched_ms"] > row["simulated_ms"]  # a slower host than the parts' one
+    assert row["host_matched_error"] == pytest.approx(row["host_matched_ms"] / 200.0 - 1)
+    said: list[str] = []
+    path.write_text(json.dumps({"meta": dict(meta, device="another GPU"), "records": [step]}))
+    assert validate([str(path)], parts, printer=said.append)["rows"] == []
+    assert f"measured on another GPU, the parts on {parts.device}" in said[0] and "--measure-parts" in said[0]
+
+
 def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_path):
     """A step record of `mpipemoe bench --step` (app/bench/step.py): its model, micro-batches and
     setting on its emulated cluster, the reduction overlapped with the last backward."""
