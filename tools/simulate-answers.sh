@@ -12,6 +12,10 @@ tokens=1024,1408,2048,2880,4096,5760,8192,11584,16384,23168,32768,46336,65536,92
 "${sim[@]}" --validate results/bench-h200-emulated-8x8-dgx-h200.json \
     --validate results/bench-h200-emulated-8x8-dgx-h200-32k.json \
     --validate results/bench-h200-emulated-8x8-dgx-a100.json --out results/simulate-validation-emulated.json
+"${sim[@]}" --validate results/step-h200-emulated-8x8-dgx-h200-gpt-xl.json \
+    --validate results/step-h200-emulated-8x8-dgx-h200-gpt-s.json \
+    --validate results/step-h200-emulated-8x8-dgx-h200-routing.json \
+    --validate results/step-h200-emulated-8x8-dgx-h200-replay.json --out results/simulate-validation-step.json
 "${sim[@]}" --nodes 8 --gpus-per-node 8 --model gpt-xl --tokens 4096,8192,16384,32768 --step \
     --out results/simulate-8x8-gpt-xl.json
 "${sim[@]}" --model gpt-xl --sweep-nodes 1,8,32 --tokens $tokens --out results/simulate-best-n-gpt-xl.json

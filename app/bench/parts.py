@@ -9,7 +9,7 @@ import torch
 
 from app.bench.shapes import LAYER_SHAPES
 from app.tracking.records import RecordMeta
-from app.bench.routing_replay import routing_push
+from app.bench.routing_replay import SKEWED_TOKENS, routing_push
 from moe_engine import FasterMoE, MoEConfig
 from moe_engine.granularity import Setting
 
@@ -29,13 +29,13 @@ def peak_memory_bytes(step, device) -> int | None:
 
 
 def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str, top_k: int = 2) -> torch.Tensor:
-    """This rank's tokens; ``skewed`` pushes the first half of them towards expert 0,
+    """This rank's tokens; ``skewed`` pushes every other one towards expert 0 (SKEWED_TOKENS),
     ``replay:FILE`` each towards top-k experts drawn from the file's most imbalanced layer
     (app/bench/routing_replay.py)."""
     x = torch.randn(tokens, router_weight.shape[1], device=router_weight.device, dtype=router_weight.dtype)
     if routing == "skewed":
         hot = router_weight[0].float()
-        x[: tokens // 2] += (8.0 * hot / hot.norm()).to(x.dtype)
+        x[SKEWED_TOKENS] += (8.0 * hot / hot.norm()).to(x.dtype)
     elif routing != "uniform":
         push = routing_push(routing, router_weight, tokens, top_k)
         if push is not None:

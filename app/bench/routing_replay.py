@@ -15,7 +15,7 @@ it should pick: the (token, choice) pairs are dealt to the experts in proportion
 layer's shares, ``top_k`` distinct experts per token (`assign_experts`), and each token gets
 PUSH times the unit router row of each of its experts added to its input, which puts them on
 top of its logits (a random token's logit has a standard deviation of the row's norm; the
-push adds PUSH of them). An expert can take a token once, so its share is capped at 1 / top_k. ``skewed`` is the layer bench's: half of the tokens pushed towards expert 0 alone.
+push adds PUSH of them). An expert can take a token once, so its share is capped at 1 / top_k. ``skewed`` is the layer bench's: every other token pushed towards expert 0 alone (SKEWED_TOKENS).
 
 A file from a run with fewer experts than the bench's E (a multiple of it) spreads each of
 its experts' shares evenly over E / E_file bench experts. The experts are then laid out so
@@ -35,6 +35,11 @@ PUSH = 8.0  # router-row norms added to a token's logit for each expert it is pu
 LOAD_KEY = re.compile(r"^moe_load/l(\d+)/tokens_e(\d+)$")
 REPLAY = "replay:"
 NAMED = ("uniform", "skewed")
+# The skewed routing's hot tokens: every other token of the batch, so that they are spread
+# over it as a real batch's are and every partition of a token split carries the same share.
+# (Until 2026-12-07 they were the first half: MPipeMoE's first partition then held them all,
+# and n = 2 gained nothing over n = 1 in the skewed records of that time.)
+SKEWED_TOKENS = slice(0, None, 2)
 
 
 @dataclass(frozen=True)
@@ -162,10 +167,11 @@ def routing_push(spec: str, router_ED: torch.Tensor, tokens: int, top_k: int, ra
     push_TD = torch.zeros(tokens, router_ED.shape[1], device=router_ED.device)
     equal_E = [1.0] * router_ED.shape[0]
     if spec == "skewed":
-        push_TD[: tokens // 2] = PUSH * unit_ED[0]
-        if impose_uniform and tokens - tokens // 2:
-            picks_TK = assign_experts(equal_E, tokens - tokens // 2, top_k, seed).to(router_ED.device)
-            push_TD[tokens // 2:] += PUSH * unit_ED[picks_TK].sum(1)
+        push_TD[SKEWED_TOKENS] = PUSH * unit_ED[0]
+        rest = tokens // 2  # the tokens between the hot ones
+        if impose_uniform and rest:
+            picks_TK = assign_experts(equal_E, rest, top_k, seed).to(router_ED.device)
+            push_TD[1::2] += PUSH * unit_ED[picks_TK].sum(1)
         return push_TD.to(router_ED.dtype)
     shares_E = equal_E if spec == "uniform" else target_shares(spec, router_ED.shape[0], layer)
     assert shares_E is not None  # check_routing: a replay

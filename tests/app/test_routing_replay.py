@@ -58,6 +58,19 @@ def test_the_pushes_route_the_tokens_as_the_file_says(tmp_path):
     assert routing_push("uniform", router_ED, 10, 2) is None
 
 
+def test_the_step_benchs_skewed_push_sends_every_other_token_to_expert_zero_and_the_rest_evenly():
+    """Spread over the batch: both halves of it (a 2-partition token split) hold the same
+    hot tokens; the tokens between them are pushed to equal shares of the experts."""
+    torch.manual_seed(0)
+    router_ED = torch.randn(8, 64) * 0.02
+    push = routing_push("skewed", router_ED, 4000, 2, ranks=2, impose_uniform=True)
+    assert push is not None
+    first = torch.topk((torch.randn(4000, 64) + push) @ router_ED.t(), 2).indices
+    assert bool((first[::2, 0] == 0).all()) and not bool((first[1::2, 0] == 0).all())
+    between = count_ids(first[1::2].flatten(), 8).double()
+    assert (between / between.sum()).tolist() == pytest.approx([1 / 8] * 8, abs=0.02)
+
+
 def test_routing_extracts_a_runs_logged_loads_from_mlflow(tmp_path, capsys):
     from app.tracking.run_kinds import TRAIN, kind_tags
     from app.tracking.store import RunLogger
