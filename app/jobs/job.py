@@ -219,6 +219,7 @@ class TrainJob:
                                 "TrainJob.expert_parallel")
         if self.expert_parallel is not None or self.use_gpu is False:
             self.model_preset().check_world_size(self.num_workers, self.expert_parallel)
+            self.check_peer_partitions(self.expert_parallel or self.num_workers)
         # Else the default degree is the GPUs of one node where they divide the experts: known once
         # Ray is up (ray_start.build_trainer checks it), so gpt-s (8 experts) may ask for 64 GPUs.
         if self.moe_memory_gib is not None:
@@ -267,6 +268,15 @@ class TrainJob:
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
         return get_preset(self.preset).replace(vocab_size=vocab_size,
                                                **{k: getattr(self, k) for k in MODEL_OVERRIDES})
+
+    def check_peer_partitions(self, degree: int) -> None:
+        """Raise ValueError unless a fixed n split by peers divides the expert-parallel degree
+        (each partition is degree / n destination ranks); the degree is known here once
+        ``--expert-parallel`` is given or the run is on CPU, else when the trainer is built."""
+        if self.split == "peers" and isinstance(self.partitions, int) and degree % self.partitions:
+            divisors = [str(d) for d in range(1, degree + 1) if degree % d == 0]
+            _fail("partitions", self.partitions, f"with --split peers give a divisor of the expert-parallel degree "
+                  f"{degree} ({', '.join(divisors)}): each partition is {degree}/n destination ranks")
 
     @property
     def run_dir(self) -> Path:

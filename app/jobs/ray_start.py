@@ -135,6 +135,7 @@ def build_trainer(job: TrainJob, metrics_queue=None, train_fn=None, extra_config
     if job.expert_parallel is None:  # the default degree, now that the GPUs of a node are known
         degree = expert_degree(job, gpus_per_node)
         job.model_preset().check_world_size(job.num_workers, None if degree == job.num_workers else degree)
+        job.check_peer_partitions(degree)
     config = worker_config(job, use_gpu, metrics_queue, gpus_per_node).replace(
         stop_flag=stop_flag, **(extra_config or {}))
     resources = {"CPU": config.cpus_per_worker}

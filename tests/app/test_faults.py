@@ -624,6 +624,9 @@ def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated
     (["--split", "peers", "--engine", "fastmoe"],
      "TrainJob.split='peers' is invalid: only the mpipemoe engine splits its partitions; drop --split or use "
      "--engine mpipemoe (not fastmoe)"),
+    (["--split", "peers", "--partitions", "3", "--no-gpu"],  # 2 workers: one expert group of 2
+     "TrainJob.partitions=3 is invalid: with --split peers give a divisor of the expert-parallel degree 2 "
+     "(1, 2): each partition is 2/n destination ranks"),
     (["--split", "auto", "--partitions", "2"],
      "TrainJob.split='auto' is invalid: the search chooses the split with --partitions auto; give --split "
      "tokens or peers with a fixed --partitions"),
