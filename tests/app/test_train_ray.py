@@ -226,7 +226,7 @@ def test_more_workers_than_the_cluster_holds_fail_fast(ray_local, job, capsys):
     status = cli.main(["train", "--num-workers", "4", "--no-gpu", "--data-dir", job.data_dir,
                        "--storage-path", job.storage_path, "--tracking-uri", "none", "--name", "big"])
     err = capsys.readouterr().err
-    assert status == 1 and time.perf_counter() - started < 30
+    assert status == 1 and time.perf_counter() - started < 120  # not Ray Train's wait for resources
     assert err.strip().splitlines() == [
         "mpipemoe train: error: TrainJob.num_workers=4 is invalid: the Ray cluster (1 node(s), 2 CPU) holds "
         "2 worker(s) of 0.9 CPU each; use --num-workers 2 or a smaller --cpus-per-worker, or add nodes "
