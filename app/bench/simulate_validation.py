@@ -138,8 +138,9 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
         cluster_of = _record_cluster(bench["meta"])
         device, parts_device = bench["meta"].get("device"), getattr(parts, "device", None)
         if device and parts_device and device != parts_device:
-            printer(f"  {path}: measured on {device}, the parts on {parts_device}: not simulated here "
-                    f"(measure the parts on {device}: mpipemoe simulate --measure-parts)")
+            fix = ("the simulator prices GPU records" if device == "cpu" else
+                   f"measure the parts on {device}: mpipemoe simulate --measure-parts")
+            printer(f"  {path}: measured on {device}, the parts on {parts_device}: not simulated here ({fix})")
             continue
         if cluster_of is None:
             printer(f"  {path}: {bench['meta']['world_size']} real ranks: only one-GPU and emulated records are "
