@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from moe_engine.comm import DEFAULT_COMM_SMS
 from moe_engine.config import ENGINES, STRATEGIES, MoEConfig
 from moe_engine.granularity import SEARCH_SPLITS
 from moe_engine.memory import RestorePolicy, predict_memory
@@ -357,11 +358,15 @@ class Cluster:
     network: NetworkProfile | None = None
     load: tuple | None = None            # per expert; None = uniform
     hierarchical: bool = False           # two-level All-to-All instead of the flat one
+    comm_sms: int = DEFAULT_COMM_SMS     # SMs a pipelined pass's GEMMs leave to communication (ExpertGroup.comm_sms)
 
     def __post_init__(self) -> None:
         if self.layout.ranks > 1 and self.network is None:
             raise ValueError("Cluster.network is None but the layout has several ranks: give a NetworkProfile "
                              "(e.g. network.PRESETS['dgx-a100'])")
+        if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or self.comm_sms < 0:
+            raise ValueError(f"Cluster.comm_sms={self.comm_sms!r} is invalid: give the SMs the GEMMs leave to "
+                             f"communication, an integer >= 0 (the engine's default: {DEFAULT_COMM_SMS})")
 
     def load_for(self, num_experts: int) -> list[float]:
         return list(self.load) if self.load is not None else uniform_load(num_experts)
@@ -396,6 +401,7 @@ class _Layer:
 
     def __init__(self, shape: LayerShape, cluster: Cluster, parts, partitions: int, peers: list | None = None):
         self.shape, self.cluster, self.parts, self.n = shape, cluster, parts, partitions
+        self.gemm_scale = 1.0  # the SM carve-out of a pipelined pass (carve_out_scale), set by _build
         W = cluster.layout.ranks
         if shape.num_experts % W:
             raise ValueError(f"LayerShape.num_experts={shape.num_experts} is not a multiple of the {W} ranks; "
@@ -419,7 +425,8 @@ class _Layer:
         """One partition's expert FFN `phase` (gemm1, forward, input_grad, weight_grads) on
         the busiest rank: one grouped GEMM per projection over its local experts."""
         sh = self.shape
-        return self.parts.grouped_ffn_s(phase, self.expert_rows, sh.d_model, sh.d_hidden, sh.activation)
+        return self.gemm_scale * self.parts.grouped_ffn_s(phase, self.expert_rows, sh.d_model, sh.d_hidden,
+                                                          sh.activation)
 
     def rows(self, op: str, count: float) -> float:
         return self.parts.rows_s(op, round(count), self.shape.d_model)
@@ -702,6 +709,8 @@ def _build(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: 
         layer = _FasterLayer(shape, cluster, parts, partitions, W // partitions)
     else:
         layer = _Layer(shape, cluster, parts, partitions)
+    if W > 1 and layer.n > 1:  # layers.py: partitions overlap communication, the GEMMs leave it SMs
+        layer.gemm_scale = carve_out_scale(parts, cluster.comm_sms)
     host = _host_cost(parts, engine, strategy, layer.local)
     return _Pipelined(layer, strategy, host, keep_activation=engine == "fastmoe"), layer, partitions, strategy
 
@@ -710,6 +719,29 @@ def _memory(engine: str, shape: LayerShape, cluster: Cluster, layer: _Layer, par
     received = layer.rows_received_total if isinstance(layer, _FasterLayer) else layer.Nn * layer.n
     return predict_memory(shape.config(), shape.tokens, cluster.layout.ranks, partitions, strategy, engine=engine,
                           dtype=shape.torch_dtype(), rows_received=round(received))
+
+
+# SMs of the GPUs whose parts the simulator reads (GpuParts.device), for the SM carve-out.
+SM_COUNTS = {"NVIDIA H200": 132, "NVIDIA H100 80GB HBM3": 132, "NVIDIA A100-SXM4-80GB": 108}
+
+
+def carve_out_scale(parts, comm_sms: int) -> float:
+    """How much longer the expert GEMMs of a pipelined pass take than the parts' (measured
+    on every SM): the engine runs them with `comm_sms` SMs left to the communication kernels
+    (layers.py, StreamSet.reserving_sms), so a GEMM that fills the GPU gets SMs / (SMs -
+    comm_sms) of its time. 1 where the parts' GPU is not known (SM_COUNTS, `sm_count`)."""
+    sms = getattr(parts, "sm_count", None) or SM_COUNTS.get(getattr(parts, "device", ""), 0)
+    if not sms or comm_sms <= 0:
+        return 1.0
+    return sms / max(sms - comm_sms, 1)
+
+
+def _carved_slowdown(slowdown: dict, scale: float) -> dict:
+    """The parts' factors with compute-beside-communication made relative to a carved GEMM:
+    it was measured carved against a GEMM alone on every SM (perf_model._slowdowns)."""
+    if scale == 1.0 or "compute|comm" not in slowdown:
+        return slowdown
+    return {**slowdown, "compute|comm": max(1.0, slowdown["compute|comm"] / scale)}
 
 
 def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, partitions: int = 1,
@@ -730,7 +762,7 @@ def simulate_layer(engine: str, shape: LayerShape, cluster: Cluster, parts, part
     prog = Program()
     forward_end = schedule.forward(prog)
     schedule.backward(prog)
-    timeline = run_schedule(prog.ops, parts.slowdown)
+    timeline = run_schedule(prog.ops, _carved_slowdown(parts.slowdown, layer.gemm_scale))
     forward_s = timeline.finish_s[forward_end]
     memory = _memory(engine, shape, cluster, layer, partitions, strategy)
     full = _Layer(shape, cluster, parts, 1)

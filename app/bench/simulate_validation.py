@@ -62,7 +62,11 @@ def _record_cluster(meta: dict):
             load = record.get("expert_load")
             if load is None and record.get("routing", "uniform") != "uniform":
                 load = hot_expert_load(record["num_experts"], record["hot_expert_share"])
-            return Cluster(layout, network, None if load is None else tuple(load), meta.get("hierarchical", False))
+            return Cluster(layout, network, None if load is None else tuple(load), meta.get("hierarchical", False),
+                           comm_sms=comm_sms)
+        # The SMs its pipelined GEMMs left free: the record's, or (records before the field)
+        # the emulated transfers' thread blocks, which the emulated group left then.
+        comm_sms = meta.get("comm_sms", meta.get("transfer_ctas", 1))
         return emulated
     if meta["world_size"] == 1:
         return lambda record: single_gpu()

@@ -688,11 +688,39 @@ def test_a_step_records_host_probe_matches_the_simulated_steps_host_term(parts, 
     assert f"measured on another GPU, the parts on {parts.device}" in said[0] and "--measure-parts" in said[0]
 
 
+def test_a_pipelined_pass_on_several_ranks_runs_its_gemms_on_the_sms_communication_leaves(parts):
+    """layers.py leaves ExpertGroup.comm_sms SMs to the All-to-Alls while its partitions
+    overlap (several ranks, n > 1): the GEMMs of such a pass take SMs / (SMs - comm_sms) of
+    the parts' time (measured on every SM); n = 1 and one GPU keep every SM."""
+    from dataclasses import replace
+
+    from moe_sim.simulator import carve_out_scale
+
+    assert parts.device == "NVIDIA H200" and carve_out_scale(parts, 16) == pytest.approx(132 / 116)
+    assert carve_out_scale(parts, 0) == 1.0 and carve_out_scale(ProfileParts(profile(slowdown={})), 16) == 1.0
+    shape = LayerShape(2048, 8192, 64, 16384)
+    carved, free = _cluster(8), replace(_cluster(8), comm_sms=0)
+    assert carved.comm_sms == 16  # the engine's default
+    for engine, n in (("mpipemoe", 4), ("fastermoe", 1)):
+        slower = simulate_layer(engine, shape, carved, parts, n, "none")
+        faster = simulate_layer(engine, shape, free, parts, n, "none")
+        assert slower.busy_s["compute"] > faster.busy_s["compute"] and slower.total_s > faster.total_s
+    for engine, n, cluster in (("mpipemoe", 1, carved), ("fastmoe", 1, carved)):
+        assert simulate_layer(engine, shape, cluster, parts, n, "none").total_s == pytest.approx(
+            simulate_layer(engine, shape, replace(cluster, comm_sms=0), parts, n, "none").total_s)
+    one = LayerShape(2048, 8192, 8, 16384)
+    assert simulate_layer("mpipemoe", one, single_gpu(), parts, 4, "none").total_s == pytest.approx(
+        simulate_layer("mpipemoe", one, replace(single_gpu(), comm_sms=0), parts, 4, "none").total_s)
+    with pytest.raises(ValueError, match="Cluster.comm_sms=-1 is invalid"):
+        replace(_cluster(8), comm_sms=-1)
+
+
 def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_path):
     """A step record of `mpipemoe bench --step` (app/bench/step.py): its model, micro-batches and
-    setting on its emulated cluster, the reduction overlapped with the last backward."""
+    setting on its emulated cluster, the reduction overlapped with the last backward, the
+    GEMMs of its pipelined passes leaving the record's `comm_sms` to communication."""
     meta = {"measured_as": "emulated", "nodes": 8, "gpus_per_node": 8, "network": "dgx-h200", "world_size": 64,
-            "kind": "step"}
+            "kind": "step", "comm_sms": 16}
     step = {"kind": "step", "engine": "mpipemoe", "chosen_by": "grid", "partitions": 2, "strategy": "S4",
             "model": "gpt-xl", "layers": 4, "tokens": 16384, "micro_batches": 2, "seq_len": 1024, "d_model": 2048,
             "d_hidden": 8192, "num_heads": 16, "num_experts": 64, "top_k": 2, "activation": "gelu", "vocab_size": 259,
