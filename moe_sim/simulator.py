@@ -358,7 +358,10 @@ class Cluster:
     network: NetworkProfile | None = None
     load: tuple | None = None            # per expert; None = uniform
     hierarchical: bool = False           # two-level All-to-All instead of the flat one
-    comm_sms: int = DEFAULT_COMM_SMS     # SMs a pipelined pass's GEMMs leave to communication (ExpertGroup.comm_sms)
+    # SMs a pipelined pass's GEMMs leave to communication (ExpertGroup.comm_sms): the engine
+    # leaves DEFAULT_COMM_SMS on a real cluster; 0 (every SM) stays the default here until
+    # the simulator's committed answers are made again with it (docs/simulate.md).
+    comm_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.layout.ranks > 1 and self.network is None:

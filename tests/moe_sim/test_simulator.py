@@ -699,18 +699,17 @@ def test_a_pipelined_pass_on_several_ranks_runs_its_gemms_on_the_sms_communicati
     assert parts.device == "NVIDIA H200" and carve_out_scale(parts, 16) == pytest.approx(132 / 116)
     assert carve_out_scale(parts, 0) == 1.0 and carve_out_scale(ProfileParts(profile(slowdown={})), 16) == 1.0
     shape = LayerShape(2048, 8192, 64, 16384)
-    carved, free = _cluster(8), replace(_cluster(8), comm_sms=0)
-    assert carved.comm_sms == 16  # the engine's default
+    carved, free = replace(_cluster(8), comm_sms=16), _cluster(8)  # the engine's 16; the simulator's default 0
     for engine, n in (("mpipemoe", 4), ("fastermoe", 1)):
         slower = simulate_layer(engine, shape, carved, parts, n, "none")
         faster = simulate_layer(engine, shape, free, parts, n, "none")
         assert slower.busy_s["compute"] > faster.busy_s["compute"] and slower.total_s > faster.total_s
-    for engine, n, cluster in (("mpipemoe", 1, carved), ("fastmoe", 1, carved)):
-        assert simulate_layer(engine, shape, cluster, parts, n, "none").total_s == pytest.approx(
-            simulate_layer(engine, shape, replace(cluster, comm_sms=0), parts, n, "none").total_s)
+    for engine, n in (("mpipemoe", 1), ("fastmoe", 1)):
+        assert simulate_layer(engine, shape, carved, parts, n, "none").total_s == pytest.approx(
+            simulate_layer(engine, shape, free, parts, n, "none").total_s)
     one = LayerShape(2048, 8192, 8, 16384)
-    assert simulate_layer("mpipemoe", one, single_gpu(), parts, 4, "none").total_s == pytest.approx(
-        simulate_layer("mpipemoe", one, replace(single_gpu(), comm_sms=0), parts, 4, "none").total_s)
+    assert simulate_layer("mpipemoe", one, replace(single_gpu(), comm_sms=16), parts, 4, "none").total_s == \
+        pytest.approx(simulate_layer("mpipemoe", one, single_gpu(), parts, 4, "none").total_s)
     with pytest.raises(ValueError, match="Cluster.comm_sms=-1 is invalid"):
         replace(_cluster(8), comm_sms=-1)
 
@@ -729,7 +728,7 @@ def test_validation_compares_step_records_with_the_simulated_step(parts, tmp_pat
     path.write_text(json.dumps({"meta": meta, "records": [step]}))
     row = validate([str(path)], parts, printer=lambda *_: None)["rows"][0]
     model = ModelShape(2048, 8192, 4, 16, 1024, 64)
-    h200 = Cluster(ClusterLayout(8, 8), PRESETS["dgx-h200"])
+    h200 = Cluster(ClusterLayout(8, 8), PRESETS["dgx-h200"], comm_sms=16)
     expected = simulate_step("mpipemoe", model, 16384, h200, parts, 2, "S4", micro_batches=2, overlap_reduction=True)
     assert row["kind"] == "step" and row["simulated_ms"] == pytest.approx(expected.step_s * 1e3)
     assert row["error"] == pytest.approx(expected.step_s * 1e3 / 200.0 - 1)
