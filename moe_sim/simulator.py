@@ -732,8 +732,8 @@ def carve_out_scale(parts, comm_sms: int) -> float:
     """How much longer the expert GEMMs of a pipelined pass take than the parts' (measured
     on every SM): the engine runs them with `comm_sms` SMs left to the communication kernels
     (layers.py, StreamSet.reserving_sms), so a GEMM that fills the GPU gets SMs / (SMs -
-    comm_sms) of its time. 1 where the parts' GPU is not known (SM_COUNTS, `sm_count`)."""
-    sms = getattr(parts, "sm_count", None) or SM_COUNTS.get(getattr(parts, "device", ""), 0)
+    comm_sms) of its time. 1 where the parts' GPU is not in SM_COUNTS."""
+    sms = SM_COUNTS.get(getattr(parts, "device", ""), 0)
     if not sms or comm_sms <= 0:
         return 1.0
     return sms / max(sms - comm_sms, 1)

@@ -33,15 +33,24 @@ def _host_matched(parts, record: dict, shape_at, cluster):
     """`parts` with the host term scaled so that the simulator reproduces the record's host
     probe (the same layer at a few tokens, timed in the same rounds as the record), or None
     for a record without one."""
-    from moe_sim.simulator import HostScaled, simulate_layer
+    from moe_sim.simulator import simulate_layer
 
     probe_ms = record.get("host_probe_ms")
     if not probe_ms:
         return None
     at_probe = simulate_layer(record["engine"], shape_at(record["host_probe_tokens"]), cluster, parts,
                               record["partitions"], record["strategy"], split=record_split(record))
-    host_ms = at_probe.busy_s["host"] * 1e3
-    device_ms = at_probe.total_s * 1e3 - host_ms
+    return _scaled_to_probe(parts, probe_ms, at_probe.total_s, at_probe.busy_s["host"])
+
+
+def _scaled_to_probe(parts, probe_ms: float, simulated_s: float, host_s: float):
+    """`parts` with the host term scaled so that a simulated probe of `simulated_s`, `host_s`
+    of it the host's issue, takes `probe_ms`: the rest of the simulated time (the device's)
+    is kept, the host's stretched or shrunk to fill the probe."""
+    from moe_sim.simulator import HostScaled
+
+    host_ms = host_s * 1e3
+    device_ms = simulated_s * 1e3 - host_ms
     return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
 
 
@@ -55,6 +64,9 @@ def _record_cluster(meta: dict):
     if meta.get("measured_as") == "emulated":
         layout = ClusterLayout(meta["nodes"], meta["gpus_per_node"])
         network = load_network(meta["network"])
+        # The SMs its pipelined GEMMs left free: the record's, or (records before the field)
+        # the emulated transfers' thread blocks, which the emulated group left then.
+        comm_sms = meta.get("comm_sms", meta.get("transfer_ctas", 1))
 
         def emulated(record: dict):
             # The routing rank 0 measured (every rank routes alike; rank 0 is the busiest,
@@ -64,9 +76,6 @@ def _record_cluster(meta: dict):
                 load = hot_expert_load(record["num_experts"], record["hot_expert_share"])
             return Cluster(layout, network, None if load is None else tuple(load), meta.get("hierarchical", False),
                            comm_sms=comm_sms)
-        # The SMs its pipelined GEMMs left free: the record's, or (records before the field)
-        # the emulated transfers' thread blocks, which the emulated group left then.
-        comm_sms = meta.get("comm_sms", meta.get("transfer_ctas", 1))
         return emulated
     if meta["world_size"] == 1:
         return lambda record: single_gpu()
@@ -240,15 +249,11 @@ def _step_host_matched(parts, r: dict, cluster, step_at):
     HOST_PROBE_SEQ_LEN), or None for a record without one. The probe runs with every modelled
     transfer at zero time, so it is simulated on a free network; what the simulated probe's
     device does besides the host's issue is subtracted, as for a layer (`_host_matched`)."""
-    from moe_sim.simulator import HostScaled
-
     probe_ms = r.get("host_probe_ms")
     if not probe_ms:
         return None
     at_probe = step_at(r["host_probe_tokens"], cluster=_dilated(cluster, 1e-9), seq_len=r["host_probe_seq_len"])
-    host_ms = at_probe.host_s * 1e3
-    device_ms = at_probe.step_s * 1e3 - host_ms
-    return HostScaled(parts, max(probe_ms - device_ms, 0.0) / host_ms)
+    return _scaled_to_probe(parts, probe_ms, at_probe.step_s, at_probe.host_s)
 
 
 def _summary(rows: list[dict]) -> dict:
