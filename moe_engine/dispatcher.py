@@ -36,7 +36,7 @@ import torch
 
 from . import kernels
 from .comm import ExpertGroup
-from .experts import ExpertSegments, HostCountsCopy
+from .experts import ExpertSegments, HostCountsCopy, PassRows
 from .router import Routing, count_ids
 
 STATS = 3  # PassStats fields riding in the count exchange (a planner's values may follow them)
@@ -227,10 +227,12 @@ def plan_single(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_ex
     ends_nE = counts_nE.cumsum(1).to(torch.int32)
     copies = HostCountsCopy.start(counts_nE)  # for a backward that needs them on the host
     token_index_R = pair_order // top_k
+    rows_n = [top_k * tokens_of_partition(tokens, partitions, i) for i in range(partitions)]
+    pass_rows = PassRows(counts_nE, rows_n)
     parts, start = [], 0
-    for i in range(partitions):
-        rows = top_k * tokens_of_partition(tokens, partitions, i)
-        segments = ExpertSegments(rows, ends_nE[i], counts_nE[i], counts_copy=copies[i] if copies else None)
+    for i, rows in enumerate(rows_n):
+        segments = ExpertSegments(rows, ends_nE[i], counts_nE[i], counts_copy=copies[i] if copies else None,
+                                  pass_rows=pass_rows, partition=i)
         parts.append(PartitionPlan(token_index_R[start:start + rows], [rows], [rows], segments, None, None))
         start += rows
     return DispatchPlan(tokens, top_k, token_index_R, pair_order, parts, True, stats)
@@ -314,6 +316,7 @@ def _plan_from_tables(routing: Routing, partition_P: torch.Tensor, sent_nWL: np.
         source_order = torch.empty_like(order_N).index_copy_(
             0, order_N, torch.arange(total_received, device=device)) - start_of_row_N
 
+    pass_rows = PassRows(counts_dev, rows_received_n.tolist())
     parts, sent, received = [], 0, 0
     for i in range(n):
         rows_sent, rows_received = int(send_splits_nW[i].sum()), int(rows_received_n[i])
@@ -322,7 +325,8 @@ def _plan_from_tables(routing: Routing, partition_P: torch.Tensor, sent_nWL: np.
             token_index_R=token_index_R[sent:sent + rows_sent],
             send_splits=send_splits_nW[i].tolist(),
             recv_splits=recv_splits_nW[i].tolist(),
-            segments=ExpertSegments(rows_received, ends_nL[i], counts_dev[i], counts_nL[i].tolist()),
+            segments=ExpertSegments(rows_received, ends_nL[i], counts_dev[i], counts_nL[i].tolist(),
+                                    pass_rows=pass_rows, partition=i),
             expert_order_N=None if expert_order is None else expert_order[received_rows],
             source_order_N=None if source_order is None else source_order[received_rows],
         ))

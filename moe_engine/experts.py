@@ -69,6 +69,58 @@ class HostCountsCopy:
         return self.host_L.tolist()
 
 
+BIAS_COLUMNS = 8  # a column of ones and seven of zeros: a widened bf16 row stays a multiple of 16 bytes
+
+
+class PassRows:
+    """Local, no device reads. The constant operands a pass's partitions multiply their rows
+    by, built once per pass for the rows of every partition and sliced per partition: the
+    one-hot rows that apply per-expert vectors (biases) as one GEMM, the columns of ones that
+    sum rows per expert (bias gradients) and the bias columns that widen GEMM1's rows. Built
+    per partition they were five to seven launches each (`ExpertSegments.one_hot`,
+    `grouped_bias_grad`, `bias_columns`): host time that grew with n.
+
+    counts_nL: rows per (partition, local expert) on the rows' device; rows_n: each
+    partition's row count on the host (the sum of its counts)."""
+
+    def __init__(self, counts_nL: torch.Tensor, rows_n: list[int]):
+        self.counts_nL = counts_nL
+        self.rows_n = rows_n
+        self.starts_n = [sum(rows_n[:i]) for i in range(len(rows_n))]
+        self._one_hots: dict[torch.dtype, torch.Tensor] = {}
+        self._ones: dict[torch.dtype, torch.Tensor] = {}
+        self._bias_columns: dict[torch.dtype, torch.Tensor] = {}
+
+    def one_hot(self, partition: int, dtype: torch.dtype) -> torch.Tensor:
+        """[N, L] in ``dtype`` for partition ``partition``'s N rows: row r's expert as a
+        one-hot row. The pass's table is built on first use (three launches for all partitions)."""
+        if dtype not in self._one_hots:
+            n, L = self.counts_nL.shape
+            eye_nLL = torch.eye(L, dtype=dtype, device=self.counts_nL.device).repeat(n, 1)
+            self._one_hots[dtype] = eye_nLL.repeat_interleave(self.counts_nL.reshape(-1), dim=0,
+                                                              output_size=sum(self.rows_n))
+        start = self.starts_n[partition]
+        return self._one_hots[dtype][start:start + self.rows_n[partition]]
+
+    def ones(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """[BIAS_COLUMNS, rows] of ones in ``dtype``, column-major (the grouped kernel's
+        16-byte alignment along the rows): the left operand that sums rows per expert."""
+        if dtype not in self._ones:
+            self._ones[dtype] = torch.ones(max(self.rows_n, default=0), BIAS_COLUMNS, dtype=dtype,
+                                           device=self.counts_nL.device)
+        return self._ones[dtype][:rows].t()
+
+    def bias_columns(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, BIAS_COLUMNS] in ``dtype``: ones in the first column, zeros in the rest
+        (the columns that make x @ [w1; b1; 0…] add b1, `Experts.project_in`)."""
+        if dtype not in self._bias_columns:
+            columns_NB = torch.zeros(max(self.rows_n, default=0), BIAS_COLUMNS, dtype=dtype,
+                                     device=self.counts_nL.device)
+            columns_NB[:, 0] = 1
+            self._bias_columns[dtype] = columns_NB
+        return self._bias_columns[dtype][:rows]
+
+
 @dataclass(frozen=True)
 class ExpertSegments:
     """Local. How N rows split into the local experts' contiguous segments.
@@ -79,8 +131,8 @@ class ExpertSegments:
     counts:      the same on the host when known without reading the device (several ranks
                  read their count tables anyway); None otherwise.
     counts_copy: the counts on their way to the host (one rank on CUDA), for `host_counts`.
-    one_hots:    `one_hot`'s answers by dtype, built once per segments (the forward's bias add
-                 and the backward's bias gradient ask for the same one).
+    pass_rows:   the pass's constant operands (`PassRows`), shared by its partitions' segments,
+                 and this segments' partition in it; None: one of its own, built on first use.
     """
 
     rows: int
@@ -88,7 +140,8 @@ class ExpertSegments:
     counts_L: torch.Tensor
     counts: list[int] | None = None
     counts_copy: HostCountsCopy | None = None
-    one_hots: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    pass_rows: PassRows | None = field(default=None, compare=False, repr=False)
+    partition: int = 0
 
     @classmethod
     def from_counts(cls, counts: list[int], device: torch.device | str | None) -> "ExpertSegments":
@@ -111,16 +164,27 @@ class ExpertSegments:
         """L, the local experts the rows split into."""
         return self.counts_L.shape[0]
 
+    @property
+    def constants(self) -> PassRows:
+        """The pass's constant operands (`PassRows`); a segments made alone gets its own."""
+        if self.pass_rows is None:
+            object.__setattr__(self, "pass_rows", PassRows(self.counts_L.view(1, -1), [self.rows]))  # frozen: late
+        return self.pass_rows  # type: ignore[return-value]  # (set just above)
+
     def one_hot(self, dtype: torch.dtype) -> torch.Tensor:
         """Local, no device reads. [N, L] in ``dtype``: row r's expert as a one-hot row (a row
         of the identity repeated over each segment), the left operand that applies per-expert
-        vectors (biases) to the rows, or sums the rows per expert, as one GEMM. Built once per
-        dtype and kept (N x L numbers: a partition's rows times its local experts): two
-        launches each time it was built were a host cost of the many-partition passes."""
-        if dtype not in self.one_hots:
-            eye_LL = torch.eye(self.experts, dtype=dtype, device=self.counts_L.device)
-            self.one_hots[dtype] = eye_LL.repeat_interleave(self.counts_L, dim=0, output_size=self.rows)
-        return self.one_hots[dtype]
+        vectors (biases) to the rows, or sums the rows per expert, as one GEMM. A slice of
+        the pass's table (`PassRows.one_hot`), kept with it."""
+        return self.constants.one_hot(self.partition, dtype)
+
+    def ones(self, dtype: torch.dtype) -> torch.Tensor:
+        """[BIAS_COLUMNS, N] of ones (`PassRows.ones`)."""
+        return self.constants.ones(self.rows, dtype)
+
+    def bias_columns(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, BIAS_COLUMNS]: ones, then zeros (`PassRows.bias_columns`)."""
+        return self.constants.bias_columns(self.rows, dtype)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -142,13 +206,21 @@ def grouped_kernel_supports(x: torch.Tensor, *widths: int) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     # The kernel asks for 16-byte strides: the inner widths (not the row count) must align.
-    if any(size * x.element_size() % 16 for size in widths):
-        return False
+    element = x.element_size()
+    for size in widths:
+        if size * element % 16:
+            return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
-    return grouped_kernel_runs_on(torch.cuda.get_device_capability(x.device))
+    return _device_runs_grouped_kernel(x.device)
+
+
+@functools.cache
+def _device_runs_grouped_kernel(device: torch.device) -> bool:
+    """`grouped_kernel_runs_on` for this GPU, asked once (every grouped GEMM of a pass asks)."""
+    return grouped_kernel_runs_on(torch.cuda.get_device_capability(device))
 
 
 # Compute capability majors where torch's grouped kernel is CUTLASS's (sm90 Hopper, sm100
@@ -268,8 +340,7 @@ def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments, out_dtype: torch
     if out_dtype != dy_NO.dtype:
         if dy_NO.device.type == "cuda" and _grouped_kernel_widens("cuda") and grouped_kernel_supports(
                 dy_NO, dy_NO.shape[-1]):
-            ones_8N = dy_NO.new_ones(seg.rows, 8).t()
-            return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L, out_dtype=out_dtype)[:, 0]
+            return torch._grouped_mm(seg.ones(dy_NO.dtype), dy_NO, offs=seg.ends_L, out_dtype=out_dtype)[:, 0]
         if dy_NO.device.type == "cuda" and out_dtype == torch.float32 and dy_NO.dtype in (torch.bfloat16,
                                                                                            torch.float16):
             # one-hotᵀ @ dy with a float32 result: reads dy once, where an upcast copy of dy
@@ -280,8 +351,7 @@ def grouped_bias_grad(dy_NO: torch.Tensor, seg: ExpertSegments, out_dtype: torch
             return torch.mm(seg.one_hot(dy_NO.dtype).t(), dy_NO, out_dtype=out_dtype)
         return grouped_bias_grad(dy_NO.to(out_dtype), seg)
     if grouped_kernel_supports(dy_NO, dy_NO.shape[-1]):
-        ones_8N = dy_NO.new_ones(seg.rows, 8).t()
-        return torch._grouped_mm(ones_8N, dy_NO, offs=seg.ends_L)[:, 0]
+        return torch._grouped_mm(seg.ones(dy_NO.dtype), dy_NO, offs=seg.ends_L)[:, 0]
     db_LO = dy_NO.new_empty(L, dy_NO.shape[-1])
     for l, rows in enumerate(_segments(seg.host_counts())):
         torch.sum(dy_NO[rows], 0, out=db_LO[l])
@@ -301,17 +371,6 @@ def _add_bias(y_NO: torch.Tensor, b_LO: torch.Tensor | None, seg: ExpertSegments
     if y_NO.dtype == torch.bfloat16 and b_LO.dtype == torch.bfloat16:
         return y_NO.addmm_(seg.one_hot(y_NO.dtype), b_LO)
     return y_NO.add_(b_LO.repeat_interleave(seg.counts_L, dim=0, output_size=seg.rows))
-
-
-BIAS_COLUMNS = 8  # a column of ones and seven of zeros: a widened bf16 row stays a multiple of 16 bytes
-
-
-def bias_columns(x_ND: torch.Tensor) -> torch.Tensor:
-    """Local. [N, BIAS_COLUMNS] in x's dtype: ones in the first column, zeros in the rest
-    (the columns that make x @ [w1; b1; 0…] add b1, `Experts.project_in`)."""
-    columns_NB = x_ND.new_zeros(x_ND.shape[0], BIAS_COLUMNS)
-    columns_NB[:, 0] = 1
-    return columns_NB
 
 
 def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -423,7 +482,7 @@ class Experts(nn.Module):
             w1_with_bias = self.w1_with_bias
             if w1_with_bias is not None and x_ND.dtype == w1_with_bias.dtype and grouped_kernel_supports(
                     x_ND, *w1_with_bias.shape[-2:]):
-                A = [grouped_mm(torch.cat([x_ND, bias_columns(x_ND)], dim=1), w1_with_bias, seg)]
+                A = [grouped_mm(torch.cat([x_ND, seg.bias_columns(x_ND.dtype)], dim=1), w1_with_bias, seg)]
             else:
                 A = [_add_bias(grouped_mm(x_ND, self.w1, seg), self.b1, seg)]
             if self.w3 is not None:

@@ -183,7 +183,12 @@ class Planner:
         ``agreed.profile_missing`` (every rank measures the hardware profile) or
         ``agreed.profile_differs`` (every rank adopts rank 0's)."""
         tokens = agreed.stats.max_tokens
-        if self.partitions == "auto":
+        if self.partitions == "auto" and not self.group.distributed:
+            # One rank: no All-to-All for partitions to hide, and each partition adds host
+            # work (one H100, gpt-s layer at 256 tokens: +0.7-1.0 ms a partition over n = 1's
+            # 3.7 ms): the fewest partitions that fit the memory budget, 1 without one.
+            n, split = self._fewest_partitions_within_budget(tokens, agreed.dtype), "tokens"
+        elif self.partitions == "auto":
             # Under a budget the fewest partitions that fit bound n already, and with "none"
             # more partitions share no buffers: keep the fastest n, not the largest near it.
             # The fit prices the activations in the dtype the experts run in (bf16 under

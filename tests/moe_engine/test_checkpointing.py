@@ -100,16 +100,13 @@ def test_checkpointing_our_layer_keeps_as_little_as_a_plain_layer(partitions, st
     assert layer.host_pool.bytes_held <= held_before
 
 
-def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
-    """partitions="auto" moves n on from pass to pass while it searches; the recomputation
-    inside backward must run the n (and strategy) of the forward it repeats, or checkpoint
-    finds other tensors saved. Gradients equal those of the same n without checkpointing."""
+def _checkpointed_search_matches_fixed_n(rank, world_size):
     from moe_engine.granularity import GranularitySearch
 
     torch.manual_seed(0)
     layer = MPipeMoE(CONFIG, partitions="auto", strategy="S1",
                      search=GranularitySearch(candidates=(1, 2), warmup=0, repeats=1, give_up_slower=None))
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     seen = []
     for _ in range(3):
         x = torch.randn(32, CONFIG.d_model, generator=g, requires_grad=True)
@@ -124,7 +121,19 @@ def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
         residual(fixed)(x_again).square().sum().backward()
         for a, b in zip(got, [x_again.grad] + [p.grad for p in fixed.parameters()]):
             torch.testing.assert_close(a, b)
-    assert len(set(seen)) > 1  # the search did move n between passes
+    return seen
+
+
+@pytest.mark.gloo
+def test_a_checkpointed_forward_with_the_online_search_replays_its_plan():
+    """partitions="auto" moves n on from pass to pass while it searches (several ranks: on
+    one, auto runs n = 1); the recomputation inside backward must run the n (and strategy)
+    of the forward it repeats, or checkpoint finds other tensors saved. Gradients equal
+    those of the same n without checkpointing."""
+    from tests.distributed import run_on_ranks
+
+    seen = run_on_ranks(2, _checkpointed_search_matches_fixed_n)
+    assert seen[0] == seen[1] and len(set(seen[0])) > 1  # the search did move n between passes, on both ranks
 
 
 def test_a_reentrant_checkpoint_runs_and_leaves_no_plan_behind():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.experts import ExpertSegments, _add_bias, grouped_bias_grad
+from moe_engine.experts import ExpertSegments, PassRows, _add_bias, grouped_bias_grad
 
 
 def _segments(counts: list[int]) -> ExpertSegments:
@@ -38,13 +38,38 @@ def test_one_hot_rows_sum_each_experts_rows():
     torch.testing.assert_close(one_hot_NL.t() @ dy_NO, grouped_bias_grad(dy_NO, seg), rtol=0, atol=1e-12)
 
 
-def test_one_hot_rows_are_built_once_per_dtype():
-    """The forward's bias add and the backward's bias gradient share one build (two launches
-    each time: a host cost of many-partition passes)."""
-    seg = _segments([3, 2])
-    assert seg.one_hot(torch.bfloat16) is seg.one_hot(torch.bfloat16)
-    assert seg.one_hot(torch.float32) is not seg.one_hot(torch.bfloat16)
-    assert seg.one_hot(torch.float32).dtype == torch.float32 and len(seg.one_hots) == 2
+def test_a_pass_builds_its_constant_operands_once_for_every_partition():
+    """The one-hot rows, the columns of ones and the bias columns of a pass's partitions are
+    slices of one table per dtype (a few launches per pass, none per partition), with each
+    partition's own values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    counts_nL = torch.tensor([[3, 2], [0, 4], [1, 1]])
+    rows_n = counts_nL.sum(1).tolist()
+    pass_rows = PassRows(counts_nL, rows_n)
+    segments = [ExpertSegments(rows, counts_nL[i].cumsum(0).to(torch.int32), counts_nL[i], pass_rows=pass_rows,
+                               partition=i) for i, rows in enumerate(rows_n)]
+    for seg in segments:
+        expected = torch.eye(2, dtype=torch.bfloat16).repeat_interleave(seg.counts_L, dim=0)
+        assert torch.equal(seg.one_hot(torch.bfloat16), expected)
+        assert torch.equal(seg.ones(torch.bfloat16), torch.ones(8, seg.rows, dtype=torch.bfloat16))
+        columns = torch.zeros(seg.rows, 8, dtype=torch.bfloat16)
+        columns[:, 0] = 1
+        assert torch.equal(seg.bias_columns(torch.bfloat16), columns)
+    with Launches() as launches:
+        for seg in segments:
+            seg.one_hot(torch.bfloat16), seg.ones(torch.bfloat16), seg.bias_columns(torch.bfloat16)
+    assert launches.calls == 0
+    assert segments[0].one_hot(torch.float32).dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype,wide", [(torch.bfloat16, torch.float32), (torch.float32, None),
@@ -60,7 +85,7 @@ def test_one_local_expert_adds_and_sums_its_bias_over_every_row(dtype, wide):
     got = grouped_bias_grad(dy_NO, seg, wide)
     assert got.shape == (1, 16) and got.dtype == (wide or dtype)
     torch.testing.assert_close(got, dy_NO.to(wide or dtype).sum(0, keepdim=True))
-    assert not seg.one_hots
+    assert seg.pass_rows is None  # no one-hot (nor any other constant operand) was built
 
 
 def test_host_counts_are_read_once_and_kept():

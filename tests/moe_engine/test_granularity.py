@@ -6,6 +6,8 @@ import torch
 from moe_engine import FastMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.granularity import GranularitySearch, Setting, skew_bucket
+from moe_engine.perf_model import HardwareProfile
+from moe_engine.planner import Planner
 from tests.distributed import run_on_ranks
 
 
@@ -139,6 +141,8 @@ def test_the_largest_n_near_the_fastest_unless_the_fastest_is_asked_for():
 @pytest.mark.parametrize("strategy, budget, fastest", [("auto", None, False), ("S4", None, False),
                                                        ("none", None, True), ("auto", 10 ** 12, True)])
 def test_the_planner_asks_the_search_for_the_fastest_n_where_more_partitions_buy_nothing(strategy, budget, fastest):
+    from tests.moe_engine.test_planner import SeveralRanks, agreed
+
     asked = []
 
     class Recording(GranularitySearch):
@@ -146,11 +150,12 @@ def test_the_planner_asks_the_search_for_the_fastest_n_where_more_partitions_buy
             asked.append(kwargs.get("prefer_fastest"))
             return super().decide_setting(*args, **kwargs)
 
-    layer = MPipeMoE(MoEConfig(16, 32, 4, top_k=2), partitions="auto", strategy=strategy, memory_budget=budget,
-                     search=Recording(candidates=(1, 2), warmup=0, repeats=1))
-    x = torch.randn(32, 16, requires_grad=True)
-    y, aux = layer(x)
-    (y.sum() + aux).backward()
+    planner = Planner(MoEConfig(16, 32, 4, top_k=2), SeveralRanks(None), partitions="auto", strategy=strategy,
+                      memory_budget=budget, search=Recording(candidates=(1, 2), warmup=0, repeats=1),
+                      profile=HardwareProfile(device="cpu", dtype="float32", world_size=1, gemm_flops=1e9,
+                                              a2a_latency_s=1e-4, a2a_bytes_per_s=1e9, d2h_bytes_per_s=1e9,
+                                              h2d_bytes_per_s=1e9, partition_overhead_s=1e-6))
+    planner.decide(agreed(tokens=32))
     assert asked and set(asked) == {fastest}
 
 
@@ -215,8 +220,8 @@ def _auto_layer_matches_fastmoe(rank, world_size, splits=("tokens",)):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_auto_layer_is_exact_and_ranks_agree(world_size):
+def test_auto_layer_is_exact_and_ranks_agree():
+    world_size = 2
     results = run_on_ranks(world_size, _auto_layer_matches_fastmoe)
     chosen = [r[0] for r in results]
     assert all(c == chosen[0] for c in chosen), f"ranks chose differently: {chosen}"

@@ -132,29 +132,38 @@ class OperatorCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _calls_per_pass(config, partitions, strategy, tokens=512) -> int:
+def _calls_per_pass(config, partitions, strategy, tokens=512, dtype=torch.float32) -> int:
     torch.manual_seed(0)
-    layer = MPipeMoE(config, partitions=partitions, strategy=strategy)
-    x = torch.randn(tokens, config.d_model)
+    layer = MPipeMoE(config, partitions=partitions, strategy=strategy, dtype=dtype)
+    x = torch.randn(tokens, config.d_model, dtype=dtype)
 
     def step():
         xi = x.clone().requires_grad_(True)
         y, aux = layer(xi)
-        (y.sum() + aux).backward()
+        (y.float().sum() + aux.float()).backward()
     step()
     with OperatorCalls() as counter:
         step()
     return counter.calls
 
 
+# Operator calls each partition beyond the first adds to a forward + backward (8 experts,
+# with biases), at most: measured 19-34 in bf16 (the GPU's path: the one-hot bias add, the
+# pass's constant operands shared by its partitions) and 23-40 in float32.
+MOST_CALLS_PER_PARTITION = {("gelu", "none"): 20, ("gelu", "S3"): 25, ("swiglu", "none"): 29, ("swiglu", "S3"): 35}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("strategy", ["none", "S3"])
-def test_operator_calls_per_partition_are_few_and_do_not_grow_with_experts(strategy, activation):
+def test_operator_calls_per_partition_are_few_and_do_not_grow_with_experts(strategy, activation, dtype):
     per_partition = {}
     for experts in (8, 32):
         config = MoEConfig(d_model=64, d_hidden=128, num_experts=experts, top_k=2, activation=activation)
-        per_partition[experts] = (_calls_per_pass(config, 8, strategy) - _calls_per_pass(config, 1, strategy)) / 7
-    assert per_partition[8] <= 50, per_partition
+        per_partition[experts] = (_calls_per_pass(config, 8, strategy, dtype=dtype)
+                                  - _calls_per_pass(config, 1, strategy, dtype=dtype)) / 7
+    most = MOST_CALLS_PER_PARTITION[activation, strategy] + (6 if dtype == torch.float32 else 0)
+    assert per_partition[8] <= most, per_partition
     assert abs(per_partition[32] / per_partition[8] - 1) <= 0.15, per_partition
 
 

@@ -30,13 +30,23 @@ SLOW_COPIES = dataclasses.replace(OFFLOAD_FRIENDLY, gemm_flops=1e15, a2a_bytes_p
                                   d2h_bytes_per_s=1e3, h2d_bytes_per_s=1e3)
 
 
+class SeveralRanks(ExpertGroup):
+    """One process standing in for a group whose passes run All-to-Alls, where the planner
+    searches n (on one rank it runs the fewest partitions that fit: nothing to overlap). Only
+    for decisions that run no collective."""
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
 def agreed(tokens=64, seconds=None, backward=True, dtype=torch.float32):
     return AgreedValues(PassStats(False, tokens, 0), False, False, seconds, backward, torch.device("cpu"), dtype)
 
 
 def test_the_search_proceeds_on_the_agreed_timings():
     search = GranularitySearch(candidates=(1, 2, 4), warmup=0, repeats=1, give_up_slower=None)
-    planner = Planner(CONFIG, ExpertGroup(None), partitions="auto", strategy="S4", search=search)
+    planner = Planner(CONFIG, SeveralRanks(None), partitions="auto", strategy="S4", search=search)
     seconds = {1: 3.0, 2: 1.0, 4: 2.0}   # the slowest rank's fastest passes, as the exchange would agree them
     agreed_seconds = {Setting(n): t for n, t in seconds.items()}
     chosen = []
@@ -327,7 +337,7 @@ def test_the_budget_floor_on_n_prices_the_dtype_the_experts_run_in():
     search = GranularitySearch(candidates=(1, 2, 4, 8, 16))
     budget = MemoryBudget.of(predict_memory(config, 4096, 1, 1, "S4", dtype=torch.bfloat16).peak_bytes)
     assert budget.need_of(predict_memory(config, 4096, 1, 1, "S4", dtype=torch.float32)) > budget.bytes
-    planner = Planner(config, ExpertGroup(None), partitions="auto", strategy="S4", search=search,
+    planner = Planner(config, SeveralRanks(None), partitions="auto", strategy="S4", search=search,
                       memory_budget=budget)
     floors = []
     decide = search.decide_setting
@@ -336,3 +346,27 @@ def test_the_budget_floor_on_n_prices_the_dtype_the_experts_run_in():
     planner.decide(agreed(tokens=4096, dtype=torch.bfloat16))
     planner.decide(agreed(tokens=4096, dtype=torch.float32))
     assert floors[0] == 1 and floors[1] > 1
+
+
+@pytest.mark.parametrize("budget", [None, "n=4 fits"])
+def test_on_one_rank_auto_runs_the_fewest_partitions_that_fit_without_searching(budget):
+    """One rank has no All-to-All for partitions to hide and each adds host work: n = 1, or
+    under a memory budget the fewest that fit; the search never times a candidate."""
+    from moe_engine.memory import predict_memory
+
+    config, tokens = MoEConfig(64, 256, 4, top_k=2), 512
+    if budget is not None:
+        budget = min(predict_memory(config, tokens, 1, 4, s, dtype=torch.float32).peak_bytes for s in ("S1", "S4"))
+    search = GranularitySearch(candidates=(1, 2, 4, 8), warmup=0, repeats=1)
+    layer = MPipeMoE(config, partitions="auto", strategy="S4", memory_budget=budget, search=search)
+    chosen = set()
+    for _ in range(4):
+        x = torch.randn(tokens, 64, requires_grad=True)
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+        chosen.add(layer.last_partitions)
+    fewest = 1 if budget is None else min(n for n in (1, 2, 4, 8) if min(
+        predict_memory(config, tokens, 1, n, s, dtype=torch.float32).peak_bytes for s in ("S1", "S2", "S3", "S4"))
+        <= budget)
+    assert chosen == {fewest} and (budget is None or fewest > 1)
+    assert search.decisions == [] and search.active is None

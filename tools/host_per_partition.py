@@ -1,0 +1,111 @@
+"""Host time of one MoE layer pass per partition count, on one GPU (or the CPU).
+
+    python3 tools/host_per_partition.py --out host.json                      # this checkout's engine
+    python3 tools/host_per_partition.py --engine-root /path/to/other/checkout --label before --out a.json
+
+Times forward + backward of FastMoE and MPipeMoE at n = 1, 2, 4, 8 (strategies none and
+S4) at a batch so small that the device work is negligible (256 tokens by default), so a
+pass's wall time is the host's: Python, the dispatcher and the kernel launches. The
+layers run in interleaved rounds (each round times every layer once, ``--passes`` passes
+each, synchronised at the end) and each layer's figure is its fastest round, per pass.
+Reports each setting's time and, for MPipeMoE, what each partition beyond the first
+adds, as a share of n = 1's time (the target: at most 10%).
+
+``--engine-root`` imports ``moe_engine`` from another checkout, so two versions of the
+engine can be timed side by side on one machine (run the tool once per checkout,
+alternately, and compare the JSON records).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine-root", default=str(Path(__file__).resolve().parents[1]),
+                        help="checkout whose moe_engine is timed (default: this one)")
+    parser.add_argument("--label", default="this checkout", help="name of the engine version in the record")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--d-hidden", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--activation", default="swiglu")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--passes", type=int, default=10, help="passes per layer per round")
+    parser.add_argument("--out", help="JSON record to write")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, args.engine_root)
+
+    import torch
+    from moe_engine import FastMoE, MoEConfig, MPipeMoE
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    config = MoEConfig(d_model=args.d_model, d_hidden=args.d_hidden, num_experts=args.experts, top_k=2,
+                       activation=args.activation)
+    torch.manual_seed(0)
+    layers = {"fastmoe": FastMoE(config, device=device, dtype=dtype)}
+    for strategy in ("none", "S4"):
+        for n in (1, 2, 4, 8):
+            layers[f"mpipemoe:{n}:{strategy}"] = MPipeMoE(config, partitions=n, strategy=strategy, device=device,
+                                                          dtype=dtype)
+    x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+
+    def one_pass(layer) -> None:
+        xi = x.detach().requires_grad_(True)
+        y, aux = layer(xi)
+        torch.autograd.backward([y, aux], [dy, torch.ones_like(aux)])
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for layer in layers.values():  # warm-up: allocator, kernels' first launches
+        for _ in range(3):
+            one_pass(layer)
+    synchronize()
+    best = {name: float("inf") for name in layers}
+    for _ in range(args.rounds):
+        for name, layer in layers.items():
+            start = time.perf_counter()
+            for _ in range(args.passes):
+                one_pass(layer)
+            synchronize()
+            best[name] = min(best[name], (time.perf_counter() - start) / args.passes)
+    rows = []
+    for name, seconds in best.items():
+        row = {"setting": name, "pass_ms": round(seconds * 1e3, 4)}
+        if name.startswith("mpipemoe"):
+            _, n, strategy = name.split(":")
+            first = best[f"mpipemoe:1:{strategy}"]
+            if int(n) > 1:
+                row["per_extra_partition_of_n1"] = round((seconds - first) / (int(n) - 1) / first, 4)
+        rows.append(row)
+    record = {
+        "meta": {"tool": "tools/host_per_partition.py", "command": " ".join(["python3", "tools/host_per_partition.py",
+                                                                            *(argv or sys.argv[1:])]),
+                 "engine": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else platform.processor() or "cpu", "torch": torch.__version__,
+                 "date": datetime.date.today().isoformat(), "tokens": args.tokens, "d_model": args.d_model,
+                 "d_hidden": args.d_hidden, "experts": args.experts, "top_k": 2, "activation": args.activation,
+                 "dtype": "bfloat16", "rounds": args.rounds, "passes": args.passes},
+        "results": rows,
+    }
+    for row in rows:
+        extra = row.get("per_extra_partition_of_n1")
+        print(f"{args.label:>14} {row['setting']:>16} {row['pass_ms']:8.3f} ms"
+              + (f"   +{extra:.1%} of n=1 per extra partition" if extra is not None else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
