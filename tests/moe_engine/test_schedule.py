@@ -100,14 +100,19 @@ def test_the_engine_never_imports_the_simulator():
 
 
 class _CarveOutRecorder:
-    """Stands in for a StreamSet in `pipeline._execute`: records the SMs each op reserves."""
+    """Stands in for a StreamSet in `pipeline._execute`: holds the SMs reserved around the
+    operation being issued (0 outside `reserving_sms`)."""
 
     def __init__(self):
-        self.reserved: list[int] = []
+        self.holding = 0
 
+    @contextlib.contextmanager
     def reserving_sms(self, count):
-        self.reserved.append(count)
-        return contextlib.nullcontext()
+        self.holding = count
+        try:
+            yield
+        finally:
+            self.holding = 0
 
 
 def _reserved_per_op(ops):
@@ -115,8 +120,13 @@ def _reserved_per_op(ops):
     from moe_engine.streams import Pending
 
     streams = _CarveOutRecorder()
-    _execute(ops, {op.name: (lambda op: Pending.done()) for op in ops}, streams, reserved_sms=16)  # type: ignore[arg-type]  # (a recording stand-in)
-    return {(op.name, op.partition): count for op, count in zip(ops, streams.reserved)}
+    reserved = {}
+
+    def handler(op):
+        reserved[op.name, op.partition] = streams.holding
+        return Pending.done()
+    _execute(ops, {op.name: handler for op in ops}, streams, reserved_sms=16)  # type: ignore[arg-type]  # (a recording stand-in)
+    return reserved
 
 
 def test_the_sm_carve_out_is_on_only_while_an_all_to_all_is_in_flight():
