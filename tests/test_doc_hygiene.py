@@ -69,3 +69,11 @@ def test_docs_speak_of_the_product_only(doc: Path):
     found = findings(doc.read_text(), str(doc.relative_to(ROOT)))
     assert not found, ("the docs speak of the product, not of how it was made (name the record under results/ "
                        "and its command instead):\n" + "\n".join(found))
+
+
+def test_results_readme_lists_every_folder():
+    """results/README.md names every folder of results/ (as `NAME/`), so each record's command is findable."""
+    readme = (ROOT / "results" / "README.md").read_text()
+    missing = [path.name for path in sorted((ROOT / "results").iterdir())
+               if path.is_dir() and f"`{path.name}/" not in readme]
+    assert not missing, f"results/README.md does not list these folders (add a row saying what made them): {missing}"
