@@ -436,6 +436,7 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
 
     import torch
 
+    from moe_engine.config import STRATEGIES
     from moe_engine.layers import FastMoE, FasterMoE, MPipeMoE
     from moe_engine.timing import synchronize
 
@@ -443,7 +444,7 @@ def measure_host(config, device, dtype, tokens: int = 64, partitions=(1, 2, 4, 8
     dy = torch.randn_like(x)
     layers = {("fastmoe", 1): FastMoE(config, None, device=device, dtype=dtype),
               ("fastermoe", 1): FasterMoE(config, None, device=device, dtype=dtype)}
-    for s in ("none", "S1", "S2", "S3", "S4"):
+    for s in STRATEGIES:
         for n in partitions:
             layers[(f"mpipemoe|{s}", n)] = MPipeMoE(config, None, n, s, device=device, dtype=dtype)
     samples = {key: ([], [], []) for key in layers}

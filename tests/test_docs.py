@@ -12,10 +12,15 @@ comment on the line before it (invisible on GitHub):
         the suite quick. ``cmd`` runs that instead (the block is then only checked like
         ``flags``). ``ray``: the block starts Ray (the test gets the pytest marker ``ray``).
         ``name``: an output block further on may name it with ``of=N``.
-    <!-- doc-test: output [of=N] -->
+    <!-- doc-test: output [of=N] [tolerance=R%] [illustration] -->
         quoted output: every line must appear in the output of the last ``run`` block
-        before it (or of the one named N). Words holding digits or starting with ``/``
-        (numbers, paths, run names and ids) match any word; a line ``...`` is skipped.
+        before it (or of the one named N); a line ``...`` is skipped. Its words match word
+        for word and its numbers number for number, each within R% of the quoted one
+        (default 0: the same number); only words starting with ``/`` (paths) match any word.
+        ``illustration``: the block shows what a run prints, not figures the suite checks
+        (timings, a longer run than the suite's): its words holding digits match any word,
+        and the prose just before the block must call it an illustration, so a reader
+        knows its figures are not checked.
     <!-- doc-test: flags REASON -->
         not run (GPU, cluster, minutes): every ``mpipemoe`` command in it must parse with
         that command's own options, and every repository file it names must exist.
@@ -69,6 +74,8 @@ class Block:
     timeout: int = 300
     cmd: str | None = None
     name: str | None = None
+    illustration: bool = False
+    tolerance: float = 0.0   # output: relative tolerance of each quoted number
     subs: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -97,6 +104,10 @@ def parse_options(block: Block) -> None:
         word = words[i]
         if word == "ray":
             block.ray = True
+        elif word == "illustration":
+            block.illustration = True
+        elif word.startswith("tolerance="):
+            block.tolerance = float(word.split("=", 1)[1].rstrip("%")) / 100
         elif word.startswith("timeout="):
             block.timeout = int(word.split("=", 1)[1])
         elif word.startswith(("name=", "of=")):
@@ -329,15 +340,64 @@ def test_cited_sections_of_the_design_exist():
 
 # -- run: the blocks themselves, in a scratch copy of the repository ---------------------------
 
-def expected_line_pattern(line: str) -> re.Pattern:
-    """A quoted output line as a regex: words with digits or starting with / match any word."""
-    parts = []
+NUMBER = r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:[eE][-+]?\d+)?"   # 1,713  -0.5  1.45e-14
+
+
+def as_number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def expected_line_pattern(line: str, illustration: bool = False) -> tuple[re.Pattern, list[float]]:
+    """A quoted output line as a regex whose groups are its numbers, and those numbers. Words
+    starting with / (paths) match any word; in an illustration, so do words holding digits."""
+    parts, numbers = [], []
     for word in line.split():
-        if re.search(r"\d", word) or word.startswith("/") or word.startswith("sqlite:"):
+        if word.startswith("/") or word.startswith("sqlite:") or (illustration and re.search(r"\d", word)):
             parts.append(r"\S+")
-        else:
-            parts.append(re.escape(word))
-    return re.compile(r"^\s*" + r"\s+".join(parts) + r"\s*$")
+            continue
+        pieces, position = [], 0
+        for match in re.finditer(NUMBER, word):
+            pieces += [re.escape(word[position:match.start()]), f"({NUMBER})"]
+            numbers.append(as_number(match.group()))
+            position = match.end()
+        parts.append("".join(pieces) + re.escape(word[position:]))
+    return re.compile(r"^\s*" + r"\s+".join(parts) + r"\s*$"), numbers
+
+
+def line_matches(line: str, have: str, illustration: bool = False, tolerance: float = 0.0) -> bool:
+    """Whether the printed line ``have`` is the quoted ``line``: the same words, each number
+    within ``tolerance`` (relative) of the quoted one."""
+    pattern, numbers = expected_line_pattern(line, illustration)
+    match = pattern.match(have)
+    return match is not None and all(abs(as_number(got) - want) <= tolerance * abs(want)
+                                     for got, want in zip(match.groups(), numbers))
+
+
+@pytest.mark.parametrize("line,have,illustration,tolerance,expected", [
+    ("done: 50 steps, loss 5.165 -> 2.698", "done: 50 steps, loss 5.165 -> 2.698", False, 0.0, True),
+    ("done: 50 steps, loss 5.165 -> 2.698", "done: 50 steps, loss 5.165 -> 2.714", False, 0.0, False),
+    ("done: 50 steps, loss 5.165 -> 2.698", "done: 50 steps, loss 5.165 -> 2.714", False, 0.01, True),
+    ("model.safetensors (0.9 MiB), 1,713 tokens/s", "model.safetensors (2.7 MiB), 1,713 tokens/s", False, 0.0, False),
+    ("model.safetensors (0.9 MiB), 1,713 tokens/s", "model.safetensors (2.7 MiB), 9,999 tokens/s", True, 0.0, True),
+    ("max |error| 1.45e-14  ok", "max |error| 2.1e-14  ok", False, 0.5, True),
+    ("checkpoint: /tmp/x/checkpoint_000050", "checkpoint: /home/y/checkpoint_000050", False, 0.0, True),
+    ("done: 50 steps", "done: 50 runs", True, 0.0, False),
+])
+def test_quoted_output_compares_numbers(line, have, illustration, tolerance, expected):
+    assert line_matches(line, have, illustration, tolerance) is expected
+
+
+def test_illustrations_say_so():
+    """An output block whose figures the suite does not check says so where a reader sees it."""
+    unsaid = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for block in read_blocks(doc):
+            marker_line = block.line - 2  # 0-based index of the marker
+            if block.kind == "output" and block.illustration and \
+                    "illustration" not in " ".join(lines[max(0, marker_line - 12):marker_line]).lower():
+                unsaid.append(block.where)
+    assert not unsaid, f"output blocks marked illustration with no word 'illustration' in the prose before: {unsaid}"
 
 
 def scratch_repository(tmp: Path) -> Path:
@@ -384,8 +444,9 @@ def check_output(block: Block, output: str, ran: Block) -> None:
     lines = output.splitlines()
     missing = [line for line in block.text.splitlines()
                if line.strip() and line.strip() not in ("...", "…")
-               and not any(expected_line_pattern(line).match(have) for have in lines)]
-    assert not missing, (f"{block.where}: quoted output lines that the run of {ran.where} no longer prints: "
+               and not any(line_matches(line, have, block.illustration, block.tolerance) for have in lines)]
+    tolerance = "" if block.illustration else f" (numbers within {block.tolerance:.0%})"
+    assert not missing, (f"{block.where}: quoted output lines that the run of {ran.where} no longer prints{tolerance}: "
                          f"{missing}\n--- its output (last 3000 characters) ---\n{output[-3000:]}")
 
 

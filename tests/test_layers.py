@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # package: the project packages it may import besides itself (top to bottom).
 MAY_IMPORT = {
     "app": ("tune_spaces", "workers", "lm", "moe_sim", "moe_engine"),
-    "tune_spaces": (),
+    "tune_spaces": ("moe_engine",),  # the engine's one list of strategies (moe_engine.config)
     "workers": ("lm", "moe_engine"),
     "lm": ("moe_engine",),
     "moe_sim": ("moe_engine",),

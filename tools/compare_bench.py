@@ -1,7 +1,7 @@
 """Per-point time and memory ratios of two `mpipemoe bench` records of the same grid
 (B over A), matched by (engine, model, tokens, routing, n, strategy, chosen_by):
 
-    python3 tools/compare_bench.py results/bench-h200.json results/issue19-refactor-check/bench-h200-after-issue19.json
+    python3 tools/compare_bench.py results/bench-h200.json results/bench-h200-refactor-ab/bench-h200-after-refactor.json
 """
 from __future__ import annotations
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from ray import tune
 
+from moe_engine.config import STRATEGIES as STRATEGIES_OF_THE_ENGINE
+
 DESCRIPTION = "partitions {1,2,4,8,auto} x strategy {none,S1..S4,auto} on one model and batch, ranked by time and memory"
 NUM_SAMPLES = 2          # each setting twice: the ranking shows the spread
 PARTITIONS = [1, 2, 4, 8, "auto"]
-STRATEGIES = ["none", "S1", "S2", "S3", "S4", "auto"]
+STRATEGIES = [*STRATEGIES_OF_THE_ENGINE, "auto"]
 
 
 def param_space(search: str = "grid") -> dict:

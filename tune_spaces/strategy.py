@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from ray import tune
 
+from moe_engine.config import STRATEGIES
+
 DESCRIPTION = "strategy {none,S1..S4,auto} x tokens/GPU {4k..32k} on one model, n chosen online"
 NUM_SAMPLES = 2
 
@@ -22,7 +24,7 @@ def param_space(search: str = "grid") -> dict:
         "batch_size": tune.grid_search([8, 16, 32, 64]),  # x seq_len 512 = 4k..32k tokens per GPU
         "seq_len": 512,
         "partitions": "auto",
-        "strategy": tune.grid_search(["none", "S1", "S2", "S3", "S4", "auto"]),
+        "strategy": tune.grid_search([*STRATEGIES, "auto"]),
         "steps": 30,
         "num_workers": 8,
         "checkpoint_every": 0,

@@ -4,19 +4,14 @@ transfers free, as device-busy time on CUDA), per phase; the pipeline model's bo
 share of the ideal saving a setting realizes; and the check that no pass beats its floor."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from app.bench.measure import layer_pass
+from app.bench.layer_settings import BenchSettings
 from app.bench.parts import same_setting, setting_label
 from app.bench.timeline import device_busy_ms, record_trace
 from moe_engine.timing import Stopwatch, synchronize
 from moe_sim.emulation import FREE_TRANSFER_COPY
-
-if TYPE_CHECKING:
-    from app.bench.layer import BenchSettings
-
 
 def overlap_bound_ms(all_to_all_ms: float, expert_ms: float, partitions: int) -> float:
     """The pipeline model of a layer (the paper's): the longer stage, plus one partition of the

@@ -4,20 +4,15 @@ MPipeMoE overlaps (the All-to-Alls and the expert FFN) each timed alone, with th
 rate against one dense GEMM of the same rows."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from app.bench.layer_settings import BenchSettings
 from app.bench.parts import peak_memory_bytes
 from moe_engine import MoEConfig, MPipeMoE
 from moe_engine.comm import ExpertGroup
 from moe_engine.experts import Experts, ExpertSegments
 from moe_engine.router import count_ids
 from moe_engine.timing import synchronize, time_fn, time_interleaved
-
-if TYPE_CHECKING:
-    from app.bench.layer import BenchSettings
-
 
 def layer_pass(layer, x, grad_y) -> None:
     """One forward+backward of `layer` on `x`, `grad_y` the output's gradient (its own

@@ -15,7 +15,8 @@ import json
 
 import torch
 
-from app.bench.layer import BenchSettings, bench_and_write, log_to_mlflow
+from app.bench.layer import bench_and_write, log_to_mlflow
+from app.bench.layer_settings import BenchSettings
 from app.bench.peers import PEERS
 from app.bench.shapes import LAYER_SHAPES
 from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE

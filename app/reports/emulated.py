@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from moe_engine.config import STRATEGIES
+
 from app.tracking.run_kinds import BENCH, BENCH_SUMMARY
 from app.tracking.store import finished_runs_of_kind
 
-STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
+STRATEGY_ORDER = STRATEGIES
 STRATEGY_COLOURS = {"none": "black", "S1": "tab:blue", "S2": "tab:orange", "S3": "tab:green", "S4": "tab:red"}
 
 

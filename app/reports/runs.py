@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from moe_engine.config import STRATEGIES
+
 from app.reports.memory_time import as_float as _float, as_int as _int
 from app.tracking.run_kinds import BENCH, TRAIN, run_kind, run_segments
 from app.tracking.store import finished_runs
@@ -13,7 +15,7 @@ from app.tracking.store import finished_runs
 
 ENGINE = "mpipemoe"
 BASELINES = ("fastmoe", "fastermoe")
-STRATEGY_ORDER = ("none", "S1", "S2", "S3", "S4")
+STRATEGY_ORDER = STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
     if partitions is None:
         partitions = _int(tags.get("partitions", metrics.get("partitions")))
     strategy = params.get("strategy", "?")
-    if strategy == "auto" and tags.get("strategy") in ("none", "S1", "S2", "S3", "S4"):
+    if strategy == "auto" and tags.get("strategy") in STRATEGIES:
         strategy = tags["strategy"]
     world_size = _int(params.get("world_size", params.get("num_workers")))
     return Record(kind=kind, run_id=run_id, experiment=experiment, engine=engine, model=model,

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from app.bench.layer import BenchSettings
+from app.bench.layer_settings import BenchSettings
 from app.bench.layer_bound import overlap_bound_ms
 from app.bench.layer_summary import markdown_table, summarize, targets
 from app.bench.measure import pipeline_stages
