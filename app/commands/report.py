@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from app.reports.report import DEFAULT_OUT, report_from_store
+from app.tracking.records import check_out_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,4 +20,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_out_path(args.out, folder=True)
     return report_from_store(args.out, args.experiment, args.tracking_uri)
