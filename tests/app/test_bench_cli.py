@@ -349,3 +349,18 @@ def test_splits_are_named_and_checked(tmp_path, capsys):
     assert main(["bench", "--splits", "rows", "--tokens", "64", "--tracking-uri", "none",
                  "--out", str(tmp_path / "b.json")]) == 1
     assert "--splits rows is invalid: 'rows' is not a split; give tokens, peers or both" in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu_defaults_to_a_small_smoke(monkeypatch):
+    """`mpipemoe bench` with no options on CPU: one point, a 2 x 2 grid, one timed step per round
+    (about 20-30 s on 2 cores); a GPU gets the full study."""
+    from app.commands import bench
+
+    given = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "bench_and_write", lambda settings, *rest: given.append(settings) or 0)
+    assert main(["bench", "--tracking-uri", "none"]) == 0
+    (settings,) = given
+    assert (settings.models, settings.tokens, settings.partitions, settings.strategies) == (
+        ["tiny"], [256], (1, 2), ("none", "S3"))
+    assert (settings.repeats, settings.rounds) == (1, 1)
