@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 
 from app.reports.report import DEFAULT_OUT, report_from_store
-from app.tracking.records import check_out_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,5 +19,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_out_path(args.out, folder=True)
     return report_from_store(args.out, args.experiment, args.tracking_uri)

@@ -19,15 +19,13 @@ from pathlib import Path
 DEFAULT_OUT_DIR = "out"
 
 
-def check_out_path(path, flag: str = "--out", folder: bool = False) -> None:
-    """Local. Raise ValueError naming ``flag`` unless ``path`` can be written: a file (or with
-    ``folder`` a folder) whose missing parent folders can be made; not below a file, not a
-    folder where a file goes (or a file where a folder goes). Checked before the work starts."""
+def check_out_path(path, flag: str = "--out") -> None:
+    """Local. Raise ValueError naming ``flag`` unless the file ``path`` can be written: not a
+    folder, not below a file (its missing parent folders can be made). Checked before the work
+    starts (os.makedirs would answer only "File exists", minutes later)."""
     target = Path(path).expanduser().absolute()
-    if target.exists() and target.is_dir() != folder:
-        what = "a folder" if target.is_dir() else "a file"
-        raise ValueError(f"{flag} {path}: it is {what}: give the path of {'a folder' if folder else 'a file'} "
-                         f"to write")
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: {target} is a folder, not a file: give the path of a file to write")
     for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
