@@ -197,8 +197,8 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     name); ``overrides``: param-space entries that replace the study's (``parse_overrides``).
     ``data_dir``: prepared training data; default ``./data/stdlib-bytes``, prepared here
     once if missing. ``trainable(config, *, settings)`` runs one trial; tests may pass a
-    lighter one. ``num_samples`` None: the study's ``NUM_SAMPLES``. ``search``, ``scheduler``
-    (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
+    lighter one. ``num_samples`` None: the study's (``tune_spaces.num_samples``, by search).
+    ``search``, ``scheduler`` (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
     ``tune_spaces.tune_config``; ``max_failures``: Tune retries an errored trial that often.
     ``stop_grace_s``: how long a stopped trial may take to stop its Train job (``stopping_trainable``).
     """
