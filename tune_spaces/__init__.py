@@ -22,9 +22,10 @@ Each study module gives:
 - ``RANK_BY`` (optional): "throughput" (``tokens_per_s``, max; the default) or "loss"
   (``loss_metric``, min).
 - ``NUM_SAMPLES`` (optional, default 1): trials drawn when ``--num-samples`` is not given
-  (a grid: its repeats).
-- ``METRIC`` and ``MODE`` (optional): rank by any number the trials report (a step metric or
-  a summary's, e.g. ``final_val_loss``), instead of ``RANK_BY``.
+  (a grid: its repeats); a dict by search (``{"grid": 1, "optuna": 12}``) where a search
+  that samples draws more than a grid repeats (``num_samples``).
+- ``METRIC`` and ``MODE`` (optional): rank by any number the trials report (``METRICS``: a
+  step metric or a summary's, e.g. ``final_val_loss``), instead of ``RANK_BY``.
 - ``SEARCH``, ``SCHEDULER`` (optional): the defaults of ``--search`` and ``--scheduler``.
 
 A study may also be a file outside the package (``load(path)``): a Python file with the
@@ -54,6 +55,14 @@ MODE = "max"
 VAL_LOSS = "val_loss"
 TRAIN_LOSS = "loss"
 EVAL_FIELD = "eval_every"
+# What a study may rank by (METRIC): the numbers every trial reports, each step (workers/loop.py)
+# or in its final summary (app/jobs/progress.py summarize, app/jobs/launch.py run_job).
+STEP_METRICS = ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                "peak_memory_bytes", "model_tflops_per_s", "mfu", "tokens_seen", "val_loss", "val_ppl")
+SUMMARY_METRICS = ("first_loss", "final_loss", "final_lm_loss", "final_aux_loss", "settled_peak_memory_bytes",
+                   "final_val_loss", "final_val_ppl", "first_val_loss", "wall_time_s", "training_state_bytes")
+METRICS = STEP_METRICS + SUMMARY_METRICS
+
 # ASHA: a trial reaches rung r after GRACE_FRACTION * steps * REDUCTION**r steps; the top
 # 1/REDUCTION of the trials at a rung go on.
 GRACE_FRACTION = 0.25
@@ -79,7 +88,12 @@ def load(name: str) -> ModuleType | SimpleNamespace:
         spec = importlib.util.spec_from_file_location(f"mpipemoe_space_{path.stem}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # the user's file: one line naming it, its line and the error
+            raise ValueError(f"--space {name}: the study file failed to import{_where(error, path)}: "
+                             f"{type(error).__name__}: {error}: fix the file (python {name} shows the "
+                             f"traceback)") from error
         for needed in ("DESCRIPTION", "param_space"):
             if not hasattr(module, needed):
                 raise ValueError(f"--space {name}: the file defines no {needed}: see docs/sweeps.md "
@@ -89,6 +103,25 @@ def load(name: str) -> ModuleType | SimpleNamespace:
         raise ValueError(f"unknown study {name!r}: choose one of {', '.join(STUDIES)}, or give a study file "
                          f"(--space my_space.toml)")
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def _where(error: BaseException, path: Path) -> str:
+    """" (line N)" of the innermost frame of ``error`` in the file ``path`` (a syntax error's own
+    line), or ""."""
+    line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+    frame = error.__traceback__
+    while frame is not None:
+        if Path(frame.tb_frame.f_code.co_filename).resolve() == path.resolve():
+            line = frame.tb_lineno
+        frame = frame.tb_next
+    return f" (line {line})" if line else ""
+
+
+def num_samples(module, search: str) -> int:
+    """A study's trials when ``--num-samples`` is not given: its ``NUM_SAMPLES`` (a number, or a
+    dict by search; a search it does not name gets 1)."""
+    samples = getattr(module, "NUM_SAMPLES", 1)
+    return samples.get(search, 1) if isinstance(samples, dict) else samples
 
 
 def study_name(name: str) -> str:
@@ -144,11 +177,18 @@ def load_data_file(path: Path) -> SimpleNamespace:
     for key, value in entries.items():  # checked now; param_space builds fresh domains per call
         _domain(key, value, where)
     searchable = any(isinstance(v, dict) and next(iter(v)) not in ("grid",) for v in entries.values())
+    samples = data.get("num_samples", 1)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"{where}: num_samples = {samples!r} is invalid: give an integer >= 1 (the trials drawn; "
+                         f"a grid: its repeats)")
+    for key in ("metric", "mode", "rank_by", "search", "scheduler", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise ValueError(f"{where}: {key} = {data[key]!r} is invalid: give a string")
     study = SimpleNamespace(
         DESCRIPTION=str(data.get("description") or f"study file {path.name}"),
         param_space=lambda search="grid": {k: _domain(k, v, where) for k, v in entries.items()},
         SEARCHES=SEARCHES if searchable else GRID_SEARCHES,
-        NUM_SAMPLES=int(data.get("num_samples", 1)),
+        NUM_SAMPLES=samples,
         SEARCH=data.get("search"), SCHEDULER=data.get("scheduler"))
     if "rank_by" in data:
         study.RANK_BY = data["rank_by"]
@@ -165,13 +205,21 @@ def loss_metric(job_fields: dict) -> str:
 
 
 def ranking(module, space: dict) -> tuple[str, str]:
-    """(metric, mode) of a study: its ``METRIC``/``MODE`` when set, else by ``RANK_BY``."""
+    """(metric, mode) of a study: its ``METRIC``/``MODE`` when set, else by ``RANK_BY``; raises
+    ValueError for a metric the trials do not report (``METRICS``), a mode other than min or
+    max, a ``RANK_BY`` other than throughput or loss."""
     if getattr(module, "METRIC", None):
         mode = getattr(module, "MODE", "min")
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid: choose min or max")
+        if module.METRIC not in METRICS:
+            raise ValueError(f"metric={module.METRIC!r} is not a number the trials report: choose one of "
+                             f"{', '.join(METRICS)}")
         return module.METRIC, mode
-    if getattr(module, "RANK_BY", "throughput") == "loss":
+    rank_by = getattr(module, "RANK_BY", "throughput")
+    if rank_by not in ("throughput", "loss"):
+        raise ValueError(f"rank_by={rank_by!r} is invalid: choose throughput or loss (or give metric and mode)")
+    if rank_by == "loss":
         return loss_metric(space), "min"
     return METRIC, MODE
 

@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 from app.bench.layer_settings import BenchSettings
 from app.bench.layer_bound import add_overlap_account, add_own_pass_stages, check_bounds
 from app.bench.layer_summary import markdown_table, summarize, targets
-from app.bench.measure import (busiest_rank_first, expert_gemm_efficiency, layer_pass, pipeline_stages,
-                               settle_and_measure_memory, time_layers)
+from app.bench.measure import (HOST_PROBE_TOKENS, busiest_rank_first, expert_gemm_efficiency, layer_pass,
+                               pipeline_stages, probe_inputs, settle_and_measure_memory, time_layers)
 from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, peak_memory_bytes,
                              point_config, same_setting, setting_n)
 from app.bench.stack import bench_stack_point, progress_line, stack_markdown
@@ -112,10 +112,16 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     floor()
     floor_memory = {"peak_memory_bytes": peak_memory_bytes(floor, device)}
     # The automatic layer is not probed: a pass at another token count would start its search
-    # there. Its record takes the probe of the grid layer it settled on. Peers are not probed
-    # (the probe is for the simulator, which models our engines only).
+    # there. Its record takes the probe of the grid layer it settled on; where the grid lacks
+    # that setting (auto may settle on a split or n the grid does not hold), a fixed layer of
+    # the setting it settled on is probed in the same rounds. Peers are not probed (the probe
+    # is for the simulator, which models our engines only).
+    auto_probe = auto_probe_twin(variants, layers, x, grad_y, settings, group, config, source, host_pool, device,
+                                 dtype)
+    extra = (floor,) if auto_probe is None else (floor, auto_probe[1])
     times = time_layers(layers, [chosen_by not in ("auto", "peer") for _, chosen_by, _ in variants], x, grad_y,
-                        settings, device, extra=(floor,))
+                        settings, device, extra=extra)
+    auto_probe_ms = times.pop()["fwd_bwd_ms"] if auto_probe is not None else None
     variants.append(("dense-floor", "floor", None))
     memories.append(floor_memory)
     records = []
@@ -151,6 +157,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
             twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)), None)
             if twin:
                 record.update(host_probe_ms=twin["host_probe_ms"], host_probe_tokens=twin["host_probe_tokens"])
+            elif auto_probe is not None and same_setting(auto_probe[0], record):
+                record.update(host_probe_ms=auto_probe_ms, host_probe_tokens=HOST_PROBE_TOKENS)
     emulated = isinstance(group, EmulatedExpertGroup)
     if emulated:
         add_own_pass_stages(records, layers, x, grad_y, settings, device)
@@ -174,6 +182,28 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     for record in records:  # logged whole: a run stopped later keeps every finished point
         log(record)
     return records
+
+
+def auto_probe_twin(variants: list, layers: list, x, grad_y, settings: BenchSettings, group: ExpertGroup, config,
+                    source, host_pool, device, dtype):
+    """(setting, probe pass) for the automatic layer when the grid lacks the setting it settled
+    on: a fixed MPipeMoE layer of that n, strategy and split with the source's weights, its
+    pass at HOST_PROBE_TOKENS timed beside the others; None when the grid holds that setting
+    (its record carries the probe) or there is no automatic layer."""
+    auto = next((layer for (_, chosen_by, _), layer in zip(variants, layers) if chosen_by == "auto"), None)
+    if auto is None:
+        return None
+    n, strategy = chosen_setting(auto)
+    setting = {"partitions": n, "strategy": strategy, "split": chosen_split(auto)}
+    grid = [{"partitions": g_n, "strategy": s, "split": split}
+            for split, g_n in grid_partitions(settings, group.size) for s in settings.strategies] if settings.grid else []
+    if any(same_setting(g, setting) for g in grid):
+        return None
+    twin = build_layer(f"mpipemoe:{n}:{strategy}:{setting['split']}", config, group, host_pool=host_pool,
+                       device=device, dtype=dtype)
+    twin.load_state_dict(source.state_dict())
+    x_probe, grad_probe = probe_inputs(x, grad_y)
+    return setting, lambda: layer_pass(twin, x_probe, grad_probe)
 
 
 def group_fields(group: ExpertGroup) -> dict:

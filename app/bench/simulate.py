@@ -31,8 +31,19 @@ EXPERIMENT = "mpipemoe-simulate"
 
 # -- MLflow -------------------------------------------------------------------------------------------
 
+def _rows(point: dict) -> list[dict]:
+    """A point's rows as MLflow runs: one per engine (a layer point, ``engines``), or one per
+    expert-parallel degree E (``--expert-parallel``, ``degrees``: MPipeMoE's step, label
+    ``mpipemoe-epE``; a degree that is not possible has its reason and no metrics)."""
+    if "engines" in point:
+        return point["engines"]
+    return [{**degree, "label": f"mpipemoe-ep{degree['expert_parallel']}", "engine": "mpipemoe",
+             "partitions": degree.get("partitions", ""), "strategy": degree.get("strategy", "")}
+            for degree in point["degrees"]]
+
+
 def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, printer=print) -> int:
-    """One MLflow run per (point, engine), tag kind=simulate."""
+    """One MLflow run per (point, engine), or per (point, expert-parallel degree), tag kind=simulate."""
     from app.tracking.store import log_result_run, results_store
 
     uri = results_store(tracking_uri, printer, "MLflow is not installed here: results stay in the JSON.")
@@ -40,10 +51,12 @@ def log_to_mlflow(result: dict, tracking_uri: str | None, experiment: str, print
         return 0
     count = 0
     for point in result["points"]:
-        for row in point["engines"]:
+        for row in _rows(point):
             params = {k: v for k, v in point.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)}
             params.update(label=row["label"], engine=row["engine"], partitions=row["partitions"],
                           strategy=row["strategy"], parts=result["meta"]["parts"])
+            if "why" in row:
+                params["not_possible"] = row["why"]
             metrics = {k: v for k, v in {**point, **row}.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}
             log_result_run(uri, experiment, f"sim-{point['model']}-{point['tokens']}-{point['nodes']}x"
@@ -95,11 +108,14 @@ def _load_parts(parts_path: str, host_scale: float) -> tuple:
 def validate_and_write(bench_paths: list[str], parts_path: str, host_scale: float, out: str | None) -> int:
     """`mpipemoe simulate --validate`: the simulator against every record of the bench JSONs, written
     as JSON and Markdown (``out``, default out/simulate-validation.json)."""
+    out = out or os.path.join(DEFAULT_OUT_DIR, "simulate-validation.json")
     parts, meta = _load_parts(parts_path, host_scale)
     result = validate(bench_paths, parts)
+    if not result["rows"]:  # nothing priced: an earlier report at `out` stays
+        raise ValueError(f"--validate: no record could be simulated ({'; '.join(result['skipped'])}); {out} "
+                         f"left as it was")
     meta["spot_check"] = _spot_check(parts, bench_paths)
     result = {"meta": meta, **result}
-    out = out or os.path.join(DEFAULT_OUT_DIR, "simulate-validation.json")
     _write_json(out, result)
     markdown = validation_markdown(result)
     with open(os.path.splitext(out)[0] + ".md", "w") as f:

@@ -144,24 +144,29 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
     from moe_engine.config import ENGINES
     from moe_sim.simulator import LayerShape, simulate_layer
 
-    rows = []
+    rows, skipped = [], []
+
+    def skip(line: str) -> None:
+        skipped.append(line)
+        printer(f"  {line}")
+
     for path in bench_paths:
-        with open(path) as f:
-            bench = json.load(f)
+        bench = load_bench(path)
         cluster_of = _record_cluster(bench["meta"])
         device, parts_device = bench["meta"].get("device"), getattr(parts, "device", None)
         if device and parts_device and device != parts_device:
             fix = ("the simulator prices GPU records" if device == "cpu" else
                    f"measure the parts on {device}: mpipemoe simulate --measure-parts")
-            printer(f"  {path}: measured on {device}, the parts on {parts_device}: not simulated here ({fix})")
+            skip(f"{path}: measured on {device}, the parts on {parts_device}: not simulated here ({fix})")
             continue
         if cluster_of is None:
-            printer(f"  {path}: {bench['meta']['world_size']} real ranks: only one-GPU and emulated records are "
-                    f"simulated here")
+            skip(f"{path}: {bench['meta']['world_size']} real ranks: only one-GPU and emulated records are "
+                 f"simulated here")
             continue
-        for r in bench["records"]:
-            if r["engine"] not in ENGINES:
-                continue
+        ours = [r for r in bench["records"] if r.get("engine") in ENGINES]
+        if not ours:
+            skip(f"{path}: no record of {', '.join(ENGINES)} (peers and the dense floor are not simulated)")
+        for r in ours:
             cluster = cluster_of(r)
             if r.get("kind") == "step":  # `mpipemoe bench --step`: the whole training step
                 rows.append(_step_row(os.path.basename(path), r, cluster, parts))
@@ -200,7 +205,30 @@ def validate(bench_paths: list[str], parts, printer=print) -> dict:
                          "network_dilation": dilation,
                          "dilated_ms": None if dilated is None else dilated.total_s * 1e3,
                          "dilated_error": None if dilated is None else dilated.total_s * 1e3 / r["fwd_bwd_ms"] - 1})
-    return {"rows": rows, "summary": _summary(rows)}
+    return {"rows": rows, "summary": _summary(rows), "skipped": skipped}
+
+
+def load_bench(path: str) -> dict:
+    """A `mpipemoe bench` JSON (``meta`` and ``records``); raises ValueError naming the file and
+    what it is instead: missing, empty, not JSON, or JSON that is not a bench record."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as error:
+        raise ValueError(f"--validate {path}: cannot read it ({error.strerror or error}): give the JSON that "
+                         f"`mpipemoe bench --out` wrote") from None
+    if not text.strip():
+        raise ValueError(f"--validate {path}: the file is empty: give the JSON that `mpipemoe bench --out` wrote")
+    try:
+        bench = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--validate {path}: not JSON ({error}): give the JSON that `mpipemoe bench --out` "
+                         f"wrote") from None
+    if not isinstance(bench, dict) or not isinstance(bench.get("meta"), dict) \
+            or not isinstance(bench.get("records"), list):
+        raise ValueError(f"--validate {path}: not a bench record (it has no \"meta\" and \"records\"): give the "
+                         f"JSON that `mpipemoe bench --out` wrote")
+    return bench
 
 
 def _step_row(source: str, r: dict, cluster, parts) -> dict:
@@ -368,8 +396,7 @@ def _spot_check(parts, bench_paths: list[str]) -> list:
     checks = parts.notes.get("spot_check", [])
     records = []
     for path in bench_paths:
-        with open(path) as f:
-            records += [r for r in json.load(f)["records"] if r.get("kind") != "step"]  # layers only
+        records += [r for r in load_bench(path)["records"] if r.get("kind") != "step"]  # layers only
     out = []
     for s in checks:
         match = next((r for r in records if r["model"] == s["model"] and r["tokens"] == s["tokens"]

@@ -22,14 +22,22 @@ from app.bench.shapes import LAYER_SHAPES
 from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE
 from app.bench.step import run_and_write
 from app.bench.step_settings import StepSettings
+from app.tracking.records import check_out_path
 from moe_engine.comm import DEFAULT_COMM_SMS
+
+
+# Without a GPU, `mpipemoe bench` is a smoke of the harness (about 20 s on 2 cores, as `make bench`):
+# one point, a 2 x 2 grid, one timed step per round. A GPU gets the full study.
+CPU_DEFAULTS = {"tokens": "256", "partitions": "1,2", "strategies": "none,S3", "repeats": 1, "rounds": 1}
+GPU_DEFAULTS = {"tokens": "4096,8192,16384,32768", "partitions": "1,2,4,8", "strategies": "none,S1,S2,S3,S4",
+                "repeats": 3, "rounds": 5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"comma list of {', '.join(LAYER_SHAPES)} "
                         "(default: tiny on CPU, gpt-s,gpt-xl,bert-l on GPU)")
     parser.add_argument("--tokens", default=None, help="comma list of tokens per rank "
-                        "(default: 512,1024 on CPU, 4096,8192,16384,32768 on GPU)")
+                        f"(default: {CPU_DEFAULTS['tokens']} on CPU, {GPU_DEFAULTS['tokens']} on GPU)")
     parser.add_argument("--experts", type=int, default=None,
                         help="experts per MoE layer (default 8; with --step the emulated ranks)")
     parser.add_argument("--top-k", type=int, default=2)
@@ -39,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(PEERS)} (needs --world-size 1, --activation swiglu, --no-bias; default none)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
     parser.add_argument("--partitions", default=None,
-                        help="grid of MPipeMoE partitions (default 1,2,4,8; with --step 1,2,4)")
+                        help=f"grid of MPipeMoE partitions (default {GPU_DEFAULTS['partitions']}, on CPU "
+                             f"{CPU_DEFAULTS['partitions']}; with --step 1,2,4)")
     parser.add_argument("--strategies", default=None,
-                        help="grid of MPipeMoE strategies (default none,S1,S2,S3,S4; with --step none,S4)")
+                        help=f"grid of MPipeMoE strategies (default {GPU_DEFAULTS['strategies']}, on CPU "
+                             f"{CPU_DEFAULTS['strategies']}; with --step none,S4)")
     parser.add_argument("--splits", default="tokens",
                         help="how the grid's MPipeMoE partitions split a pass: tokens, peers (FasterMoE's groups of "
                              "W/n ranks, n dividing W) or both, tokens,peers (default tokens; auto times both)")
@@ -50,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
                              "replay:FILE (loads a training run logged: `mpipemoe routing`)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per round (default 3; with --step 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per round (default 3, on CPU 1; with --step 2)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds; every engine of a point runs once per round, interleaved, and its time is "
-                             "the median over rounds (default 5; with --step 3)")
+                             "the median over rounds (default 5, on CPU 1; with --step 3)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="processes (one per GPU with NCCL when enough GPUs, else gloo on CPU)")
     parser.add_argument("--emulate", default=None, metavar="NODESxGPUS",
@@ -138,6 +148,8 @@ def run_step(args) -> int:
 
 
 def run(args) -> int:
+    if args.out is not None:
+        check_out_path(args.out)  # before minutes of timing
     if args.import_json:
         with open(args.import_json) as f:
             log_to_mlflow(json.load(f), args.tracking_uri, args.experiment)
@@ -154,14 +166,16 @@ def run(args) -> int:
                          f"cluster, so time one expert group's layer as that cluster (e.g. --emulate 1x8 for a group "
                          f"of a node's 8 GPUs)")
     on_gpu = torch.cuda.is_available()
+    default = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     settings = BenchSettings(
         models=_split(args.model) if args.model else (["gpt-s", "gpt-xl", "bert-l"] if on_gpu else ["tiny"]),
-        tokens=_split(args.tokens, int) if args.tokens else ([4096, 8192, 16384, 32768] if on_gpu else [512, 1024]),
+        tokens=_split(args.tokens or default["tokens"], int),
         num_experts=args.experts or 8, top_k=args.top_k, activation=args.activation, dtype=args.dtype,
-        partitions=tuple(_split(args.partitions or "1,2,4,8", int)),
-        strategies=tuple(_split(args.strategies or "none,S1,S2,S3,S4")), splits=tuple(_split(args.splits)),
+        partitions=tuple(_split(args.partitions or default["partitions"], int)),
+        strategies=tuple(_split(args.strategies or default["strategies"])), splits=tuple(_split(args.splits)),
         grid=not args.no_grid, warmup=args.warmup,
-        repeats=3 if args.repeats is None else args.repeats, rounds=5 if args.rounds is None else args.rounds,
+        repeats=default["repeats"] if args.repeats is None else args.repeats,
+        rounds=default["rounds"] if args.rounds is None else args.rounds,
         world_size=args.world_size,
         routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, comm_sms=args.comm_sms,

@@ -24,7 +24,7 @@ import torch
 
 from app.jobs.capacity import CapacitySearch, comparison_table, find_capacity, log_to_mlflow
 from app.jobs.job import TrainJob
-from app.tracking.records import DEFAULT_OUT_DIR, CapacityResult, RecordMeta, record_meta
+from app.tracking.records import DEFAULT_OUT_DIR, CapacityResult, RecordMeta, check_out_path, record_meta
 from app.tracking.store import resolve_tracking_uri
 from lm.model import PRESETS
 from moe_engine.config import ENGINES
@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         log_to_mlflow(record, uri, args.experiment)
         print(f"[capacity] logged {len(record.results)} run(s) of {args.import_json} to {uri}")
         return 0
+    if args.out is not None:
+        check_out_path(args.out)  # before the search trains
     search = CapacitySearch(memory_cap_gib=args.memory_cap_gib, start_batch=args.start_batch,
                             max_batch=args.max_batch, steps_per_trial=args.steps_per_trial)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

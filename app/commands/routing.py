@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from app.bench.routing_replay import extract_routing, save_routing
+from app.tracking.records import check_out_path
 from app.tracking.store import resolve_tracking_uri
 
 
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_out_path(args.out)
     routing = extract_routing(resolve_tracking_uri(args.tracking_uri), args.run, args.step, args.experiment)
     save_routing(routing, args.out)
     worst = routing.most_imbalanced_layer()

@@ -14,6 +14,7 @@ import argparse
 
 from app.bench.simulate import DEFAULT_PARTS, EXPERIMENT, measure, simulate_and_write, validate_and_write
 from app.bench.simulate_settings import DEFAULT_PARTITIONS, SimulateSettings
+from app.tracking.records import check_out_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def _split(text: str, cast=str) -> tuple:
 
 
 def run(args) -> int:
+    for flag, path in (("--out", args.out), ("--measure-parts", args.measure_parts)):
+        if path is not None:
+            check_out_path(path, flag)
     if args.measure_parts:
         return measure(args.measure_parts)
     if args.validate:

@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Tune/Train results root, shared by all nodes on a cluster "
                              "(e.g. /mnt/shared/ray_results); the study resumes from <storage-path>/<name>")
     parser.add_argument("--num-samples", type=int, default=None,
-                        help="trials drawn from the param space (a grid: its repeats); default: the study's "
-                             "(lr: 12, granularity and strategy: 2, the others: 1)")
+                        help="trials drawn from the param space (a grid: its repeats), 1 or more; default: the "
+                             "study's (lr: its grid of 7 once, 12 draws with --search random or optuna; granularity "
+                             "and strategy: 2; the others: 1)")
     parser.add_argument("--search", choices=tune_spaces.SEARCHES, default=None,
                         help="grid: the study's grid; random: draws from its distributions; optuna: "
                              "Optuna's TPE; default the study's, else grid")

@@ -36,6 +36,16 @@ PRESET_NAMES = tuple(PRESETS)
 
 # ---- command line -------------------------------------------------------------------------
 
+class GivenOnce(argparse.Action):
+    """An option that may be given once: a second one is refused (argparse would keep the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): give one "
+                         f"file (flags given beside it override its options)")
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options default to None, meaning "TrainJob's default" (or, with --resume, the run's)."""
     fields = TrainJob.__dataclass_fields__
@@ -46,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         suffix = f" (default {default})" if default is not None and "default" not in help_text else ""
         parser.add_argument(flag, default=None, help=help_text + suffix, **kw)
 
-    parser.add_argument("--config", default=None, metavar="FILE.toml",
-                        help="options from a TOML file (keys: these options' names); flags given here override it")
+    parser.add_argument("--config", default=None, metavar="FILE.toml", action=GivenOnce,
+                        help="options from a TOML file (keys: these options' names); flags given here override it; "
+                             "one file")
     add("--preset", "model preset: " + ", ".join(PRESET_NAMES))
     add("--engine", "MoE engine", choices=ENGINES)
     parser.add_argument("--engines", default=None,
@@ -177,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
             write_summary_json(args.summary_json, summary, job)
         if not summary.get("steps_run"):
             print(f"[mpipemoe] {job.name} had already reached step {summary.get('steps', job.steps)} of "
-                  f"--steps {job.steps}: nothing to train; to continue it: {resume_command(job, job.steps * 2)}")
+                  f"--steps {job.steps}: nothing to train, the run is left unchanged; to continue it: "
+                  f"{resume_command(job, job.steps * 2)}")
             return 0
         val = f", val loss {summary['final_val_loss']:.3f} (ppl {summary['final_val_ppl']:.2f})" \
             if "final_val_loss" in summary else ""

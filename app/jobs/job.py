@@ -72,6 +72,11 @@ def check_run_name(name, flag: str = "--name") -> None:
                          f"my-run-1 (it is created inside --storage-path)")
 
 
+# TrainJob fields that a resume sets from the recorded run, not a user: a config file or a
+# sweep's space that sets them is refused before Ray starts.
+RESUME_OWNED = ("data_shards",)
+
+
 @dataclass
 class TrainJob:
     """One training job; validated and made absolute in ``__post_init__``.

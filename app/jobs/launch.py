@@ -165,6 +165,9 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             # the workers read the trainer's config when it fits
             trainer.train_loop_config = config = config.replace(resume_from=choose_checkpoint(job, echo))
         recorded = _read_job(job)  # the previous segment's settings ({} for a new run)
+        # A run that already reached --steps trains nothing: no segment, its settings file kept
+        # (a finished run is left unchanged; train says so)
+        nothing_left = bool(config.resume_from) and _checkpoint_step(config.resume_from) >= job.steps
         logged_through, previous_status = 0, None
         try:
             if job.tracking_uri == NO_TRACKING:
@@ -174,7 +177,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                 logged_through = max((s for s, _ in metric_history(job.tracking_uri, previous, "loss")), default=0)
                 run = RunLogger.resume(job.tracking_uri, previous, system_metrics=True)
                 echo(f"[mpipemoe] resuming {job.name} (MLflow run {previous})")
-                if config.resume_from:
+                if config.resume_from and not nothing_left:
                     record_segment(run, job, recorded, _checkpoint_step(config.resume_from) + 1, echo)
             else:
                 run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
@@ -187,7 +190,8 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             lines = str(error).strip().splitlines()
             raise RuntimeError(f"MLflow store {job.tracking_uri} failed: {type(error).__name__}: "
                                f"{lines[0][:300] if lines else ''}: check it, or use --tracking-uri none") from error
-        save_job(job)  # only now: a start refused or failed above leaves the run's settings as they were
+        if not nothing_left:  # only now: a start refused or failed above leaves the run's settings as they were
+            save_job(job)
         try:
             data_lib.keep_copy(job.data_dir, job.run_dir / RUN_DATA)
         except OSError as error:

@@ -63,6 +63,12 @@ class _MetricsPump:
     goes back): it is printed and recorded in MLflow (tag and metric ``restarts``).
     Steps up to ``logged_through`` (a resumed run's last step already in MLflow, replayed
     from an earlier checkpoint with the same values: exact resume) are not logged again.
+
+    What MLflow holds when the driver dies: every step the console has shown, because a step
+    line is printed only after its metrics are sent (flushed). Steps logged since the last shown
+    one (at most ``--log-every`` - 1) are buffered and a SIGKILL loses them; so are steps the
+    workers ran after their driver died. A resume continues from the newest intact checkpoint,
+    so those of them at or before it stay missing from the run's history.
     """
 
     def __init__(self, metrics_queue, run, job: TrainJob, echo, on_step, logged_through: int = 0):
@@ -126,8 +132,8 @@ class _MetricsPump:
         if step > self.logged_through:
             self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step == 1 or step % self.job.log_every == 0 or step == self.job.steps:
+            self.run.flush()  # before the line: a step the console shows is in MLflow, even if a SIGKILL follows
             self.echo(_format_step(metrics, self.job.steps, time.perf_counter() - self._started, self._eta_s(step)))
-            self.run.flush()
         if "val_loss" in metrics:
             self.echo(f"[{time.perf_counter() - self._started:5.0f}s] step {step:>4}/{self.job.steps}  "
                       f"val loss {metrics['val_loss']:.4f} ppl {metrics['val_ppl']:.2f}")

@@ -1,33 +1,92 @@
 """A sweep study's results as Ray Tune returns them (a ``ResultGrid``, app/jobs/sweep.py): the
-trials counted (errored, finished, pruned by the scheduler), the best trial by the study's
+trials counted (``Tally``: errored, failed, refused, pruned by the scheduler, finished), the best trial by the study's
 metric, and the plain-text table ``mpipemoe sweep`` prints, one line per trial. The ranking of
 settings over repeats is app/tracking/sweep_rank.py.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tune_spaces
+from app.tracking import sweep_rank
 
 
-def count_trials(results, metric: str = tune_spaces.METRIC) -> tuple[int, int]:
-    """(errored, finished) trials of a ResultGrid; the rest were interrupted or never started.
-    A trial stopped early by the scheduler (pruned) counts as finished: it reported ``metric``."""
-    failed = sum(1 for r in results if r.error)
-    finished = sum(1 for r in results if not r.error and metric in (r.metrics or {}))
-    return failed, finished
+@dataclass(frozen=True)
+class Tally:
+    """How a study's trials ended. ``errored``: Tune recorded an error (the trial raised);
+    ``failed`` and ``refused``: the trial reported that outcome (its training failed, or the job
+    refused the setting; app/jobs/trial.py record_outcome); ``pruned``: the scheduler stopped it
+    early; ``finished``: it reported the study's metric (pruned ones included); the rest were
+    interrupted or never started. Failed and refused trials count as neither finished nor pruned."""
+
+    trials: int
+    errored: int
+    failed: int
+    refused: int
+    pruned: int
+    finished: int
+
+    @property
+    def unfinished(self) -> int:
+        return self.trials - self.errored - self.failed - self.refused - self.finished
+
+    @property
+    def none_ran(self) -> bool:
+        """Every trial ended, and every one failed, errored or was refused."""
+        return self.trials > 0 and self.finished == 0 and self.unfinished == 0
+
+    def summary(self) -> str:
+        parts = [f"{count} {label}" for count, label in ((self.finished, "finished"), (self.pruned, "pruned"),
+                                                         (self.refused, "refused"), (self.failed, "failed"),
+                                                         (self.errored, "errored"), (self.unfinished, "unfinished"))
+                 if count]
+        return f"{self.trials} trials: {', '.join(parts) or 'none ran'}"
+
+
+def _outcome(result) -> str | None:
+    """"refused" or "failed" where the trial reported that outcome, else None."""
+    outcome = (result.metrics or {}).get("outcome")
+    return outcome if outcome in (sweep_rank.REFUSED, sweep_rank.FAILED) else None
+
+
+def tally(results, metric: str = tune_spaces.METRIC, space: dict | None = None) -> Tally:
+    """How the trials of a ResultGrid ended (``Tally``); ``space``: the study's param space, whose
+    ``steps`` tell a pruned trial (without it none counts as pruned)."""
+    results = list(results)
+    errored = [r for r in results if r.error]
+    ended = [r for r in results if not r.error and _outcome(r)]
+    finished = [r for r in results if not r.error and not _outcome(r)
+                and math.isfinite(_number((r.metrics or {}).get(metric)))]
+    steps = (space or {}).get("steps")
+    steps = steps if isinstance(steps, int) else None
+    return Tally(trials=len(results), errored=len(errored),
+                 failed=sum(1 for r in ended if _outcome(r) == sweep_rank.FAILED),
+                 refused=sum(1 for r in ended if _outcome(r) == sweep_rank.REFUSED),
+                 pruned=sum(1 for r in finished if _pruned(r, steps)), finished=len(finished))
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def first_reason(results) -> str | None:
+    """The reason of the first refused or failed trial, or the first error's first line."""
+    for r in results:
+        if _outcome(r) and (r.metrics or {}).get("reason"):
+            return str(r.metrics["reason"])
+    for r in results:
+        if r.error:
+            return str(r.error).strip().splitlines()[0] if str(r.error).strip() else type(r.error).__name__
+    return None
 
 
 def _pruned(result, steps) -> bool:
-    """Whether a trial stopped before the study's ``steps`` without an error (the scheduler's doing)."""
+    """Whether a trial stopped before the study's ``steps`` without an error or a refused or
+    failed outcome (the scheduler's doing)."""
     metrics = result.metrics or {}
-    return not result.error and steps is not None and "steps" not in metrics and metrics.get("step", steps) < steps
-
-
-def count_pruned(results, space: dict) -> int:
-    """Trials the scheduler stopped early: their last report is a step's, not the summary."""
-    steps = space.get("steps") if not isinstance(space.get("steps"), dict) else None
-    return sum(1 for r in results if _pruned(r, steps))
+    return not result.error and not _outcome(result) and steps is not None and "steps" not in metrics \
+        and metrics.get("step", steps) < steps
 
 
 def best_trial(results, metric: str, mode: str):

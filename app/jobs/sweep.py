@@ -44,7 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import tune_spaces
-from app.jobs.study_results import _cell, _varying, best_trial, count_pruned, count_trials, format_results
+from app.jobs.study_results import Tally, _cell, _varying, best_trial, first_reason, format_results, tally
+from app.jobs.study_checks import (StudyRecord, check_resumable, check_space_values, check_study_name,
+                                   write_study_record)
 from app.jobs.trial import (STOP_GRACE_S, TrialGate, TrialSettings, gated, stopping_trainable,
                             study_parent_run, train_trial)
 from app.tracking import sweep_rank
@@ -130,7 +132,7 @@ def parse_value(text: str):
 
 def parse_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` (a constant) or ``KEY=V1,V2,...`` (a grid over the values) -> {key: value}."""
-    from app.jobs.job import TrainJob
+    from app.jobs.job import RESUME_OWNED, TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     overrides = {}
@@ -141,9 +143,11 @@ def parse_overrides(items: list[str]) -> dict:
             raise ValueError(f"--set {item!r} is invalid: give KEY=VALUE or KEY=V1,V2 (e.g. --set partitions=1,2,auto)")
         if key not in fields:
             raise ValueError(f"--set {item!r}: {key!r} is not a train option: use one of "
-                             f"{', '.join(sorted(fields - SWEEP_OWNED))}")
+                             f"{', '.join(sorted(fields - SWEEP_OWNED - set(RESUME_OWNED)))}")
         if key in SWEEP_OWNED:
             raise ValueError(f"--set {item!r}: the sweep sets {key} itself ({', '.join(sorted(SWEEP_OWNED))})")
+        if key in RESUME_OWNED:
+            raise ValueError(f"--set {item!r}: {key} is set by a resume from a recorded run, not an option: drop it")
         values = [parse_value(v) for v in text.split(",")]
         overrides[key] = values[0] if len(values) == 1 else {"grid_search": values}
     return overrides
@@ -157,11 +161,17 @@ ONE_PER_STUDY = ("num_workers", "steps", "use_gpu")  # the resource plan and ASH
 def study_space(module, search: str, overrides: dict | None = None) -> dict:
     """The study's param space for ``search`` with ``overrides`` (``--set`` and the shortcut
     flags) applied; a trial writes no checkpoints unless the space or an override asks."""
-    space = {**module.param_space(search), **(overrides or {})}
+    try:
+        base = module.param_space(search)
+    except Exception as error:  # a study file's own code: one line naming it
+        where = getattr(module, "__file__", None) or "the study"
+        raise ValueError(f"{where}: param_space({search!r}) failed: {type(error).__name__}: {error}: fix the "
+                         f"study file") from error
+    space = {**base, **(overrides or {})}
     space.setdefault("checkpoint_every", 0)
     for key in ONE_PER_STUDY:
         _constant(space, key, None)
-    from app.jobs.job import TrainJob
+    from app.jobs.job import RESUME_OWNED, TrainJob
 
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     if unknown := sorted(set(space) - fields):
@@ -169,6 +179,8 @@ def study_space(module, search: str, overrides: dict | None = None) -> dict:
                          f"(mpipemoe train --help)")
     if owned := sorted(set(space) & SWEEP_OWNED):
         raise ValueError(f"the study sets {owned}: the sweep sets those itself (--name, --experiment, --data-dir)")
+    if internal := sorted(set(space) & set(RESUME_OWNED)):
+        raise ValueError(f"the study sets {internal}: a resume sets those from a recorded run, not a study: drop them")
     return space
 
 
@@ -185,31 +197,25 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
     name); ``overrides``: param-space entries that replace the study's (``parse_overrides``).
     ``data_dir``: prepared training data; default ``./data/stdlib-bytes``, prepared here
     once if missing. ``trainable(config, *, settings)`` runs one trial; tests may pass a
-    lighter one. ``num_samples`` None: the study's ``NUM_SAMPLES``. ``search``, ``scheduler``
-    (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
+    lighter one. ``num_samples`` None: the study's (``tune_spaces.num_samples``, by search).
+    ``search``, ``scheduler`` (None: the study's ``SEARCH``/``SCHEDULER``, else grid and fifo): see
     ``tune_spaces.tune_config``; ``max_failures``: Tune retries an errored trial that often.
     ``stop_grace_s``: how long a stopped trial may take to stop its Train job (``stopping_trainable``).
     """
     import ray
     from ray import tune
 
-    module = tune_spaces.load(study)
-    name = name or tune_spaces.study_name(study)
-    search = search or getattr(module, "SEARCH", None) or "grid"
-    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
-    searches = getattr(module, "SEARCHES", tune_spaces.GRID_SEARCHES)
-    if search not in searches:
-        raise ValueError(f"--search {search}: study {name!r} supports {', '.join(searches)} (its space is "
-                         f"{'a grid of categorical choices' if 'optuna' not in searches else 'not searchable so'})")
+    prepared = prepare_study(study, storage_path=storage_path, name=name, search=search, scheduler=scheduler,
+                             overrides=overrides, num_samples=num_samples)
+    module, name, search, scheduler = prepared.module, prepared.name, prepared.search, prepared.scheduler
+    space, metric, mode = dict(prepared.space), prepared.metric, prepared.mode
     if max_failures < 0:
         raise ValueError(f"--max-failures {max_failures} is invalid: give an integer >= 0")
     if data_dir is not None and not Path(data_dir).is_dir():
         raise ValueError(f"--data-dir {data_dir}: no such directory: prepare it (mpipemoe data prepare) or leave "
                          f"--data-dir out for the default data")
-    space = study_space(module, search, overrides)
-    metric, mode = tune_spaces.ranking(module, space)
     storage_path = os.path.abspath(storage_path)  # Ray Train needs absolute paths
-    experiment_path = os.path.join(storage_path, name)
+    experiment_path = prepared.experiment_path
     plan = plan_resources(ray.cluster_resources(), num_workers=_constant(space, "num_workers", 2),
                           use_gpu=_constant(space, "use_gpu", None), max_concurrent=max_concurrent)
     space.pop("use_gpu", None)  # decided by the plan
@@ -226,7 +232,7 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
                              if scheduler == "asha" else ())
     fn = tune.with_resources(stopping_trainable(tune.with_parameters(gated(trainable), settings=settings),
                                                 stop_grace_s), plan.trial_resources)
-    if tune.Tuner.can_restore(experiment_path):
+    if prepared.resumes:
         print(f"Restoring study {name!r} from {experiment_path}: finished trials are kept, "
               f"unfinished and errored ones run (again), up to {plan.max_concurrent_trials} at once")
         tuner = tune.Tuner.restore(experiment_path, trainable=fn, resume_errored=True)
@@ -235,11 +241,13 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
               f"  up to {plan.max_concurrent_trials} trial(s) at once, "
               f"{'1 GPU' if plan.use_gpu else f'{plan.cpus_per_worker} CPU'} per worker; "
               f"results in {experiment_path}")
-        print(f"  search {search}, scheduler {scheduler}, ranked by {metric} ({mode})")
+        print(f"  search {search}, scheduler {scheduler}, ranked by {metric} ({mode}), "
+              f"{prepared.record.num_samples} sample(s)")
+        write_study_record(experiment_path, prepared.record)
         tuner = tune.Tuner(
             fn, param_space=space,
             tune_config=tune_spaces.tune_config(
-                num_samples=num_samples or getattr(module, "NUM_SAMPLES", 1),
+                num_samples=prepared.record.num_samples,
                 max_concurrent_trials=plan.max_concurrent_trials, metric=metric, mode=mode, search=search,
                 scheduler=scheduler, steps=_constant(space, "steps", None), seed=seed),
             run_config=tune.RunConfig(name=name, storage_path=storage_path, failure_config=tune.FailureConfig(max_failures=max_failures)))
@@ -254,17 +262,80 @@ def run_study(study: str, *, storage_path: str, tracking_uri: str, num_samples: 
             results_busiest = ray.get(gate.busiest.remote())
         finally:
             ray.kill(gate)
-    failed, finished = count_trials(results, metric)
-    pruned = count_pruned(results, space)
-    parent.log_metrics({"trials": len(results), "trials_failed": failed, "trials_finished": finished,
-                        "trials_pruned": pruned, "trials_at_once": results_busiest}, flush=True)
+    counts = tally(results, metric, space)
+    parent.log_metrics({"trials": counts.trials, "trials_failed": counts.failed + counts.errored,
+                        "trials_refused": counts.refused, "trials_finished": counts.finished,
+                        "trials_pruned": counts.pruned, "trials_at_once": results_busiest}, flush=True)
     best = best_trial(results, metric, mode)
     if best is not None:
         parent.set_tags({f"best_{k}": v for k, v in best.config.items() if k in _varying(results)})  # a resume may change it
         parent.log_metrics({f"best_{metric}": best.metrics[metric]}, flush=True)
-    # KILLED: interrupted; running the study again resumes it (and reopens this run)
-    parent.finish("FAILED" if failed else "FINISHED" if finished == len(results) else "KILLED")
+    parent.finish(study_status(counts))
     return results
+
+
+def study_status(counts: Tally) -> str:
+    """The study's MLflow status: FAILED when a trial errored or none ran (every trial failed
+    or was refused); KILLED when interrupted (running the study again resumes it and reopens
+    the run); else FINISHED (some settings refused or failed beside measured ones: results)."""
+    if counts.errored or counts.none_ran:
+        return "FAILED"
+    return "KILLED" if counts.unfinished else "FINISHED"
+
+
+@dataclass(frozen=True)
+class PreparedStudy:
+    """A study checked and resolved before Ray starts (``prepare_study``)."""
+
+    module: Any
+    name: str
+    search: str
+    scheduler: str
+    space: dict
+    metric: str
+    mode: str
+    experiment_path: str
+    record: StudyRecord   # what it is started with (a resume must ask for the same)
+    resumes: bool         # <storage-path>/<name> holds a study that Tune can restore
+
+
+def prepare_study(study: str, *, storage_path: str, name: str | None = None, search: str | None = None,
+                  scheduler: str | None = None, overrides: dict | None = None,
+                  num_samples: int | None = None) -> PreparedStudy:
+    """Local (no Ray cluster needed). Load ``study``, resolve its name, search, scheduler, param
+    space, ranking and number of samples, and check them: raises ValueError, naming the option
+    and the fix, for a name that is not one folder (or is a training run's), a search or
+    scheduler the study does not support, a bad key, metric, mode or number of samples, and for a
+    resume whose space or ranking differs from the study's recorded one."""
+    from ray import tune
+
+    module = tune_spaces.load(study)
+    name = name or tune_spaces.study_name(study)
+    check_study_name(name, storage_path)
+    search = search or getattr(module, "SEARCH", None) or "grid"
+    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
+    searches = getattr(module, "SEARCHES", tune_spaces.GRID_SEARCHES)
+    if search not in searches:
+        raise ValueError(f"--search {search}: study {name!r} supports {', '.join(searches)} (its space is "
+                         f"{'a grid of categorical choices' if 'optuna' not in searches else 'not searchable so'})")
+    if scheduler not in tune_spaces.SCHEDULERS:
+        raise ValueError(f"scheduler={scheduler!r} is invalid: choose one of {', '.join(tune_spaces.SCHEDULERS)}")
+    if num_samples is not None and num_samples < 1:
+        raise ValueError(f"--num-samples {num_samples} is invalid: give an integer >= 1 (the trials drawn; a grid: "
+                         f"its repeats), or leave it out for the study's "
+                         f"({tune_spaces.num_samples(module, search)} with --search {search})")
+    samples = num_samples if num_samples is not None else tune_spaces.num_samples(module, search)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"study {name!r}: NUM_SAMPLES={samples!r} is invalid: give an integer >= 1")
+    space = study_space(module, search, overrides)
+    metric, mode = tune_spaces.ranking(module, space)
+    experiment_path = os.path.join(os.path.abspath(storage_path), name)
+    record = StudyRecord.of(space, search=search, scheduler=scheduler, metric=metric, mode=mode,
+                            num_samples=samples)
+    resumes = tune.Tuner.can_restore(experiment_path)
+    if resumes:
+        check_resumable(experiment_path, record, name)
+    return PreparedStudy(module, name, search, scheduler, space, metric, mode, experiment_path, record, resumes)
 
 
 def study_overrides(set_items: list[str], shortcuts: dict) -> dict:
@@ -282,14 +353,18 @@ def run_sweep(spec: str, set_items: list[str], shortcuts: dict, *, name: str | N
     one), run it on Ray (embedded unless ``address``), print its results and the next command."""
     import ray
 
-    try:  # before Ray starts: a bad file or option costs nothing
-        module = tune_spaces.load(spec)
+    try:  # before Ray starts: a bad file, option or value costs nothing
+        if memory_cap_gib is not None and not 0 < memory_cap_gib < math.inf:
+            raise ValueError(f"--memory-cap-gib {memory_cap_gib} is invalid: give a number of GiB > 0, e.g. 40")
         overrides = study_overrides(set_items, shortcuts)
-        study_space(module, search or getattr(module, "SEARCH", None) or "grid", overrides)
+        prepared = prepare_study(spec, storage_path=storage_path, name=name, search=search, scheduler=scheduler,
+                                 overrides=overrides, num_samples=num_samples)
+        if not prepared.resumes:  # a resume runs what the study holds (checked the same above)
+            check_space_values(prepared.space, storage_path)
     except ValueError as error:
         print(f"mpipemoe sweep {spec}: {error}", file=sys.stderr)
         return 2
-    study = name or tune_spaces.study_name(spec)
+    study = prepared.name
     tracking_uri = resolve_tracking_uri(tracking_uri)
     check_store(tracking_uri)  # before Ray starts: seconds, not minutes of MLflow retries
     started = not ray.is_initialized()
@@ -313,25 +388,32 @@ def run_sweep(spec: str, set_items: list[str], shortcuts: dict, *, name: str | N
     finally:
         if started:
             ray.shutdown()
-    search = search or getattr(module, "SEARCH", None) or "grid"
-    scheduler = scheduler or getattr(module, "SCHEDULER", None) or "fifo"
-    space = study_space(module, search, overrides)
-    metric, mode = tune_spaces.ranking(module, space)
+    scheduler, space, metric, mode = prepared.scheduler, prepared.space, prepared.metric, prepared.mode
     print(format_results(results, metric, space.get("steps"), mode))
     if metric == tune_spaces.METRIC:  # a time study: settings over repeats, the time/memory front
         rows = [(r.config or {}, r.metrics or {}, r.error) for r in results]
         print(sweep_rank.format_ranking(sweep_rank.points(rows), memory_cap_gib))
-    pruned, best = count_pruned(results, space), best_trial(results, metric, mode)
+    counts, best = tally(results, metric, space), best_trial(results, metric, mode)
     if best is not None:
         chosen = ", ".join(f"{k}={_cell(best.config.get(k))}" for k in _varying(results))
         print(f"Best trial ({'lowest' if mode == 'min' else 'highest'} {metric}): {chosen or best.path} "
-              f"{metric} {best.metrics[metric]:.4g}" + (f"; {pruned} of {len(results)} trials pruned by "
+              f"{metric} {best.metrics[metric]:.4g}" + (f"; {counts.pruned} of {len(results)} trials pruned by "
                                                         f"{scheduler}" if scheduler != "fifo" else ""))
     experiment = experiment or study
     print(f"MLflow experiment {experiment!r} in {tracking_uri}; next: {invocation()} report --experiment "
           f"{experiment}" + ("" if tracking_uri == resolve_tracking_uri(None) else f" --tracking-uri {tracking_uri}"))
-    failed, finished = count_trials(results, metric)
-    if failed + finished < len(results):
-        print(f"Study interrupted ({finished}/{len(results)} trials finished): run the same command "
+    print(f"Study {study!r}: {counts.summary()}")
+    if counts.none_ran:
+        print(f"mpipemoe sweep {spec}: study {study!r} FAILED: none of its {counts.trials} trials ran "
+              f"({counts.summary()}); first reason: {first_reason(results)}", file=sys.stderr)
+        return 1
+    if counts.errored:
+        print(f"mpipemoe sweep {spec}: study {study!r} FAILED: {counts.errored} trial(s) errored "
+              f"({first_reason(results)}); fix the cause and run the same command again to re-run them",
+              file=sys.stderr)
+        return 1
+    if counts.unfinished:
+        print(f"Study interrupted ({counts.finished}/{len(results)} trials finished): run the same command "
               f"again to resume it.")
-    return 0 if finished == len(results) else 1
+        return 1
+    return 0

@@ -18,10 +18,16 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from app.jobs.job import TrainJob
+from app.jobs.job import RESUME_OWNED, TrainJob
 
-# TrainJob fields a file may not set: the driver's nesting of a run under a sweep's.
-NOT_IN_FILES = ("parent_run_id",)
+# TrainJob fields a file may not set: the driver's nesting of a run under a sweep's, and what a
+# resume takes from the recorded run (the data's rank streams).
+NOT_IN_FILES = ("parent_run_id", *RESUME_OWNED)
+
+
+# Formats a config file is sometimes written in; train reads TOML only.
+OTHER_FORMATS = (".yaml", ".yml", ".json", ".ini")
+EXAMPLE = "one `option = value` line per option of `mpipemoe train`, e.g. steps = 200"
 
 
 def config_keys() -> list[str]:
@@ -34,6 +40,9 @@ def read_train_config(path: str | Path) -> dict[str, Any]:
     underscores); errors name the file and the fix: a missing file, bad TOML, a table where an
     option's value goes, an unknown key (with the valid ones). The values are checked by TrainJob."""
     path = Path(path).expanduser()
+    if path.suffix.lower() in OTHER_FORMATS:
+        raise ValueError(f"--config {path}: train reads TOML files only ({EXAMPLE}): write the options as "
+                         f"FILE.toml")
     try:
         text = path.read_text()
     except OSError as error:
@@ -47,10 +56,13 @@ def read_train_config(path: str | Path) -> dict[str, Any]:
     try:
         data = toml.loads(text)
     except ValueError as error:  # tomllib.TOMLDecodeError
-        raise ValueError(f"--config {path}: not valid TOML: {error}") from None
+        raise ValueError(f"--config {path}: not valid TOML ({EXAMPLE}): {error}") from None
     valid = config_keys()
     fields = {}
     for key, value in data.items():
+        if key.replace("-", "_") in RESUME_OWNED:
+            raise ValueError(f"--config {path}: {key} is set by a resume from the recorded run, not by a file: "
+                             f"drop it (valid keys: {', '.join(valid)})")
         if key.replace("_", "-") not in valid:
             raise ValueError(f"--config {path}: unknown key {key!r}: use the options of `mpipemoe train`: "
                              f"{', '.join(valid)}")

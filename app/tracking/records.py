@@ -19,6 +19,20 @@ from pathlib import Path
 DEFAULT_OUT_DIR = "out"
 
 
+def check_out_path(path, flag: str = "--out") -> None:
+    """Local. Raise ValueError naming ``flag`` unless the file ``path`` can be written: not a
+    folder, not below a file (its missing parent folders can be made). Checked before the work
+    starts (os.makedirs would answer only "File exists", minutes later)."""
+    target = Path(path).expanduser().absolute()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: {target} is a folder, not a file: give the path of a file to write")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a folder: give a path inside a folder")
+            return
+
+
 def command_line(subcommand: str) -> str:
     """The command as a user would retype it: ``mpipemoe <subcommand> <args>``."""
     if sys.argv[1:2] == [subcommand]:

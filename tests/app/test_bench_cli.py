@@ -10,6 +10,7 @@ from app.bench.layer_settings import BenchSettings
 from app.bench.layer_bound import overlap_bound_ms
 from app.bench.layer_summary import markdown_table, summarize, targets
 from app.bench.measure import pipeline_stages
+from app.bench.parts import same_setting
 from app.bench.parts import layer_inputs
 from app.cli import main
 from moe_engine import MoEConfig
@@ -37,12 +38,14 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
             assert record["all_to_all_ms"] > 0 and record["expert_ms"] > 0
             if record["chosen_by"] not in ("auto", "floor"):
                 assert record["host_probe_ms"] > 0 and record["host_probe_tokens"] == 64
-        # the automatic layer is not probed itself (its search would start at 64 tokens):
-        # it carries the probe of the grid layer it settled on, if the grid has that one
+        # the automatic layer is not probed itself (its search would start at 64 tokens): it
+        # carries the probe of the grid layer of the setting it settled on (n, strategy and
+        # split), or, where the grid lacks that setting (a peers split), of a fixed twin
         auto = next(r for r in records if r["chosen_by"] == "auto")
-        twin = [r for r in records if r["chosen_by"] == "grid" and
-                (r["partitions"], r["strategy"]) == (auto["partitions"], auto["strategy"])]
-        assert auto.get("host_probe_ms") == (twin[0]["host_probe_ms"] if twin else None)
+        twin = [r for r in records if r["chosen_by"] == "grid" and same_setting(r, auto)]
+        assert auto["host_probe_ms"] > 0 and auto["host_probe_tokens"] == 64
+        if twin:
+            assert auto["host_probe_ms"] == twin[0]["host_probe_ms"]
     # the memory prediction is made on the rows the pass moved: under skew not the balanced k·T
     skewed = [r for r in result["records"] if r["routing"] == "skewed" and r["engine"] != "dense-floor"]
     assert all("rows_received" in r for r in skewed)
@@ -63,6 +66,16 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     assert set(result["targets"]["best_n_by_tokens"]) == {"tiny/uniform", "tiny/skewed"}
     table = out.with_suffix(".md").read_text()
     assert "| tiny | skewed | 96 |" in table and "## Targets" in table
+
+
+def test_the_automatic_layer_gets_a_host_probe_where_the_grid_lacks_its_setting(tmp_path):
+    """Without a grid (or with one that lacks the setting auto settled on, e.g. a peers split),
+    a fixed layer of that setting is probed for the automatic record."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--tokens", "96", "--partitions", "1,2", "--no-grid", "--warmup", "0", "--repeats", "1",
+                 "--rounds", "1", "--tracking-uri", "none", "--out", str(out)]) == 0
+    (auto,) = [r for r in json.loads(out.read_text())["records"] if r["chosen_by"] == "auto"]
+    assert auto["host_probe_ms"] > 0 and auto["host_probe_tokens"] == 64
 
 
 def test_overlap_bound_is_the_longer_stage_plus_one_partition_of_the_shorter():
@@ -336,3 +349,18 @@ def test_splits_are_named_and_checked(tmp_path, capsys):
     assert main(["bench", "--splits", "rows", "--tokens", "64", "--tracking-uri", "none",
                  "--out", str(tmp_path / "b.json")]) == 1
     assert "--splits rows is invalid: 'rows' is not a split; give tokens, peers or both" in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu_defaults_to_a_small_smoke(monkeypatch):
+    """`mpipemoe bench` with no options on CPU: one point, a 2 x 2 grid, one timed step per round
+    (about 20-30 s on 2 cores); a GPU gets the full study."""
+    from app.commands import bench
+
+    given = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "bench_and_write", lambda settings, *rest: given.append(settings) or 0)
+    assert main(["bench", "--tracking-uri", "none"]) == 0
+    (settings,) = given
+    assert (settings.models, settings.tokens, settings.partitions, settings.strategies) == (
+        ["tiny"], [256], (1, 2), ("none", "S3"))
+    assert (settings.repeats, settings.rounds) == (1, 1)

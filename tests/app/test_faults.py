@@ -559,7 +559,8 @@ def test_sigkilled_driver_leaves_a_lock_that_the_resume_takes_over(env, killed_t
 
 
 def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, ray_local, capsys):
-    """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN."""
+    """A sweep trial re-run on resume whose Train run had finished: recorded numbers, no NaN;
+    with another strategy too, the finished run is left unchanged (no segment, its settings kept)."""
     from app.jobs.trial import trial_metrics
     from app.jobs.launch import run_job
     from app.commands.train import job_from_args, add_arguments
@@ -568,14 +569,19 @@ def test_resuming_a_finished_run_reports_its_numbers(env, killed_then_resumed, r
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     job = job_from_args(parser.parse_args(["--resume", "faulty", "--storage-path", str(env["storage"]),
-                                           "--steps", str(killed_then_resumed["target"])]))
+                                           "--steps", str(killed_then_resumed["target"]), "--strategy", "S1"]))
     (run,) = _train_runs(env["uri"], "faulty")
     points = len(client(env["uri"]).get_metric_history(run.info.run_id, "loss"))
+    segments = client(env["uri"]).get_run(run.info.run_id).data.tags["mpipemoe.segments"]
+    job_file = env["storage"] / "faulty" / "mpipemoe_job.json"
+    settings = job_file.read_bytes()
     summary = run_job(job, echo=lambda line: None)
     assert summary["steps_run"] == 0 and summary["steps"] == killed_then_resumed["target"]
     assert math.isfinite(trial_metrics(summary)["tokens_per_s"])
     assert len(client(env["uri"]).get_metric_history(run.info.run_id, "loss")) == points
     assert client(env["uri"]).get_run(run.info.run_id).info.status == "FINISHED"
+    assert client(env["uri"]).get_run(run.info.run_id).data.tags["mpipemoe.segments"] == segments  # no segment
+    assert job_file.read_bytes() == settings
 
 
 @pytest.fixture(scope="module")

@@ -91,3 +91,12 @@ def test_security_doc_covers_the_safe_setup():
     for needle in ("127.0.0.1", "ssh -L 5000:127.0.0.1:5000", "RAY_AUTH_MODE", "--dashboard-host=127.0.0.1",
                    "basic-auth", "MLFLOW_TRACKING_USERNAME", "mpipemoe ui --host", "use_internal_ips"):
         assert needle in doc, needle
+
+
+def test_the_auth_extra_brings_mlflows_auth_app_at_the_pinned_mlflow():
+    """`mlflow server --app-name basic-auth` needs Flask-WTF: pip install 'mpipemoe[auth]' brings
+    it with the same mlflow the ray extra pins."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pinned,) = [r for r in extras["ray"] if r.startswith("mlflow==")]
+    assert extras["auth"] == [f"mlflow[auth]=={pinned.split('==')[1]}"]

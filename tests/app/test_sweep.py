@@ -269,10 +269,10 @@ def test_pruned_trials_and_the_best_one_are_named(tmp_path):
                Result(config={"lr": 1e-1, "steps": 40}, metrics={"step": 10, "loss": 5.5}, error=None),
                Result(config={"lr": 3e-3, "steps": 40}, metrics={"step": 40, "steps": 40, "loss": 2.5}, error=None),
                Result(config={"lr": 3e-2, "steps": 40}, metrics={}, error=RuntimeError("x"))]
-    assert study_results.count_pruned(results, {"steps": 40}) == 1
+    counts = study_results.tally(results, "loss", {"steps": 40})
+    assert (counts.pruned, counts.errored, counts.finished, counts.unfinished) == (1, 1, 3, 0)
     assert study_results.best_trial(results, "loss", "min").config["lr"] == 3e-3
     assert study_results.best_trial(results, "loss", "max").config["lr"] == 1e-1
-    assert study_results.count_trials(results, "loss") == (1, 3)
     table = study_results.format_results(results, "loss", 40).splitlines()
     assert table[0].split() == ["lr", "tokens/s", "loss", "peak", "MiB", "status"]
     assert table[2].split()[0] == "0.1" and table[2].split()[-1] == "pruned@10"
@@ -361,7 +361,8 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
                   stop_grace_s=0)  # a light trainable runs no Train job to wait for
 
     first = sweep.run_study("smoke", **common)
-    assert study_results.count_trials(first) == (0, 1)  # only mpipemoe finished
+    counts = study_results.tally(first)
+    assert (counts.errored, counts.finished) == (0, 1) and counts.unfinished >= 1  # only mpipemoe finished
     assert log.read_text().split() == ["mpipemoe", "fastmoe"]
 
     second = sweep.run_study("smoke", **common)  # same storage path: Tuner.restore
@@ -370,7 +371,7 @@ def test_interrupted_study_resumes_without_rerunning_finished_trials(ray_local, 
     starts = log.read_text().split()
     assert starts.count("mpipemoe") == 1  # finished before the interruption: not run again
     assert starts.count("fastmoe") == 2 and starts.count("fastermoe") == 1
-    assert study_results.count_trials(second) == (0, 3)
+    assert study_results.tally(second).finished == 3 and not study_results.tally(second).errored
 
     from app.tracking.store import client  # one parent run, reopened by the resume and closed again
 
@@ -594,11 +595,11 @@ def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_lo
                   data_dir=sweep_dirs["data_dir"], max_concurrent=1, trainable=_erroring_trial(log, marker),
                   stop_grace_s=0)
     first = sweep.run_study("smoke", **common)
-    assert study_results.count_trials(first) == (3, 0)
+    assert (study_results.tally(first).errored, study_results.tally(first).finished) == (3, 0)
     marker.unlink()
     log.write_text("")
     second = sweep.run_study("smoke", **common)  # Tuner.restore with the errored trials
-    assert study_results.count_trials(second) == (0, 3)
+    assert (study_results.tally(second).errored, study_results.tally(second).finished) == (0, 3)
     assert sorted(line.split()[2] for line in log.read_text().splitlines() if line.startswith("start")) == [
         "fastermoe", "fastmoe", "mpipemoe"]
     assert _most_at_once(log) == 1
@@ -613,30 +614,42 @@ def test_a_study_with_three_errored_trials_resumes_under_its_cap_and_ends(ray_lo
 @pytest.mark.ray
 def test_refused_settings_are_results_with_mlflow_runs(ray_local, sweep_dirs, capsys):
     """`mpipemoe sweep granularity` from the command line alone on CPU, every setting refused
-    before any Train job starts (more partitions than a micro-batch's tokens): each is a
-    FAILED MLflow run with the study's tags, outcome and reason, and the ranking lists it."""
+    by its trial before any Train job starts (partitions split by peers must divide the 2
+    workers, known once Ray says the trials run on CPU): each is a FAILED MLflow run with the
+    study's tags, outcome and reason, and the ranking lists it. None ran, so the study FAILED:
+    exit 1, its tally and first reason printed, its MLflow run FAILED, no trial counted
+    finished or pruned."""
     from app.tracking.store import client
 
     parser = argparse.ArgumentParser()
     sweep_command.add_arguments(parser)
     args = parser.parse_args(["granularity", "--preset", "tiny-gpt", "--num-workers", "2", "--steps", "2",
-                              "--batch-size", "1", "--set", "partitions=100000", "--set", "strategy=none,S1",
-                              "--num-samples", "1", "--name", "gran-cpu", "--experiment", "mine",
-                              "--memory-cap-gib", "1",
+                              "--batch-size", "1", "--set", "partitions=3", "--set", "split=peers",
+                              "--set", "strategy=none,S1", "--num-samples", "1", "--name", "gran-cpu",
+                              "--experiment", "mine", "--memory-cap-gib", "1",
                               *[f"--{k.replace('_', '-')}={sweep_dirs[k]}" for k in ("storage_path", "tracking_uri",
                                                                                     "data_dir")]])
-    assert sweep_command.run(args) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"^strategy=none +- +- +- +refused: TrainJob.partitions=100000 is invalid", out, flags=re.M), out
+    assert sweep_command.run(args) == 1
+    out, err = capsys.readouterr()
+    assert re.search(r"^strategy=none +- +- +- +refused: TrainJob.partitions=3 is invalid", out, flags=re.M), out
     assert "Pareto front (time against settled peak memory, fastest first): no setting measured" in out
     assert "Fastest under 1 GiB: no setting fits" in out
+    assert "Study 'gran-cpu': 2 trials: 2 refused" in out
+    assert re.search(r"study 'gran-cpu' FAILED: none of its 2 trials ran \(2 trials: 2 refused\); first reason: "
+                     r"TrainJob.partitions=3 is invalid", err), err
     mlflow = client(sweep_dirs["tracking_uri"])
     runs = mlflow.search_runs([mlflow.get_experiment_by_name("mine").experiment_id])
     trials = sorted((r for r in runs if run_kind(r.data.tags) == "train"), key=lambda r: r.data.params["strategy"])
     assert [(r.info.status, r.data.params["strategy"], r.data.tags["study"], r.data.tags["outcome"])
             for r in trials] == [("FAILED", "S1", "gran-cpu", "refused"), ("FAILED", "none", "gran-cpu", "refused")]
-    assert all(r.data.tags["trial_id"] and "tokens" in r.data.tags["reason"] for r in trials)
+    assert all(r.data.tags["trial_id"] and "divisor" in r.data.tags["reason"] for r in trials)
     assert all(r.data.tags["mlflow.parentRunId"] for r in trials)
+    (parent,) = [r for r in runs if run_kind(r.data.tags) == "study"]
+    assert parent.info.status == "FAILED"
+    assert {k: parent.data.metrics[k] for k in ("trials", "trials_refused", "trials_failed", "trials_finished",
+                                                "trials_pruned")} == {"trials": 2, "trials_refused": 2,
+                                                                      "trials_failed": 0, "trials_finished": 0,
+                                                                      "trials_pruned": 0}
     assert os.path.isdir(os.path.join(sweep_dirs["storage_path"], "gran-cpu"))
 
 
@@ -712,3 +725,133 @@ def test_an_auto_setting_names_the_split_it_settled_on():
                 "split": "tokens"}, None)]
     point, = sweep_rank.points(rows)
     assert point.chosen == "n=4 none; n=8:peers none"
+
+
+# ---------------------------------------------------------------- checked before Ray starts
+
+def _sweep_cli(argv: list[str], tmp_path, capsys, monkeypatch) -> tuple[int, str]:
+    """`mpipemoe sweep ARGV` whose study may not start (run_study raises if reached): (rc, stderr)."""
+    def no_study(*args, **kwargs):
+        raise AssertionError("the study started")
+
+    monkeypatch.setattr(sweep, "run_study", no_study)
+    parser = argparse.ArgumentParser()
+    sweep_command.add_arguments(parser)
+    args = parser.parse_args([*argv, "--storage-path", str(tmp_path / "results"), "--tracking-uri", "none"])
+    status = sweep_command.run(args)
+    return status, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["granularity", "--set", "partitions=0"],
+     "every trial would be refused: TrainJob.partitions=0 is invalid: give 'auto' or an integer >= 1"),
+    (["granularity", "--set", "strategy=S9"], "every trial would be refused: TrainJob.strategy='S9' is invalid: "
+                                              "choose one of auto, none, S1, S2, S3, S4"),
+    (["granularity", "--set", "strategy=S1,S9"], "every trial with strategy='S9' would be refused: "
+                                                 "TrainJob.strategy='S9' is invalid"),
+    (["granularity", "--preset", "tiny-gpt", "--batch-size", "1", "--set", "partitions=100000"],
+     "every trial would be refused: TrainJob.partitions=100000 is invalid: a worker's micro-batch has 512 tokens"),
+    (["lr", "--num-samples", "0"], "--num-samples 0 is invalid: give an integer >= 1"),
+    (["smoke", "--memory-cap-gib", "-1"], "--memory-cap-gib -1.0 is invalid: give a number of GiB > 0"),
+    (["smoke", "--memory-cap-gib", "nan"], "--memory-cap-gib nan is invalid"),
+    (["smoke", "--memory-cap-gib", "0"], "--memory-cap-gib 0.0 is invalid"),
+    (["smoke", "--set", "data_shards=2"], "data_shards is set by a resume from a recorded run, not an option"),
+    (["smoke", "--name", "../escape"], "--name '../escape' is not a run name: it is a path"),
+])
+def test_bad_values_and_names_are_refused_before_ray_starts(argv, message, tmp_path, capsys, monkeypatch):
+    status, err = _sweep_cli(argv, tmp_path, capsys, monkeypatch)
+    (line,) = err.splitlines()
+    assert status == 2 and message in line, line
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("top_level, lr, message", [
+    ("", '"fast"', "every trial would be refused: TrainJob.lr='fast' is invalid: give a finite number > 0"),
+    ('num_samples = "many"', "1e-3", "num_samples = 'many' is invalid: give an integer >= 1"),
+    ('metric = "bogus"', "1e-3", "metric='bogus' is not a number the trials report: choose one of loss,"),
+    ('metric = "loss"\nmode = "up"', "1e-3", "mode='up' is invalid: choose min or max"),
+])
+def test_a_study_files_bad_values_metric_and_mode_are_refused_before_ray_starts(top_level, lr, message, tmp_path,
+                                                                                capsys, monkeypatch):
+    study = tmp_path / "mine.toml"
+    study.write_text(f'description = "x"\n{top_level}\n[space]\nlr = {lr}\nnum_workers = 1\nsteps = 2\n')
+    status, err = _sweep_cli(["--space", str(study)], tmp_path, capsys, monkeypatch)
+    (line,) = err.splitlines()
+    assert status == 2 and message in line, line
+
+
+def test_a_python_study_file_that_fails_names_the_file_in_one_line(tmp_path, capsys, monkeypatch):
+    broken = tmp_path / "broken.py"
+    broken.write_text('DESCRIPTION = "x"\nimport no_such_module_here\n')
+    status, err = _sweep_cli(["--space", str(broken)], tmp_path, capsys, monkeypatch)
+    assert status == 2 and err == (f"mpipemoe sweep {broken}: --space {broken}: the study file failed to import "
+                                   f"(line 2): ModuleNotFoundError: No module named 'no_such_module_here': fix the "
+                                   f"file (python {broken} shows the traceback)")
+    failing = tmp_path / "failing.py"
+    failing.write_text('DESCRIPTION = "x"\n\ndef param_space(search="grid"):\n    return {"lr": 1 / 0}\n')
+    status, err = _sweep_cli(["--space", str(failing)], tmp_path, capsys, monkeypatch)
+    (line,) = err.splitlines()
+    assert status == 2 and f"{failing}: param_space('grid') failed: ZeroDivisionError: division by zero" in line
+
+
+def test_a_study_named_like_a_training_run_is_refused(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "results" / "my-run"
+    run.mkdir(parents=True)
+    (run / "mpipemoe_job.json").write_text("{}")
+    status, err = _sweep_cli(["smoke", "--name", "my-run"], tmp_path, capsys, monkeypatch)
+    assert status == 2 and f"--name 'my-run' is the training run in {run}: give the study another --name" in err
+    assert sorted(p.name for p in run.iterdir()) == ["mpipemoe_job.json"]
+
+
+def test_a_resume_with_another_space_or_ranking_is_refused_naming_the_change(tmp_path, capsys, monkeypatch):
+    """The study's record beside Tune's state: a run of the same --name with another space (a --set,
+    another study file) is refused in one line; the same space resumes."""
+    from app.jobs.study_checks import write_study_record
+
+    storage = tmp_path / "results"
+    first = sweep.prepare_study("granularity", storage_path=str(storage))
+    assert not first.resumes
+    write_study_record(first.experiment_path, first.record)
+    (Path(first.experiment_path) / "tuner.pkl").write_bytes(b"")  # what Tuner.can_restore looks for
+    again = sweep.prepare_study("granularity", storage_path=str(storage))
+    assert again.resumes and again.record == first.record
+    status, err = _sweep_cli(["granularity", "--set", "strategy=S9"], tmp_path, capsys, monkeypatch)
+    (line,) = err.splitlines()
+    assert status == 2 and line.startswith(f"mpipemoe sweep granularity: study 'granularity' in "
+                                           f"{first.experiment_path} was started with another search space or "
+                                           f"ranking (strategy: ")
+    assert '-> "S9"' in line and line.endswith("give a new --name for this one, or run it as it was started to "
+                                               "resume it")
+    other = tmp_path / "other.toml"
+    other.write_text('description = "x"\nrank_by = "loss"\n[space]\nlr = 1e-3\nnum_workers = 1\nsteps = 2\n')
+    status, err = _sweep_cli(["--space", str(other), "--name", "granularity"], tmp_path, capsys, monkeypatch)
+    assert status == 2 and "metric: \"tokens_per_s\" -> \"val_loss\"; mode: \"max\" -> \"min\"" in err, err
+
+
+def test_a_grid_study_runs_its_grid_once_unless_asked_and_sampling_searches_draw_more():
+    lr = tune_spaces.load("lr")
+    assert tune_spaces.num_samples(lr, "grid") == 1  # the 7 lrs once, not 7 x 12
+    assert tune_spaces.num_samples(lr, "optuna") == 12 and tune_spaces.num_samples(lr, "random") == 12
+    assert tune_spaces.num_samples(tune_spaces.load("granularity"), "grid") == 2  # repeats: the spread
+    assert sweep.prepare_study("lr", storage_path="/nonexistent").record.num_samples == 1
+    assert sweep.prepare_study("lr", storage_path="/nonexistent", search="optuna").record.num_samples == 12
+    assert sweep.prepare_study("lr", storage_path="/nonexistent", num_samples=3).record.num_samples == 3
+
+
+def test_failed_and_refused_trials_count_as_neither_finished_nor_pruned_and_fail_a_study_where_none_ran():
+    from types import SimpleNamespace as Result
+
+    refused = {"tokens_per_s": float("nan"), "step": 0, "outcome": "refused", "reason": "TrainJob.lr='fast' is bad"}
+    failed = {"tokens_per_s": float("nan"), "step": 0, "outcome": "failed", "reason": "non-finite loss"}
+    none_ran = [Result(config={"lr": 1e30}, metrics=failed, error=None),
+                Result(config={"lr": "fast"}, metrics=refused, error=None)]
+    counts = study_results.tally(none_ran, space={"steps": 40})
+    assert (counts.finished, counts.pruned, counts.failed, counts.refused, counts.unfinished) == (0, 0, 1, 1, 0)
+    assert counts.none_ran and sweep.study_status(counts) == "FAILED"
+    assert counts.summary() == "2 trials: 1 refused, 1 failed"
+    assert study_results.first_reason(none_ran) == "non-finite loss"
+    ok = Result(config={"lr": 1e-3}, metrics={"tokens_per_s": 5.0, "step": 40, "steps": 40}, error=None)
+    some = study_results.tally([ok, *none_ran], space={"steps": 40})
+    assert not some.none_ran and sweep.study_status(some) == "FINISHED"  # refusals beside a result are results
+    interrupted = study_results.tally([ok, Result(config={}, metrics={}, error=None)])
+    assert sweep.study_status(interrupted) == "KILLED"

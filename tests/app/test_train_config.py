@@ -57,3 +57,31 @@ def test_the_documented_config_file_makes_the_documented_job(tmp_path):
     assert "mpipemoe train --config run.toml --steps 300" in doc
     job = _job(tmp_path, text, "--steps", "300")
     assert (job.steps, job.lr_schedule, job.decay_fraction, job.top_k, job.eval_every) == (300, "wsd", 0.3, 1, 50)
+
+
+def test_config_given_twice_is_refused_naming_both_files(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["--config", "bad.toml", "--config", "good.toml"])
+    assert stop.value.code == 2
+    assert "--config given twice (bad.toml and good.toml): give one file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["cfg.yaml", "cfg.yml", "cfg.json"])
+def test_a_config_in_another_format_is_answered_with_what_train_reads(tmp_path, name):
+    path = tmp_path / name
+    path.write_text("steps: 3\n")
+    with pytest.raises(ValueError, match=rf"^--config .*{name}: train reads TOML files only \(one `option = value` "
+                                         rf"line per option of `mpipemoe train`, e.g. steps = 200\): write the "
+                                         rf"options as FILE.toml$"):
+        read_train_config(path)
+
+
+def test_the_resume_owned_data_shards_key_is_refused_in_a_config_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("data-shards = 3\n")
+    with pytest.raises(ValueError, match=r"data-shards is set by a resume from the recorded run, not by a file: "
+                                         r"drop it"):
+        read_train_config(path)
+    assert "data-shards" not in config_keys()
