@@ -18,6 +18,12 @@ same count exchange. Counts are exchanged per *chunk* (C of them); when the numb
 partitions is chosen only after the statistics are known (the online search), C is a
 multiple of every candidate n and a partition is a run of C/n chunks.
 
+The sync-free capacity mode (`plan_capacity`, layers' ``sync_free_capacity``) reads
+nothing with several ranks either: partition i sends every rank a fixed C_i rows per
+expert (a capacity, the same on every rank), padded where fewer pairs go there, so every
+All-to-All has equal, static splits and no counts are exchanged. A pair beyond its
+expert's C_i rows overflows: it is dropped from the pass and counted on the device.
+
 With one rank nothing is read: every pair of partition i (dropped ones too, placed in
 the last expert's segment, where they compute harmless numbers and get zero gradient)
 is a row, so the row counts are static (K × the partition's tokens) and the grouped
@@ -28,6 +34,7 @@ for a torch whose grouped kernel cannot write float32 gradients, reads them from
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -72,6 +79,19 @@ class PartitionPlan:
 
 
 @dataclass(frozen=True)
+class PaddedRows:
+    """How the rows of a capacity plan (`plan_capacity`) map to pairs. Its pair_index_R
+    holds P (no pair: a padding row, which gets a zero gradient) where a slot is empty.
+
+    row_of_pair_P: the row of each (token, choice) pair; R (no row) for a pair the router
+                   dropped or that overflowed its expert's capacity.
+    keep_TK:       whether a pair has a row: the router's keep and the capacity's."""
+
+    row_of_pair_P: torch.Tensor
+    keep_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DispatchPlan:
     """Frozen metadata that dispatch produces and combine consumes.
 
@@ -85,12 +105,15 @@ class DispatchPlan:
     partitions: list[PartitionPlan]
     single: bool
     stats: PassStats
+    padded: PaddedRows | None = None  # a capacity plan's rows (`plan_capacity`); None: every row is a pair's
 
     @functools.cached_property
     def row_of_pair(self) -> torch.Tensor:
         """Row sent for each (token, choice) pair; row 0 for a pair without one (a dropped
         pair with several ranks: its gate weight is 0). Computed once per pass."""
         rows = self.pair_index_R.shape[0]
+        if self.padded is not None:
+            return self.padded.row_of_pair_P.clamp(max=max(rows - 1, 0))
         index_P = torch.zeros((self.tokens * self.top_k,), dtype=torch.long, device=self.pair_index_R.device)
         return index_P.index_copy_(0, self.pair_index_R, torch.arange(rows, device=self.pair_index_R.device))
 
@@ -102,6 +125,8 @@ class DispatchPlan:
         has one extra, zero row after the R rows (where dropped pairs point)."""
         if self.single:
             index_P = self.row_of_pair
+        elif self.padded is not None:
+            index_P = self.padded.row_of_pair_P
         else:
             rows = self.pair_index_R.shape[0]
             index_P = torch.full((self.tokens * self.top_k,), rows, dtype=torch.long, device=rows_RD.device)
@@ -335,6 +360,98 @@ def _plan_from_tables(routing: Routing, partition_P: torch.Tensor, sent_nWL: np.
     return DispatchPlan(tokens, top_k, token_index_R, pair_index_R, parts, False, stats)
 
 
+def capacity_slots(factor: float, top_k: int, tokens: int, num_experts: int) -> int:
+    """Host arithmetic. C = ⌈factor · K · T / E⌉: the rows a partition of T tokens sends each
+    global expert in the sync-free capacity mode (its even share K·T/E times the factor)."""
+    return math.ceil(factor * top_k * tokens / num_experts)
+
+
+class CapacityLayout:
+    """Local, no device reads. The static part of the capacity plans of one pass shape: T
+    tokens on every rank, n partitions split by tokens, W ranks of L local experts, the
+    capacity factor. Partition i (T_i tokens) sends C_i = `capacity_slots` rows per global
+    expert: E·C_i rows in (destination rank, local expert, slot) order, L·C_i to each rank,
+    and receives L·C_i from each rank, which regroup by local expert by a fixed permutation
+    into segments of W·C_i rows. Built once per shape (fills and aranges on the device, no
+    host-to-device copy, so a CUDA graph can capture a pass that builds it) and kept by the
+    layer; its `PassRows` (the bias operands) are then built once for every pass of the shape.
+
+    slots_n:        C_i per partition (host).
+    rows_n:         rows each partition sends and receives, E·C_i (host); `rows` their sum R.
+    capacity_key:   [n·E + 1] int64 on the device: C_i for sort key i·E + e (`_pair_keys`),
+                    0 for the last key (pairs the router dropped).
+    first_row_key:  [n·E + 1]: the row of key k's slot 0 in the pass's send order; R for the last.
+    """
+
+    def __init__(self, tokens: int, partitions: int, factor: float, top_k: int, world: int, local: int,
+                 device: torch.device):
+        E, n = world * local, partitions
+        self.partitions, self.num_experts, self.world, self.local = n, E, world, local
+        self.slots_n = [capacity_slots(factor, top_k, tokens_of_partition(tokens, n, i), E) for i in range(n)]
+        self.rows_n = [E * slots for slots in self.slots_n]
+        self.rows = sum(self.rows_n)
+        capacity_key = torch.zeros(n * E + 1, dtype=torch.int64, device=device)
+        for i, slots in enumerate(self.slots_n):
+            capacity_key[i * E:(i + 1) * E].fill_(slots)
+        self.capacity_key = capacity_key
+        self.first_row_key = capacity_key.cumsum(0) - capacity_key
+        counts_nL = capacity_key[:n * E].view(n, E)[:, :local] * world  # W·C_i rows per local expert
+        ends_nL = counts_nL.cumsum(1).to(torch.int32)
+        pass_rows = PassRows(counts_nL, self.rows_n)
+        self.segments = [ExpertSegments(rows, ends_nL[i], counts_nL[i], [world * slots] * local,
+                                        pass_rows=pass_rows, partition=i)
+                         for i, (rows, slots) in enumerate(zip(self.rows_n, self.slots_n))]
+        # received row (source w, local expert l, slot c) is expert-major row (l, w, c)
+        self.expert_order_n: list[torch.Tensor | None] = []
+        self.source_order_n: list[torch.Tensor | None] = []
+        for rows, slots in zip(self.rows_n, self.slots_n):
+            if local == 1 or not rows:
+                self.expert_order_n.append(None)
+                self.source_order_n.append(None)
+                continue
+            index_N = torch.arange(rows, device=device)
+            self.expert_order_n.append(index_N.view(world, local, slots).transpose(0, 1).reshape(-1))
+            self.source_order_n.append(index_N.view(local, world, slots).transpose(0, 1).reshape(-1))
+
+
+def plan_capacity(routing: Routing, chunk_P: torch.Tensor, layout: CapacityLayout
+                  ) -> tuple[DispatchPlan, torch.Tensor]:
+    """Local, no device reads: the plan of the sync-free capacity mode (see `CapacityLayout`)
+    and how many kept pairs overflowed (an int64 scalar on the device). Each kept pair takes
+    the next slot of its (partition, expert), in pair order (the dropless plan's row order);
+    a pair past the expert's C_i slots overflows: it gets no row and no weight this pass.
+    Empty slots are padding rows: they gather token 0 (harmless values that no pair reads)
+    and get a zero output gradient, so the parameter gradients are the dropless pass's when
+    nothing overflows. chunk_P: each pair's partition (`chunk_by_tokens` with n chunks)."""
+    tokens, top_k = routing.expert_ids_TK.shape
+    n, E, R = layout.partitions, layout.num_experts, layout.rows
+    pairs, device = tokens * top_k, chunk_P.device
+    keys_P = _pair_keys(routing, chunk_P, n, E, single=False)
+    pair_order = torch.argsort(keys_P, stable=True)
+    keys_sorted = keys_P.index_select(0, pair_order)
+    counts_key = count_ids(keys_P, n * E + 1)
+    first_of_key = counts_key.cumsum(0).sub_(counts_key)
+    slot_sorted = torch.arange(pairs, device=device).sub_(first_of_key.index_select(0, keys_sorted))
+    fits_sorted = slot_sorted < layout.capacity_key.index_select(0, keys_sorted)
+    row_sorted = torch.where(fits_sorted, layout.first_row_key.index_select(0, keys_sorted).add_(slot_sorted), R)
+    overflowed = torch.logical_xor(keys_sorted < n * E, fits_sorted).sum()  # kept and not fitting
+    # one spare entry at R takes the pairs without a row, then is cut off
+    token_index_R = torch.zeros(R + 1, dtype=torch.int64, device=device).scatter_(
+        0, row_sorted, pair_order // top_k)[:R]
+    pair_index_R = torch.full((R + 1,), pairs, dtype=torch.int64, device=device).scatter_(
+        0, row_sorted, pair_order)[:R]
+    row_of_pair_P = torch.empty(pairs, dtype=torch.int64, device=device).index_copy_(0, pair_order, row_sorted)
+    padded = PaddedRows(row_of_pair_P, (row_of_pair_P < R).view(tokens, top_k))
+    parts, start = [], 0
+    for i, rows in enumerate(layout.rows_n):
+        splits = [layout.local * layout.slots_n[i]] * layout.world
+        parts.append(PartitionPlan(token_index_R[start:start + rows], splits, splits, layout.segments[i],
+                                   layout.expert_order_n[i], layout.source_order_n[i]))
+        start += rows
+    plan = DispatchPlan(tokens, top_k, token_index_R, pair_index_R, parts, False, PassStats(False, tokens, 0), padded)
+    return plan, overflowed
+
+
 def plan_dispatch(routing: Routing, chunk_P: torch.Tensor, partitions: int, num_experts: int,
                   group: ExpertGroup) -> DispatchPlan:
     """Permute + exchange counts for a partition count known beforehand (local, one
@@ -370,7 +487,8 @@ class _WeightedCombine(torch.autograd.Function):
     is one broadcast product for the rows' gradient, gathered back into row order by
     the inverse permutation (no atomic scatter), and one product-sum for the weights'.
     Autograd's own graph for the same expression runs a dozen kernels (select and
-    index_select backwards that scatter into zeroed buffers).
+    index_select backwards that scatter into zeroed buffers). A capacity plan's padding
+    rows (pair index P, `PaddedRows`) belong to no pair and get a zero gradient.
 
     Mixed precision: the rows stay in the experts' dtype (bf16 under autocast) and the
     sum is formed in the weights' dtype (the router's float32, never rounded to the rows'
@@ -387,8 +505,10 @@ class _WeightedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y_RD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_P: torch.Tensor,
-                pair_index_R: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+                pair_index_R: torch.Tensor, tokens: int, top_k: int, out_dtype: torch.dtype,
+                padded: bool = False) -> torch.Tensor:
         ctx.fused = kernels.fused_kernels_run_on(y_RD, weights_TK)
+        ctx.padded = padded
         if ctx.fused:  # one kernel each way; autograd keeps the rows as they are (R ≤ P rows)
             ctx.save_for_backward(y_RD, weights_TK, pair_index_R)
             return kernels.weighted_combine(y_RD, weights_TK, row_of_pair_P, out_dtype)
@@ -407,19 +527,23 @@ class _WeightedCombine(torch.autograd.Function):
             y_RD, weights_TK, pair_index_R = ctx.saved_tensors
             d_rows, d_weights = kernels.weighted_combine_backward(dy_TD, y_RD, weights_TK, pair_index_R,
                                                                   *ctx.needs_input_grad[:2])
-            return d_rows, d_weights, None, None, None, None, None
+            return d_rows, d_weights, None, None, None, None, None, None
         y_TKD, weights_TK, pair_index_R = ctx.saved_tensors
         dy_TD = dy_TD.unsqueeze(1)
         d_rows = d_weights = None
         if ctx.needs_input_grad[0]:
-            # the product in the weights' dtype, written in the rows' (one rounding)
-            d_pairs_PD = torch.mul(dy_TD, weights_TK.unsqueeze(-1),
-                                   out=y_TKD.new_empty(y_TKD.shape)).view(-1, y_TKD.shape[-1])
+            # the product in the weights' dtype, written in the rows' (one rounding); padded
+            # rows (pair index P, `PaddedRows`) read one more pair's place, a zero row
+            pairs, D = y_TKD.shape[0] * y_TKD.shape[1], y_TKD.shape[-1]
+            d_pairs_PD = y_TKD.new_empty(pairs + ctx.padded, D)
+            torch.mul(dy_TD, weights_TK.unsqueeze(-1), out=d_pairs_PD[:pairs].view(y_TKD.shape))
+            if ctx.padded:
+                d_pairs_PD[pairs].zero_()
             # Each row belongs to one pair (pair_index_R); a pair without a row has weight 0.
             d_rows = d_pairs_PD.index_select(0, pair_index_R)
         if ctx.needs_input_grad[1]:
             d_weights = (y_TKD * dy_TD).sum(-1)
-        return d_rows, d_weights, None, None, None, None, None
+        return d_rows, d_weights, None, None, None, None, None, None
 
 
 def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, keep_TK: torch.Tensor,
@@ -437,6 +561,8 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
     """
     tokens, top_k, D = plan.tokens, plan.top_k, y_RD.shape[-1]
     out_dtype = out_dtype or y_RD.dtype
+    if plan.padded is not None:  # a capacity plan: overflowed pairs are dropped too
+        keep_TK = plan.padded.keep_TK
     # the weights in the dtype of the sum: never narrower than their own (the router's
     # float32), the rows' or out_dtype, so a bf16 output rounds the sum once and the
     # weights not at all
@@ -447,5 +573,5 @@ def unpermute(y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, 
         # runs collectives that the other ranks wait for.
         return y_RD.new_zeros(tokens, D, dtype=out_dtype) + ((y_RD.sum() + weights_TK.sum()) * 0).to(out_dtype)
     y_TD = _WeightedCombine.apply(  # type: ignore[no-untyped-call]  # (Function.apply is untyped)
-        y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k, out_dtype)
+        y_RD, weights_TK, plan.row_of_pair, plan.pair_index_R, tokens, top_k, out_dtype, plan.padded is not None)
     return y_TD.to(out_dtype)  # type: ignore[no-any-return]  # (Function.apply is untyped; .to is a no-op but for bf16 rows, fp16 out)

@@ -19,7 +19,8 @@ from .config import ENGINES, SPLITS, STRATEGY_CHOICES, MoEConfig
 from .layers import FastMoE, FasterMoE, MPipeMoE
 
 # Options only one engine takes; the others ignore them, so one call serves every engine
-# (lm.model builds each layer of a model this way, whatever its engine).
+# (lm.model builds each layer of a model this way, whatever its engine). Every engine takes
+# sync_free_capacity (FasterMoE refuses any value but None).
 MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split")
 FASTERMOE_OPTIONS = ("group_size",)
 

@@ -79,23 +79,25 @@ if triton is not None:
 
     @triton.jit
     def _weighted_combine_backward_kernel(dy_ptr, rows_ptr, weights_ptr, pair_of_row_ptr, d_rows_ptr,
-                                          d_weights_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr,
+                                          d_weights_ptr, D, pairs, K: tl.constexpr, BLOCK: tl.constexpr,
                                           ROWS_GRAD: tl.constexpr, WEIGHTS_GRAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         pair = tl.load(pair_of_row_ptr + row).to(tl.int64)
+        real = pair < pairs  # a padding row (pair index P) belongs to no pair: zero gradient
+        pair = tl.where(real, pair, 0)
         token = pair // K
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        weight = tl.where(real, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
         dot = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, D, BLOCK):
             columns = start + tl.arange(0, BLOCK)
             mask = columns < D
-            dy = tl.load(dy_ptr + token * D + columns, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + token * D + columns, mask=mask & real, other=0.0).to(tl.float32)
             if ROWS_GRAD:
                 tl.store(d_rows_ptr + row * D + columns, (weight * dy).to(d_rows_ptr.dtype.element_ty), mask=mask)
             if WEIGHTS_GRAD:
                 dot += dy * tl.load(rows_ptr + row * D + columns, mask=mask, other=0.0).to(tl.float32)
         if WEIGHTS_GRAD:
-            tl.store(d_weights_ptr + pair, tl.sum(dot, axis=0).to(d_weights_ptr.dtype.element_ty))
+            tl.store(d_weights_ptr + pair, tl.sum(dot, axis=0).to(d_weights_ptr.dtype.element_ty), mask=real)
 
 
 def gelu_backward_and_activation(dh_NH: torch.Tensor, A_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +141,8 @@ def weighted_combine_backward(dy_TD: torch.Tensor, rows_RD: torch.Tensor, weight
     `weighted_combine`. d_rows_RD[r] = w_p · dy[t] for r's pair p = pair_index_R[r] of
     token t = p // K (in the rows' dtype; one rounding), and d_weights_TK[p] = dy[t] ·
     rows_RD[r] (float32 sums; 0 for a pair without a row, whose weight the caller has
-    zeroed)."""
+    zeroed). A row whose pair index is T·K (a capacity plan's padding row) gets a zero
+    gradient and adds to no weight's."""
     T, K = weights_TK.shape
     R, D = rows_RD.shape
     dy_TD, rows_RD, weights_TK, pair_index_R = (t.contiguous() for t in (dy_TD, rows_RD, weights_TK, pair_index_R))
@@ -149,7 +152,7 @@ def weighted_combine_backward(dy_TD: torch.Tensor, rows_RD: torch.Tensor, weight
         with on_device_of(rows_RD):
             _weighted_combine_backward_kernel[(R,)](
                 dy_TD, rows_RD, weights_TK, pair_index_R, rows_RD if d_rows is None else d_rows,
-                weights_TK if d_weights is None else d_weights, D, K=K,
+                weights_TK if d_weights is None else d_weights, D, T * K, K=K,
                 BLOCK=min(ROW_BLOCK, triton.next_power_of_2(D)), ROWS_GRAD=rows_grad, WEIGHTS_GRAD=weights_grad,
                 num_warps=4)
     return d_rows, d_weights

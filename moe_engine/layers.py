@@ -19,7 +19,12 @@ them by a strategy S1–S4 (chosen by the performance model). The layers only ex
 the tuning policy is each layer's `Planner`.
 
 Host reads: with several ranks a pass reads the device once (the count tables and the
-pass statistics, together); with one rank never (dispatcher.py says how).
+pass statistics, together); with one rank never (dispatcher.py says how). The sync-free
+capacity mode (``sync_free_capacity``, MPipeMoE and FastMoE, off by default) reads
+nothing with several ranks too: each partition sends every expert a fixed number of rows
+(padded), so the All-to-Alls' splits are static; pairs beyond that capacity are dropped
+and counted on the device (`MoELayerBase.overflowed`), which the caller must check and,
+where it is not 0, rerun the step dropless (`MoELayerBase.dropless`).
 
 Shapes: see moe_engine's legend (moe_engine/__init__.py).
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -37,7 +43,7 @@ import torch.nn as nn
 from . import dispatcher
 from .comm import ExpertGroup
 from .config import SPLITS, MemoryBudget, MoEConfig
-from .dispatcher import STATS, DispatchPlan, PassStats
+from .dispatcher import STATS, CapacityLayout, DispatchPlan, PassStats
 from .experts import Experts, compute_dtype
 from .granularity import SEARCH_SPLITS, GranularitySearch, skew_bucket
 from .memory import HostBufferPool, RestorePolicy
@@ -62,6 +68,8 @@ class MoELayerBase(nn.Module):
     """Router + this rank's experts + the steps every engine shares."""
 
     keep_activation = False  # FastMoE keeps act(A) for backward, as autograd would
+    # Pass shapes whose capacity layouts a layer keeps (token counts seen in training are few).
+    MAX_CAPACITY_LAYOUTS = 16
 
     def __init__(self, config: MoEConfig, group: dist.ProcessGroup | ExpertGroup | None = None, *,
                  host_pool: HostBufferPool | None = None, device=None, dtype=None):
@@ -86,6 +94,12 @@ class MoELayerBase(nn.Module):
         # own streams (set_lanes), so that two micro-batches in flight never pair each
         # other's collectives nor queue behind each other's side streams.
         self._lanes: list[tuple[ExpertGroup, dict[torch.device, StreamSet]]] = []
+        # The sync-free capacity mode (off: None; the subclasses that take it set it after
+        # their planner): its static layouts per pass shape, and its device counters
+        # [pairs overflowed, passes with a non-finite input] since the caller last reset them.
+        self._sync_free_capacity: float | None = None
+        self._capacity_layouts: dict[tuple, CapacityLayout] = {}
+        self._capacity_counters: torch.Tensor | None = None
 
     def set_lanes(self, groups: Sequence[dist.ProcessGroup | ExpertGroup | None]) -> None:
         """Local. The process groups of lanes 1, 2, ... (each: the same ranks as the layer's
@@ -136,6 +150,84 @@ class MoELayerBase(nn.Module):
             self._streams[device] = StreamSet(device)
         return self._streams[device]
 
+    # -- the sync-free capacity mode --------------------------------------------------------------
+    @property
+    def sync_free_capacity(self) -> float | None:
+        """The capacity factor of the sync-free capacity mode, or None (off: the dropless
+        exchange). Settable: ``layer.sync_free_capacity = None`` switches the mode off (e.g.
+        for a dropless rerun of a step that overflowed; `dropless` does it for a block)."""
+        return self._sync_free_capacity
+
+    @sync_free_capacity.setter
+    def sync_free_capacity(self, factor: float | None) -> None:
+        self._sync_free_capacity = self._checked_capacity(factor)
+
+    def _checked_capacity(self, factor: float | None) -> float | None:
+        """Local. ``factor`` as a float, or None; raises naming the fix where the layer cannot
+        run the mode."""
+        if factor is None:
+            return None
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"sync_free_capacity={factor!r} is invalid: give a capacity factor > 0 (the rows a "
+                             f"partition sends each expert, as a multiple of its even share K*T/E; e.g. 1.25), "
+                             f"or None for the dropless exchange")
+        planner = self.planner
+        if planner.partitions == "auto":
+            raise ValueError(f"sync_free_capacity={factor!r} needs a fixed partitions, not 'auto': the online "
+                             f"search agrees on n through the count exchange this mode drops; give partitions=N "
+                             f"(e.g. 2), or sync_free_capacity=None")
+        if planner.strategy == "auto":
+            raise ValueError(f"sync_free_capacity={factor!r} needs a fixed strategy, not 'auto': the performance "
+                             f"model's profile agreement rides the count exchange this mode drops; give "
+                             f"strategy='none', 'S1', 'S2', 'S3' or 'S4', or sync_free_capacity=None")
+        if planner.split != "tokens":
+            raise ValueError(f"sync_free_capacity={factor!r} needs split='tokens' (a capacity per token "
+                             f"partition), not {planner.split!r}: give split='tokens', or sync_free_capacity=None")
+        return float(factor)
+
+    @contextlib.contextmanager
+    def dropless(self) -> Iterator[None]:
+        """Local. Forwards inside run the dropless exchange (the sync-free capacity mode off),
+        e.g. the rerun of a step whose `overflowed` is not 0; the factor is restored after."""
+        factor = self._sync_free_capacity
+        self._sync_free_capacity = None
+        try:
+            yield
+        finally:
+            self._sync_free_capacity = factor
+
+    @property
+    def overflowed(self) -> torch.Tensor:
+        """Int64 scalar on the device: this rank's (token, choice) pairs that the sync-free
+        capacity mode dropped because their expert's capacity was full, summed over the
+        passes since `reset_capacity_counters` (a checkpoint's recomputation does not count
+        again). Never read by the layer: the caller reads it (with the loss), agrees over
+        the ranks (the sum or max: another rank may overflow where this one did not) and,
+        where it is not 0, reruns the step dropless (`dropless`). 0 (on the CPU) before any
+        pass in the mode."""
+        return self._counters()[0]
+
+    @property
+    def nonfinite_inputs(self) -> torch.Tensor:
+        """Int64 scalar on the device: the passes in the sync-free capacity mode whose input
+        on this rank held NaN or Inf, since `reset_capacity_counters` (the dropless exchange
+        raises `NonFiniteInputError` instead; this mode reads nothing, so it only counts)."""
+        return self._counters()[1]
+
+    def reset_capacity_counters(self) -> None:
+        """Local. Zero `overflowed` and `nonfinite_inputs` (in place: a CUDA graph that adds
+        to them keeps adding to the same tensor)."""
+        if self._capacity_counters is not None:
+            self._capacity_counters.zero_()
+
+    def _counters(self, device: torch.device | None = None) -> torch.Tensor:
+        """The counters, made (zero) on ``device`` when they are not there yet."""
+        counters = self._capacity_counters
+        if device is not None and (counters is None or counters.device != device):
+            counters = self._capacity_counters = torch.zeros(2, dtype=torch.int64, device=device)
+        return counters if counters is not None else torch.zeros(2, dtype=torch.int64)
+
     # -- step 1: input -------------------------------------------------------------------------
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Local. Validate x and view it as (tokens, d_model)."""
@@ -177,6 +269,8 @@ class MoELayerBase(nn.Module):
         autocast), not the input's."""
         E, planner = self.config.num_experts, self.planner
         dtype = compute_dtype(x_TD)
+        if self._sync_free_capacity is not None and self.group.distributed:
+            return self._plan_capacity(x_TD, routing, dtype)
         values = planner.local_values(x_TD.device, dtype)
         if not self.group.distributed:
             agreed = planner.agree(PassStats(False, x_TD.shape[0], 0), np.array([values], dtype=np.int64),
@@ -201,6 +295,32 @@ class MoELayerBase(nn.Module):
         replayed = self._replayed_plan()
         pass_plan = replayed or planner.decide(agreed)
         plan = self._plan_partitions(routing, chunk_P, pass_plan, tables)
+        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+
+    def _plan_capacity(self, x_TD: torch.Tensor, routing: Routing, dtype: torch.dtype
+                       ) -> tuple[DispatchPlan, PassPlan]:
+        """Step 2 in the sync-free capacity mode with several ranks: local, no device reads,
+        no count exchange. The planner's fixed n and strategy need no agreement; the rows
+        follow the pass's `CapacityLayout` (every rank has the same token count, so the same
+        capacities and splits); the pairs that overflowed and a NaN/Inf in the input are
+        added to the device counters (`overflowed`, `nonfinite_inputs`). An offloading
+        strategy's host check still agrees once per pass shape (`Planner.check_host_memory`)."""
+        planner, tokens, device = self.planner, x_TD.shape[0], x_TD.device
+        agreed = planner.agree(PassStats(False, tokens, 0), np.zeros((1, 0), dtype=np.int64), device, dtype)
+        replayed = self._replayed_plan()
+        pass_plan = replayed or planner.decide(agreed)
+        n = pass_plan.partitions
+        key = (tokens, n, device, self._sync_free_capacity)
+        layout = self._capacity_layouts.get(key)
+        if layout is None:
+            if len(self._capacity_layouts) >= self.MAX_CAPACITY_LAYOUTS:
+                self._capacity_layouts.clear()
+            layout = self._capacity_layouts[key] = CapacityLayout(
+                tokens, n, self._sync_free_capacity, self.config.top_k, self.group.size,  # type: ignore[arg-type]  # (set: the mode is on)
+                self.local_experts, device)
+        plan, overflowed = dispatcher.plan_capacity(routing, self._chunk_pairs(routing, n), layout)
+        if not recomputing():
+            self._counters(device).add_(torch.stack([overflowed, (~torch.isfinite(x_TD)).any()]))
         return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
 
     # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
@@ -267,9 +387,11 @@ class MoELayerBase(nn.Module):
         device values on the host, which aborts the capture), or None. Checked up front by
         `forward` while a capture is on, so the refusal names the cause instead of CUDA's
         "operation not permitted when stream is capturing"."""
-        if self.group.distributed:
+        if self.group.distributed and self._sync_free_capacity is None:
             return (f"{self.group.size} ranks exchange their row counts and read them on the host to size "
-                    f"the All-to-Alls")
+                    f"the All-to-Alls (the sync-free capacity mode, sync_free_capacity=, reads nothing)")
+        if self.group.distributed:
+            return None  # capacity mode: static splits, and the rows per expert are known on the host
         compute = compute_dtype(x_TD)
         return self.experts.host_count_reads(compute, x_TD.device, torch.is_grad_enabled())
 
@@ -296,8 +418,9 @@ class FastMoE(MoELayerBase):
 
     keep_activation = True
 
-    def __init__(self, config, group=None, *, device=None, dtype=None):
+    def __init__(self, config, group=None, *, sync_free_capacity: float | None = None, device=None, dtype=None):
         super().__init__(config, group, device=device, dtype=dtype)
+        self.sync_free_capacity = sync_free_capacity
 
 
 class FasterMoE(MoELayerBase):
@@ -305,13 +428,22 @@ class FasterMoE(MoELayerBase):
     Step s exchanges with one group of `group_size` peers (ranks rank+s·g … rank+s·g+g−1)
     and overlaps that exchange with the previous step's experts. No memory reuse."""
 
-    def __init__(self, config, group=None, *, group_size: int = 4, device=None, dtype=None):
+    def __init__(self, config, group=None, *, group_size: int = 4, sync_free_capacity: float | None = None,
+                 device=None, dtype=None):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} is invalid: give a positive integer "
                              f"(peers per exchange step; FasterMoE uses 4)")
         super().__init__(config, group, device=device, dtype=dtype)
         self.group_size = min(group_size, self.group.size)
         self.planner = Planner(config, self.group, partitions=self.steps, host_pool=self.host_pool)
+        self.sync_free_capacity = sync_free_capacity
+
+    def _checked_capacity(self, factor):
+        if factor is not None:
+            raise ValueError(f"sync_free_capacity={factor!r} is not supported by FasterMoE (its steps split by "
+                             f"destination ranks, sized by the count exchange): leave it None, or use FastMoE "
+                             f"or MPipeMoE for the sync-free capacity mode")
+        return None
 
     @property
     def steps(self) -> int:
@@ -349,13 +481,22 @@ class MPipeMoE(MoELayerBase):
                    partitions="auto"). Default: the given search's `splits`; else "auto" with
                    partitions="auto", "tokens" with a fixed n. Either way the partitions
                    share the buffers and restore them by the strategy.
+    sync_free_capacity: None (default: the dropless exchange, one host read per pass with
+                   several ranks) or a capacity factor f > 0: the sync-free capacity mode.
+                   Partition i of T_i tokens sends each expert C_i = ceil(f·K·T_i/E) rows,
+                   padded, so the All-to-Alls have static splits and a pass reads nothing on
+                   the host (and can be captured in a CUDA graph). Needs a fixed partitions,
+                   a fixed strategy and split "tokens", and the same token count on every
+                   rank. Pairs past a capacity are dropped and counted in `overflowed`: the
+                   caller must check it and rerun such a step dropless (`dropless`). With
+                   one rank it changes nothing (that pass reads nothing already).
     """
 
     def __init__(self, config, group=None, partitions="auto", strategy="auto", *,
                  profile: HardwareProfile | ProfileCache | None = None,
                  memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
-                 split: str | None = None, device=None, dtype=None):
+                 split: str | None = None, sync_free_capacity: float | None = None, device=None, dtype=None):
         if split is not None and split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: give one of {', '.join(map(repr, SPLITS))}")
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
@@ -368,6 +509,7 @@ class MPipeMoE(MoELayerBase):
         self.last_partitions: int | None = None
         self.last_split: str | None = None
         self.last_strategy: str | None = None  # type: ignore[assignment]  # (None until the first pass)
+        self.sync_free_capacity = sync_free_capacity
 
     def _split_and_search(self, partitions: int | str, split: str | None, search: GranularitySearch | None
                           ) -> tuple[str, GranularitySearch | None]:

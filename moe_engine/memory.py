@@ -24,6 +24,7 @@ fit, the layer falls back to S4, which needs no host memory.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -358,7 +359,8 @@ class MemoryEstimate:
 def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitions: int = 1, strategy: str = "none",
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
                    rows_sent: int | None = None, rows_received: int | None = None,
-                   largest_partition_received: int | None = None) -> MemoryEstimate:
+                   largest_partition_received: int | None = None,
+                   sync_free_capacity: float | None = None) -> MemoryEstimate:
     """Predict the layer's activation memory per rank (derivation in docs/engine.md).
 
     tokens: T on this rank. rows_sent / rows_received: R and N when known (e.g.
@@ -368,6 +370,9 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     largest_partition_received: the most rows one partition received (a pass's plan knows
     it); by default ⌈N/n⌉. Under skewed routing partitions receive unevenly and the
     per-partition buffers are as large as the fullest one.
+    sync_free_capacity: the layer's capacity factor f in the sync-free capacity mode (several
+    ranks): every partition of T_i tokens sends and receives E·⌈f·K·T_i/E⌉ rows, padding
+    included, so R, N and the fullest partition follow from f (give no rows then).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: choose one of {', '.join(ENGINES)}")
@@ -381,6 +386,15 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     r = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     index = 8
     single = world_size == 1
+    if sync_free_capacity is not None and not single:
+        if (rows_sent, rows_received, largest_partition_received) != (None, None, None):
+            raise ValueError(f"sync_free_capacity={sync_free_capacity!r} sets the rows (padded to the capacity): "
+                             f"give no rows_sent, rows_received or largest_partition_received with it")
+        parts = max(1, partitions)
+        slots = [math.ceil(sync_free_capacity * K * (-(-(i + 1) * T // parts) - -(-i * T // parts)) / E)
+                 for i in range(parts)]
+        rows_sent = rows_received = E * sum(slots)
+        largest_partition_received = E * max(slots)
     R = K * T if rows_sent is None or single else rows_sent
     N = K * T if rows_received is None or single else rows_received
     n = max(1, partitions)

@@ -8,6 +8,11 @@ the largest error of each compared quantity, so the test can name what broke. Wi
 expert-parallel degree P < W (``check_matrix(..., degree=P)``) the layers run on expert
 groups of P consecutive ranks (workers/distributed.py), and a rank's expert gradients are
 the reference's summed over its expert group's ranks only.
+
+The sync-free capacity mode joins as engines named with a ``+capacity`` suffix (the layer
+built with ``sync_free_capacity=CAPACITY_FACTOR``, room for every pair: nothing overflows,
+so it must equal the reference); it runs on the scenarios where every rank has the same
+token count, as the mode needs.
 """
 from __future__ import annotations
 
@@ -30,6 +35,10 @@ class Scenario:
     skew_to_expert: int | None = None  # every token's first choice is this expert
     seed: int = 0
 
+    @property
+    def same_tokens_on_every_rank(self) -> bool:
+        return len(set(self.tokens)) == 1
+
 
 SCENARIOS = [
     Scenario("k2_dropless_gelu", MoEConfig(8, 12, 8, top_k=2, activation="gelu"), (9, 13, 6, 11)),
@@ -48,24 +57,42 @@ SCENARIOS = [
              (9, 12, 7, 10)),
     Scenario("empty_experts", MoEConfig(8, 12, 8, top_k=1, activation="relu"), (2, 3, 1, 2)),
     Scenario("empty_batch_on_some_ranks", MoEConfig(8, 12, 8, top_k=2), (0, 7, 0, 5)),
+    # the same token count on every rank (the sync-free capacity mode's condition)
+    Scenario("k2_same_tokens_swiglu", MoEConfig(8, 12, 8, top_k=2, activation="swiglu"), (10,)),
+    # the router's capacity drops pairs, and at n = 3 one partition has no token
+    Scenario("k1_same_tiny_batch_capacity_skewed", MoEConfig(8, 12, 8, top_k=1, capacity_factor=1.0,
+                                                             activation="relu"), (2,), skew_to_expert=2),
 ]
+
+# C_i = ceil(8 · K · T_i / E) rows per expert: at least T_i with E = 8, the most pairs one
+# expert can get from a partition of T_i tokens, so nothing overflows
+CAPACITY_FACTOR = 8.0
+CAPACITY = "+capacity"
 
 ENGINES = (["fastmoe"]
            + [f"mpipemoe:{n}:{s}" for n in (1, 2, 3, 4, 7) for s in STRATEGIES]
            + [f"fastermoe:{g}" for g in (1, 2, 4)]
            # split by peers: n divides the expert group's size, so each runs where it can
-           + [f"mpipemoe:2:{s}:peers" for s in STRATEGIES] + [f"mpipemoe:4:{s}:peers" for s in ("none", "S4")])
+           + [f"mpipemoe:2:{s}:peers" for s in STRATEGIES] + [f"mpipemoe:4:{s}:peers" for s in ("none", "S4")]
+           # the sync-free capacity mode
+           + [f"fastmoe{CAPACITY}"] + [f"mpipemoe:{n}:{s}{CAPACITY}" for n in (1, 2, 3) for s in ("none", "S1", "S4")])
 
 
-def runs_on(spec: str, expert_group_size: int) -> bool:
+def runs_on(spec: str, expert_group_size: int, scenario: Scenario | None = None) -> bool:
     """Whether the engine spec can run on an expert group of that many ranks (a peer split's
-    n must divide it)."""
+    n must divide it) and, given, on the scenario (the capacity mode: the same token count
+    on every rank)."""
+    if spec.endswith(CAPACITY):
+        return scenario is None or scenario.same_tokens_on_every_rank
     parsed = EngineSpec.parse(spec)
     return not (parsed.split == "peers" and expert_group_size % parsed.partitions)
 
 
-def build_engine(spec: str, config: MoEConfig, dtype=torch.float64):
-    return build_layer(spec, config, dtype=dtype)
+def build_engine(spec: str, config: MoEConfig, group=None, dtype=torch.float64):
+    """The layer of an engine spec, or of a spec with the ``+capacity`` suffix."""
+    if spec.endswith(CAPACITY):
+        return build_layer(spec[:-len(CAPACITY)], config, group, dtype=dtype, sync_free_capacity=CAPACITY_FACTOR)
+    return build_layer(spec, config, group, dtype=dtype)
 
 
 @dataclass
@@ -173,6 +200,8 @@ def max_errors(layer, problem: Problem, scenario: Scenario, rank: int, degree: i
         if name.startswith("experts."):
             ref = expert_grads[name][expert_rank * L:(expert_rank + 1) * L]
             errors[name + ".grad"] = err(p.grad if p.grad is not None else torch.zeros_like(p), ref)
+    if layer.sync_free_capacity is not None:
+        errors["pairs overflowed"] = float(layer.overflowed)  # the matrix's capacity has room for all
     return errors
 
 
@@ -191,9 +220,9 @@ def check_matrix(rank: int, world_size: int, scenario_names: list, engines: list
             continue
         problem = make_problem(scenario, world_size)
         solve_reference(problem, scenario.config)
-        for spec in (e for e in engines if runs_on(e, layout.degree)):
+        for spec in (e for e in engines if runs_on(e, layout.degree, scenario)):
             torch.manual_seed(0)
-            layer = build_layer(spec, scenario.config, group, dtype=dtype)
+            layer = build_engine(spec, scenario.config, group, dtype=dtype)
             load_params(layer, problem, layout.expert_rank)
             results[(scenario.name, spec)] = max_errors(layer, problem, scenario, rank, layout.degree)
     return results
@@ -228,7 +257,7 @@ def check_micro_batch_schedules(rank: int, world_size: int, scenario_names: list
         for problem in problems:
             problem.params = problems[0].params  # one model, different tokens per micro-batch
             solve_reference(problem, scenario.config)
-        for spec in (e for e in engines if runs_on(e, world_size)):
+        for spec in (e for e in engines if runs_on(e, world_size, scenario)):
             torch.manual_seed(0)
             layer = build_engine(spec, scenario.config)
             load_params(layer, problems[0], rank)

@@ -14,6 +14,7 @@ from tests.engine_cases import ENGINES, SCENARIOS, check_layouts, runs_on
 pytestmark = pytest.mark.gloo
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5}
+SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}
 
 LAYOUTS = [pytest.param(w, None, dtype, id=f"W{w}-{name}") for w in (1, 2, 4)
            for dtype, name in ((torch.float64, "float64"), (torch.float32, "float32-grouped"))] \
@@ -44,6 +45,6 @@ def test_engines_match_reference(world_size, degree, scenario, dtype):
                 if not error <= TOLERANCE[dtype]:
                     failures.append(f"rank {rank} {engine}: {quantity} off by {error:.3g}")
     checked = sum(1 for results in per_rank for (scen, _) in results if scen == scenario)
-    expected = world_size * sum(runs_on(e, degree or world_size) for e in ENGINES)
+    expected = world_size * sum(runs_on(e, degree or world_size, SCENARIO_BY_NAME[scenario]) for e in ENGINES)
     assert checked == expected, f"{checked} engine runs reported, {expected} expected"
     assert not failures, f"{len(failures)} mismatches, e.g.\n" + "\n".join(failures[:20])

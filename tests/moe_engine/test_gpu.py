@@ -690,3 +690,80 @@ def test_a_capture_whose_experts_read_counts_on_the_host_is_refused_up_front_cpu
     assert "widths 6 and 128" in odd_layer.capture_refusal(torch.randn(4, 6))
     layer.group.group, layer.group.size = object(), 2  # as a two-rank group looks (no collective runs)
     assert "2 ranks exchange their row counts" in layer.float().capture_refusal(x)
+
+
+def _sync_free_capacity_on_one_rank(backend, device, init_file, dtype, tolerance, capture):
+    """The sync-free capacity mode through a process group of one rank (its All-to-Alls
+    really run): a training step equals the dropless exchange's where nothing overflows,
+    makes no host-device synchronisation in a steady pass (CUDA's sync debug mode) and,
+    ``capture``, a CUDA graph of the whole step replays the eager step on new inputs."""
+    import warnings
+
+    from moe_engine.comm import ExpertGroup
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        config = MoEConfig(d_model=64, d_hidden=128, num_experts=8, top_k=2, activation="swiglu")
+        group = ExpertGroup(dist.group.WORLD, always_communicate=True)
+        torch.manual_seed(0)
+        layer = MPipeMoE(config, group, partitions=2, strategy="S4", sync_free_capacity=4.0).to(device, dtype)
+        params = list(layer.parameters())
+        static_x = torch.randn(256, 64, device=device, dtype=dtype, requires_grad=True)
+        static_dy = torch.randn(256, 64, device=device, dtype=dtype)
+
+        def step(x, dy):
+            y, aux = layer(x)
+            return (y, *torch.autograd.grad([y, aux], [x] + params, [dy, torch.ones_like(aux)]))
+
+        capacity = step(static_x, static_dy)
+        with layer.dropless():
+            dropless = step(static_x, static_dy)
+        for got, want in zip(capacity, dropless):
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        assert int(layer.overflowed) == 0 and int(layer.nonfinite_inputs) == 0
+        if device.type != "cuda":
+            return
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(static_x, static_dy)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits = [str(w.message).splitlines()[0] for w in caught
+                 if str(w.message).startswith("called a synchronizing CUDA operation")]
+        assert waits == [], waits
+        if not capture:
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step(static_x, static_dy)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step(static_x, static_dy)
+        for seed in (1, 2):
+            g = torch.Generator(device).manual_seed(seed)
+            with torch.no_grad():
+                static_x.copy_(torch.randn(256, 64, device=device, dtype=dtype, generator=g))
+                static_dy.copy_(torch.randn(256, 64, device=device, dtype=dtype, generator=g))
+            graph.replay()
+            eager = step(static_x.detach().clone().requires_grad_(True), static_dy)
+            for got, want in zip(static_out, eager):
+                torch.testing.assert_close(got, want)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_sync_free_capacity_step_matches_dropless_without_syncs_and_is_captured(tmp_path):
+    device = torch.device("cuda", torch.cuda.current_device())
+    _sync_free_capacity_on_one_rank("nccl", device, tmp_path / "init", torch.bfloat16, 2e-2, capture=True)
+
+
+def test_sync_free_capacity_step_matches_dropless_without_syncs_and_is_captured_cpu_twin(tmp_path):
+    _sync_free_capacity_on_one_rank("gloo", CPU, tmp_path / "init", torch.float32, 1e-5, capture=False)
