@@ -55,7 +55,11 @@ def recomputing() -> bool:
 
 
 class NonFiniteInputError(ValueError):
-    """NaN or Inf in some rank's MoE layer input; raised on every rank together."""
+    """NaN or Inf in some rank's MoE layer input; raised on every rank of the layer's group
+    together (``on_nonfinite_input="raise"``)."""
+
+
+NONFINITE_INPUT_POLICIES = ("raise", "flag")
 
 
 class MoELayerBase(nn.Module):
@@ -86,6 +90,20 @@ class MoELayerBase(nn.Module):
         # own streams (set_lanes), so that two micro-batches in flight never pair each
         # other's collectives nor queue behind each other's side streams.
         self._lanes: list[tuple[ExpertGroup, dict[torch.device, StreamSet]]] = []
+        # NaN/Inf in the input (seen with several ranks, in the exchanged pass statistics):
+        # "raise" NonFiniteInputError on every rank of the layer's group together, which is safe
+        # only when no other group's collective follows (the group is the world); "flag" runs the
+        # pass on (every collective issued, sized from the agreed counts) and sets
+        # `nonfinite_input` when this rank's input held them, for a caller that decides on values
+        # reduced over every rank (the trainer: workers/loop.py).
+        self.on_nonfinite_input = "raise"
+        self.nonfinite_input = False
+
+    def take_nonfinite_input(self) -> bool:
+        """Local. Whether a pass since the last call met NaN/Inf in this rank's input
+        (``on_nonfinite_input="flag"``); clears it."""
+        seen, self.nonfinite_input = self.nonfinite_input, False
+        return seen
 
     def set_lanes(self, groups: Sequence[dist.ProcessGroup | ExpertGroup | None]) -> None:
         """Local. The process groups of lanes 1, 2, ... (each: the same ranks as the layer's
@@ -170,9 +188,10 @@ class MoELayerBase(nn.Module):
     def plan(self, x_TD: torch.Tensor, routing: Routing) -> tuple[DispatchPlan, PassPlan]:
         """Step 2. With one rank: local, no device reads. With several: count rows (local),
         exchange counts with every rank's pass statistics and planner values (one
-        collective), read both (the pass's one device read), raise together on NaN/Inf,
-        then the planner decides on the agreed values (planner.py) and the rows are planned
-        (local). An offloading strategy's host check may add the planner's one agreement.
+        collective), read both (the pass's one device read), raise together on NaN/Inf (or
+        flag them: ``on_nonfinite_input``), then the planner decides on the agreed values
+        (planner.py) and the rows are planned (local).
+        An offloading strategy's host check may add the planner's one agreement.
         The planner prices the dtype the experts run in (`compute_dtype`: autocast's under
         autocast), not the input's."""
         E, planner = self.config.num_experts, self.planner
@@ -193,7 +212,9 @@ class MoELayerBase(nn.Module):
         stats = dispatcher.pass_stats(x_TD, skew, values)
         tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group),
                                         STATS + len(values))
-        if tables.stats.nonfinite:
+        if tables.stats.nonfinite and self.on_nonfinite_input == "flag":
+            self.nonfinite_input |= bool(tables.stats_W[self.group.rank, 0])
+        elif tables.stats.nonfinite:
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")

@@ -12,9 +12,11 @@ the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) a
 the forward under autocast at ``config.dtype``. One step (numbers match the code):
   1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
   2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss
-  3. collective: loss sums over ranks; non-finite (or NaN/Inf caught inside a MoE layer,
-     which every rank raises together) -> by ``on_nonfinite_loss``: "halt" raises on every
-     rank, "skip" drops this step's update on every rank and goes on (no hang either way)
+  3. collective: loss sums over ranks, with each rank's flag of NaN/Inf met in a MoE layer's
+     input (the layers flag it and run on: no rank leaves the step's collectives early,
+     whatever its expert group saw); non-finite -> by ``on_nonfinite_loss``: "halt" raises
+     on every rank, "skip" drops this step's update on every rank and goes on (no hang
+     either way)
   4. backward of loss / K (the MoE layers run their own All-to-Alls; DDP/FSDP2 reduce the
      dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
   5. expert grads / W
@@ -59,7 +61,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -69,7 +71,7 @@ from lm.data import ValidationBatches, open_val_stream
 from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
                       lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
-from moe_engine.layers import NonFiniteInputError
+from moe_engine.layers import MoELayerBase
 from workers import checkpoint as ckpt
 from workers.config import DECAY_FRACTION, WorkerConfig
 from workers.reshard import rank_batches
@@ -88,19 +90,26 @@ MAX_SKIPPED_IN_A_ROW = 10  # "skip": this many non-finite steps in a row halt (t
 
 
 def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str, in_a_row: int,
-                         config: WorkerConfig) -> None:
-    """Called when step ``step``'s mean loss is NaN/Inf (``in_a_row``: such steps in a row,
-    this one included). Raises StepError naming the step under "halt", or under "skip" once
-    MAX_SKIPPED_IN_A_ROW are reached; otherwise returns and the caller skips the update.
-    Every rank sees the same mean losses, so every rank takes the same action."""
-    where = (f"non-finite loss at step {step} (lm_loss={mean_lm}, aux_loss={mean_aux}, "
-             f"engine={config.engine}, lr={config.lr})")
+                         config: WorkerConfig, input_ranks: Sequence[int] = ()) -> str:
+    """Called when step ``step`` is non-finite: its mean loss is NaN/Inf, or NaN/Inf reached
+    the MoE layer input of ``input_ranks`` (``in_a_row``: such steps in a row, this one
+    included). Raises StepError naming the step (and those ranks) under "halt", or under
+    "skip" once MAX_SKIPPED_IN_A_ROW are reached; otherwise returns why the caller skips the
+    update. Every rank sees the same values (reduced over all ranks), so every rank takes
+    the same action."""
+    losses = f"lm_loss={mean_lm}, aux_loss={mean_aux}, engine={config.engine}, lr={config.lr}"
+    if input_ranks:
+        what = f"NaN or Inf in the MoE layer input of rank(s) {', '.join(map(str, input_ranks))}"
+    else:
+        what = "non-finite loss"
+    where = f"{what} at step {step} ({losses})"
     if policy == "halt":
         raise StepError(f"{where}: lower --lr, check the data, or use float32 "
                         f"(--on-nonfinite-loss skip skips such steps instead)")
     if in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise StepError(f"{where}: {in_a_row} non-finite steps in a row, so the model itself is "
                         f"broken: lower --lr, check the data, or use float32")
+    return f"{what} ({losses})"
 
 
 def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size: int) -> bool:
@@ -285,6 +294,12 @@ class Trainer:
                                       timeout_s=config.collective_timeout_s, replica_group=replica_group,
                                       replicas=self.layout.replicas)
         self.model = model
+        # NaN/Inf in a MoE layer's input: flagged and carried by the step's loss all-reduce, so
+        # every rank skips or halts together (a raise inside the layer would leave its expert
+        # group's ranks in that all-reduce while the other groups wait in the dense reduction)
+        self.moe_layers = cast("list[MoELayerBase]", model.moe_layers())
+        for layer in self.moe_layers:
+            layer.on_nonfinite_input = "flag"
         # Collective (every rank resolves the same schedule): the MoE layers' lanes
         self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
             if self.schedule == "overlapped" else None
@@ -378,13 +393,15 @@ class Trainer:
 
     def step(self, step: int, nan_loss: bool = False) -> dict[str, Any]:
         """Collective: one optimizer step. Returns mean lm/aux loss over ranks and
-        micro-batches, grad_norm (NaN when skipped), lr, skipped."""
+        micro-batches, grad_norm (NaN when skipped), lr, skipped (and a skipped step's
+        skip_reason: the non-finite loss, or the ranks whose MoE input held NaN/Inf)."""
         config, rank, K = self.config, self.rank, self.grad_accum
         # Each micro-batch's [lm, aux] losses stay on the device until every backward has
         # been queued: reading them after its forward would leave the GPU idle while the
         # host waits and then queues the backward (one read per step, not one per micro-batch).
-        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
-        input_nonfinite = False
+        # [lm, aux, then one flag per rank: NaN/Inf met in its MoE layers' input]
+        losses = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
+        self._moe_input_nonfinite()  # (a forward outside a step, evaluate's, may have flagged)
 
         def loss_of(module: torch.nn.Module, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
             # 1. the micro-batch; 2. forward under autocast (the ids were checked on the host:
@@ -402,20 +419,17 @@ class Trainer:
         # 2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
         # forward of micro-batch k+1 beside the backward of k. The dense gradients are reduced
         # over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
-        # are re-raised naming the step; NaN/Inf in a MoE layer's input, raised on every rank
-        # together, counts as a non-finite loss.
+        # are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
+        # (every collective of the step runs on every rank), and read below.
         try:
             for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
                                            lanes=self.lanes):
-                losses += record
+                losses[:2] += record
         except ScheduleError as error:
             cause = error.__cause__
-            if isinstance(cause, NonFiniteInputError):
-                input_nonfinite = True
-            else:
-                where = "backward failed" if error.phase == "backward" else "failed"
-                raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
-                                f"{type(cause).__name__}: {cause}") from cause
+            where = "backward failed" if error.phase == "backward" else "failed"
+            raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
+                            f"{type(cause).__name__}: {cause}") from cause
         # The next step's first batch, read from the data while the device runs this backward
         # (read after the losses, its host work left the GPU idle: 7 ms a step for gpt-xl at
         # batch 128 on an H200). A bad batch is not taken here: the next step reads it again
@@ -424,17 +438,19 @@ class Trainer:
             self.prefetched = ((step + 1, 0), self._micro_batch(step + 1, 0))
         except ValueError:
             self.prefetched = None
-        # 4. global mean losses (one device read); on NaN/Inf every rank halts, or skips this
-        #    update, together (a non-finite loss still ran its backward: the gradients are dropped)
-        if input_nonfinite:
-            losses.fill_(math.nan)
-        lm_sum, aux_sum = all_reduce_sum_(losses, self.world_size).tolist()
+        # 4. global mean losses and the ranks whose MoE input was non-finite (one all-reduce,
+        #    one device read); on either every rank halts, or skips this update, together (a
+        #    non-finite step still ran its backward: the gradients are dropped)
+        if self._moe_input_nonfinite():
+            losses[2 + rank] = 1
+        reduced = all_reduce_sum_(losses, self.world_size).tolist()
+        lm_sum, aux_sum = reduced[:2]
+        input_ranks = [r for r, flag in enumerate(reduced[2:]) if flag]
         lm_total, aux_total = lm_sum / self.world_size / K, aux_sum / self.world_size / K
-        skip = not (math.isfinite(lm_total) and math.isfinite(aux_total))
+        skip = bool(input_ranks) or not (math.isfinite(lm_total) and math.isfinite(aux_total))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
-        if skip:
-            check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
-                                 self.nonfinite_in_a_row, config)
+        skip_reason = check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
+                                           self.nonfinite_in_a_row, config, input_ranks) if skip else None
         grad_norm, lr = math.nan, self.optimizer.param_groups[0]["lr"]  # the scheduler's rate for this step
         if not skip:
             # 5. expert grads summed over the expert replicas, / W (dense ones were averaged by DDP/FSDP2)
@@ -457,7 +473,13 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
-        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip)}
+        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip),
+                **({"skip_reason": skip_reason} if skip_reason else {})}
+
+    def _moe_input_nonfinite(self) -> bool:
+        """Local. Whether a MoE layer met NaN/Inf in this rank's input since the last call
+        (every layer's flag read and cleared)."""
+        return any([layer.take_nonfinite_input() for layer in self.moe_layers])
 
 
 def train_fn_per_worker(config: WorkerConfig) -> None:

@@ -1,0 +1,86 @@
+"""Tier 2 (4 gloo ranks, no Ray): every rank issues the same collectives and ends a step the
+same way, with expert groups smaller than the world.
+
+- NaN/Inf reaching the MoE input of one expert group only (ranks 0-1 of tiny-gpt at expert
+  parallel 2): under both micro-batch schedules every rank skips the step together
+  (``on_nonfinite_loss="skip"``, and the next step trains) or halts together naming ranks 0
+  and 1 (``"halt"``). The decision comes from the step's loss all-reduce over every rank; a
+  rank that decided alone would leave the others in a collective until the short collective
+  timeout ends the test.
+
+One spawn of 4 ranks, with a 20 s collective timeout: a regression fails, it does not hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lm.data import prepare_dataset
+from lm.model import get_preset
+from tests.distributed import run_on_ranks
+from workers.config import WorkerConfig
+
+TIMEOUT_S = 20
+POISONED = (0, 1)  # the ranks of expert group 0 at expert-parallel 2
+
+
+def _config(data_dir: str, **change) -> WorkerConfig:
+    preset = get_preset("tiny-gpt")
+    return WorkerConfig(**{"preset": dataclasses.asdict(preset), "engine": "mpipemoe", "partitions": 2,
+                           "strategy": "S1", "seed": 5, "lr": 1e-3, "aux_loss_weight": 0.01, "steps": 4,
+                           "batch_size": 2, "seq_len": 32, "grad_accum": 2, "data_dir": data_dir,
+                           "dtype": "float32", "expert_parallel": 2, "collective_timeout_s": TIMEOUT_S,
+                           **change})
+
+
+def _nan_on_one_expert_group(rank: int, world_size: int, data_dir: str) -> dict:
+    from workers.loop import StepError, Trainer
+
+    torch.set_num_threads(1)
+    outcomes = {}
+    for schedule in ("sequential", "overlapped"):
+        for policy in ("skip", "halt"):
+            trainer = Trainer(_config(data_dir, micro_batch_schedule=schedule, on_nonfinite_loss=policy),
+                              rank, world_size, torch.device("cpu"))
+            assert trainer.schedule == schedule
+            poison = [rank in POISONED]
+            trainer.model.tok_embed.register_forward_hook(
+                lambda module, inputs, out: out * math.nan if poison[0] else None)
+            try:
+                first = trainer.step(1)
+                outcome: tuple = ("skipped", first["skipped"], first.get("skip_reason"))
+            except StepError as error:
+                outcome = ("halted", str(error))
+            poison[0] = False
+            if policy == "skip":  # the next step trains on every rank
+                second = trainer.step(2)
+                outcome += (second["skipped"], math.isfinite(second["lm_loss"]))
+            outcomes[f"{schedule}-{policy}"] = outcome
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agreement")
+    prepare_dataset(root / "data", max_bytes=2**17, row_len=1024)
+    return str(root / "data")
+
+
+@pytest.mark.gloo
+def test_nonfinite_input_on_one_expert_group_ends_the_step_alike_on_every_rank(data_dir):
+    results = run_on_ranks(4, _nan_on_one_expert_group, data_dir, timeout=240, collective_timeout_s=TIMEOUT_S)
+    for schedule in ("sequential", "overlapped"):
+        skipped = [r[f"{schedule}-skip"] for r in results]
+        assert all(s == skipped[0] for s in skipped), skipped  # every rank alike
+        kind, flag, reason, next_skipped, next_finite = skipped[0]
+        assert (kind, flag, next_skipped, next_finite) == ("skipped", 1, 0, True)
+        assert "NaN or Inf in the MoE layer input of rank(s) 0, 1" in reason
+        halted = [r[f"{schedule}-halt"] for r in results]
+        assert all(h == halted[0] for h in halted), halted
+        kind, message = halted[0]
+        assert kind == "halted"
+        assert "NaN or Inf in the MoE layer input of rank(s) 0, 1 at step 1" in message
+        assert "--on-nonfinite-loss skip" in message
