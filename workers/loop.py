@@ -71,6 +71,7 @@ from lm.data import ValidationBatches, open_val_stream
 from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
                       lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
+from moe_engine.comm import CollectiveLog
 from moe_engine.layers import MoELayerBase
 from workers import checkpoint as ckpt
 from workers.config import DECAY_FRACTION, WorkerConfig
@@ -265,7 +266,7 @@ class Trainer:
     """
 
     def __init__(self, config: WorkerConfig, rank: int, world_size: int, device: torch.device,
-                 host_pool: HostBufferPool | None = None):
+                 host_pool: HostBufferPool | None = None, collective_log: CollectiveLog | None = None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
         degree = config.expert_parallel or world_size
@@ -277,7 +278,8 @@ class Trainer:
         self.schedule, self.schedule_reason = choose_schedule(
             config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
             budget_bytes=config.moe_memory_budget_bytes, preset=self.preset,
-            tokens=config.batch_size * config.seq_len, world_size=degree, dtype=getattr(torch, config.dtype))
+            tokens=config.batch_size * config.seq_len, world_size=degree, dtype=getattr(torch, config.dtype),
+            device=device)
         # Collective: the expert groups and the expert-data-parallel groups (workers/distributed.py)
         expert_group, replica_group = expert_groups(self.layout, config.collective_timeout_s)
         model = MoETransformer(self.preset, engine=config.engine, group=expert_group, partitions=config.partitions,
@@ -301,7 +303,8 @@ class Trainer:
         for layer in self.moe_layers:
             layer.on_nonfinite_input = "flag"
         # Collective (every rank resolves the same schedule): the MoE layers' lanes
-        self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
+        # (``collective_log``: records the MoE layers' collectives on every lane, for tests)
+        self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s, recorder=collective_log) \
             if self.schedule == "overlapped" else None
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
         self.decay_plan = wsd_plan(config.steps, config.warmup_steps, config.decay_fraction) \

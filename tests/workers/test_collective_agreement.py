@@ -7,6 +7,11 @@ same way, with expert groups smaller than the world.
   and 1 (``"halt"``). The decision comes from the step's loss all-reduce over every rank; a
   rank that decided alone would leave the others in a collective until the short collective
   timeout ends the test.
+- Over several overlapped steps with uneven routing (the granularity search on), every rank
+  issues the same collectives on each communicator (each expert group's and its second
+  lane's) in the same order: the same operations, All-to-Alls whose splits pair up (what
+  rank p sends q is what q receives from p), agreements of the same sizes. The MoE layers'
+  collectives are recorded as each rank issues them (a CollectiveLog given to the lanes).
 
 One spawn of 4 ranks, with a 20 s collective timeout: a regression fails, it does not hang.
 """
@@ -36,10 +41,27 @@ def _config(data_dir: str, **change) -> WorkerConfig:
                            **change})
 
 
+def _on_four(rank: int, world_size: int, data_dir: str) -> dict:
+    torch.set_num_threads(1)
+    return {"nan": _nan_on_one_expert_group(rank, world_size, data_dir),
+            "collectives": _overlapped_collectives(rank, world_size, data_dir)}
+
+
+def _overlapped_collectives(rank: int, world_size: int, data_dir: str) -> dict:
+    from moe_engine.comm import CollectiveLog
+    from workers.loop import Trainer
+
+    log = CollectiveLog()
+    config = _config(data_dir, micro_batch_schedule="overlapped", grad_accum=3, partitions="auto")
+    trainer = Trainer(config, rank, world_size, torch.device("cpu"), collective_log=log)
+    for step in range(1, 4):
+        trainer.step(step)
+    return {name: [(e.ranks, e.op, e.sizes) for e in events] for name, events in log.by_group.items()}
+
+
 def _nan_on_one_expert_group(rank: int, world_size: int, data_dir: str) -> dict:
     from workers.loop import StepError, Trainer
 
-    torch.set_num_threads(1)
     outcomes = {}
     for schedule in ("sequential", "overlapped"):
         for policy in ("skip", "halt"):
@@ -63,15 +85,15 @@ def _nan_on_one_expert_group(rank: int, world_size: int, data_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("agreement")
     prepare_dataset(root / "data", max_bytes=2**17, row_len=1024)
-    return str(root / "data")
+    return run_on_ranks(4, _on_four, str(root / "data"), timeout=300, collective_timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.gloo
-def test_nonfinite_input_on_one_expert_group_ends_the_step_alike_on_every_rank(data_dir):
-    results = run_on_ranks(4, _nan_on_one_expert_group, data_dir, timeout=240, collective_timeout_s=TIMEOUT_S)
+def test_nonfinite_input_on_one_expert_group_ends_the_step_alike_on_every_rank(runs):
+    results = [r["nan"] for r in runs]
     for schedule in ("sequential", "overlapped"):
         skipped = [r[f"{schedule}-skip"] for r in results]
         assert all(s == skipped[0] for s in skipped), skipped  # every rank alike
@@ -84,3 +106,31 @@ def test_nonfinite_input_on_one_expert_group_ends_the_step_alike_on_every_rank(d
         assert kind == "halted"
         assert "NaN or Inf in the MoE layer input of rank(s) 0, 1 at step 1" in message
         assert "--on-nonfinite-loss skip" in message
+
+
+@pytest.mark.gloo
+def test_every_rank_issues_the_same_collectives_per_communicator_under_the_overlapped_schedule(runs):
+    logs = [r["collectives"] for r in runs]
+    names = {name for log in logs for name in log}
+    members_of = {name: next(log[name][0][0] for log in logs if name in log) for name in names}
+    # each expert group: its own communicator and lane 1's; the world's: the ranks met after connecting them
+    assert sorted(members_of.values()) == [(0, 1)] * 2 + [(0, 1, 2, 3)] + [(2, 3)] * 2
+    uneven = 0
+    for name, members in members_of.items():
+        sequences = [logs[rank].get(name, []) for rank in members]
+        assert len({len(s) for s in sequences}) == 1, (name, [len(s) for s in sequences])
+        # every communicator was connected (a first collective) in Lanes.create, before any step
+        assert sequences[0][0][1].startswith("all-reduce") and sequences[0][0][2] == ((1,),)
+        if len(members) < 4:
+            assert len(sequences[0]) > 20  # several steps' count exchanges, All-to-Alls and agreements
+        for i, issued in enumerate(zip(*sequences)):
+            assert len({(ranks, op) for ranks, op, _ in issued}) == 1, (name, i, issued)
+            op = issued[0][1]
+            if op == "All-to-All":  # what p sends q is what q receives from p
+                for p, (_, _, (_, sent)) in enumerate(issued):
+                    for q, (_, _, (received, _)) in enumerate(issued):
+                        assert sent[q] == received[p], (name, i, issued)
+                uneven += any(len(set(sent)) > 1 for _, _, (_, sent) in issued)
+            else:
+                assert len({sizes for _, _, sizes in issued}) == 1, (name, i, issued)
+    assert uneven > 0  # the routing sent different row counts to different ranks
