@@ -204,3 +204,28 @@ def test_kernel_probes_run_before_the_overlapped_section_and_host_cache_release_
     lanes.close()
     assert events[0] == f"probe on {threading.current_thread().name}" and events[1] == "forward 0"
     assert events[-1] == "host cache emptied" and events.count("host cache emptied") == 1, events
+
+
+@pytest.mark.gpu
+def test_an_overlapped_bf16_step_on_cuda_probes_the_kernels_before_its_first_forward():
+    """The widening grouped kernel's probe (first needed by a bf16 backward, on the helper
+    thread) has run on the calling thread before the first forward, and no forward sees
+    CUDA's process-wide sync-debug mode switched."""
+    from moe_engine.experts import _grouped_kernel_widens
+
+    _grouped_kernel_widens.cache_clear()
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1").cuda()
+    lanes = Lanes.create(model)
+    tokens_BS = torch.zeros(2, 16, dtype=torch.long, device="cuda")
+    seen: list[tuple[int, int]] = []  # (probes cached, sync-debug mode) at each forward
+
+    def loss_of(module, k):
+        seen.append((_grouped_kernel_widens.cache_info().currsize, torch.cuda.get_sync_debug_mode()))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits_BSV, aux_loss = module(tokens_BS)
+        return logits_BSV.float().square().mean() + aux_loss.float(), k
+
+    forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes)
+    lanes.close()
+    assert seen == [(1, 0)] * 3
+    assert _grouped_kernel_widens.cache_info().misses == 1
