@@ -76,7 +76,7 @@ from moe_engine.layers import MoELayerBase
 from workers import checkpoint as ckpt
 from workers.config import DECAY_FRACTION, WorkerConfig
 from workers.reshard import rank_batches
-from workers.control import StopPoller
+from workers.control import HOLD_POLL_S, HOLD_TIMEOUT_S, StopPoller
 from workers.distributed import (DenseParallel, ExpertLayout, all_reduce_sum_, check_expert_degree, expert_groups,
                                  new_group, reduce_max, reduce_sum)
 from workers.load import ExpertLoad
@@ -573,10 +573,11 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             metrics.update(trainer.evaluate())
         if queue is not None:
             queue.put(metrics)
-        # 8c. at a hold step (a sweep's ASHA rung): rank 0 waits for the driver's decision on
-        # these metrics; a pruned trial stops here (collective: every rank learns it)
+        # 8c. at a hold step (a sweep's ASHA rung): every rank waits for the driver's decision on
+        # these metrics (rank 0 asks); a pruned trial stops here (collective: hold_verdict)
         if step in config.hold_steps and not stopping and step < config.steps:
-            stopping = reduce_max([float(stop.verdict(step))], device, world_size)[0]
+            stopping = hold_verdict(step, stop if rank == 0 else None, device, world_size,
+                                    config.collective_timeout_s)
         saver.finish()  # the previous step's async checkpoint, if any
         every = config.checkpoint_every  # 0 = no checkpoints
         if every and (step % every == 0 or step == config.steps or stopping):
@@ -584,6 +585,28 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         if stopping:
             break
     saver.finish()
+
+
+def hold_verdict(step: int, stop: StopPoller | None, device: torch.device, world_size: int,
+                 collective_timeout_s: float | None, hold_timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+    """Collective: whether the job stops after hold step ``step``, by the driver's decision,
+    which rank 0 asks for (``stop``; None on the other ranks). Rank 0 waits in slices of at
+    most HOLD_POLL_S and a quarter of ``collective_timeout_s``; after each, one max-reduction
+    tells every rank whether the driver has answered (0: not yet, 1: go on, 2: stop). So no
+    rank sits in a collective much longer than a slice, and a collective timeout shorter
+    than the driver's answer takes does not end the job. Without an answer within
+    ``hold_timeout_s`` the job goes on."""
+    wait_s = min(HOLD_POLL_S, collective_timeout_s / 4) if collective_timeout_s else HOLD_POLL_S
+    deadline = time.monotonic() + hold_timeout_s
+    while True:
+        answer = 0.0
+        if stop is not None:
+            verdict = stop.verdict(step, max(0.0, min(wait_s, deadline - time.monotonic())))
+            answer = 1.0 if verdict is None and time.monotonic() >= deadline else \
+                0.0 if verdict is None else 1.0 + float(verdict)
+        decided = reduce_max([answer], device, world_size)[0]
+        if decided:
+            return decided == 2.0
 
 
 class CheckpointSaver:
