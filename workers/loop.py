@@ -254,6 +254,54 @@ def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float, imp
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **optimizer_kernels(impl, parallel.device))
 
 
+@dataclass(frozen=True)
+class ParallelModel:
+    """One rank's model as training builds it (``build_parallel_model``): its place among the
+    expert groups, the micro-batch schedule (and why), the model and its data parallelism."""
+
+    layout: ExpertLayout
+    schedule: str
+    schedule_reason: str
+    model: MoETransformer
+    parallel: DenseParallel
+
+
+def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, device: torch.device,
+                         host_pool: HostBufferPool | None = None, batch_size: int | None = None) -> ParallelModel:
+    """Collective (every rank of the default group): the expert groups of ``config.expert_parallel``
+    consecutive ranks (the world when None) and the expert-data-parallel groups across them, the
+    micro-batch schedule (``choose_schedule``, for micro-batches of ``batch_size`` sequences,
+    default ``config.batch_size``), the model with this rank's experts (float32 master
+    parameters, or ``param_dtype``; two micro-batches in flight under the overlapped schedule,
+    which the MoE layers' memory budget counts) and its dense part under DDP or FSDP2. The
+    trainer and the capacity search (workers/capacity.py) build alike, so a batch the search
+    finds is one training runs."""
+    preset = config.preset
+    degree = config.expert_parallel or world_size
+    check_expert_degree(degree, preset.num_experts, world_size)
+    layout = ExpertLayout(rank, world_size, degree)
+    assert config.seq_len is not None  # WorkerConfig sets it from the preset
+    schedule, reason = choose_schedule(
+        config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
+        budget_bytes=config.moe_memory_budget_bytes, preset=preset,
+        tokens=(batch_size or config.batch_size) * config.seq_len, world_size=degree,
+        dtype=getattr(torch, config.dtype), device=device)
+    expert_group, replica_group = expert_groups(layout, config.collective_timeout_s)
+    model = MoETransformer(preset, engine=config.engine, group=expert_group, partitions=config.partitions,
+                           strategy=config.strategy, split=config.split, host_pool=host_pool,
+                           memory_budget=config.moe_memory_budget_bytes,
+                           in_flight=LANES if schedule == "overlapped" else 1)
+    model.to(device=device)  # float32 master parameters; compute dtype via autocast
+    init_parameters(model, config.seed, layout.expert_rank)
+    if config.param_dtype != "float32":  # pure low-precision training, for comparison
+        model.to(dtype=getattr(torch, config.param_dtype))
+    parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
+                             device=device, compute_dtype=getattr(torch, config.dtype),
+                             timeout_s=config.collective_timeout_s, replica_group=replica_group,
+                             replicas=layout.replicas)
+    return ParallelModel(layout, schedule, reason, model, parallel)
+
+
 class Trainer:
     """One rank's model, optimizer and data (no Ray: tests drive it on gloo ranks).
 
@@ -269,33 +317,12 @@ class Trainer:
                  host_pool: HostBufferPool | None = None, collective_log: CollectiveLog | None = None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
-        degree = config.expert_parallel or world_size
-        check_expert_degree(degree, self.preset.num_experts, world_size)
-        self.layout = ExpertLayout(rank, world_size, degree)
-        assert config.seq_len is not None  # WorkerConfig sets it from the preset
-        # the micro-batch schedule (workers/schedules.py); the overlapped one has two
-        # micro-batches' activations live, which the MoE layers' memory budget counts
-        self.schedule, self.schedule_reason = choose_schedule(
-            config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
-            budget_bytes=config.moe_memory_budget_bytes, preset=self.preset,
-            tokens=config.batch_size * config.seq_len, world_size=degree, dtype=getattr(torch, config.dtype),
-            device=device)
-        # Collective: the expert groups and the expert-data-parallel groups (workers/distributed.py)
-        expert_group, replica_group = expert_groups(self.layout, config.collective_timeout_s)
-        model = MoETransformer(self.preset, engine=config.engine, group=expert_group, partitions=config.partitions,
-                               strategy=config.strategy, split=config.split, host_pool=host_pool,
-                               memory_budget=config.moe_memory_budget_bytes,
-                               in_flight=LANES if self.schedule == "overlapped" else 1)
-        model.to(device=device)  # float32 master parameters; compute dtype via autocast
-        init_parameters(model, config.seed, self.layout.expert_rank)
-        if config.param_dtype != "float32":  # pure low-precision training, for comparison
-            model.to(dtype=getattr(torch, config.param_dtype))
-        self.parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp",
-                                      world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config.dtype),
-                                      timeout_s=config.collective_timeout_s, replica_group=replica_group,
-                                      replicas=self.layout.replicas)
+        # Collective: the expert groups, the model, DDP/FSDP2 (build_parallel_model)
+        built = build_parallel_model(config, rank, world_size, device, host_pool)
+        self.layout, self.schedule, self.schedule_reason = built.layout, built.schedule, built.schedule_reason
+        self.parallel, model = built.parallel, built.model
         self.model = model
+        assert config.seq_len is not None  # WorkerConfig sets it from the preset
         # NaN/Inf in a MoE layer's input: flagged and carried by the step's loss all-reduce, so
         # every rank skips or halts together (a raise inside the layer would leave its expert
         # group's ranks in that all-reduce while the other groups wait in the dense reduction)
