@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -82,9 +83,12 @@ class MoELayerBase(nn.Module):
         self._streams: dict[torch.device, StreamSet] = {}
         # (rows sent, rows received, the most one partition received) of the last pass
         self.last_rows: tuple[int, int, int] | None = None
-        # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
-        # forwards never recomputed fall off the far end)
-        self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
+        # plans of recent forwards per lane, for a checkpointed forward's recomputation
+        # (bounded: forwards never recomputed fall off the far end); the lane whose forwards
+        # run now (``lane``), and the lane a thread's backward recomputes (``replaying_lane``)
+        self._recorded_plans: dict[int, collections.deque[PassPlan]] = {}
+        self._lane_index = 0
+        self._replay_lane_of_thread: dict[int, int] = {}
         # Lanes of the overlapped micro-batch schedule (workers/schedules.py): lane 0 is the
         # layer's own group and streams; lane i > 0 a process group of the same ranks and its
         # own streams (set_lanes), so that two micro-batches in flight never pair each
@@ -134,14 +138,28 @@ class MoELayerBase(nn.Module):
             return
         if not 0 <= index < len(self._lanes):
             raise ValueError(f"lane {index} does not exist: the layer has {self.lanes} (set_lanes adds more)")
-        previous = (self.group, self._streams)
+        previous = (self.group, self._streams, self._lane_index)
         self.group, self._streams = self._lanes[index]
+        self._lane_index = index
         self.planner.group = self.group
         try:
             yield
         finally:
-            self.group, self._streams = previous
+            self.group, self._streams, self._lane_index = previous
             self.planner.group = self.group
+
+    @contextlib.contextmanager
+    def replaying_lane(self, index: int) -> Iterator[None]:
+        """Local. A backward on the calling thread belongs to a micro-batch of lane ``index``:
+        a checkpointed forward it recomputes replays that lane's plans (the overlapped
+        schedule's helper thread runs micro-batch k's backward while the next forward, on
+        the other lane, records its own)."""
+        thread = threading.get_ident()
+        self._replay_lane_of_thread[thread] = index
+        try:
+            yield
+        finally:
+            del self._replay_lane_of_thread[thread]
 
     @property
     def host_bytes_held(self) -> int:
@@ -227,23 +245,32 @@ class MoELayerBase(nn.Module):
     # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
     # and needs the same tensors saved: the recomputation must run the plan the original
     # forward ran (the online search moves on between passes). Forwards that record for
-    # backward push their plan; a recomputation pops the latest, last in first out as
-    # backward visits the forwards. Every rank recomputes the same layers in the same order,
-    # so every rank replays, and skips the planner's agreements, alike.
+    # backward push their plan on their lane's stack; a recomputation pops the latest of its
+    # backward's lane (``replaying_lane``; else the current one), last in first out as
+    # backward visits a micro-batch's forwards. Every rank recomputes the same layers in the
+    # same order, so every rank replays, and skips the planner's agreements, alike.
     def _record_plan(self, pass_plan: PassPlan) -> PassPlan:
         """Local. Remember the plan of a forward that records for backward (not of a
         recomputation: a reentrant checkpoint's forward runs without grad, so its
         recomputation finds nothing to replay and must leave nothing behind)."""
         if torch.is_grad_enabled() and not recomputing():
-            self._recorded_plans.append(pass_plan)
+            self._recorded_plans.setdefault(self._lane_index, collections.deque(maxlen=64)).append(pass_plan)
         return pass_plan
 
     def _replayed_plan(self) -> PassPlan | None:
         """Local. The plan of the forward being recomputed, when this forward runs inside
         backward (a checkpointed forward's recomputation); None otherwise."""
-        if not recomputing() or not self._recorded_plans:
+        if not recomputing():
             return None
-        return self._recorded_plans.pop()
+        lane = self._replay_lane_of_thread.get(threading.get_ident(), self._lane_index)
+        if lane != self._lane_index and self.group.distributed:
+            # (the layer's group is the lane the other thread forwards on now)
+            raise RuntimeError(f"an activation checkpoint recomputes this MoE layer in the backward of lane {lane} "
+                               f"while lane {self._lane_index}'s forward runs, and its collectives would go to "
+                               f"that lane's group: with several ranks, checkpoint the MoE layers only under the "
+                               f"sequential micro-batch schedule")
+        recorded = self._recorded_plans.get(lane)
+        return recorded.pop() if recorded else None
 
     # -- step 3: experts ---------------------------------------------------------------------
     def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:

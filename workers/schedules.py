@@ -235,6 +235,12 @@ class Lanes:
         stream (autograd runs each op on its forward's stream and, at the end, orders the
         calling thread's current stream after them), after the previous backward: the
         gradients accumulate in micro-batch order."""
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers:  # a checkpointed MoE layer recomputed in it replays this lane's plans
+                stack.enter_context(layer.replaying_lane(micro_batch % self.count))
+            self._backward_on_lane(loss, micro_batch)
+
+    def _backward_on_lane(self, loss: torch.Tensor, micro_batch: int) -> None:
         if not self.streams:
             _backward(loss, micro_batch)
             return
