@@ -213,6 +213,8 @@ class MoELayerBase(nn.Module):
         The planner prices the dtype the experts run in (`compute_dtype`: autocast's under
         autocast), not the input's."""
         E, planner = self.config.num_experts, self.planner
+        if recomputing():
+            self._replay_lane()  # (refused here, before any collective, where it must be)
         dtype = compute_dtype(x_TD)
         values = planner.local_values(x_TD.device, dtype)
         if not self.group.distributed:
@@ -257,19 +259,26 @@ class MoELayerBase(nn.Module):
             self._recorded_plans.setdefault(self._lane_index, collections.deque(maxlen=64)).append(pass_plan)
         return pass_plan
 
+    def _replay_lane(self) -> int:
+        """Local. The lane whose plans a recomputation replays: its backward's
+        (``replaying_lane``), else the current one. Raises, before the recomputation's first
+        collective and on every rank alike, for a recomputation in a lane's backward thread
+        with several ranks: the layer's group is whichever lane the other thread forwards on
+        at that moment, which differs between ranks."""
+        lane = self._replay_lane_of_thread.get(threading.get_ident())
+        if lane is not None and self.group.distributed:
+            raise RuntimeError(f"an activation checkpoint recomputes this MoE layer in the backward of lane {lane}, "
+                               f"beside the next micro-batch's forward, and its collectives would go to the group "
+                               f"that forward is using: with several ranks, checkpoint the MoE layers only under "
+                               f"the sequential micro-batch schedule")
+        return self._lane_index if lane is None else lane
+
     def _replayed_plan(self) -> PassPlan | None:
         """Local. The plan of the forward being recomputed, when this forward runs inside
         backward (a checkpointed forward's recomputation); None otherwise."""
         if not recomputing():
             return None
-        lane = self._replay_lane_of_thread.get(threading.get_ident(), self._lane_index)
-        if lane != self._lane_index and self.group.distributed:
-            # (the layer's group is the lane the other thread forwards on now)
-            raise RuntimeError(f"an activation checkpoint recomputes this MoE layer in the backward of lane {lane} "
-                               f"while lane {self._lane_index}'s forward runs, and its collectives would go to "
-                               f"that lane's group: with several ranks, checkpoint the MoE layers only under the "
-                               f"sequential micro-batch schedule")
-        recorded = self._recorded_plans.get(lane)
+        recorded = self._recorded_plans.get(self._replay_lane())
         return recorded.pop() if recorded else None
 
     # -- step 3: experts ---------------------------------------------------------------------

@@ -11,7 +11,10 @@ same way, with expert groups smaller than the world.
   issues the same collectives on each communicator (each expert group's and its second
   lane's) in the same order: the same operations, All-to-Alls whose splits pair up (what
   rank p sends q is what q receives from p), agreements of the same sizes. The MoE layers'
-  collectives are recorded as each rank issues them (a CollectiveLog given to the lanes).
+  collectives are recorded as each rank issues them (a CollectiveLog given to the lanes);
+  each communicator's first is the one that connected it when the lanes were made.
+- A checkpointed MoE layer's recomputation in the overlapped schedule's backward thread is
+  refused on every rank alike (its collectives would go to the other thread's lane).
 
 One spawn of 4 ranks, with a 20 s collective timeout: a regression fails, it does not hang.
 """
@@ -44,7 +47,30 @@ def _config(data_dir: str, **change) -> WorkerConfig:
 def _on_four(rank: int, world_size: int, data_dir: str) -> dict:
     torch.set_num_threads(1)
     return {"nan": _nan_on_one_expert_group(rank, world_size, data_dir),
-            "collectives": _overlapped_collectives(rank, world_size, data_dir)}
+            "collectives": _overlapped_collectives(rank, world_size, data_dir),
+            "recomputed": _checkpointed_under_lanes(rank)}
+
+
+def _checkpointed_under_lanes(rank: int) -> str:
+    """A checkpointed MoE layer under the overlapped schedule: its recomputation (in the
+    backward thread) is refused on every rank, whatever the other thread is doing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from moe_engine import MoEConfig, MPipeMoE
+    from workers.schedules import Lanes, ScheduleError, forward_backward
+
+    torch.manual_seed(0)
+    layer = MPipeMoE(MoEConfig(8, 16, 4), partitions=2, strategy="S1")
+    xs = [torch.randn(12, 8, generator=torch.Generator().manual_seed(10 * rank + k)) for k in range(3)]
+    lanes = Lanes.create(layer)
+    try:
+        forward_backward(layer, range(3), lambda module, k: (checkpoint(module, xs[k], use_reentrant=False)[0].sum(), k),
+                         schedule="overlapped", lanes=lanes)
+    except ScheduleError as error:
+        return f"{error.phase} {error.micro_batch}: {error.__cause__}"
+    finally:
+        lanes.close()
+    return "ran"
 
 
 def _overlapped_collectives(rank: int, world_size: int, data_dir: str) -> dict:
@@ -134,3 +160,12 @@ def test_every_rank_issues_the_same_collectives_per_communicator_under_the_overl
             else:
                 assert len({sizes for _, _, sizes in issued}) == 1, (name, i, issued)
     assert uneven > 0  # the routing sent different row counts to different ranks
+
+
+@pytest.mark.gloo
+def test_a_checkpointed_moe_layer_under_the_overlapped_schedule_is_refused_alike_on_every_rank(runs):
+    outcomes = [r["recomputed"] for r in runs]
+    assert all(outcome == outcomes[0] for outcome in outcomes), outcomes
+    assert outcomes[0].startswith("backward 0: an activation checkpoint recomputes this MoE layer in the backward "
+                                  "of lane 0")
+    assert "checkpoint the MoE layers only under the sequential micro-batch schedule" in outcomes[0]
