@@ -12,6 +12,10 @@ On CUDA an asynchronous All-to-All is issued on the communication stream the
 caller names; its `Pending` is an event on that stream. On CPU (gloo) it is
 the collective's work handle, which completes on gloo's own threads.
 
+A `CollectiveLog` given to a group (``recorder``) records each collective it issues, by
+communicator, before issuing it: a test compares the ranks' sequences (every rank must issue
+the same collectives on a communicator in the same order, or they pair the wrong ones).
+
 A collective that fails (a peer died, or the process group's timeout ended the
 wait for a rank that stopped participating) raises `CollectiveError` naming the
 collective and the rank, so a dead rank ends the job in bounded time with a
@@ -20,6 +24,7 @@ clear message instead of a hang.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -50,6 +55,30 @@ def nccl_comm_sms() -> int:
     return DEFAULT_COMM_SMS
 
 
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective as a rank issued it: its communicator (``group``, the process group's
+    name, the same on every rank; ``ranks``, its global ranks), what it is, and its sizes
+    (All-to-All: (output splits, input splits); others: the tensor's shape)."""
+
+    group: str
+    ranks: tuple[int, ...]
+    op: str
+    sizes: tuple[Any, ...]
+
+
+@dataclass
+class CollectiveLog:
+    """The collectives a rank issued, in order, per communicator (``by_group``); given to
+    `ExpertGroup` as its ``recorder``. Appends from several threads are safe (a list append
+    holds the GIL)."""
+
+    by_group: dict[str, list[CollectiveEvent]] = field(default_factory=dict)
+
+    def record(self, event: CollectiveEvent) -> None:
+        self.by_group.setdefault(event.group, []).append(event)
+
+
 class ExpertGroup:
     """The ranks that share the experts of one MoE layer.
 
@@ -64,10 +93,11 @@ class ExpertGroup:
     kernel waits for it, and the GEMM then lasts as long as the transfer (measured on an
     H200: a 0.86 ms grouped GEMM took 1.75 ms beside a one-CTA 1.46 ms transfer). Default:
     what NCCL's collectives hold (`nccl_comm_sms`).
+    recorder: a `CollectiveLog` that records every collective issued through the group (tests).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, always_communicate: bool = False,
-                 comm_sms: int | None = None):
+                 comm_sms: int | None = None, recorder: CollectiveLog | None = None):
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         if always_communicate and group is None:
@@ -82,6 +112,13 @@ class ExpertGroup:
                              f"kernels (>= 0; 0 leaves none), or None for NCCL's ({DEFAULT_COMM_SMS} unless "
                              f"NCCL_MAX_CTAS says)")
         self.comm_sms = nccl_comm_sms() if comm_sms is None else comm_sms
+        self.recorder = recorder
+
+    def _record(self, op: str, *sizes: Any) -> None:
+        """Local. Note the collective ``op`` with ``sizes`` in the recorder, if any."""
+        if self.recorder is not None and self.group is not None:
+            self.recorder.record(CollectiveEvent(self.group.group_name, tuple(dist.get_process_group_ranks(self.group)),
+                                                 op, sizes))
 
     @property
     def distributed(self) -> bool:
@@ -109,6 +146,7 @@ class ExpertGroup:
         if not self.distributed:
             return send_counts.clone()
         recv_counts = torch.empty_like(send_counts)
+        self._record("token-count exchange", tuple(send_counts.shape))
         self._run("token-count exchange", lambda: dist.all_to_all_single(
             recv_counts, send_counts.contiguous(), group=self.group))
         return recv_counts
@@ -120,6 +158,7 @@ class ExpertGroup:
         if not self.distributed:
             output.copy_(input)
             return
+        self._record("All-to-All", tuple(output_splits), tuple(input_splits))
         self._run("All-to-All", lambda: dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=self.group))
 
@@ -135,6 +174,7 @@ class ExpertGroup:
             with streams.on_comm():
                 output.copy_(input)
             return streams.record_comm()
+        self._record("All-to-All", tuple(output_splits), tuple(input_splits))
         if streams.is_cuda:
             with streams.on_comm():
                 self._run("All-to-All", lambda: dist.all_to_all_single(
@@ -167,6 +207,7 @@ class ExpertGroup:
         if not self.distributed:
             return values
         out = values.clone()
+        self._record(f"all-reduce {op}", tuple(values.shape))
         self._run("all-reduce", lambda: dist.all_reduce(out, op=op, group=self.group))
         return out
 
@@ -175,6 +216,7 @@ class ExpertGroup:
         if not self.distributed:
             return obj
         holder = [obj]
+        self._record("broadcast")
         self._run("broadcast", lambda: dist.broadcast_object_list(
             holder, src=dist.get_global_rank(self.group, 0), group=self.group))  # type: ignore[arg-type]  # (distributed: a group)
         return holder[0]

@@ -258,7 +258,8 @@ def grouped_mm(x_NI: torch.Tensor, w_LIO: torch.Tensor, seg: ExpertSegments) -> 
 def runs_without_host_sync(call: Callable[[], object]) -> bool:
     """Whether ``call`` runs on the current CUDA device without raising and without a
     host-device synchronisation (CUDA's sync debug mode set to "error" makes any sync
-    raise); the caller's mode is restored after."""
+    raise); the caller's mode is restored after. The mode is process-wide: call it only
+    where no other thread launches work (`resolve_kernel_probes`)."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -284,6 +285,16 @@ def _grouped_kernel_widens(device_type: str) -> bool:
     offs = torch.tensor([8, 16], dtype=torch.int32).to(device_type)  # copied before the check: a
     torch.cuda.synchronize()                                          # blocking copy is a sync too
     return runs_without_host_sync(lambda: torch._grouped_mm(a_KM.t(), a_KM, offs=offs, out_dtype=torch.float32))
+
+
+def resolve_kernel_probes(device: torch.device) -> None:
+    """Local (CUDA, the first time: a device sync). Run the probes the expert kernels make
+    once per process (`_grouped_kernel_widens`) now, on the calling thread: a probe switches
+    the process-wide sync debug mode and synchronises the device, which must not happen on
+    one thread while another launches work (the overlapped micro-batch schedule calls this
+    before its two threads start: workers/schedules.py)."""
+    if device.type == "cuda":
+        _grouped_kernel_widens("cuda")
 
 
 def _wide_weight_grad(x_NI: torch.Tensor, dy_NO: torch.Tensor, seg: ExpertSegments,

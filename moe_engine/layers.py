@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import threading
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -61,7 +62,11 @@ def recomputing() -> bool:
 
 
 class NonFiniteInputError(ValueError):
-    """NaN or Inf in some rank's MoE layer input; raised on every rank together."""
+    """NaN or Inf in some rank's MoE layer input; raised on every rank of the layer's group
+    together (``on_nonfinite_input="raise"``)."""
+
+
+NONFINITE_INPUT_POLICIES = ("raise", "flag")
 
 
 class MoELayerBase(nn.Module):
@@ -86,9 +91,12 @@ class MoELayerBase(nn.Module):
         self._streams: dict[torch.device, StreamSet] = {}
         # (rows sent, rows received, the most one partition received) of the last pass
         self.last_rows: tuple[int, int, int] | None = None
-        # plans of recent forwards, for a checkpointed forward's recomputation (bounded:
-        # forwards never recomputed fall off the far end)
-        self._recorded_plans: collections.deque[PassPlan] = collections.deque(maxlen=64)
+        # plans of recent forwards per lane, for a checkpointed forward's recomputation
+        # (bounded: forwards never recomputed fall off the far end); the lane whose forwards
+        # run now (``lane``), and the lane a thread's backward recomputes (``replaying_lane``)
+        self._recorded_plans: dict[int, collections.deque[PassPlan]] = {}
+        self._lane_index = 0
+        self._replay_lane_of_thread: dict[int, int] = {}
         # Lanes of the overlapped micro-batch schedule (workers/schedules.py): lane 0 is the
         # layer's own group and streams; lane i > 0 a process group of the same ranks and its
         # own streams (set_lanes), so that two micro-batches in flight never pair each
@@ -100,6 +108,20 @@ class MoELayerBase(nn.Module):
         self._sync_free_capacity: float | None = None
         self._capacity_layouts: dict[tuple, CapacityLayout] = {}
         self._capacity_counters: torch.Tensor | None = None
+        # NaN/Inf in the input (seen with several ranks, in the exchanged pass statistics):
+        # "raise" NonFiniteInputError on every rank of the layer's group together, which is safe
+        # only when no other group's collective follows (the group is the world); "flag" runs the
+        # pass on (every collective issued, sized from the agreed counts) and sets
+        # `nonfinite_input` when this rank's input held them, for a caller that decides on values
+        # reduced over every rank (the trainer: workers/loop.py).
+        self.on_nonfinite_input = "raise"
+        self.nonfinite_input = False
+
+    def take_nonfinite_input(self) -> bool:
+        """Local. Whether a pass since the last call met NaN/Inf in this rank's input
+        (``on_nonfinite_input="flag"``); clears it."""
+        seen, self.nonfinite_input = self.nonfinite_input, False
+        return seen
 
     def set_lanes(self, groups: Sequence[dist.ProcessGroup | ExpertGroup | None]) -> None:
         """Local. The process groups of lanes 1, 2, ... (each: the same ranks as the layer's
@@ -130,14 +152,28 @@ class MoELayerBase(nn.Module):
             return
         if not 0 <= index < len(self._lanes):
             raise ValueError(f"lane {index} does not exist: the layer has {self.lanes} (set_lanes adds more)")
-        previous = (self.group, self._streams)
+        previous = (self.group, self._streams, self._lane_index)
         self.group, self._streams = self._lanes[index]
+        self._lane_index = index
         self.planner.group = self.group
         try:
             yield
         finally:
-            self.group, self._streams = previous
+            self.group, self._streams, self._lane_index = previous
             self.planner.group = self.group
+
+    @contextlib.contextmanager
+    def replaying_lane(self, index: int) -> Iterator[None]:
+        """Local. A backward on the calling thread belongs to a micro-batch of lane ``index``:
+        a checkpointed forward it recomputes replays that lane's plans (the overlapped
+        schedule's helper thread runs micro-batch k's backward while the next forward, on
+        the other lane, records its own)."""
+        thread = threading.get_ident()
+        self._replay_lane_of_thread[thread] = index
+        try:
+            yield
+        finally:
+            del self._replay_lane_of_thread[thread]
 
     @property
     def host_bytes_held(self) -> int:
@@ -262,12 +298,15 @@ class MoELayerBase(nn.Module):
     def plan(self, x_TD: torch.Tensor, routing: Routing) -> tuple[DispatchPlan, PassPlan]:
         """Step 2. With one rank: local, no device reads. With several: count rows (local),
         exchange counts with every rank's pass statistics and planner values (one
-        collective), read both (the pass's one device read), raise together on NaN/Inf,
-        then the planner decides on the agreed values (planner.py) and the rows are planned
-        (local). An offloading strategy's host check may add the planner's one agreement.
+        collective), read both (the pass's one device read), raise together on NaN/Inf (or
+        flag them: ``on_nonfinite_input``), then the planner decides on the agreed values
+        (planner.py) and the rows are planned (local).
+        An offloading strategy's host check may add the planner's one agreement.
         The planner prices the dtype the experts run in (`compute_dtype`: autocast's under
         autocast), not the input's."""
         E, planner = self.config.num_experts, self.planner
+        if recomputing():
+            self._replay_lane()  # (refused here, before any collective, where it must be)
         dtype = compute_dtype(x_TD)
         if self._sync_free_capacity is not None and self.group.distributed:
             return self._plan_capacity(x_TD, routing, dtype)
@@ -287,7 +326,9 @@ class MoELayerBase(nn.Module):
         stats = dispatcher.pass_stats(x_TD, skew, values)
         tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group),
                                         STATS + len(values))
-        if tables.stats.nonfinite:
+        if tables.stats.nonfinite and self.on_nonfinite_input == "flag":
+            self.nonfinite_input |= bool(tables.stats_W[self.group.rank, 0])
+        elif tables.stats.nonfinite:
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
@@ -326,23 +367,39 @@ class MoELayerBase(nn.Module):
     # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
     # and needs the same tensors saved: the recomputation must run the plan the original
     # forward ran (the online search moves on between passes). Forwards that record for
-    # backward push their plan; a recomputation pops the latest, last in first out as
-    # backward visits the forwards. Every rank recomputes the same layers in the same order,
-    # so every rank replays, and skips the planner's agreements, alike.
+    # backward push their plan on their lane's stack; a recomputation pops the latest of its
+    # backward's lane (``replaying_lane``; else the current one), last in first out as
+    # backward visits a micro-batch's forwards. Every rank recomputes the same layers in the
+    # same order, so every rank replays, and skips the planner's agreements, alike.
     def _record_plan(self, pass_plan: PassPlan) -> PassPlan:
         """Local. Remember the plan of a forward that records for backward (not of a
         recomputation: a reentrant checkpoint's forward runs without grad, so its
         recomputation finds nothing to replay and must leave nothing behind)."""
         if torch.is_grad_enabled() and not recomputing():
-            self._recorded_plans.append(pass_plan)
+            self._recorded_plans.setdefault(self._lane_index, collections.deque(maxlen=64)).append(pass_plan)
         return pass_plan
+
+    def _replay_lane(self) -> int:
+        """Local. The lane whose plans a recomputation replays: its backward's
+        (``replaying_lane``), else the current one. Raises, before the recomputation's first
+        collective and on every rank alike, for a recomputation in a lane's backward thread
+        with several ranks: the layer's group is whichever lane the other thread forwards on
+        at that moment, which differs between ranks."""
+        lane = self._replay_lane_of_thread.get(threading.get_ident())
+        if lane is not None and self.group.distributed:
+            raise RuntimeError(f"an activation checkpoint recomputes this MoE layer in the backward of lane {lane}, "
+                               f"beside the next micro-batch's forward, and its collectives would go to the group "
+                               f"that forward is using: with several ranks, checkpoint the MoE layers only under "
+                               f"the sequential micro-batch schedule")
+        return self._lane_index if lane is None else lane
 
     def _replayed_plan(self) -> PassPlan | None:
         """Local. The plan of the forward being recomputed, when this forward runs inside
         backward (a checkpointed forward's recomputation); None otherwise."""
-        if not recomputing() or not self._recorded_plans:
+        if not recomputing():
             return None
-        return self._recorded_plans.pop()
+        recorded = self._recorded_plans.get(self._replay_lane())
+        return recorded.pop() if recorded else None
 
     # -- step 3: experts ---------------------------------------------------------------------
     def _run_experts(self, x_TD: torch.Tensor, plan: DispatchPlan, pass_plan: PassPlan) -> torch.Tensor:

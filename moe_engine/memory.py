@@ -24,11 +24,12 @@ fit, the layer falls back to S4, which needs no host memory.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -180,11 +181,35 @@ class HostBufferPool:
         # The overlapped micro-batch schedule (workers/schedules.py) takes buffers in one
         # micro-batch's forward while another's backward, on a second thread, gives them back.
         self._lock = threading.RLock()
+        # `deferring_cache_release`: sections open, and whether a release waits for their end
+        self._deferring = 0
+        self._release_deferred = False
+
+    @contextlib.contextmanager
+    def deferring_cache_release(self) -> Iterator[None]:
+        """Local. Inside, dropping pinned buffers leaves torch's host cache as it is; the
+        cache is emptied once the outermost such section ends (`empty_host_cache` waits for
+        the device: inside the overlapped micro-batch schedule, where two host threads issue
+        the two lanes' collectives, a device wait on one thread stalls the other's issue in
+        an order that differs between ranks; workers/schedules.py)."""
+        with self._lock:
+            self._deferring += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deferring -= 1
+                release = self._deferring == 0 and self._release_deferred
+                if release:
+                    self._release_deferred = False
+            if release:
+                empty_host_cache()
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of a model holding the pool) gets its own lock."""
         state = self.__dict__.copy()
         del state["_lock"]
+        state.update(_deferring=0, _release_deferred=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -274,7 +299,7 @@ class HostBufferPool:
         """Drop free buffers, oldest given back first, until the pool holds at most
         ``limit`` bytes or none is free. Pinned ones are then freed (`empty_host_cache`:
         torch's host allocator frees each block once the copies recorded against it are
-        done), not kept in that allocator's cache."""
+        done), not kept in that allocator's cache; inside `deferring_cache_release`, when it ends."""
         held = self.bytes_held
         pinned = False
         while self._free and held > limit:
@@ -282,7 +307,9 @@ class HostBufferPool:
             held -= self._bytes(buffer)
             pinned |= self._is_pinned(buffer)
             del buffer
-        if pinned:
+        if pinned and self._deferring:
+            self._release_deferred = True
+        elif pinned:
             empty_host_cache()
 
     def bytes_to_grow(self, requests: list[tuple[int, torch.dtype]], pin: bool = False) -> int:

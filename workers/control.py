@@ -5,7 +5,7 @@
     poller = StopPoller(flag)        # rank 0
     poller.requested()               # rank 0, once per step: a local, non-blocking check
     flag.decide.remote(step, stop)   # driver, at a hold step (a sweep's ASHA rung)
-    poller.verdict(step)             # rank 0, at a hold step: waits for the driver's decision
+    poller.verdict(step, timeout_s)  # rank 0, at a hold step: waits a while for the driver's decision
 
 Only rank 0 polls; the loop carries its answer in the step's max-reduction that every rank
 already makes, so all ranks stop after the same step (no extra collective, no hang).
@@ -51,9 +51,13 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-# Rank 0 waits at most this long at a hold step for the driver's decision, then goes on
-# (a driver that never answers must not hang the job; under the default collective timeout, 600 s).
+# The ranks wait at most this long at a hold step for the driver's decision, then go on (a
+# driver that never answers must not hang the job). Rank 0 asks in waits of at most
+# HOLD_POLL_S (and a quarter of the collective timeout), between which every rank learns in a
+# collective whether the driver has answered (workers/loop.py ``hold_verdict``), so no rank
+# sits in a collective for long whatever the collective timeout.
 HOLD_TIMEOUT_S = 300.0
+HOLD_POLL_S = 30.0
 
 
 class StopFlag:
@@ -81,15 +85,15 @@ class StopFlag:
                 self._event.set()
             self._changed.notify_all()
 
-    async def verdict(self, step: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+    async def verdict(self, step: int, timeout_s: float = HOLD_POLL_S) -> bool | None:
         """True when the driver decided to stop after ``step`` or asked to stop (Ctrl-C);
-        False when it decided to go on, or said nothing within ``timeout_s``."""
+        False when it decided to go on; None when it said nothing within ``timeout_s``."""
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(
                     lambda: step in self._decided or self._event.is_set()), timeout_s)
             except asyncio.TimeoutError:
-                return False
+                return None
             return self._event.is_set() or self._decided.get(step, False)
 
 
@@ -134,11 +138,12 @@ class StopPoller:
             self._pending = None
             return False
 
-    def verdict(self, step: int, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
-        """Local (no collective), blocking: the driver's decision on stopping after ``step``
-        (False without a flag)."""
+    def verdict(self, step: int, timeout_s: float = HOLD_POLL_S) -> bool | None:
+        """Local (no collective), blocking for up to ``timeout_s``: the driver's decision on
+        stopping after ``step``, None while it has not decided (False without a flag)."""
         if self._flag is None:
             return False
         import ray
 
-        return bool(ray.get(self._flag.verdict.remote(step, timeout_s)))
+        answer = ray.get(self._flag.verdict.remote(step, timeout_s))
+        return None if answer is None else bool(answer)

@@ -12,9 +12,11 @@ the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) a
 the forward under autocast at ``config.dtype``. One step (numbers match the code):
   1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
   2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss
-  3. collective: loss sums over ranks; non-finite (or NaN/Inf caught inside a MoE layer,
-     which every rank raises together) -> by ``on_nonfinite_loss``: "halt" raises on every
-     rank, "skip" drops this step's update on every rank and goes on (no hang either way)
+  3. collective: loss sums over ranks, with each rank's flag of NaN/Inf met in a MoE layer's
+     input (the layers flag it and run on: no rank leaves the step's collectives early,
+     whatever its expert group saw); non-finite -> by ``on_nonfinite_loss``: "halt" raises
+     on every rank, "skip" drops this step's update on every rank and goes on (no hang
+     either way)
   4. backward of loss / K (the MoE layers run their own All-to-Alls; DDP/FSDP2 reduce the
      dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
   5. expert grads / W
@@ -59,7 +61,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -69,11 +71,12 @@ from lm.data import ValidationBatches, open_val_stream
 from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
                       lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
-from moe_engine.layers import NonFiniteInputError
+from moe_engine.comm import CollectiveLog
+from moe_engine.layers import MoELayerBase
 from workers import checkpoint as ckpt
 from workers.config import DECAY_FRACTION, WorkerConfig
 from workers.reshard import rank_batches
-from workers.control import StopPoller
+from workers.control import HOLD_POLL_S, HOLD_TIMEOUT_S, StopPoller
 from workers.distributed import (DenseParallel, ExpertLayout, all_reduce_sum_, check_expert_degree, expert_groups,
                                  new_group, reduce_max, reduce_sum)
 from workers.load import ExpertLoad
@@ -88,19 +91,26 @@ MAX_SKIPPED_IN_A_ROW = 10  # "skip": this many non-finite steps in a row halt (t
 
 
 def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str, in_a_row: int,
-                         config: WorkerConfig) -> None:
-    """Called when step ``step``'s mean loss is NaN/Inf (``in_a_row``: such steps in a row,
-    this one included). Raises StepError naming the step under "halt", or under "skip" once
-    MAX_SKIPPED_IN_A_ROW are reached; otherwise returns and the caller skips the update.
-    Every rank sees the same mean losses, so every rank takes the same action."""
-    where = (f"non-finite loss at step {step} (lm_loss={mean_lm}, aux_loss={mean_aux}, "
-             f"engine={config.engine}, lr={config.lr})")
+                         config: WorkerConfig, input_ranks: Sequence[int] = ()) -> str:
+    """Called when step ``step`` is non-finite: its mean loss is NaN/Inf, or NaN/Inf reached
+    the MoE layer input of ``input_ranks`` (``in_a_row``: such steps in a row, this one
+    included). Raises StepError naming the step (and those ranks) under "halt", or under
+    "skip" once MAX_SKIPPED_IN_A_ROW are reached; otherwise returns why the caller skips the
+    update. Every rank sees the same values (reduced over all ranks), so every rank takes
+    the same action."""
+    losses = f"lm_loss={mean_lm}, aux_loss={mean_aux}, engine={config.engine}, lr={config.lr}"
+    if input_ranks:
+        what = f"NaN or Inf in the MoE layer input of rank(s) {', '.join(map(str, input_ranks))}"
+    else:
+        what = "non-finite loss"
+    where = f"{what} at step {step} ({losses})"
     if policy == "halt":
         raise StepError(f"{where}: lower --lr, check the data, or use float32 "
                         f"(--on-nonfinite-loss skip skips such steps instead)")
     if in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise StepError(f"{where}: {in_a_row} non-finite steps in a row, so the model itself is "
                         f"broken: lower --lr, check the data, or use float32")
+    return f"{what} ({losses})"
 
 
 def fault_here(config: WorkerConfig, kind: str, step: int, rank: int, world_size: int) -> bool:
@@ -244,6 +254,54 @@ def build_optimizer(parallel: DenseParallel, lr: float, weight_decay: float, imp
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **optimizer_kernels(impl, parallel.device))
 
 
+@dataclass(frozen=True)
+class ParallelModel:
+    """One rank's model as training builds it (``build_parallel_model``): its place among the
+    expert groups, the micro-batch schedule (and why), the model and its data parallelism."""
+
+    layout: ExpertLayout
+    schedule: str
+    schedule_reason: str
+    model: MoETransformer
+    parallel: DenseParallel
+
+
+def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, device: torch.device,
+                         host_pool: HostBufferPool | None = None, batch_size: int | None = None) -> ParallelModel:
+    """Collective (every rank of the default group): the expert groups of ``config.expert_parallel``
+    consecutive ranks (the world when None) and the expert-data-parallel groups across them, the
+    micro-batch schedule (``choose_schedule``, for micro-batches of ``batch_size`` sequences,
+    default ``config.batch_size``), the model with this rank's experts (float32 master
+    parameters, or ``param_dtype``; two micro-batches in flight under the overlapped schedule,
+    which the MoE layers' memory budget counts) and its dense part under DDP or FSDP2. The
+    trainer and the capacity search (workers/capacity.py) build alike, so a batch the search
+    finds is one training runs."""
+    preset = config.preset
+    degree = config.expert_parallel or world_size
+    check_expert_degree(degree, preset.num_experts, world_size)
+    layout = ExpertLayout(rank, world_size, degree)
+    assert config.seq_len is not None  # WorkerConfig sets it from the preset
+    schedule, reason = choose_schedule(
+        config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
+        budget_bytes=config.moe_memory_budget_bytes, preset=preset,
+        tokens=(batch_size or config.batch_size) * config.seq_len, world_size=degree,
+        dtype=getattr(torch, config.dtype), device=device)
+    expert_group, replica_group = expert_groups(layout, config.collective_timeout_s)
+    model = MoETransformer(preset, engine=config.engine, group=expert_group, partitions=config.partitions,
+                           strategy=config.strategy, split=config.split, host_pool=host_pool,
+                           memory_budget=config.moe_memory_budget_bytes,
+                           in_flight=LANES if schedule == "overlapped" else 1)
+    model.to(device=device)  # float32 master parameters; compute dtype via autocast
+    init_parameters(model, config.seed, layout.expert_rank)
+    if config.param_dtype != "float32":  # pure low-precision training, for comparison
+        model.to(dtype=getattr(torch, config.param_dtype))
+    parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
+                             device=device, compute_dtype=getattr(torch, config.dtype),
+                             timeout_s=config.collective_timeout_s, replica_group=replica_group,
+                             replicas=layout.replicas)
+    return ParallelModel(layout, schedule, reason, model, parallel)
+
+
 class Trainer:
     """One rank's model, optimizer and data (no Ray: tests drive it on gloo ranks).
 
@@ -256,37 +314,24 @@ class Trainer:
     """
 
     def __init__(self, config: WorkerConfig, rank: int, world_size: int, device: torch.device,
-                 host_pool: HostBufferPool | None = None):
+                 host_pool: HostBufferPool | None = None, collective_log: CollectiveLog | None = None):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.preset = config.preset
-        degree = config.expert_parallel or world_size
-        check_expert_degree(degree, self.preset.num_experts, world_size)
-        self.layout = ExpertLayout(rank, world_size, degree)
-        assert config.seq_len is not None  # WorkerConfig sets it from the preset
-        # the micro-batch schedule (workers/schedules.py); the overlapped one has two
-        # micro-batches' activations live, which the MoE layers' memory budget counts
-        self.schedule, self.schedule_reason = choose_schedule(
-            config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
-            budget_bytes=config.moe_memory_budget_bytes, preset=self.preset,
-            tokens=config.batch_size * config.seq_len, world_size=degree, dtype=getattr(torch, config.dtype))
-        # Collective: the expert groups and the expert-data-parallel groups (workers/distributed.py)
-        expert_group, replica_group = expert_groups(self.layout, config.collective_timeout_s)
-        model = MoETransformer(self.preset, engine=config.engine, group=expert_group, partitions=config.partitions,
-                               strategy=config.strategy, split=config.split, host_pool=host_pool,
-                               memory_budget=config.moe_memory_budget_bytes,
-                               in_flight=LANES if self.schedule == "overlapped" else 1)
-        model.to(device=device)  # float32 master parameters; compute dtype via autocast
-        init_parameters(model, config.seed, self.layout.expert_rank)
-        if config.param_dtype != "float32":  # pure low-precision training, for comparison
-            model.to(dtype=getattr(torch, config.param_dtype))
-        self.parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp",
-                                      world_size=world_size, device=device,
-                                      compute_dtype=getattr(torch, config.dtype),
-                                      timeout_s=config.collective_timeout_s, replica_group=replica_group,
-                                      replicas=self.layout.replicas)
+        # Collective: the expert groups, the model, DDP/FSDP2 (build_parallel_model)
+        built = build_parallel_model(config, rank, world_size, device, host_pool)
+        self.layout, self.schedule, self.schedule_reason = built.layout, built.schedule, built.schedule_reason
+        self.parallel, model = built.parallel, built.model
         self.model = model
+        assert config.seq_len is not None  # WorkerConfig sets it from the preset
+        # NaN/Inf in a MoE layer's input: flagged and carried by the step's loss all-reduce, so
+        # every rank skips or halts together (a raise inside the layer would leave its expert
+        # group's ranks in that all-reduce while the other groups wait in the dense reduction)
+        self.moe_layers = cast("list[MoELayerBase]", model.moe_layers())
+        for layer in self.moe_layers:
+            layer.on_nonfinite_input = "flag"
         # Collective (every rank resolves the same schedule): the MoE layers' lanes
-        self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s) \
+        # (``collective_log``: records the MoE layers' collectives on every lane, for tests)
+        self.lanes = Lanes.create(model, timeout_s=config.collective_timeout_s, recorder=collective_log) \
             if self.schedule == "overlapped" else None
         self.optimizer = build_optimizer(self.parallel, config.lr, config.weight_decay, config.optimizer_impl)
         self.decay_plan = wsd_plan(config.steps, config.warmup_steps, config.decay_fraction) \
@@ -378,13 +423,15 @@ class Trainer:
 
     def step(self, step: int, nan_loss: bool = False) -> dict[str, Any]:
         """Collective: one optimizer step. Returns mean lm/aux loss over ranks and
-        micro-batches, grad_norm (NaN when skipped), lr, skipped."""
+        micro-batches, grad_norm (NaN when skipped), lr, skipped (and a skipped step's
+        skip_reason: the non-finite loss, or the ranks whose MoE input held NaN/Inf)."""
         config, rank, K = self.config, self.rank, self.grad_accum
         # Each micro-batch's [lm, aux] losses stay on the device until every backward has
         # been queued: reading them after its forward would leave the GPU idle while the
         # host waits and then queues the backward (one read per step, not one per micro-batch).
-        losses = torch.zeros(2, dtype=torch.float64, device=self.device)
-        input_nonfinite = False
+        # [lm, aux, then one flag per rank: NaN/Inf met in its MoE layers' input]
+        losses = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
+        self._moe_input_nonfinite()  # (a forward outside a step, evaluate's, may have flagged)
 
         def loss_of(module: torch.nn.Module, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
             # 1. the micro-batch; 2. forward under autocast (the ids were checked on the host:
@@ -402,20 +449,17 @@ class Trainer:
         # 2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
         # forward of micro-batch k+1 beside the backward of k. The dense gradients are reduced
         # over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
-        # are re-raised naming the step; NaN/Inf in a MoE layer's input, raised on every rank
-        # together, counts as a non-finite loss.
+        # are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
+        # (every collective of the step runs on every rank), and read below.
         try:
             for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
                                            lanes=self.lanes):
-                losses += record
+                losses[:2] += record
         except ScheduleError as error:
             cause = error.__cause__
-            if isinstance(cause, NonFiniteInputError):
-                input_nonfinite = True
-            else:
-                where = "backward failed" if error.phase == "backward" else "failed"
-                raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
-                                f"{type(cause).__name__}: {cause}") from cause
+            where = "backward failed" if error.phase == "backward" else "failed"
+            raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
+                            f"{type(cause).__name__}: {cause}") from cause
         # The next step's first batch, read from the data while the device runs this backward
         # (read after the losses, its host work left the GPU idle: 7 ms a step for gpt-xl at
         # batch 128 on an H200). A bad batch is not taken here: the next step reads it again
@@ -424,17 +468,19 @@ class Trainer:
             self.prefetched = ((step + 1, 0), self._micro_batch(step + 1, 0))
         except ValueError:
             self.prefetched = None
-        # 4. global mean losses (one device read); on NaN/Inf every rank halts, or skips this
-        #    update, together (a non-finite loss still ran its backward: the gradients are dropped)
-        if input_nonfinite:
-            losses.fill_(math.nan)
-        lm_sum, aux_sum = all_reduce_sum_(losses, self.world_size).tolist()
+        # 4. global mean losses and the ranks whose MoE input was non-finite (one all-reduce,
+        #    one device read); on either every rank halts, or skips this update, together (a
+        #    non-finite step still ran its backward: the gradients are dropped)
+        if self._moe_input_nonfinite():
+            losses[2 + rank] = 1
+        reduced = all_reduce_sum_(losses, self.world_size).tolist()
+        lm_sum, aux_sum = reduced[:2]
+        input_ranks = [r for r, flag in enumerate(reduced[2:]) if flag]
         lm_total, aux_total = lm_sum / self.world_size / K, aux_sum / self.world_size / K
-        skip = not (math.isfinite(lm_total) and math.isfinite(aux_total))
+        skip = bool(input_ranks) or not (math.isfinite(lm_total) and math.isfinite(aux_total))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
-        if skip:
-            check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
-                                 self.nonfinite_in_a_row, config)
+        skip_reason = check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
+                                           self.nonfinite_in_a_row, config, input_ranks) if skip else None
         grad_norm, lr = math.nan, self.optimizer.param_groups[0]["lr"]  # the scheduler's rate for this step
         if not skip:
             # 5. expert grads summed over the expert replicas, / W (dense ones were averaged by DDP/FSDP2)
@@ -457,7 +503,13 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
-        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip)}
+        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip),
+                **({"skip_reason": skip_reason} if skip_reason else {})}
+
+    def _moe_input_nonfinite(self) -> bool:
+        """Local. Whether a MoE layer met NaN/Inf in this rank's input since the last call
+        (every layer's flag read and cleared)."""
+        return any([layer.take_nonfinite_input() for layer in self.moe_layers])
 
 
 def train_fn_per_worker(config: WorkerConfig) -> None:
@@ -548,10 +600,11 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             metrics.update(trainer.evaluate())
         if queue is not None:
             queue.put(metrics)
-        # 8c. at a hold step (a sweep's ASHA rung): rank 0 waits for the driver's decision on
-        # these metrics; a pruned trial stops here (collective: every rank learns it)
+        # 8c. at a hold step (a sweep's ASHA rung): every rank waits for the driver's decision on
+        # these metrics (rank 0 asks); a pruned trial stops here (collective: hold_verdict)
         if step in config.hold_steps and not stopping and step < config.steps:
-            stopping = reduce_max([float(stop.verdict(step))], device, world_size)[0]
+            stopping = hold_verdict(step, stop if rank == 0 else None, device, world_size,
+                                    config.collective_timeout_s)
         saver.finish()  # the previous step's async checkpoint, if any
         every = config.checkpoint_every  # 0 = no checkpoints
         if every and (step % every == 0 or step == config.steps or stopping):
@@ -559,6 +612,28 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         if stopping:
             break
     saver.finish()
+
+
+def hold_verdict(step: int, stop: StopPoller | None, device: torch.device, world_size: int,
+                 collective_timeout_s: float | None, hold_timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+    """Collective: whether the job stops after hold step ``step``, by the driver's decision,
+    which rank 0 asks for (``stop``; None on the other ranks). Rank 0 waits in slices of at
+    most HOLD_POLL_S and a quarter of ``collective_timeout_s``; after each, one max-reduction
+    tells every rank whether the driver has answered (0: not yet, 1: go on, 2: stop). So no
+    rank sits in a collective much longer than a slice, and a collective timeout shorter
+    than the driver's answer takes does not end the job. Without an answer within
+    ``hold_timeout_s`` the job goes on."""
+    wait_s = min(HOLD_POLL_S, collective_timeout_s / 4) if collective_timeout_s else HOLD_POLL_S
+    deadline = time.monotonic() + hold_timeout_s
+    while True:
+        answer = 0.0
+        if stop is not None:
+            verdict = stop.verdict(step, max(0.0, min(wait_s, deadline - time.monotonic())))
+            answer = 1.0 if verdict is None and time.monotonic() >= deadline else \
+                0.0 if verdict is None else 1.0 + float(verdict)
+        decided = reduce_max([answer], device, world_size)[0]
+        if decided:
+            return decided == 2.0
 
 
 class CheckpointSaver:

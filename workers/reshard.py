@@ -43,28 +43,49 @@ def divisors_fitting(num_experts: int, global_batch: int) -> list[int]:
 
 
 def check_worker_count(num_experts: int, global_batch: int, workers: int, where: str,
-                       expert_parallel: int | None = None) -> None:
+                       expert_parallel: int | None = None, *, default_degree_known: bool = True) -> None:
     """Local. Raise ValueError naming the fix unless ``workers`` ranks in expert groups of
-    ``expert_parallel`` (None: one group of all of them) can each hold whole experts
-    (``num_experts % degree == 0``, the degree dividing ``workers``) and an equal slice of
-    the ``global_batch``."""
+    ``expert_parallel`` can each hold whole experts (``num_experts % degree == 0``, the
+    degree dividing ``workers``) and an equal slice of the ``global_batch``. With
+    ``expert_parallel`` None the degree is the default one: all the workers where
+    ``default_degree_known`` (CPU workers), else (GPU workers: the GPUs of a node where they
+    divide the experts, known once Ray is up) only the batch is checked here, and the
+    experts by the trainer's builder (app/jobs/ray_start.py)."""
     degree = expert_parallel or workers
-    if num_experts % degree == 0 and workers % degree == 0 and global_batch % workers == 0:
+    experts_split = (num_experts % degree == 0 and workers % degree == 0) or \
+        (expert_parallel is None and not default_degree_known)
+    if experts_split and global_batch % workers == 0:
         return
-    if expert_parallel is None or (num_experts % degree == 0 and workers % degree == 0):
-        why = (f"its {num_experts} experts per MoE layer do not split into whole experts per worker"
-               if num_experts % degree else
-               f"its global batch of {global_batch} sequences does not split evenly over {workers} workers")
-    else:
-        from lm.model import valid_expert_degrees
+    from lm.model import valid_expert_degrees
 
-        valid = ", ".join(str(p) for p in valid_expert_degrees(num_experts, workers))
+    valid = ", ".join(str(p) for p in valid_expert_degrees(num_experts, workers))
+    counts = ", ".join(str(w) for w in divisors_fitting(num_experts, global_batch))
+    if expert_parallel is not None and not experts_split:
         raise ValueError(f"{where} cannot continue on {workers} workers with --expert-parallel {expert_parallel}: "
                          f"the degree must divide both the {workers} workers and the {num_experts} experts per MoE "
                          f"layer; use --expert-parallel {valid}")
-    counts = ", ".join(str(w) for w in divisors_fitting(num_experts, global_batch))
+    if not experts_split and global_batch % workers == 0:  # the default degree (all the workers) is what fails
+        raise ValueError(f"{where} cannot continue on {workers} workers in one expert group: its {num_experts} "
+                         f"experts per MoE layer do not split into whole experts per worker; use --expert-parallel "
+                         f"{valid} (expert groups of that many workers, each holding every expert) or "
+                         f"--num-workers {counts} (each keeps whole experts and an equal share of the batch)")
+    why = (f"its {num_experts} experts per MoE layer do not split into whole experts per worker"
+           if not experts_split else
+           f"its global batch of {global_batch} sequences does not split evenly over {workers} workers")
     raise ValueError(f"{where} cannot continue on {workers} workers: {why}; use --num-workers {counts} "
                      f"(each keeps whole experts and an equal share of the batch)")
+
+
+def default_degree_known(use_gpu: bool | None) -> bool:
+    """Local. Whether a job's default expert-parallel degree is known before Ray starts: on
+    CPU workers (``use_gpu`` False, or None on a machine without CUDA) it is all the workers;
+    on GPU workers it depends on the GPUs of a node (workers/distributed.py
+    ``default_expert_degree``)."""
+    if use_gpu is None:
+        import torch
+
+        return not torch.cuda.is_available()
+    return not use_gpu
 
 
 def resumed_settings(recorded: dict[str, Any], given: dict[str, Any], name: str) -> dict[str, Any]:
@@ -82,7 +103,8 @@ def resumed_settings(recorded: dict[str, Any], given: dict[str, Any], name: str)
     global_batch = recorded["batch_size"] * old_workers
     experts = merged.get("num_experts") or _preset_experts(merged["preset"])
     where = f"run {name} (trained on {old_workers} workers)"
-    check_worker_count(experts, global_batch, new_workers, where, merged.get("expert_parallel"))
+    check_worker_count(experts, global_batch, new_workers, where, merged.get("expert_parallel"),
+                       default_degree_known=default_degree_known(merged.get("use_gpu")))
     per_worker = global_batch // new_workers
     if "batch_size" in given and given["batch_size"] != per_worker:
         raise ValueError(f"{where} cannot continue with --batch-size {given['batch_size']} on {new_workers} workers: "

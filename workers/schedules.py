@@ -36,6 +36,15 @@ Schedules (``SCHEDULES``):
   not overlapped with it. FSDP2 (``shard_dense``) all-gathers and frees parameters in its
   forward and backward hooks, which two micro-batches in flight would interleave: it takes
   the sequential schedule (WorkerConfig refuses the pair).
+  Two host threads issue collectives concurrently, so nothing inside the section may depend
+  on how they interleave: every lane's communicator is created (by a first collective) and
+  the ranks meet in ``Lanes.create``, not lazily inside the section; the expert kernels'
+  once-per-process probes (which switch CUDA's process-wide sync-debug mode and synchronise
+  the device) run before it (``resolve_kernel_probes``); the host buffer pools defer
+  emptying torch's pinned cache (a device wait) to its end; and on CUDA the schedule is
+  refused under ``CUDA_DEVICE_MAX_CONNECTIONS=1``, where both lanes' kernels share one
+  hardware queue and one lane's All-to-All waiting for its peers holds up the other lane's
+  work (``overlap_refusal``).
   Memory: two micro-batches' activations are live at once (``MemoryBudget.in_flight``).
   SMs (CUDA): the SMs the MoE layers leave to communication are held for the whole
   section (``Lanes.holding_sms``): the other lane's All-to-All may run beside any GEMM, and
@@ -52,7 +61,8 @@ the device's kernels are traced either way).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -60,6 +70,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_engine.comm import CollectiveLog, ExpertGroup
+from moe_engine.experts import resolve_kernel_probes
 from moe_engine.streams import holding_sm_carveout
 from workers.distributed import DenseParallel
 
@@ -92,6 +104,18 @@ def profiler_config() -> Any:
     return _ExperimentalConfig(profile_all_threads=True)
 
 
+def overlap_refusal(device: torch.device, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Local. Why the overlapped schedule cannot run on ``device``, or None: on CUDA with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``environ``) every stream feeds one hardware queue,
+    so a lane's All-to-All kernel waiting for its peers holds up the other lane's kernels
+    queued behind it, which those peers may be waiting for."""
+    if device.type == "cuda" and environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+        return ("CUDA_DEVICE_MAX_CONNECTIONS=1 puts both lanes' kernels in one hardware queue, where one lane's "
+                "All-to-All waiting for its peers holds up the other lane's work: unset it (or set it above 1), "
+                "or use the sequential micro-batch schedule")
+    return None
+
+
 def _lane_layers(model: nn.Module) -> list[Any]:
     """The MoE layers of ``model`` (modules with lanes: moe_engine.layers.MoELayerBase)."""
     return [m for m in model.modules() if hasattr(m, "set_lanes") and hasattr(m, "lane")]
@@ -102,31 +126,38 @@ class Lanes:
     thread that runs backwards. ``create`` makes them (collective); ``lane(k)`` is the
     context a forward runs in."""
 
-    def __init__(self, model: nn.Module, count: int = LANES):
+    def __init__(self, model: nn.Module, count: int = LANES, recorder: CollectiveLog | None = None):
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:
             raise ValueError(f"count={count!r} is invalid: give an integer >= 2 (micro-batches in flight)")
-        self.model, self.count = model, count
+        self.model, self.count, self.recorder = model, count, recorder
         self.layers = _lane_layers(model)
+        device = self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        refusal = overlap_refusal(device)
+        if refusal is not None:
+            raise ValueError(f"the overlapped micro-batch schedule is refused: {refusal}")
         self.helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpipemoe-backward")
         # CUDA: a compute stream per lane. On one stream, a backward's wait for its
         # All-to-All would hold up the other lane's forward kernels queued behind it.
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.streams = [torch.cuda.Stream(device) for _ in range(count)] if device.type == "cuda" else []
         self.backward_done: torch.cuda.Event | None = None  # recorded after the last backward
         # lanes 1... of each expert-parallel group (by its ranks), as Lanes.create made them
         self.groups: dict[tuple[int, ...], list[Any]] = {}
 
     @classmethod
-    def create(cls, model: nn.Module, count: int = LANES, timeout_s: float | None = None) -> Lanes:
+    def create(cls, model: nn.Module, count: int = LANES, timeout_s: float | None = None,
+               recorder: CollectiveLog | None = None) -> Lanes:
         """Collective (every rank of the default group calls it, with the same ``count``):
         for each distinct expert-parallel group among ``model``'s MoE layers, ``count`` - 1
-        process groups of the same ranks, given to the layers as lanes 1... Without a
-        process group (one process) the lanes need none: they only get their own streams.
-        A layer whose group makes its own lanes (a ``lane_groups(count)`` method: the
-        emulated cluster's stand-in, moe_sim's EmulatedExpertGroup) gets them from it."""
+        process groups of the same ranks, given to the layers as lanes 1..., each connected
+        (``_connect``) before it returns. Without a process group (one process) the lanes
+        need none: they only get their own streams. A layer whose group makes its own lanes
+        (a ``lane_groups(count)`` method: the emulated cluster's stand-in, moe_sim's
+        EmulatedExpertGroup) gets them from it. ``recorder``: a CollectiveLog that records
+        every collective of the MoE layers, on every lane (tests). Refused (ValueError) where
+        ``overlap_refusal`` says."""
         from datetime import timedelta
 
-        lanes = cls(model, count)
+        lanes = cls(model, count, recorder)
         groups = lanes.groups
         if dist.is_available() and dist.is_initialized():
             # every rank learns every layer group's ranks, so that all create the same groups
@@ -141,19 +172,35 @@ class Lanes:
                 if dist.get_rank() in ranks:
                     groups[ranks] = made
         lanes._attach()
+        lanes._connect()
         return lanes
+
+    def _connect(self) -> None:
+        """Collective (every rank of the default group). One small all-reduce on each
+        communicator this rank's MoE layers use (each expert group's own, then its lanes', in
+        the same order on every rank of it), then one on the default group: NCCL creates a
+        communicator at its first collective, which must not happen inside an overlapped
+        section (its two threads would create them in an order that differs between ranks),
+        and every rank leaves with every lane ready."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        first_of = {tuple(dist.get_process_group_ranks(layer.group.group)): layer.group.group
+                    for layer in reversed(self.layers) if layer.group.group is not None}
+        probe = torch.zeros(1, device=self.device)
+        for ranks in sorted(self.groups):
+            for group in (first_of[ranks], *self.groups[ranks]):
+                ExpertGroup(group, recorder=self.recorder).all_reduce_sum(probe)
+        ExpertGroup(dist.group.WORLD, recorder=self.recorder).all_reduce_sum(probe)
 
     def reuse(self, model: nn.Module) -> Lanes:
         """Local. Lanes for another model whose MoE layers use the same expert-parallel
         groups, on this one's lane groups (``create`` made them; making more is collective)."""
-        lanes = Lanes(model, self.count)
+        lanes = Lanes(model, self.count, self.recorder)
         lanes.groups = self.groups
         lanes._attach()
         return lanes
 
     def _attach(self) -> None:
-        from moe_engine.comm import ExpertGroup
-
         for layer in self.layers:
             lane_groups = getattr(layer.group, "lane_groups", None)
             if lane_groups is not None:  # a stand-in group (the emulated cluster) makes its own lane clones
@@ -166,7 +213,9 @@ class Lanes:
             if ranks not in self.groups:
                 raise ValueError(f"an MoE layer's group of ranks {list(ranks)} has no lanes: make them with "
                                  f"Lanes.create(model) on every rank (collective)")
-            layer.set_lanes(self.groups[ranks])
+            if self.recorder is not None:
+                layer.group.recorder = self.recorder
+            layer.set_lanes([ExpertGroup(group, recorder=self.recorder) for group in self.groups[ranks]])
 
     @contextlib.contextmanager
     def lane(self, index: int) -> Iterator[None]:
@@ -186,6 +235,12 @@ class Lanes:
         stream (autograd runs each op on its forward's stream and, at the end, orders the
         calling thread's current stream after them), after the previous backward: the
         gradients accumulate in micro-batch order."""
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers:  # a checkpointed MoE layer recomputed in it replays this lane's plans
+                stack.enter_context(layer.replaying_lane(micro_batch % self.count))
+            self._backward_on_lane(loss, micro_batch)
+
+    def _backward_on_lane(self, loss: torch.Tensor, micro_batch: int) -> None:
         if not self.streams:
             _backward(loss, micro_batch)
             return
@@ -213,6 +268,16 @@ class Lanes:
             return contextlib.nullcontext()
         count = max((getattr(layer.group, "comm_sms", 0) for layer in self.layers), default=0)
         return holding_sm_carveout(self.streams[0].device, count)
+
+    @contextlib.contextmanager
+    def deferring_host_release(self) -> Iterator[None]:
+        """Local. Every host buffer pool of the MoE layers defers emptying torch's pinned host
+        cache (a device wait) until the section ends (``HostBufferPool.deferring_cache_release``)."""
+        pools = {id(pool): pool for layer in self.layers if (pool := getattr(layer, "host_pool", None)) is not None}
+        with contextlib.ExitStack() as stack:
+            for pool in pools.values():
+                stack.enter_context(pool.deferring_cache_release())
+            yield
 
     def close(self) -> None:
         self.helper.shutdown(wait=True)
@@ -276,7 +341,8 @@ def _sequential(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: Lo
 
 def _overlapped(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: LossOf[T],
                 lanes: Lanes) -> list[Any]:
-    with lanes.holding_sms():
+    resolve_kernel_probes(lanes.device)  # (switch process-wide settings, sync): before the two threads
+    with lanes.holding_sms(), lanes.deferring_host_release():
         records = _overlapped_section(parallel, micro_batches, loss_of, lanes)
     parallel.reduce_dense_gradients()
     return records
@@ -309,17 +375,25 @@ def _overlapped_section(parallel: DenseParallel, micro_batches: Sequence[T], los
 
 def choose_schedule(choice: str, micro_batches: int, *, shard_dense: bool = False, budget_bytes: int | None = None,
                     preset: Any = None, tokens: int = 0, world_size: int = 1,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+                    dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device = torch.device("cpu")) -> tuple[str, str]:
     """Local. (schedule, why) for ``choice`` ("sequential", "overlapped" or "auto"). "auto"
     is "overlapped" when a step has ``micro_batches`` >= 2, the dense part is under DDP (not
     ``shard_dense``) and, with an activation budget for the MoE layers (``budget_bytes``,
     --moe-memory-gib), the memory model says the leanest setting of ``preset``'s MoE layers
     fits it with two micro-batches of ``tokens`` tokens per rank in flight
-    (lm.model.leanest_moe_memory, ``in_flight=2``); else "sequential"."""
+    (lm.model.leanest_moe_memory, ``in_flight=2``), and ``device`` allows it
+    (``overlap_refusal``); else "sequential". "overlapped" where ``device`` does not allow
+    it raises ValueError naming why."""
+    refusal = overlap_refusal(device) if choice != "sequential" and micro_batches >= 2 else None
+    if choice == "overlapped" and refusal is not None:
+        raise ValueError(f"micro_batch_schedule='overlapped' is refused: {refusal}")
     if choice != "auto":
         return choice, "asked for"
     if micro_batches < 2:
         return "sequential", "one micro-batch a step: nothing to overlap"
+    if refusal is not None:
+        return "sequential", refusal.split(":")[0]
     if shard_dense:
         return "sequential", "FSDP2 (shard_dense) takes the sequential schedule"
     if budget_bytes is not None:

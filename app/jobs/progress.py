@@ -126,8 +126,9 @@ class _MetricsPump:
             self._pace_from = None
         self._attempt = attempt
         if metrics.get("skipped"):
-            self.echo(f"[mpipemoe] step {step} skipped: non-finite loss (lm_loss={metrics['lm_loss']}, "
-                      f"aux_loss={metrics['aux_loss']}); no update")
+            reason = metrics.get("skip_reason") or \
+                f"non-finite loss (lm_loss={metrics['lm_loss']}, aux_loss={metrics['aux_loss']})"
+            self.echo(f"[mpipemoe] step {step} skipped: {reason}; no update")
         self.history.append(metrics)
         if step > self.logged_through:
             self.run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)

@@ -22,7 +22,7 @@ from lm import data as data_lib
 from lm.errors import invocation, os_error
 from lm.model import MODEL_OVERRIDES, PRESETS, ROUTING_OVERRIDES, get_preset
 from workers import checkpoint as ckpt
-from workers.reshard import check_worker_count, resumed_settings
+from workers.reshard import check_worker_count, default_degree_known, resumed_settings
 
 
 JOB_FILE = "mpipemoe_job.json"
@@ -239,7 +239,8 @@ def check_data_continues(job: TrainJob, recorded: dict) -> None:
     if job.num_workers == workers and (job.data_shards or job.num_workers) == layout:
         return
     check_worker_count(job.model_preset().num_experts, global_batch, job.num_workers,
-                       f"run {job.name} (trained on {workers} workers)", job.expert_parallel)
+                       f"run {job.name} (trained on {workers} workers)", job.expert_parallel,
+                       default_degree_known=default_degree_known(job.use_gpu))
     if (job.data_shards or job.num_workers) != layout or job.batch_size * job.num_workers != global_batch:
         raise ValueError(f"run {job.name} cannot continue with --num-workers {job.num_workers} and --batch-size "
                          f"{job.batch_size}: its data continues at the same global sample only with its global "

@@ -141,3 +141,33 @@ def test_report_section_tabulates_the_logged_h200_search(tmp_path):
     assert table[0].startswith("| gpt-s | NVIDIA H200 (140 GiB) | 32.0 | 1 | mpipemoe | 43 | 58,176 | 31.20 | 1.00 | 1.00 |")
     assert table[1].startswith("| gpt-s | NVIDIA H200 (140 GiB) | 32.0 | 1 | fastmoe | 16 | 44,784 | 31.44 | 0.37 | 0.77 |")
     assert section_capacity([])[-2].startswith("_No data")
+
+
+def _trials_as_training_builds(rank: int, world_size: int, data_dir: str) -> dict:
+    from workers.capacity import capacity_trials
+
+    torch.set_num_threads(1)
+    preset = get_preset("tiny-gpt")
+    config = WorkerConfig(preset, "mpipemoe", data_dir=data_dir, partitions=2, strategy="S1", seq_len=32,
+                          expert_parallel=1, grad_accum=2, micro_batch_schedule="overlapped",
+                          start_batch=2, max_batch=2, **TRIAL_SETTINGS)
+    trials = capacity_trials(config, rank, world_size, torch.device("cpu"))
+    fits = trials.fits(2)
+    trial = trials.trials[-1]
+    return {"fits": fits, "local_experts": trials.model.moe_layers()[0].local_experts, "schedule": trials.schedule,
+            "tokens_per_step": trial["tokens_per_s"] * trial["step_time_s"]}
+
+
+@pytest.mark.gloo
+def test_the_search_builds_the_model_as_training_does(tmp_path):
+    """2 workers at expert-parallel 1 (each holds all 4 experts, as training would), 2
+    micro-batches a step under the overlapped schedule: each trial step trains both, two in
+    flight. Built with the world as the expert group, each rank held 2 experts and the batch it
+    found was one training at that degree could run out of memory with."""
+    from tests.distributed import run_on_ranks
+
+    prepare_dataset(tmp_path / "data", max_bytes=2**17, row_len=1024)
+    results = run_on_ranks(2, _trials_as_training_builds, str(tmp_path / "data"))
+    for result in results:
+        assert result["fits"] and result["local_experts"] == 4 and result["schedule"] == "overlapped"
+        assert result["tokens_per_step"] == pytest.approx(2 * 2 * 2 * 32)  # workers x micro-batches x batch x tokens

@@ -151,3 +151,55 @@ def test_a_reentrant_checkpoint_runs_and_leaves_no_plan_behind():
     assert not layer._recorded_plans
     for a, b in zip([x.grad] + [p.grad for p in layer.parameters()], want):
         torch.testing.assert_close(a, b)
+
+
+class _AfterNextForward(torch.autograd.Function):
+    """Identity whose backward waits (up to 20 s) until ``event`` is set: the backward of a
+    micro-batch goes on only once the next micro-batch's forward has run."""
+
+    @staticmethod
+    def forward(ctx, x, event):
+        ctx.event = event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert ctx.event.wait(timeout=20)
+        return grad, None
+
+
+def test_checkpointed_forwards_under_the_overlapped_schedule_replay_their_own_lanes_plans():
+    """Under the overlapped micro-batch schedule the forward of micro-batch k+1 (the other
+    lane) records its plan before the backward of k recomputes (made certain here): each
+    recomputation replays the plan its own forward recorded, not the layer's latest.
+    Gradients equal the sequential schedule's."""
+    import threading
+
+    from workers.schedules import Lanes, forward_backward
+
+    xs = [torch.randn(24, CONFIG.d_model, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    grads = {}
+    for schedule in ("sequential", "overlapped"):
+        torch.manual_seed(0)
+        layer = MPipeMoE(CONFIG, partitions=2, strategy="S1")
+        recorded, replayed = [], []
+        record, replay = layer._record_plan, layer._replayed_plan
+        layer._record_plan = lambda plan: recorded.append(record(plan)) or recorded[-1]
+        layer._replayed_plan = lambda: replayed.append(replay()) or replayed[-1]  # (None outside a recomputation)
+        forwarded = [threading.Event() for _ in xs]
+
+        def loss_of(module, k):
+            y = checkpoint(residual(module), xs[k], use_reentrant=False)
+            forwarded[k].set()
+            if schedule == "overlapped" and k + 1 < len(xs):
+                y = _AfterNextForward.apply(y, forwarded[k + 1])
+            return y.square().sum(), k
+
+        lanes = Lanes.create(layer) if schedule == "overlapped" else None
+        forward_backward(layer, range(len(xs)), loss_of, schedule=schedule, lanes=lanes)
+        replayed = [plan for plan in replayed if plan is not None]
+        assert len(replayed) == len(recorded) == len(xs)
+        assert all(got is want for got, want in zip(replayed, recorded)), schedule
+        grads[schedule] = [p.grad.clone() for p in layer.parameters()]
+    for a, b in zip(grads["overlapped"], grads["sequential"]):
+        torch.testing.assert_close(a, b)

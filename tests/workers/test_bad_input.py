@@ -155,6 +155,11 @@ def test_nonfinite_loss_halts_or_skips_naming_the_step():
     check_nonfinite_loss(7, float("inf"), 1.0, "skip", 1, config)   # returns: the caller skips the update
     with pytest.raises(StepError, match=rf"step 9 .*{MAX_SKIPPED_IN_A_ROW} non-finite steps in a row"):
         check_nonfinite_loss(9, float("nan"), 1.0, "skip", MAX_SKIPPED_IN_A_ROW, config)
+    # NaN/Inf met in some ranks' MoE layer input (reduced over every rank): named, whatever the loss
+    with pytest.raises(StepError, match=r"NaN or Inf in the MoE layer input of rank\(s\) 0, 3 at step 4 "):
+        check_nonfinite_loss(4, 2.5, 1.0, "halt", 1, config, [0, 3])
+    reason = check_nonfinite_loss(4, 2.5, 1.0, "skip", 1, config, [2])
+    assert reason.startswith("NaN or Inf in the MoE layer input of rank(s) 2 (lm_loss=2.5")
 
 
 class _RecordingRun:
@@ -180,15 +185,17 @@ def _metrics(step, attempt, loss=3.0, skipped=0):
 def test_driver_records_restarts_and_skipped_steps():
     run, lines = _RecordingRun(), []
     pump = _MetricsPump(None, run, TrainJob(steps=5, log_every=100), lines.append, None)
-    for metrics in (_metrics(1, "a"), _metrics(2, "a", float("nan"), skipped=1), _metrics(3, "a"),
+    for metrics in (_metrics(1, "a"), _metrics(2, "a", float("nan"), skipped=1),
+                    {**_metrics(3, "a", skipped=1), "skip_reason": "NaN or Inf in the MoE layer input of rank(s) 1"},
                     _metrics(4, "b"),       # restarted after the step-3 checkpoint: no step replayed
                     _metrics(5, "b")):
         pump._handle(metrics)
     assert pump.restarts == 1 and run.tags == {"restarts": 1} and (4, {"restarts": 1}) in run.metrics
     assert any("step 2 skipped: non-finite loss" in line for line in lines)
+    assert any("step 3 skipped: NaN or Inf in the MoE layer input of rank(s) 1; no update" in line for line in lines)
     assert any("workers restarted from a checkpoint (1 restart(s)); continuing at step 4" in line for line in lines)
     summary = summarize(pump.history)
-    assert summary["skipped_steps"] == [2] and summary["steps"] == 5 and summary["final_loss"] == 3.0
+    assert summary["skipped_steps"] == [2, 3] and summary["steps"] == 5 and summary["final_loss"] == 3.0
 
 
 # ---- invalid combinations -------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 
 @pytest.mark.ray
@@ -25,3 +26,45 @@ def test_a_stop_flag_that_died_is_no_stop_request(ray_local):
         assert time.monotonic() < deadline, "the stop request was not seen in 30 s"
         time.sleep(0.05)
     assert not lost_poller.requested() and not lost_poller.requested()  # and stays so
+
+
+class _SlowDriver:
+    """Rank 0's poller of a driver that answers ``answer`` ``after_s`` seconds after the first
+    ask (None: never); ``asked``: the waits it was asked for."""
+
+    def __init__(self, after_s: float, answer: bool | None):
+        self.after_s, self.answer, self.asked, self.since = after_s, answer, [], None
+
+    def verdict(self, step: int, timeout_s: float) -> bool | None:
+        self.asked.append(timeout_s)
+        self.since = self.since or time.monotonic()
+        left = self.since + self.after_s - time.monotonic()
+        if self.answer is None or left > timeout_s:
+            time.sleep(timeout_s)
+            return None
+        time.sleep(max(0.0, left))
+        return self.answer
+
+
+def _hold(rank: int, world_size: int, timeout_s: float) -> list:
+    from workers.loop import hold_verdict
+
+    outcomes = []
+    for after_s, answer in ((4.0, True), (0.0, None)):
+        driver = _SlowDriver(after_s, answer) if rank == 0 else None
+        stop = hold_verdict(3, driver, torch.device("cpu"), world_size, timeout_s,  # type: ignore[arg-type]
+                            hold_timeout_s=6.0)
+        outcomes.append((stop, max(driver.asked) if driver else None))
+    return outcomes
+
+
+@pytest.mark.gloo
+def test_every_rank_waits_at_a_hold_step_however_short_the_collective_timeout():
+    """The driver answers a hold step after 4 s, twice the 2 s collective timeout: rank 0 asks
+    in waits of a quarter of it, every rank learns after each whether the answer has come, and
+    all stop together (a rank 0 waiting for the answer alone left the others in a collective
+    that timed out). A driver that never answers: every rank goes on after the hold's limit."""
+    from tests.distributed import run_on_ranks
+
+    rank0, rank1 = run_on_ranks(2, _hold, 2.0, collective_timeout_s=2.0, timeout=120)
+    assert rank0 == [(True, 0.5), (False, 0.5)] and rank1 == [(True, None), (False, None)]

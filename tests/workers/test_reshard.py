@@ -142,6 +142,27 @@ def test_whole_experts_per_rank_or_a_refusal_naming_the_counts():
         check_worker_count(4, 6, 4, "run r")
 
 
+def test_a_resume_without_expert_parallel_is_checked_against_the_default_degree():
+    """--expert-parallel unset: on CPU workers the degree is all of them, and a refusal names the
+    degrees that fit beside the worker counts; on GPU workers it may be a node's GPUs (known once
+    Ray is up), so a worker count the experts do not split over is not refused here."""
+    with pytest.raises(ValueError, match=r"^run r cannot continue on 8 workers in one expert group: its 4 experts per "
+                                         r"MoE layer do not split into whole experts per worker; use --expert-parallel "
+                                         r"1, 2, 4 \(expert groups of that many workers, each holding every expert\) or "
+                                         r"--num-workers 1, 2, 4 "):
+        check_worker_count(4, 16, 8, "run r")
+    check_worker_count(4, 16, 8, "run r", default_degree_known=False)
+    with pytest.raises(ValueError, match="global batch of 12 sequences does not split evenly over 8 workers"):
+        check_worker_count(4, 12, 8, "run r", default_degree_known=False)
+    recorded = {"preset": "tiny-gpt", "num_workers": 8, "batch_size": 2, "expert_parallel": None}
+    on_gpus = resumed_settings({**recorded, "use_gpu": True}, {"num_workers": 16}, "r")  # 2 nodes of 8 GPUs: P = 8
+    assert (on_gpus["num_workers"], on_gpus["batch_size"], on_gpus["data_shards"]) == (16, 1, 8)
+    with pytest.raises(ValueError, match=r"use --expert-parallel 1, 2, 4 "):
+        resumed_settings({**recorded, "use_gpu": False}, {"num_workers": 16}, "r")
+    with pytest.raises(ValueError, match=r"with --expert-parallel 8: .* use --expert-parallel 1, 2, 4$"):
+        resumed_settings({**recorded, "use_gpu": True}, {"num_workers": 16, "expert_parallel": 8}, "r")
+
+
 def test_resumed_settings_keep_the_global_batch_and_the_data_layout():
     recorded = {"preset": "tiny-gpt", "num_workers": 2, "batch_size": 4, "steps": 10}
     assert resumed_settings(recorded, {"steps": 20}, "r") == {**recorded, "steps": 20}

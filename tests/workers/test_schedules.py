@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from lm.model import MoETransformer, get_preset, leanest_moe_memory
+from moe_engine.layers import MoELayerBase
 from workers.config import WorkerConfig
-from workers.schedules import Lanes, ScheduleError, choose_schedule, forward_backward, profiler_config, trace_mark
+from workers.schedules import (Lanes, ScheduleError, choose_schedule, forward_backward, overlap_refusal, profiler_config,
+                               trace_mark)
 
 
 class _Gate(torch.autograd.Function):
@@ -152,3 +154,78 @@ def test_worker_config_checks_the_schedule():
     with pytest.raises(ValueError, match="FSDP2"):
         WorkerConfig(**base, micro_batch_schedule="overlapped", shard_dense=True)
     assert WorkerConfig(**base, micro_batch_schedule="auto", shard_dense=True).micro_batch_schedule == "auto"
+
+
+def test_the_overlapped_schedule_is_refused_where_both_lanes_share_one_hardware_queue(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 on CUDA: one lane's All-to-All waiting for its peers would
+    hold up the other lane's kernels. "overlapped" is refused naming it, "auto" falls back."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in overlap_refusal(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert overlap_refusal(cuda, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
+    assert overlap_refusal(cuda, {}) is None
+    assert overlap_refusal(cpu, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None  # (one queue matters on CUDA only)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match=r"micro_batch_schedule='overlapped' is refused: CUDA_DEVICE_MAX_CONNECTIONS"
+                                         r"=1 .* use the sequential micro-batch schedule"):
+        choose_schedule("overlapped", 2, device=cuda)
+    schedule, why = choose_schedule("auto", 2, device=cuda)
+    assert schedule == "sequential" and why.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1")
+    assert choose_schedule("auto", 2, device=cpu)[0] == "overlapped"
+    assert choose_schedule("sequential", 2, device=cuda)[0] == "sequential"
+
+
+def test_kernel_probes_run_before_the_overlapped_section_and_host_cache_release_waits_for_its_end(monkeypatch):
+    """Inside the overlapped section two threads launch work: the expert kernels' probes (which
+    switch CUDA's process-wide sync-debug mode) ran before it, on the calling thread, and a
+    pinned host cache release (a device wait) is deferred until it ends."""
+    from moe_engine import memory
+    from workers import schedules
+
+    events: list[str] = []
+    monkeypatch.setattr(schedules, "resolve_kernel_probes",
+                        lambda device: events.append(f"probe on {threading.current_thread().name}"))
+    monkeypatch.setattr(memory, "empty_host_cache", lambda: events.append("host cache emptied"))
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1")
+    layer = model.moe_layers()[0]
+    assert isinstance(layer, MoELayerBase)
+    pool = layer.host_pool
+    lanes = Lanes.create(model)
+    pinned: list[torch.Tensor] = []
+    monkeypatch.setattr(pool, "_is_pinned", lambda buffer: True)  # CPU buffers counted as pinned blocks
+
+    def loss_of(module, k):
+        events.append(f"forward {k}")
+        buffer = pool.take(1 << (12 + 4 * k), torch.float32, pin=False)  # each larger: the older one is dropped
+        pool.give_back(buffer)
+        pinned.append(buffer)
+        return module(torch.zeros(1, 8, dtype=torch.long))[0].sum(), k
+
+    forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes)
+    lanes.close()
+    assert events[0] == f"probe on {threading.current_thread().name}" and events[1] == "forward 0"
+    assert events[-1] == "host cache emptied" and events.count("host cache emptied") == 1, events
+
+
+@pytest.mark.gpu
+def test_an_overlapped_bf16_step_on_cuda_probes_the_kernels_before_its_first_forward():
+    """The widening grouped kernel's probe (first needed by a bf16 backward, on the helper
+    thread) has run on the calling thread before the first forward, and no forward sees
+    CUDA's process-wide sync-debug mode switched."""
+    from moe_engine.experts import _grouped_kernel_widens
+
+    _grouped_kernel_widens.cache_clear()
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1").cuda()
+    lanes = Lanes.create(model)
+    tokens_BS = torch.zeros(2, 16, dtype=torch.long, device="cuda")
+    seen: list[tuple[int, int]] = []  # (probes cached, sync-debug mode) at each forward
+
+    def loss_of(module, k):
+        seen.append((_grouped_kernel_widens.cache_info().currsize, torch.cuda.get_sync_debug_mode()))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits_BSV, aux_loss = module(tokens_BS)
+        return logits_BSV.float().square().mean() + aux_loss.float(), k
+
+    forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes)
+    lanes.close()
+    assert seen == [(1, 0)] * 3
+    assert _grouped_kernel_widens.cache_info().misses == 1
