@@ -15,11 +15,10 @@ import importlib.util
 import sys
 from urllib.parse import urlsplit, urlunsplit
 
-# Each store scheme and the Python package MLflow needs to talk to it (the extra that brings it).
-STORE_DRIVERS = {
-    "postgresql": ("psycopg2", "pip install 'mpipemoe[tracking-server]' (psycopg2-binary)"),
-    "s3": ("boto3", "pip install 'mpipemoe[tracking-server]' (boto3)"),
-}
+# Each store scheme and the Python module MLflow needs to talk to it. SQLAlchemy 2.1 reads a
+# plain postgresql:// as psycopg (version 3); postgresql+psycopg2:// names the older driver.
+STORE_DRIVERS = {"postgresql": "psycopg", "s3": "boto3"}
+INSTALL_HINT = "pip install 'mpipemoe[tracking-server]'"
 
 
 def mlflow_server_command(backend_store_uri: str, port: int, host: str, *,
@@ -49,6 +48,14 @@ def _scheme(uri: str) -> str:
     return uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else ""
 
 
+def _driver(uri: str) -> str | None:
+    """The module the store at ``uri`` needs: the one its scheme names after '+', else the default."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if "+" in scheme:
+        return scheme.split("+", 1)[1]
+    return STORE_DRIVERS.get(scheme)
+
+
 def check_server_stores(backend_store_uri: str, artifacts_destination: str | None, workers: int) -> None:
     """Local, no I/O. Raise ValueError naming the flag, the value and the fix when the server
     could not serve these stores: a driver package missing for the scheme, an S3 destination
@@ -65,10 +72,10 @@ def check_server_stores(backend_store_uri: str, artifacts_destination: str | Non
     for flag, uri in (("--tracking-uri", backend_store_uri), ("--artifacts-destination", artifacts_destination)):
         if not uri:
             continue
-        driver = STORE_DRIVERS.get(_scheme(uri))
-        if driver and importlib.util.find_spec(driver[0]) is None:
-            raise ValueError(f"{flag} {redact_password(uri)}: the MLflow server needs the Python package "
-                             f"{driver[0]} for it: {driver[1]}")
+        driver = _driver(uri)
+        if driver and importlib.util.find_spec(driver) is None:
+            raise ValueError(f"{flag} {redact_password(uri)}: the MLflow server needs the Python module "
+                             f"{driver} for it: {INSTALL_HINT}")
     if artifacts_destination and _scheme(artifacts_destination) == "s3" and not urlsplit(artifacts_destination).netloc:
         raise ValueError(f"--artifacts-destination {artifacts_destination}: name the bucket, "
                          f"s3://BUCKET/PREFIX (e.g. s3://my-bucket/mlflow)")

@@ -56,7 +56,7 @@ def test_torch_is_the_makefiles_pin_and_the_extras_are_the_projects():
     assert set(extras) == {"ray", "cluster", "tracking-server", "system-metrics"} and set(extras) <= set(declared)
     # what the nodes must agree on is pinned exactly (Ray across nodes, MLflow with the server)
     pinned = {re.split(r"[\[=<>]", spec)[0]: spec for extra in extras for spec in declared[extra]}
-    for name in ("ray", "mlflow", "boto3", "psycopg2-binary"):
+    for name in ("ray", "mlflow", "boto3", "psycopg"):
         assert "==" in pinned[name], pinned[name]
 
 
