@@ -2,6 +2,8 @@
 
     mpipemoe ui                      # http://127.0.0.1:5000, store: MLFLOW_TRACKING_URI or ./mlflow.db
     mpipemoe ui --port 5050 --tracking-uri sqlite:////abs/path/mlflow.db
+    mpipemoe ui --host 10.0.1.5 --workers 4 --tracking-uri postgresql://mlflow:PASSWORD@db-host:5432/mlflow \
+        --artifacts-destination s3://my-bucket/mlflow       # a cluster's store (docs/cluster.md)
 
 Runs ``mlflow server`` as a child process and stops it (by its pid) on Ctrl-C.
 To reach it from another machine, forward the port over SSH
@@ -21,15 +23,17 @@ import subprocess
 import sys
 import time
 
+from app.tracking.server import check_server_stores, mlflow_server_command, redact_password
 from app.tracking.store import TRAINING_VIEW, resolve_tracking_uri
 
 LOCAL_HOST = "127.0.0.1"
 
 
-def server_command(tracking_uri: str, port: int, host: str = LOCAL_HOST) -> list[str]:
-    """The ``mlflow server`` command line for ``tracking_uri`` on ``host:port``."""
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri,
-            "--host", host, "--port", str(port), "--workers", "1"]
+def server_command(tracking_uri: str, port: int, host: str = LOCAL_HOST, *,
+                   artifacts_destination: str | None = None, workers: int = 1) -> list[str]:
+    """The ``mlflow server`` command line for ``tracking_uri`` on ``host:port`` (app/tracking/server.py)."""
+    return mlflow_server_command(tracking_uri, port, host, artifacts_destination=artifacts_destination,
+                                 workers=workers)
 
 
 def exposure_warning(host: str) -> str | None:
@@ -56,7 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interface to listen on (default %(default)s: this machine only; "
                              "anything else warns, see docs/security.md)")
     parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db)")
+                        help="MLflow store (default MLFLOW_TRACKING_URI or ./mlflow.db); a cluster's: "
+                             "postgresql://USER:PASSWORD@HOST:5432/DB (docs/cluster.md)")
+    parser.add_argument("--artifacts-destination", default=None,
+                        help="where the server keeps the runs' artifacts, e.g. s3://BUCKET/PREFIX (default: "
+                             "MLflow's, ./mlartifacts); clients upload them through the server")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="server processes (default %(default)s; more only with a database store such as "
+                             "PostgreSQL: a SQLite store has one writer)")
 
 
 def check_port(host: str, port: int) -> None:
@@ -112,15 +123,17 @@ def run(args: argparse.Namespace) -> int:
     if uri.startswith(("http://", "https://")):
         print(f"the tracking store is already a server: open {uri}")
         return 0
+    check_server_stores(uri, args.artifacts_destination, args.workers)
     check_port(args.host, args.port)  # before the server starts: a taken port is one line
     warning = exposure_warning(args.host)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    process = subprocess.Popen(server_command(uri, args.port, args.host))
+    process = subprocess.Popen(server_command(uri, args.port, args.host, artifacts_destination=args.artifacts_destination,
+                                              workers=args.workers))
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated `mpipemoe ui` stops its server too
     try:
         wait_until_listening(process, args.host, args.port)
-        print(f"MLflow UI for {uri}\n  open http://{args.host}:{args.port}/{TRAINING_VIEW}  (the model-training "
+        print(f"MLflow UI for {redact_password(uri)}\n  open http://{args.host}:{args.port}/{TRAINING_VIEW}  (the model-training "
               f"view; Ctrl-C stops it)", flush=True)
         status = process.wait()
     except KeyboardInterrupt:

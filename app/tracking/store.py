@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from app.tracking.node_metrics import start_node_monitors
 from app.tracking.offline import MetricSpool, reachable
 from app.tracking.records import CHECKOUT, source_commit
 from app.tracking.run_kinds import kind_filters
@@ -239,6 +240,7 @@ class RunLogger:
         self._pending = []
         self.spool = None  # a MetricSpool (app/tracking/offline.py) once keep_offline() is called
         self.monitor = None  # a started SystemMetricsMonitor (system_metrics=True), stopped by finish()
+        self.node_monitors = None  # the other nodes' monitors (app/tracking/node_metrics.py), stopped by finish()
 
     def keep_offline(self, path: str | Path, echo=None, retry_every_s: float = 30.0) -> None:
         """If the (HTTP) tracking server stops answering, keep metrics, tags and the final
@@ -264,7 +266,7 @@ class RunLogger:
                                        run_name=run_name, tags=all_tags)
         logger = cls(tracking_uri, run.info.run_id)
         if system_metrics:
-            logger.monitor = system_metrics_monitor(tracking_uri, logger.run_id)
+            logger.start_monitors()
         return logger
 
     @classmethod
@@ -274,8 +276,16 @@ class RunLogger:
         logger.client.update_run(run_id, status="RUNNING")
         logger.set_tags(git_tags())
         if system_metrics:
-            logger.monitor = system_metrics_monitor(tracking_uri, run_id, resume=True)
+            logger.start_monitors(resume=True)
         return logger
+
+    def start_monitors(self, resume: bool = False) -> None:
+        """Log system metrics to this run while it runs: this machine's (``system/...``) and, where
+        this process drives a Ray cluster, every other node's (``system/node-<IP>/...``)."""
+        self.monitor = system_metrics_monitor(self.tracking_uri, self.run_id, resume=resume)
+        if self.monitor is not None:
+            self.node_monitors = start_node_monitors(self.tracking_uri, self.run_id, resume=resume,
+                                                     interval_s=SYSTEM_METRICS_INTERVAL_S)
 
     def log_params(self, params: dict) -> None:
         """Log (nested) params; values become strings cut to MLflow's 6000-char limit."""
@@ -342,6 +352,9 @@ class RunLogger:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Flush and close the run with ``status`` (FINISHED, FAILED or KILLED)."""
+        if self.node_monitors is not None:
+            self.node_monitors.finish()
+            self.node_monitors = None
         if self.monitor is not None:
             self.monitor.finish()
             self.monitor = None
