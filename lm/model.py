@@ -394,11 +394,15 @@ class MoETransformer(nn.Module):
                None: no budget.
     in_flight: micro-batches whose activations are live at once (2 under the overlapped
                micro-batch schedule, workers/schedules.py).
+    sync_free_capacity: the MoE layers' sync-free capacity mode (a capacity factor; None:
+               the dropless exchange): no host read per layer, pairs past the capacity
+               dropped and counted (`MoELayerBase.overflowed`) for the caller to rerun the
+               step dropless (workers/loop.py does).
     """
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
                  partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None,
-                 in_flight: int = 1, split: str | None = None):
+                 in_flight: int = 1, split: str | None = None, sync_free_capacity: float | None = None):
         super().__init__()
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -418,11 +422,13 @@ class MoETransformer(nn.Module):
             # online search's trial passes at n = 8 and 16 took 0.675 and 0.722 s a gpt-xl
             # batch-128 step, against n = 1's 0.635 s: results/training-h200-mfu/).
             partitions = 1
-        split_option = {} if split is None else {"split": split}
+        layer_options: dict[str, object] = {} if split is None else {"split": split}
+        if sync_free_capacity is not None:
+            layer_options["sync_free_capacity"] = sync_free_capacity
         self.blocks = nn.ModuleList(
             Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
                                                    profile=profiles, host_pool=host_pool, memory_budget=budget,
-                                                   **split_option))
+                                                   **layer_options))
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
 

@@ -14,6 +14,16 @@ adds, as a share of n = 1's time (the target: at most 10%).
 ``--engine-root`` imports ``moe_engine`` from another checkout, so two versions of the
 engine can be timed side by side on one machine (run the tool once per checkout,
 alternately, and compare the JSON records).
+
+``--emulate 8x8 --sync-free-capacity F`` times the layers as rank 0 of an emulated cluster
+(moe_sim/emulation.py: the network modelled, one GPU) with the dropless exchange and with
+the sync-free capacity mode side by side, and records each pass's issue time beside its
+wall time: the host's time from the call to the return of backward, before waiting for the
+device. A dropless pass reads its counts on the host once per layer, so its host waits for
+the device there; the sync-free mode reads nothing and its host runs ahead.
+
+    python3 tools/host_per_partition.py --emulate 8x8 --experts 64 --tokens 16384 \
+        --d-model 2048 --d-hidden 8192 --activation gelu --sync-free-capacity 1.5 --out sync-free.json
 """
 from __future__ import annotations
 
@@ -38,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation", default="swiglu")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--passes", type=int, default=10, help="passes per layer per round")
+    parser.add_argument("--emulate", help="NODESxGPUS: rank 0 of an emulated cluster (default: one rank)")
+    parser.add_argument("--network", default="dgx-h200", help="the emulated cluster's network preset")
+    parser.add_argument("--sync-free-capacity", type=float, help="also time each layer in the sync-free capacity mode")
+    parser.add_argument("--partitions", default="1,2,4,8", help="MPipeMoE's n, a comma list")
     parser.add_argument("--out", help="JSON record to write")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.engine_root)
@@ -49,12 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     config = MoEConfig(d_model=args.d_model, d_hidden=args.d_hidden, num_experts=args.experts, top_k=2,
                        activation=args.activation)
+    group = None
+    if args.emulate:
+        from moe_sim.emulation import EmulatedCluster
+        group = EmulatedCluster.parse(args.emulate, args.network).build()
+    capacities = [None] + ([args.sync_free_capacity] if args.sync_free_capacity else [])
     torch.manual_seed(0)
-    layers = {"fastmoe": FastMoE(config, device=device, dtype=dtype)}
-    for strategy in ("none", "S4"):
-        for n in (1, 2, 4, 8):
-            layers[f"mpipemoe:{n}:{strategy}"] = MPipeMoE(config, partitions=n, strategy=strategy, device=device,
-                                                          dtype=dtype)
+    layers = {}
+    for factor in capacities:
+        mode = "" if factor is None else f"+sync-free{factor:g}"
+        layers[f"fastmoe{mode}"] = FastMoE(config, group, device=device, dtype=dtype, sync_free_capacity=factor)
+        for strategy in ("none", "S4"):
+            for n in (int(n) for n in args.partitions.split(",")):
+                layers[f"mpipemoe:{n}:{strategy}{mode}"] = MPipeMoE(
+                    config, group, partitions=n, strategy=strategy, device=device, dtype=dtype,
+                    sync_free_capacity=factor)
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype)
     dy = torch.randn_like(x)
 
@@ -72,21 +95,26 @@ def main(argv: list[str] | None = None) -> int:
             one_pass(layer)
     synchronize()
     best = {name: float("inf") for name in layers}
+    issue = {name: float("inf") for name in layers}  # the round's host time before waiting for the device
     for _ in range(args.rounds):
         for name, layer in layers.items():
             start = time.perf_counter()
             for _ in range(args.passes):
                 one_pass(layer)
+            issued = time.perf_counter()
             synchronize()
             best[name] = min(best[name], (time.perf_counter() - start) / args.passes)
+            issue[name] = min(issue[name], (issued - start) / args.passes)
     rows = []
     for name, seconds in best.items():
-        row = {"setting": name, "pass_ms": round(seconds * 1e3, 4)}
+        row = {"setting": name, "pass_ms": round(seconds * 1e3, 4), "issue_ms": round(issue[name] * 1e3, 4)}
         if name.startswith("mpipemoe"):
-            _, n, strategy = name.split(":")
-            first = best[f"mpipemoe:1:{strategy}"]
-            if int(n) > 1:
+            _, n, rest = name.split(":", 2)
+            first = best[f"mpipemoe:1:{rest}"] if f"mpipemoe:1:{rest}" in best else None
+            if int(n) > 1 and first:
                 row["per_extra_partition_of_n1"] = round((seconds - first) / (int(n) - 1) / first, 4)
+        if "overflowed" in dir(layers[name]) and layers[name].sync_free_capacity is not None:
+            row["overflowed_pairs"] = int(layers[name].overflowed)
         rows.append(row)
     record = {
         "meta": {"tool": "tools/host_per_partition.py", "command": " ".join(["python3", "tools/host_per_partition.py",
@@ -95,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                  else platform.processor() or "cpu", "torch": torch.__version__,
                  "date": datetime.date.today().isoformat(), "tokens": args.tokens, "d_model": args.d_model,
                  "d_hidden": args.d_hidden, "experts": args.experts, "top_k": 2, "activation": args.activation,
-                 "dtype": "bfloat16", "rounds": args.rounds, "passes": args.passes},
+                 "dtype": "bfloat16", "rounds": args.rounds, "passes": args.passes,
+                 "emulated_cluster": args.emulate, "network": args.network if args.emulate else None},
         "results": rows,
     }
     for row in rows:
         extra = row.get("per_extra_partition_of_n1")
-        print(f"{args.label:>14} {row['setting']:>16} {row['pass_ms']:8.3f} ms"
+        print(f"{args.label:>14} {row['setting']:>26} {row['pass_ms']:8.3f} ms (issue {row['issue_ms']:7.3f} ms)"
               + (f"   +{extra:.1%} of n=1 per extra partition" if extra is not None else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

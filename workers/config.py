@@ -32,6 +32,26 @@ def _fail(field: str, value: object, fix: str) -> NoReturn:
     raise ValueError(f"WorkerConfig.{field}={value!r} is invalid: {fix}")
 
 
+def sync_free_capacity_refusal(factor: object, engine: str, partitions: object, strategy: str,
+                               split: str | None) -> str | None:
+    """Why the MoE layers' sync-free capacity mode cannot run with these settings (the fix,
+    in words), or None. It needs a factor > 0, an engine that has it and fixed settings: its
+    passes exchange no counts, so nothing can be agreed per pass."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        return "give a capacity factor > 0 (e.g. 1.5), or leave it unset for the dropless exchange"
+    if engine == "fastermoe":
+        return ("the fastermoe engine splits by peers and has no sync-free mode: use the mpipemoe or fastmoe "
+                "engine, or leave it unset")
+    if engine == "mpipemoe" and (partitions == "auto" or strategy == "auto"):
+        return ("its passes agree on nothing, so it needs a fixed partitions count and strategy (none, S1-S4), "
+                "not auto")
+    if split not in (None, "tokens"):
+        return f"it splits the partitions by tokens: drop split={split}"
+    return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -105,6 +125,7 @@ class WorkerConfig:
     partitions: int | str = "auto"
     strategy: str = "auto"
     split: str | None = None          # MPipeMoE's split of its partitions (None: the layer's default)
+    sync_free_capacity: float | None = None  # the MoE layers' sync-free capacity mode (None: dropless)
     moe_memory_budget_bytes: int | None = None
     seed: int = 0
     lr: float = 3e-4
@@ -160,6 +181,10 @@ class WorkerConfig:
             _fail("strategy", self.strategy, f"choose one of {', '.join(STRATEGY_CHOICES)}")
         if self.split is not None and self.split not in SPLITS:
             _fail("split", self.split, f"choose one of {', '.join(SPLITS)} or None")
+        refusal = sync_free_capacity_refusal(self.sync_free_capacity, self.engine, self.partitions, self.strategy,
+                                             self.split)
+        if refusal:
+            _fail("sync_free_capacity", self.sync_free_capacity, refusal)
         if self.partitions != "auto" and not (isinstance(self.partitions, int) and _is_int(self.partitions)
                                                and self.partitions >= 1):
             _fail("partitions", self.partitions, 'give an integer >= 1 or "auto"')

@@ -51,6 +51,7 @@ module (``train_fn_per_worker``) and the tests run its pieces without Ray.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -290,7 +291,8 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
     model = MoETransformer(preset, engine=config.engine, group=expert_group, partitions=config.partitions,
                            strategy=config.strategy, split=config.split, host_pool=host_pool,
                            memory_budget=config.moe_memory_budget_bytes,
-                           in_flight=LANES if schedule == "overlapped" else 1)
+                           in_flight=LANES if schedule == "overlapped" else 1,
+                           sync_free_capacity=config.sync_free_capacity)
     model.to(device=device)  # float32 master parameters; compute dtype via autocast
     init_parameters(model, config.seed, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison
@@ -426,11 +428,7 @@ class Trainer:
         micro-batches, grad_norm (NaN when skipped), lr, skipped (and a skipped step's
         skip_reason: the non-finite loss, or the ranks whose MoE input held NaN/Inf)."""
         config, rank, K = self.config, self.rank, self.grad_accum
-        # Each micro-batch's [lm, aux] losses stay on the device until every backward has
-        # been queued: reading them after its forward would leave the GPU idle while the
-        # host waits and then queues the backward (one read per step, not one per micro-batch).
-        # [lm, aux, then one flag per rank: NaN/Inf met in its MoE layers' input]
-        losses = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
+        capacity_mode = config.sync_free_capacity is not None
         self._moe_input_nonfinite()  # (a forward outside a step, evaluate's, may have flagged)
 
         def loss_of(module: torch.nn.Module, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,20 +444,35 @@ class Trainer:
             # 3. (below) backward of this micro-batch's share of the step's loss
             return loss / K, torch.stack([loss_lm.detach(), aux_loss.detach()]).double()
 
-        # 2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
-        # forward of micro-batch k+1 beside the backward of k. The dense gradients are reduced
-        # over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
-        # are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
-        # (every collective of the step runs on every rank), and read below.
-        try:
-            for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
-                                           lanes=self.lanes):
-                losses[:2] += record
-        except ScheduleError as error:
-            cause = error.__cause__
-            where = "backward failed" if error.phase == "backward" else "failed"
-            raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
-                            f"{type(cause).__name__}: {cause}") from cause
+        def micro_batches() -> torch.Tensor:
+            """2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
+            forward of micro-batch k+1 beside the backward of k. The dense gradients are reduced
+            over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
+            are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
+            (every collective of the step runs on every rank). Returns, on the device,
+            [lm, aux, pairs the sync-free capacity dropped, then one flag per rank: NaN/Inf met
+            in its MoE layers' input] (this rank's; nothing is read: each micro-batch's losses
+            stay on the device until every backward has been queued, one read per step)."""
+            losses = torch.zeros(3 + self.world_size, dtype=torch.float64, device=self.device)
+            for layer in self.moe_layers if capacity_mode else ():
+                layer.reset_capacity_counters()
+            try:
+                for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
+                                               lanes=self.lanes):
+                    losses[:2] += record
+            except ScheduleError as error:
+                cause = error.__cause__
+                where = "backward failed" if error.phase == "backward" else "failed"
+                raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
+                                f"{type(cause).__name__}: {cause}") from cause
+            if capacity_mode:  # the layers' device counters, added without a read
+                losses[2] += sum(layer.overflowed.to(self.device) for layer in self.moe_layers)
+                losses[3 + rank] += sum(layer.nonfinite_inputs.to(self.device) for layer in self.moe_layers)
+            if self._moe_input_nonfinite():
+                losses[3 + rank] = 1
+            return losses
+
+        losses = micro_batches()
         # The next step's first batch, read from the data while the device runs this backward
         # (read after the losses, its host work left the GPU idle: 7 ms a step for gpt-xl at
         # batch 128 on an H200). A bad batch is not taken here: the next step reads it again
@@ -468,12 +481,21 @@ class Trainer:
             self.prefetched = ((step + 1, 0), self._micro_batch(step + 1, 0))
         except ValueError:
             self.prefetched = None
-        # 4. global mean losses and the ranks whose MoE input was non-finite (one all-reduce,
-        #    one device read); on either every rank halts, or skips this update, together (a
-        #    non-finite step still ran its backward: the gradients are dropped)
-        if self._moe_input_nonfinite():
-            losses[2 + rank] = 1
+        # 4. global mean losses, the pairs the sync-free capacity dropped and the ranks whose
+        #    MoE input was non-finite (one all-reduce, one device read). A step whose capacity
+        #    overflowed on any rank runs again dropless on every rank, its gradients dropped
+        #    first (no token is ever dropped silently); on NaN/Inf every rank halts, or skips
+        #    this update, together (a non-finite step still ran its backward: the gradients are
+        #    dropped)
         reduced = all_reduce_sum_(losses, self.world_size).tolist()
+        overflowed_pairs = int(reduced[2])
+        if overflowed_pairs:
+            self.optimizer.zero_grad(set_to_none=True)
+            with contextlib.ExitStack() as dropless:
+                for layer in self.moe_layers:
+                    dropless.enter_context(layer.dropless())
+                reduced = all_reduce_sum_(micro_batches(), self.world_size).tolist()
+        reduced = reduced[:2] + reduced[3:]
         lm_sum, aux_sum = reduced[:2]
         input_ranks = [r for r, flag in enumerate(reduced[2:]) if flag]
         lm_total, aux_total = lm_sum / self.world_size / K, aux_sum / self.world_size / K
@@ -503,8 +525,12 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
+        # (the sync-free capacity mode: the pairs its capacity dropped on the first try, summed over
+        # ranks, and whether the step ran again dropless; MLflow sums the reruns)
+        capacity = {"capacity_overflow_pairs": overflowed_pairs, "dropless_rerun": int(overflowed_pairs > 0)} \
+            if capacity_mode else {}
         return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip),
-                **({"skip_reason": skip_reason} if skip_reason else {})}
+                **({"skip_reason": skip_reason} if skip_reason else {}), **capacity}
 
     def _moe_input_nonfinite(self) -> bool:
         """Local. Whether a MoE layer met NaN/Inf in this rank's input since the last call

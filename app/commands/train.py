@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--strategy", "mpipemoe memory strategy", choices=STRATEGY_CHOICES)
     add("--split", "mpipemoe: how the partitions split a step's tokens: tokens, peers (FasterMoE's groups of "
         "destination workers) or auto (the search times both; the default with --partitions auto)", choices=SPLITS)
+    add("--sync-free-capacity", "the MoE layers' sync-free capacity mode: every partition sends each expert "
+        "ceil(F x top-k x tokens / experts) rows, padded, so no layer reads its counts on the host; a step whose "
+        "capacity overflows on any worker runs again dropless (counted: dropless_rerun). Needs a fixed "
+        "--partitions and --strategy (mpipemoe) or --engine fastmoe. Off by default", type=float, metavar="F")
     add("--moe-memory-gib", "mpipemoe: GiB of activation memory for all MoE layers together (per worker and "
         "micro-batch); the automatic partitions and strategy choose the fastest setting that fits", type=float)
     add("--seed", "model init and data order", type=int)

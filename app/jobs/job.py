@@ -23,7 +23,8 @@ from lm import data as data_lib
 from lm.model import (MODEL_OVERRIDES, MoETransformer, check_routing_overrides, get_preset, leanest_moe_memory,
                       param_counts)
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
-from workers.config import DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation
+from workers.config import (DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation,
+                            sync_free_capacity_refusal)
 from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
@@ -99,6 +100,8 @@ class TrainJob:
     strategy: str = "auto"             # mpipemoe memory strategy: auto | none | S1..S4
     split: str | None = None           # mpipemoe partitions split by tokens | peers | auto (None: the engine's
                                        # default, auto with --partitions auto; docs/engine.md)
+    sync_free_capacity: float | None = None  # the MoE layers' sync-free capacity mode: a capacity factor
+                                       # (no host read per layer; a step that overflows reruns dropless)
     moe_memory_gib: float | None = None  # mpipemoe: GiB of activations for all MoE layers of a worker's
                                        # micro-batch together; "auto" n and strategy then fit it
     seed: int = 0                      # model init and data order
@@ -177,6 +180,10 @@ class TrainJob:
             if self.split == "auto" and self.partitions != "auto":
                 _fail("split", self.split, "the search chooses the split with --partitions auto; give --split "
                       "tokens or peers with a fixed --partitions")
+        refusal = sync_free_capacity_refusal(self.sync_free_capacity, self.engine, self.partitions, self.strategy,
+                                             self.split)
+        if refusal:
+            _fail("sync_free_capacity", self.sync_free_capacity, f"{refusal} (--sync-free-capacity)")
         if self.moe_memory_gib is not None:
             if isinstance(self.moe_memory_gib, bool) or not isinstance(self.moe_memory_gib, (int, float)) \
                     or not 0 < self.moe_memory_gib < math.inf:
@@ -305,7 +312,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
     dtype = job.dtype if job.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
     return WorkerConfig(
         preset=preset, engine=job.engine, partitions=job.partitions,
-        strategy=job.strategy, split=job.split, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
+        strategy=job.strategy, split=job.split, sync_free_capacity=job.sync_free_capacity, moe_memory_budget_bytes=(None if job.moe_memory_gib is None
                                                         else int(job.moe_memory_gib * 2**30)),
         expert_parallel=expert_degree(job, gpus_per_node),
         seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
