@@ -25,6 +25,7 @@ rotary positions use transformers' layout (``rotate_half``), so no permutation i
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -151,13 +152,12 @@ def mixtral_preset(config: dict[str, Any]) -> ModelPreset:
         **{**MIXTRAL_STYLE, "rope_theta": float(rope.get("rope_theta", 1e6))})
 
 
-def read_mixtral(directory) -> tuple[ModelPreset, dict[str, torch.Tensor]]:
+def read_mixtral(directory: str | Path) -> tuple[ModelPreset, dict[str, torch.Tensor]]:
     """Local. (preset, our state_dict) of a Hugging Face Mixtral checkpoint folder:
     ``config.json`` and ``model.safetensors`` (or the shards that
     ``model.safetensors.index.json`` lists). Raises ValueError naming a missing file or
     field."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import load_file
 
