@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import moe_engine
 from moe_engine import HostBufferPool, MemoryBudget, MoEConfig, ProfileCache
@@ -56,6 +57,16 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 HEAD_ROWS_MULTIPLE = 8  # the LM head's product runs on rows padded to this (16 bytes of bf16)
 PARTITION_CHOICES = "'auto' or an integer >= 1"
+# Activation checkpointing per block (``MoETransformer(activation_checkpointing=...)``):
+#   none:      every block keeps its activations for backward.
+#   selective: the attention (with its norm) runs again in backward; the MoE layer keeps its
+#              activations. Attention keeps ~5 d per token (norm output, q, k, v, SDPA output)
+#              and recomputes with local GEMMs only; recomputing the MoE layer would repeat its
+#              two All-to-Alls.
+#   full:      the whole block runs again in backward; each block keeps only its input, and
+#              one block's activations are live at a time (the MoE engine replays the
+#              recorded plan of the forward it recomputes).
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
 
 def _fail(field: str, value, fix: str) -> None:
@@ -333,20 +344,61 @@ def make_norm(preset: ModelPreset) -> nn.Module:
 STAGE_MARKS = ("mpipemoe.block.attention", "mpipemoe.block.moe")  # a block's stages in a trace
 
 
+def recomputed(function, *inputs):
+    """``function(*inputs)`` under activation checkpointing: nothing of its inside is kept for
+    backward, which runs it again (torch.utils.checkpoint, non-reentrant: it composes with
+    autocast, DDP/FSDP2 and the MoE engine's plan replay; the random state is restored)."""
+    return checkpoint(function, *inputs, use_reentrant=False)
+
+
+def check_activation_checkpointing(value, fail=None) -> None:
+    """``fail(field, value, fix)`` (default: a ValueError naming the field) unless ``value`` is
+    one of ACTIVATION_CHECKPOINTING."""
+    def plain_fail(field, value, fix):
+        raise ValueError(f"{field}={value!r} is invalid: {fix}")
+
+    if value not in ACTIVATION_CHECKPOINTING:
+        (fail or plain_fail)("activation_checkpointing", value, f"choose one of {', '.join(ACTIVATION_CHECKPOINTING)} "
+             f"(--activation-checkpointing)")
+
+
+def moe_layers_kept(preset: ModelPreset, activation_checkpointing: str = "none") -> int:
+    """How many MoE layers keep their saved tensors at once over a forward and backward: every
+    layer, but one under "full" checkpointing (a block's activations live only while backward
+    recomputes it). What ``MemoryBudget.layers`` counts for the model's MoE layers."""
+    return 1 if activation_checkpointing == "full" else preset.num_layers
+
+
 class Block(nn.Module):
-    def __init__(self, preset: ModelPreset, moe: nn.Module):
+    """``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; ``checkpointing`` (ACTIVATION_CHECKPOINTING)
+    says what runs again in backward."""
+
+    def __init__(self, preset: ModelPreset, moe: nn.Module, checkpointing: str = "none"):
         super().__init__()
+        check_activation_checkpointing(checkpointing)
         self.ln1 = make_norm(preset)
         self.attn = Attention(preset.d_model, preset.num_heads, causal=preset.kind == "gpt", bias=preset.bias,
                               rope_theta=preset.rope_theta if preset.positions == "rotary" else None)
         self.ln2 = make_norm(preset)
         self.moe = moe
+        self.checkpointing = checkpointing
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.checkpointing == "full" and torch.is_grad_enabled():
+            return recomputed(self._stages, x_BSD)
+        return self._stages(x_BSD)
+
+    def _attention(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.ln1(x_BSD))
+
+    def _stages(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The two stages as named ranges of a profiler trace (the overlapped micro-batch
         # schedule's timeline: app/bench/timeline.py; a no-op without a profiler)
         with torch.profiler.record_function(STAGE_MARKS[0]):
-            x_BSD = x_BSD + self.attn(self.ln1(x_BSD))                       # local
+            if self.checkpointing == "selective" and torch.is_grad_enabled():
+                x_BSD = x_BSD + recomputed(self._attention, x_BSD)           # local
+            else:
+                x_BSD = x_BSD + self._attention(x_BSD)                       # local
         with torch.profiler.record_function(STAGE_MARKS[1]):
             moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))                # collective (All-to-Alls)
         return x_BSD + moe_out_BSD, aux_loss
@@ -360,17 +412,20 @@ def preset_moe_config(preset: ModelPreset) -> MoEConfig:
 
 
 def leanest_moe_memory(preset: ModelPreset, tokens: int, world_size: int, dtype: torch.dtype,
-                       candidates: tuple[int, ...] = DEFAULT_CANDIDATES, in_flight: int = 1) -> tuple[int, int, str]:
+                       candidates: tuple[int, ...] = DEFAULT_CANDIDATES, in_flight: int = 1,
+                       activation_checkpointing: str = "none") -> tuple[int, int, str]:
     """(bytes, n, strategy): the least activation memory the MoE layers of ``preset``
     need together for ``tokens`` per rank (balanced routing), over the partition search's
     ``candidates`` and every strategy — what a `MemoryBudget` for them must hold at least,
-    with ``in_flight`` micro-batches live at once (2: the overlapped schedule)."""
+    with ``in_flight`` micro-batches live at once (2: the overlapped schedule) and the MoE
+    layers that keep their tensors at once under ``activation_checkpointing`` (``moe_layers_kept``)."""
     config = preset_moe_config(preset)
+    layers = moe_layers_kept(preset, activation_checkpointing)
     needs = []
     for n in candidates:
         for strategy in STRATEGIES:
             e = predict_memory(config, tokens, world_size, n, strategy, dtype=dtype)
-            needs.append((MemoryBudget(1, preset.num_layers, in_flight).need_of(e), n, strategy))
+            needs.append((MemoryBudget(1, layers, in_flight).need_of(e), n, strategy))
     return min(needs)
 
 
@@ -390,19 +445,21 @@ class MoETransformer(nn.Module):
                layer's default, "auto" with the online search, layers.MPipeMoE).
     host_pool: host buffers for offloads, shared by the MoE layers (default: a new pool).
     memory_budget: bytes of activations for all MoE layers together (mpipemoe): each layer
-               gets MemoryBudget(memory_budget, layers=num_layers, in_flight=in_flight);
-               None: no budget.
+               gets MemoryBudget(memory_budget, layers=moe_layers_kept(...), in_flight=in_flight)
+               (num_layers; 1 under full checkpointing); None: no budget.
     in_flight: micro-batches whose activations are live at once (2 under the overlapped
                micro-batch schedule, workers/schedules.py).
     sync_free_capacity: the MoE layers' sync-free capacity mode (a capacity factor; None:
                the dropless exchange): no host read per layer, pairs past the capacity
                dropped and counted (`MoELayerBase.overflowed`) for the caller to rerun the
                step dropless (workers/loop.py does).
+    activation_checkpointing: what each block runs again in backward (ACTIVATION_CHECKPOINTING).
     """
 
     def __init__(self, preset: ModelPreset, engine: str = "mpipemoe", group=None,
                  partitions="auto", strategy="auto", host_pool=None, memory_budget: int | None = None,
-                 in_flight: int = 1, split: str | None = None, sync_free_capacity: float | None = None):
+                 in_flight: int = 1, split: str | None = None, sync_free_capacity: float | None = None,
+                 activation_checkpointing: str = "none"):
         super().__init__()
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is unknown: choose one of {', '.join(ENGINES)}")
@@ -414,8 +471,9 @@ class MoETransformer(nn.Module):
         self.pos_embed = nn.Embedding(preset.seq_len, preset.d_model) if preset.positions == "learned" else None
         profiles = ProfileCache()  # one hardware profile for all MoE layers, measured once
         host_pool = host_pool if host_pool is not None else HostBufferPool()
-        budget = None if memory_budget is None else MemoryBudget(memory_budget, layers=preset.num_layers,
-                                                                     in_flight=in_flight)
+        check_activation_checkpointing(activation_checkpointing)
+        budget = None if memory_budget is None else MemoryBudget(
+            memory_budget, layers=moe_layers_kept(preset, activation_checkpointing), in_flight=in_flight)
         if partitions == "auto" and memory_budget is None and expert_ranks(group) == 1:
             # One rank sends no All-to-All for partitions to hide, and without a budget they
             # save no memory that is needed: one partition, the largest GEMMs (on an H200 the
@@ -428,7 +486,7 @@ class MoETransformer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(preset, moe_engine.build_layer(engine, moe_config, group, partitions=partitions, strategy=strategy,
                                                    profile=profiles, host_pool=host_pool, memory_budget=budget,
-                                                   **layer_options))
+                                                   **layer_options), activation_checkpointing)
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
 
@@ -583,13 +641,16 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
 
 
 def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int, dtype_bytes: int,
-                          base_bytes: int) -> dict[str, int]:
+                          base_bytes: int, activation_checkpointing: str = "none") -> dict[str, int]:
     """Rough peak memory of one training worker (a lower bound that errs low, for refusing
     settings that cannot fit, not for packing): ``base_bytes`` for the process itself,
     parameters with their gradients and AdamW's two float32 states (replicated part plus
     this rank's experts), and activations kept for backward over ``batch_size`` sequences
     of ``preset.seq_len`` tokens (attention through SDPA is linear in the sequence; the
-    LM head's logits in float32). Returns the parts and ``total``."""
+    LM head's logits in float32). Under ``activation_checkpointing`` a block keeps what it
+    really keeps: "selective" drops the attention's 6 d per token (norm output, q, k, v, SDPA
+    output, projection input), "full" keeps every block's input and one block's whole set.
+    Returns the parts and ``total``."""
     d, h, layers, experts, k = (preset.d_model, preset.d_hidden, preset.num_layers, preset.num_experts,
                                 preset.top_k)
     ffn = 3 if preset.activation == "swiglu" else 2
@@ -597,8 +658,10 @@ def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int,
     expert = layers * (experts // max(1, world_size)) * (ffn * d * h + h + d)
     params = (dense + expert) * (2 * dtype_bytes + 8)
     tokens = batch_size * preset.seq_len
-    activations = tokens * layers * (10 * d + k * (2 * d + 2 * h)) * dtype_bytes \
-        + tokens * preset.vocab_size * (dtype_bytes + 8)
+    attention, moe = 6 * d, 4 * d + k * (2 * d + 2 * h)  # per token and block
+    per_token = {"none": layers * (attention + moe), "selective": layers * (d + moe),
+                 "full": layers * d + attention + moe}[activation_checkpointing]
+    activations = tokens * per_token * dtype_bytes + tokens * preset.vocab_size * (dtype_bytes + 8)
     return {"base": base_bytes, "params": params, "activations": activations,
             "total": base_bytes + params + activations}
 

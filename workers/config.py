@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from lm.data import MASK_ID
-from lm.model import ModelPreset
+from lm.model import ModelPreset, check_activation_checkpointing
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 
 SCHEDULE_CHOICES = ("sequential", "overlapped", "auto")  # micro-batch schedules (workers/schedules.py)
@@ -105,6 +105,9 @@ class WorkerConfig:
     shard_dense:         FSDP2 for the dense part instead of DDP.
     micro_batch_schedule: "sequential", "overlapped" (the forward of micro-batch k+1 beside the
                          backward of k; DDP only) or "auto" (workers/schedules.py ``choose_schedule``).
+    activation_checkpointing: what each transformer block runs again in backward: "none",
+                         "selective" (the attention) or "full" (the block; lm.model
+                         ACTIVATION_CHECKPOINTING).
     expert_parallel:     the expert-parallel degree P: expert groups of P consecutive ranks, each
                          holding every expert once (workers/distributed.py); None: the world.
     collective_timeout_s: timeout of the checkpoint's gloo group (None: the default).
@@ -167,6 +170,7 @@ class WorkerConfig:
     log_every: int = 10
     micro_batch_schedule: str = "sequential"
     expert_parallel: int | None = None
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it
@@ -215,6 +219,7 @@ class WorkerConfig:
         if self.micro_batch_schedule == "overlapped" and self.shard_dense:
             _fail("micro_batch_schedule", self.micro_batch_schedule, "FSDP2 (shard_dense) gathers and frees parameters "
                   "per micro-batch, which two in flight would interleave: use sequential (or auto), or DDP")
+        check_activation_checkpointing(self.activation_checkpointing, _fail)
         if self.data_shards is not None and not (_is_int(self.data_shards) and self.data_shards >= 1):
             _fail("data_shards", self.data_shards, "give an integer >= 1, or None (one rank stream per worker)")
         if self.expert_parallel is not None and not (_is_int(self.expert_parallel) and self.expert_parallel >= 1

@@ -3,6 +3,7 @@ checkpoint, and back: the ``config.json`` fields and the tensor names and layout
 
     tensors = to_mixtral(model.state_dict(), model.preset)     # the same tensors under HF's names
     state = from_mixtral(tensors, preset)                        # our state_dict again
+    preset, state = read_mixtral("checkpoints/mixtral")          # a Hugging Face folder (--init-from)
 
 The names are those of Mixtral's published checkpoints, which every transformers version
 loads without remote code (5.x merges the experts into ``mlp.experts.gate_up_proj`` and
@@ -24,6 +25,7 @@ rotary positions use transformers' layout (``rotate_half``), so no permutation i
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,7 +82,8 @@ def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[
         try:
             return tensors[name]
         except KeyError:
-            raise ValueError(f"the Mixtral export lacks {name}: export the run again (mpipemoe export)") from None
+            raise ValueError(f"the Mixtral checkpoint lacks {name}: give a complete one (an mpipemoe export: export "
+                             f"the run again)") from None
 
     state = {"tok_embed.weight": take("model.embed_tokens.weight"), "ln_f.weight": take("model.norm.weight")}
     for layer in range(preset.num_layers):
@@ -95,3 +98,85 @@ def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[
                 [take(f"{theirs}.block_sparse_moe.experts.{j}.{weight}.weight").t()
                  for j in range(preset.num_experts)])
     return state
+
+
+# Fields of other MoE families' configs (Qwen-MoE, DeepSeek, ...) that Mixtral's lacks: our
+# model has no shared experts.
+SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                        "moe_shared_expert_intermediate_size")
+
+
+def _refuse(field: str, value: Any, fix: str) -> None:
+    raise ValueError(f"--init-from: config.json's {field}={value!r} is not Mixtral-style: {fix}")
+
+
+def mixtral_preset(config: dict[str, Any]) -> ModelPreset:
+    """Local. The preset of a transformers ``MixtralConfig`` (``config.json``'s dict):
+    dimensions, experts, top-k, rotary base, vocabulary, norm epsilon; seq_len is
+    ``max_position_embeddings``. Raises ValueError naming the first field our model cannot
+    hold (``mixtral_config``'s inverse)."""
+    from lm.model import MIXTRAL_STYLE
+
+    if config.get("model_type") != "mixtral":
+        _refuse("model_type", config.get("model_type"), "give a MixtralForCausalLM checkpoint (model_type mixtral)")
+    for field in SHARED_EXPERT_FIELDS:
+        if config.get(field):
+            _refuse(field, config[field], "our MoE layers have no shared experts")
+    heads = config["num_attention_heads"]
+    if config.get("num_key_value_heads", heads) != heads:
+        _refuse("num_key_value_heads", config["num_key_value_heads"], f"grouped-query attention is not supported: "
+                f"our attention has as many key/value heads as query heads ({heads})")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * heads != config["hidden_size"]:
+        _refuse("head_dim", head_dim, f"our heads are hidden_size / num_attention_heads = "
+                f"{config['hidden_size'] // heads} wide")
+    if config.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", config["hidden_act"], "Mixtral's experts are SwiGLU (silu)")
+    if not config.get("tie_word_embeddings", False):
+        _refuse("tie_word_embeddings", config.get("tie_word_embeddings", False),
+                "our LM head is the token embedding (tied)")
+    for field, plain in (("router_jitter_noise", 0.0), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(field, plain) != plain:
+            _refuse(field, config[field], f"our router and projections take {field}={plain!r}")
+    if config.get("norm_topk_prob", True) is not True or config.get("scoring_func", "softmax") != "softmax":
+        field = "norm_topk_prob" if config.get("norm_topk_prob", True) is not True else "scoring_func"
+        _refuse(field, config[field], "our router is Mixtral's: a softmax over the top-k logits")
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)}
+    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        _refuse("rope_parameters", rope, "only unscaled rotary positions (rope_type default)")
+    return ModelPreset(
+        "gpt", d_model=config["hidden_size"], d_hidden=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"], num_heads=heads, num_experts=config["num_local_experts"],
+        top_k=config["num_experts_per_tok"], seq_len=config.get("max_position_embeddings", 4096),
+        vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-5),
+        **{**MIXTRAL_STYLE, "rope_theta": float(rope.get("rope_theta", 1e6))})
+
+
+def read_mixtral(directory: str | Path) -> tuple[ModelPreset, dict[str, torch.Tensor]]:
+    """Local. (preset, our state_dict) of a Hugging Face Mixtral checkpoint folder:
+    ``config.json`` and ``model.safetensors`` (or the shards that
+    ``model.safetensors.index.json`` lists). Raises ValueError naming a missing file or
+    field."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(directory)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--init-from {directory}: no config.json there: give a Hugging Face Mixtral "
+                         f"checkpoint folder (config.json and safetensors)")
+    preset = mixtral_preset(json.loads((folder / "config.json").read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"--init-from {directory}: no model.safetensors (nor model.safetensors.index.json) "
+                         f"there: give the folder with the checkpoint's weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise ValueError(f"--init-from {directory}: {name} is missing (model.safetensors.index.json names it)")
+        tensors.update(load_file(str(folder / name)))
+    return preset, {k: v.float() for k, v in from_mixtral(tensors, preset).items()}

@@ -286,13 +286,14 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
         config.micro_batch_schedule, config.grad_accum, shard_dense=config.shard_dense,
         budget_bytes=config.moe_memory_budget_bytes, preset=preset,
         tokens=(batch_size or config.batch_size) * config.seq_len, world_size=degree,
-        dtype=getattr(torch, config.dtype), device=device)
+        dtype=getattr(torch, config.dtype), device=device, activation_checkpointing=config.activation_checkpointing)
     expert_group, replica_group = expert_groups(layout, config.collective_timeout_s)
     model = MoETransformer(preset, engine=config.engine, group=expert_group, partitions=config.partitions,
                            strategy=config.strategy, split=config.split, host_pool=host_pool,
                            memory_budget=config.moe_memory_budget_bytes,
                            in_flight=LANES if schedule == "overlapped" else 1,
-                           sync_free_capacity=config.sync_free_capacity)
+                           sync_free_capacity=config.sync_free_capacity,
+                           activation_checkpointing=config.activation_checkpointing)
     model.to(device=device)  # float32 master parameters; compute dtype via autocast
     init_parameters(model, config.seed, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison

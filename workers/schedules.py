@@ -373,10 +373,23 @@ def _overlapped_section(parallel: DenseParallel, micro_batches: Sequence[T], los
     return records
 
 
+def checkpointing_refusal(activation_checkpointing: str, expert_ranks: int) -> str | None:
+    """Local. Why the overlapped schedule cannot run ``activation_checkpointing`` with expert
+    groups of ``expert_ranks`` ranks (None: it can): a recomputed MoE layer's All-to-Alls
+    would go to the lane the other thread is forwarding on."""
+    if activation_checkpointing != "full" or expert_ranks <= 1:
+        return None
+    return (f"full activation checkpointing recomputes the MoE layers in backward, beside the next "
+            f"micro-batch's forward, which with {expert_ranks} ranks per expert group would mix the two "
+            f"lanes' All-to-Alls: use the sequential micro-batch schedule, or --activation-checkpointing "
+            f"selective (the MoE layers are not recomputed)")
+
+
 def choose_schedule(choice: str, micro_batches: int, *, shard_dense: bool = False, budget_bytes: int | None = None,
                     preset: Any = None, tokens: int = 0, world_size: int = 1,
                     dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device = torch.device("cpu")) -> tuple[str, str]:
+                    device: torch.device = torch.device("cpu"),
+                    activation_checkpointing: str = "none") -> tuple[str, str]:
     """Local. (schedule, why) for ``choice`` ("sequential", "overlapped" or "auto"). "auto"
     is "overlapped" when a step has ``micro_batches`` >= 2, the dense part is under DDP (not
     ``shard_dense``) and, with an activation budget for the MoE layers (``budget_bytes``,
@@ -384,7 +397,15 @@ def choose_schedule(choice: str, micro_batches: int, *, shard_dense: bool = Fals
     fits it with two micro-batches of ``tokens`` tokens per rank in flight
     (lm.model.leanest_moe_memory, ``in_flight=2``), and ``device`` allows it
     (``overlap_refusal``); else "sequential". "overlapped" where ``device`` does not allow
-    it raises ValueError naming why."""
+    it raises ValueError naming why. Full ``activation_checkpointing`` recomputes the MoE
+    layers in backward, which under the overlapped schedule runs beside the next forward
+    on the other lane: with an expert group of several ranks (``world_size``) the MoE
+    layer refuses that (moe_engine/layers.py ``_replay_lane``), so "auto" is "sequential"
+    then and "overlapped" raises."""
+    if choice != "sequential" and (why := checkpointing_refusal(activation_checkpointing, world_size)):
+        if choice == "overlapped":
+            raise ValueError(f"micro_batch_schedule='overlapped' is refused: {why}")
+        return "sequential", why.split(":")[0]
     refusal = overlap_refusal(device) if choice != "sequential" and micro_batches >= 2 else None
     if choice == "overlapped" and refusal is not None:
         raise ValueError(f"micro_batch_schedule='overlapped' is refused: {refusal}")
@@ -399,7 +420,8 @@ def choose_schedule(choice: str, micro_batches: int, *, shard_dense: bool = Fals
     if budget_bytes is not None:
         from lm.model import leanest_moe_memory
 
-        need, n, strategy = leanest_moe_memory(preset, tokens, world_size, dtype, in_flight=LANES)
+        need, n, strategy = leanest_moe_memory(preset, tokens, world_size, dtype, in_flight=LANES,
+                                               activation_checkpointing=activation_checkpointing)
         if need > budget_bytes:
             return "sequential", (f"two micro-batches in flight need {need / 2**30:.3g} GiB of MoE activations "
                                   f"at least (n={n}, {strategy}), over the {budget_bytes / 2**30:.3g} GiB budget")

@@ -28,12 +28,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, markdown_head,
                              peak_memory_bytes, point_config)
 from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.bench.peers import build_peer
+from lm.model import recomputed
 from moe_engine import FastMoE, MemoryBudget, MoEConfig, MPipeMoE, build_layer
 from moe_engine.comm import ExpertGroup
 from moe_engine.granularity import SEARCH_SPLITS, GranularitySearch, Setting
@@ -48,7 +48,8 @@ BUDGET = "auto@budget"
 
 class Stack(torch.nn.Module):
     """h = h + layer(h)[0] for each layer, each optionally under activation checkpointing
-    (torch.utils.checkpoint, non-reentrant: the layer's forward runs again in backward)."""
+    (lm.model.recomputed, as `mpipemoe train --activation-checkpointing full` runs its blocks: the
+    layer's forward runs again in backward)."""
 
     def __init__(self, layers, checkpointed: bool):
         super().__init__()
@@ -59,7 +60,7 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             def run(h, layer=layer):
                 return layer(h)[0]
-            h = h + (checkpoint(run, h, use_reentrant=False) if self.checkpointed else run(h))
+            h = h + (recomputed(run, h) if self.checkpointed else run(h))
         return h
 
 

@@ -27,7 +27,7 @@ from app.jobs.resume import resume_command, resumed_job_fields
 from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
-from lm.model import PRESETS
+from lm.model import ACTIVATION_CHECKPOINTING, PRESETS
 from moe_engine.config import ACTIVATIONS, ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 
@@ -129,6 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch-schedule", "with --grad-accum >= 2: overlapped runs the forward of micro-batch k+1 "
         "beside the backward of k (two micro-batches' activations live; DDP only); auto picks it when two fit "
         "--moe-memory-gib", choices=SCHEDULE_CHOICES)
+    add("--activation-checkpointing", "per transformer block, what runs again in backward instead of being "
+        "kept: none; selective = the attention and its norm (cheap to recompute, no communication; the MoE "
+        "layer keeps its activations); full = the whole block (each keeps only its input; the MoE layer's "
+        "All-to-Alls run again; with several workers per expert group it takes the sequential schedule)",
+        choices=ACTIVATION_CHECKPOINTING)
     add("--keep-checkpoints", "complete checkpoints to keep (older ones are deleted); 0 keeps all", type=int)
     parser.add_argument("--async-checkpoint", dest="async_checkpoint", action="store_true", default=None,
                         help="copy each checkpoint to host memory and write its shards while the next step trains")

@@ -20,12 +20,13 @@ import torch
 
 from app.tracking.store import check_store_form, resolve_tracking_uri
 from lm import data as data_lib
-from lm.model import (MODEL_OVERRIDES, MoETransformer, check_routing_overrides, get_preset, leanest_moe_memory,
+from lm.model import (MODEL_OVERRIDES, MoETransformer, check_activation_checkpointing, check_routing_overrides, get_preset, leanest_moe_memory,
                       param_counts)
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import (DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation,
                             sync_free_capacity_refusal)
 from workers.distributed import check_expert_degree, default_expert_degree, training_state_bytes
+from workers.schedules import checkpointing_refusal
 
 DEFAULT_EXPERIMENT = "mpipemoe-train"
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -144,6 +145,8 @@ class TrainJob:
     optimizer_impl: str = "auto"       # AdamW kernels: auto (fused on CUDA, else foreach) | fused | foreach | for-loop
     eval_every: int = 25               # validation loss every N steps and at the end; 0: never
     eval_batches: int = 4              # fixed validation batches (of batch_size sequences) per worker
+    activation_checkpointing: str = "none"  # per block, run again in backward: none | selective (the
+                                       # attention) | full (the whole block; lm.model ACTIVATION_CHECKPOINTING)
     data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
                                        # resumed on another worker count keeps its first; workers/reshard.py)
 
@@ -213,6 +216,11 @@ class TrainJob:
         if self.micro_batch_schedule == "overlapped" and self.shard_dense:
             _fail("micro_batch_schedule", self.micro_batch_schedule, "--shard-dense (FSDP2) takes the sequential "
                   "schedule: drop --shard-dense, or use --micro-batch-schedule sequential or auto")
+        check_activation_checkpointing(self.activation_checkpointing, _fail)
+        if self.micro_batch_schedule == "overlapped" and (why := checkpointing_refusal(
+                self.activation_checkpointing, self.expert_parallel or self.num_workers)):
+            _fail("micro_batch_schedule", self.micro_batch_schedule, why.replace(
+                "the sequential micro-batch schedule", "--micro-batch-schedule sequential (or auto)"))
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             _fail("on_nonfinite_loss", self.on_nonfinite_loss, f"choose {' or '.join(NONFINITE_POLICIES)}")
         check_optimisation(self, _fail)
@@ -265,7 +273,8 @@ class TrainJob:
         tokens = self.batch_size * preset.seq_len
         # the overlapped schedule has two micro-batches' activations live (MemoryBudget.in_flight)
         in_flight = 2 if self.micro_batch_schedule == "overlapped" and self.grad_accum > 1 else 1
-        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16, in_flight=in_flight)
+        need, n, strategy = leanest_moe_memory(preset, tokens, self.num_workers, torch.bfloat16, in_flight=in_flight,
+                                               activation_checkpointing=self.activation_checkpointing)
         assert self.moe_memory_gib is not None
         if self.moe_memory_gib * 2**30 < need:
             _fail("moe_memory_gib", self.moe_memory_gib,
@@ -274,7 +283,9 @@ class TrainJob:
                   f"micro-batch{'es in flight (--micro-batch-schedule overlapped)' if in_flight > 1 else ''} "
                   f"({self.preset}, --batch-size {self.batch_size}): give --moe-memory-gib "
                   f"{math.ceil(need / 2**30 * 1000) / 1000:g} or more, or a smaller --batch-size"
-                  + (", or --micro-batch-schedule auto" if in_flight > 1 else ""))
+                  + (", or --micro-batch-schedule auto" if in_flight > 1 else "")
+                  + (", or --activation-checkpointing full (one MoE layer's activations live at a time)"
+                     if self.activation_checkpointing != "full" else ""))
 
     def model_preset(self, vocab_size: int | None = None):
         """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
@@ -323,7 +334,7 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
         torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
         on_nonfinite_loss=job.on_nonfinite_loss, metrics_queue=metrics_queue,
         shard_dense=job.shard_dense, grad_accum=job.grad_accum, async_checkpoint=job.async_checkpoint,
-        micro_batch_schedule=job.micro_batch_schedule,
+        micro_batch_schedule=job.micro_batch_schedule, activation_checkpointing=job.activation_checkpointing,
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,

@@ -99,7 +99,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
                   f"or train on GPUs")
     dtype_bytes = 4 if job.dtype in ("float32",) or (job.dtype == "auto" and not use_gpu) else 2
     estimate = estimate_worker_bytes(preset, job.batch_size, job.num_workers, dtype_bytes,
-                                     0 if use_gpu else WORKER_BASE_BYTES)
+                                     0 if use_gpu else WORKER_BASE_BYTES, job.activation_checkpointing)
     if use_gpu:
         if not (local and torch.cuda.is_available()):
             return

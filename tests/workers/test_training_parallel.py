@@ -63,11 +63,24 @@ def _train_ways(rank: int, world_size: int, data_dir: str, out: str) -> dict:
                          ("whole", {"batch_size": 4, "aux_loss_weight": 0.0}),
                          ("overlapped", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0,
                                          "micro_batch_schedule": "overlapped"}),
-                         ("fused", {"optimizer_impl": "fused"})):
+                         ("fused", {"optimizer_impl": "fused"}),
+                         ("selective", {"activation_checkpointing": "selective"}),
+                         ("full", {"activation_checkpointing": "full"}),
+                         ("s4", {"strategy": "S4"}),
+                         ("full_s4", {"strategy": "S4", "activation_checkpointing": "full"}),
+                         ("full_fsdp2", {"shard_dense": True, "activation_checkpointing": "full"}),
+                         ("full_accum", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0,
+                                         "activation_checkpointing": "full"}),
+                         ("full_auto", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0,
+                                        "activation_checkpointing": "full", "micro_batch_schedule": "auto"}),
+                         ("selective_overlapped", {"grad_accum": 2, "batch_size": 2, "aux_loss_weight": 0.0,
+                                                   "activation_checkpointing": "selective",
+                                                   "micro_batch_schedule": "overlapped"})):
         torch.manual_seed(rank)
         trainer = Trainer(_config(data_dir, **change), rank, world_size, device)
         results[name] = _losses(trainer, range(1, N + 1))
         results[f"{name}_schedule"] = trainer.schedule
+        results[f"{name}_schedule_reason"] = trainer.schedule_reason
     torch.manual_seed(rank)
     pure = Trainer(_config(data_dir, dtype="bfloat16", param_dtype="bfloat16"), rank, world_size, device)
     results["pure_bf16"] = _losses(pure, range(1, N + 1))
@@ -163,6 +176,22 @@ def test_overlapped_micro_batch_schedule_equals_the_sequential_one(runs):
         assert results[rank]["overlapped"] == pytest.approx(results[rank]["accum"], rel=1e-5, abs=1e-6)
     assert results[0]["overlapped"] == results[1]["overlapped"]
     assert (results[0]["overlapped_schedule"], results[0]["accum_schedule"]) == ("overlapped", "sequential")
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("checkpointed, plain", [
+    ("selective", "ddp"), ("full", "ddp"), ("full_s4", "s4"), ("full_fsdp2", "fsdp2"), ("full_accum", "accum"),
+    ("full_auto", "accum"), ("selective_overlapped", "overlapped")])
+def test_activation_checkpointing_gives_the_plain_runs_losses(runs, checkpointed, plain):
+    """Blocks run again in backward (the attention, or the whole block with its MoE layer, whose
+    engine replays the plan its forward ran): the same losses as keeping the activations, under
+    the strategies, FSDP2 and several micro-batches."""
+    results, _ = runs
+    for rank in range(2):
+        assert results[rank][checkpointed] == pytest.approx(results[rank][plain], rel=1e-6, abs=1e-7)
+    assert results[0]["full_auto_schedule"] == "sequential"  # full recomputes the MoE layers: not beside a forward
+    assert "activation checkpointing" in results[0]["full_auto_schedule_reason"]
+    assert results[0]["selective_overlapped_schedule"] == "overlapped"
 
 
 @pytest.mark.gloo
