@@ -50,21 +50,22 @@ def _hold(rank: int, world_size: int, timeout_s: float) -> list:
     from workers.loop import hold_verdict
 
     outcomes = []
-    for after_s, answer in ((4.0, True), (0.0, None)):
+    for after_s, answer in ((2 * timeout_s, True), (0.0, None)):
         driver = _SlowDriver(after_s, answer) if rank == 0 else None
         stop = hold_verdict(3, driver, torch.device("cpu"), world_size, timeout_s,  # type: ignore[arg-type]
-                            hold_timeout_s=6.0)
+                            hold_timeout_s=2.5 * timeout_s)
         outcomes.append((stop, max(driver.asked) if driver else None))
     return outcomes
 
 
 @pytest.mark.gloo
 def test_every_rank_waits_at_a_hold_step_however_short_the_collective_timeout():
-    """The driver answers a hold step after 4 s, twice the 2 s collective timeout: rank 0 asks
+    """The driver answers a hold step after 8 s, twice the 4 s collective timeout (long enough
+    that a loaded machine's scheduling delays stay well inside it): rank 0 asks
     in waits of a quarter of it, every rank learns after each whether the answer has come, and
     all stop together (a rank 0 waiting for the answer alone left the others in a collective
     that timed out). A driver that never answers: every rank goes on after the hold's limit."""
     from tests.distributed import run_on_ranks
 
-    rank0, rank1 = run_on_ranks(2, _hold, 2.0, collective_timeout_s=2.0, timeout=120)
-    assert rank0 == [(True, 0.5), (False, 0.5)] and rank1 == [(True, None), (False, None)]
+    rank0, rank1 = run_on_ranks(2, _hold, 4.0, collective_timeout_s=4.0, timeout=240)
+    assert rank0 == [(True, 1.0), (False, 1.0)] and rank1 == [(True, None), (False, None)]

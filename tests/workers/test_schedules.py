@@ -206,26 +206,39 @@ def test_kernel_probes_run_before_the_overlapped_section_and_host_cache_release_
     assert events[-1] == "host cache emptied" and events.count("host cache emptied") == 1, events
 
 
-@pytest.mark.gpu
-def test_an_overlapped_bf16_step_on_cuda_probes_the_kernels_before_its_first_forward():
-    """The widening grouped kernel's probe (first needed by a bf16 backward, on the helper
-    thread) has run on the calling thread before the first forward, and no forward sees
-    CUDA's process-wide sync-debug mode switched."""
+def _overlapped_step_probes(device: torch.device) -> tuple[list, int]:
+    """Three overlapped micro-batches of tiny-gpt under autocast on ``device``: at each forward
+    (probes cached, CUDA's sync-debug mode), and the widening probe's misses."""
     from moe_engine.experts import _grouped_kernel_widens
 
     _grouped_kernel_widens.cache_clear()
-    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1").cuda()
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="S1").to(device)
     lanes = Lanes.create(model)
-    tokens_BS = torch.zeros(2, 16, dtype=torch.long, device="cuda")
+    tokens_BS = torch.zeros(2, 16, dtype=torch.long, device=device)
     seen: list[tuple[int, int]] = []  # (probes cached, sync-debug mode) at each forward
 
     def loss_of(module, k):
-        seen.append((_grouped_kernel_widens.cache_info().currsize, torch.cuda.get_sync_debug_mode()))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        seen.append((_grouped_kernel_widens.cache_info().currsize,
+                     torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits_BSV, aux_loss = module(tokens_BS)
         return logits_BSV.float().square().mean() + aux_loss.float(), k
 
     forward_backward(model, range(3), loss_of, schedule="overlapped", lanes=lanes)
     lanes.close()
+    return seen, _grouped_kernel_widens.cache_info().misses
+
+
+@pytest.mark.gpu
+def test_an_overlapped_bf16_step_on_cuda_probes_the_kernels_before_its_first_forward():
+    """The widening grouped kernel's probe (first needed by a bf16 backward, on the helper
+    thread) has run on the calling thread before the first forward, and no forward sees
+    CUDA's process-wide sync-debug mode switched."""
+    seen, misses = _overlapped_step_probes(torch.device("cuda"))
     assert seen == [(1, 0)] * 3
-    assert _grouped_kernel_widens.cache_info().misses == 1
+    assert misses == 1
+
+
+def test_an_overlapped_bf16_step_on_cuda_probes_the_kernels_before_its_first_forward_cpu_twin():
+    seen, misses = _overlapped_step_probes(torch.device("cpu"))
+    assert seen == [(0, 0)] * 3 and misses == 0  # three forwards ran; the CPU's kernels need no probe
