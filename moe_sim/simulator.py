@@ -297,8 +297,9 @@ def backward_calls(policy: RestorePolicy, shape: "LayerShape", several: bool, re
         "dx to source order": int(reorder),
         "dx": int(several or not only),                           # all_to_all (one rank: copy_) into dx_RD
         # Experts.weight_grads: act(A) again (ReLU, unless kept; the input gradient made
-        # SwiGLU's and GELU's), dW2, dW1 (dW3), bias gradients (new_ones + grouped GEMM each)
-        "weight gradients": int(shape.activation == "relu" and not keep_activation) + 2 + gated + 4 * bias,
+        # SwiGLU's and GELU's), dW2, dW1 (dW3), bias gradients (a grouped GEMM each, against the
+        # pass's columns of ones: experts.PassRows)
+        "weight gradients": int(shape.activation == "relu" and not keep_activation) + 2 + gated + 2 * bias,
         "accumulate gradients": 0 if first else 2 + gated + 2 * bias,   # add_ into the earlier partitions'
     }
 

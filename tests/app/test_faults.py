@@ -626,7 +626,8 @@ def test_sigterm_stops_the_workers_with_a_checkpoint_like_ctrl_c(env, terminated
     (["--moe-memory-gib", "0.0001"],  # tiny-gpt, 2 workers, batch 8 x 64: about 1.7 MiB at least
      "TrainJob.moe_memory_gib=0.0001 is invalid: the leanest MPipeMoE setting (n=16, S1) needs 0.00166 GiB for "
      "the 2 MoE layers of a 512-token micro-batch (tiny-gpt, --batch-size 8): give --moe-memory-gib 0.002 or "
-     "more, or a smaller --batch-size"),
+     "more, or a smaller --batch-size, or --activation-checkpointing full (one MoE layer's activations live "
+     "at a time)"),
     (["--split", "peers", "--engine", "fastmoe"],
      "TrainJob.split='peers' is invalid: only the mpipemoe engine splits its partitions; drop --split or use "
      "--engine mpipemoe (not fastmoe)"),
