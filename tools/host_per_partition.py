@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", default="1,2,4,8", help="MPipeMoE's n, a comma list")
     parser.add_argument("--out", help="JSON record to write")
     args = parser.parse_args(argv)
-    sys.path.insert(0, args.engine_root)
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))
+    sys.path.insert(0, args.engine_root)  # (first: its moe_engine is the one timed)
+    from app.tracking.records import git_commit
 
     import torch
     from moe_engine import FastMoE, MoEConfig, MPipeMoE
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "meta": {"tool": "tools/host_per_partition.py", "command": " ".join(["python3", "tools/host_per_partition.py",
                                                                             *(argv or sys.argv[1:])]),
-                 "engine": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                 "engine": args.label, "git_commit": git_commit(args.engine_root), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                  else platform.processor() or "cpu", "torch": torch.__version__,
                  "date": datetime.date.today().isoformat(), "tokens": args.tokens, "d_model": args.d_model,
                  "d_hidden": args.d_hidden, "experts": args.experts, "top_k": 2, "activation": args.activation,
