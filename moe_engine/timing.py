@@ -1,5 +1,6 @@
 """One timing helper for calibration, the online search and the benchmark:
-warm-up, then repeated runs timed with CUDA events (GPU) or perf_counter (CPU)."""
+warm-up, then repeated runs timed with CUDA events (GPU) or perf_counter (CPU), with the
+host's time beside each: how long the call took to return (perf_counter, unsynchronized)."""
 from __future__ import annotations
 
 import statistics
@@ -12,9 +13,17 @@ import torch
 
 @dataclass(frozen=True)
 class Timing:
+    """mean_s, stdev_s: the device's time of the calls (wall time on CPU);
+    host_s: the mean host time of a call, from its start until it returned without waiting
+    for the device (on CUDA less than mean_s when the host runs ahead; equal to it when the
+    call waits at a host read); counted_s: the mean seconds `host_counter` (time_fn) advanced
+    in a call (0 without one)."""
+
     mean_s: float
     stdev_s: float
     repeats: int
+    host_s: float = 0.0
+    counted_s: float = 0.0
 
     @property
     def mean_ms(self) -> float:
@@ -54,28 +63,48 @@ class Stopwatch:
         return self._t1 - self._t0
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 5) -> Timing:
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 5,
+            host_counter: Callable[[], float] | None = None) -> Timing:
+    """`warmup` calls, then `repeats` timed ones. `host_counter`: a running total of seconds
+    (the emulator's own host work, moe_sim/emulation.py EmulatedTiming.host_s) whose advance
+    over the timed calls is reported apart (`Timing.counted_s`)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    samples = []
+    samples, host = [], []
+    counted_before = host_counter() if host_counter is not None else 0.0
     for _ in range(repeats):
         watch = Stopwatch(device)
         watch.start()
+        issued = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - issued)
         watch.stop()
         samples.append(watch.elapsed_s())
-    return Timing(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0, len(samples))
+    counted = (host_counter() - counted_before) / repeats if host_counter is not None else 0.0
+    return Timing(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0, len(samples),
+                  host_s=statistics.fmean(host), counted_s=counted)
 
 
 @dataclass(frozen=True)
 class RoundsTiming:
     """One function's time over interleaved rounds: `median_s` is the median of its
-    per-round means, `spread_s` the standard deviation of those means."""
+    per-round means, `spread_s` the standard deviation of those means; `host_median_s` and
+    `counted_median_s` the medians of the rounds' `Timing.host_s` and `Timing.counted_s`."""
 
     median_s: float
     spread_s: float
     round_means_s: tuple[float, ...]
+    host_median_s: float = 0.0
+    counted_median_s: float = 0.0
+
+    @property
+    def host_ms(self) -> float:
+        return self.host_median_s * 1e3
+
+    @property
+    def counted_ms(self) -> float:
+        return self.counted_median_s * 1e3
 
     @property
     def median_ms(self) -> float:
@@ -88,16 +117,22 @@ class RoundsTiming:
 
 
 def time_interleaved(fns: list[Callable[[], object]], device: torch.device, rounds: int = 5, warmup: int = 1,
-                     repeats: int = 3) -> list[RoundsTiming]:
+                     repeats: int = 3, host_counter: Callable[[], float] | None = None) -> list[RoundsTiming]:
     """Times every function in `fns` round after round — each round warms each one up
     and then times `repeats` calls of it — so a slow spell of the machine (another
     tenant, a CPU clock change) lands on all of them alike instead of on whichever ran
-    during it. Returns one `RoundsTiming` per function, in order."""
+    during it. Returns one `RoundsTiming` per function, in order (`host_counter`: time_fn's)."""
     if rounds < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"time_interleaved needs rounds >= 1, repeats >= 1, warmup >= 0; "
                          f"got rounds={rounds}, repeats={repeats}, warmup={warmup}")
-    means: list[list[float]] = [[] for _ in fns]
+    timings: list[list[Timing]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            means[i].append(time_fn(fn, device, warmup=warmup, repeats=repeats).mean_s)
-    return [RoundsTiming(statistics.median(m), statistics.stdev(m) if len(m) > 1 else 0.0, tuple(m)) for m in means]
+            timings[i].append(time_fn(fn, device, warmup=warmup, repeats=repeats, host_counter=host_counter))
+    results = []
+    for per_round in timings:
+        means = [t.mean_s for t in per_round]
+        results.append(RoundsTiming(statistics.median(means), statistics.stdev(means) if len(means) > 1 else 0.0,
+                                    tuple(means), host_median_s=statistics.median(t.host_s for t in per_round),
+                                    counted_median_s=statistics.median(t.counted_s for t in per_round)))
+    return results

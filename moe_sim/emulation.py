@@ -38,6 +38,7 @@ import copy
 import math
 import re
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -297,10 +298,25 @@ class EmulatedTiming:
            for it, and other modelled traffic (the data-parallel reduction) queues there too:
            transfers that share the NICs take their time one after another, so no step can
            beat the sum of its modelled transfers.
+    host_s: a running total of the host seconds spent inside the emulated collectives (pricing,
+           the stand-in copies, launching the waits), summed over the threads that issue them.
+           A real rank does not pay this: the bench reports it apart from the engine's host
+           time (moe_engine/timing.py time_fn's host_counter). The real collectives' own
+           issue cost (an NCCL call's) is part of it, so the engine's figure leaves that out.
     """
 
     scale: float = 1.0
     link: "torch.cuda.Stream | None" = None
+    host_s: float = 0.0
+
+    @contextlib.contextmanager
+    def counting_host(self) -> Iterator[None]:
+        """Adds the host seconds spent within to `host_s`."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_s += time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -441,13 +457,14 @@ class EmulatedExpertGroup(ExpertGroup):
         if send_counts.shape[0] != W:
             raise ValueError(f"exchange_counts needs one row per rank of the emulated {W}-rank cluster; "
                              f"got shape {tuple(send_counts.shape)}")
-        seconds = self.cluster.small_collective_s()
-        self._occupy_current_stream(seconds, send_counts.device)
-        if self.peer_group_size is None or self.peer_group_size >= W:
-            recv = send_counts[:1].repeat(W, *([1] * (send_counts.dim() - 1)))
-        else:
-            recv = self._received_in_peer_steps(send_counts)
-        self._log("exchange_counts", recv, send_counts, (), (), seconds)
+        with self.timing.counting_host():
+            seconds = self.cluster.small_collective_s()
+            self._occupy_current_stream(seconds, send_counts.device)
+            if self.peer_group_size is None or self.peer_group_size >= W:
+                recv = send_counts[:1].repeat(W, *([1] * (send_counts.dim() - 1)))
+            else:
+                recv = self._received_in_peer_steps(send_counts)
+            self._log("exchange_counts", recv, send_counts, (), (), seconds)
         return recv
 
     def _received_in_peer_steps(self, send_WX: torch.Tensor) -> torch.Tensor:
@@ -478,20 +495,22 @@ class EmulatedExpertGroup(ExpertGroup):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_splits: Sequence[int], input_splits: Sequence[int]) -> None:
         """Collective (emulated), blocking: the copy, then the network time on the current stream."""
-        seconds = self._price(output, input, output_splits, input_splits)
-        self._transfer(output, input, input_splits, seconds)
-        self._log("all_to_all", output, input, output_splits, input_splits, seconds)
+        with self.timing.counting_host():
+            seconds = self._price(output, input, output_splits, input_splits)
+            self._transfer(output, input, input_splits, seconds)
+            self._log("all_to_all", output, input, output_splits, input_splits, seconds)
 
     def all_to_all_async(self, output: torch.Tensor, input: torch.Tensor,
                          output_splits: Sequence[int], input_splits: Sequence[int],
                          streams: StreamSet) -> Pending:
         """Collective (emulated), asynchronous: the copy and the network time on
         ``streams.comm`` (CUDA); on CPU the copy, done at once."""
-        seconds = self._price(output, input, output_splits, input_splits)
-        with streams.on_comm():
-            self._transfer(output, input, input_splits, seconds)
-        self._log("all_to_all_async", output, input, output_splits, input_splits, seconds)
-        return streams.record_comm()
+        with self.timing.counting_host():
+            seconds = self._price(output, input, output_splits, input_splits)
+            with streams.on_comm():
+                self._transfer(output, input, input_splits, seconds)
+            self._log("all_to_all_async", output, input, output_splits, input_splits, seconds)
+            return streams.record_comm()
 
     def _price(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                input_splits: Sequence[int]) -> float:
@@ -525,9 +544,10 @@ class EmulatedExpertGroup(ExpertGroup):
         return self._agreement("all_reduce_sum", values, values * self.size)
 
     def _agreement(self, kind: str, values: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-        seconds = self.cluster.small_collective_s()
-        self._occupy_current_stream(seconds, values.device)
-        self._log(kind, result, values, (), (), seconds)
+        with self.timing.counting_host():
+            seconds = self.cluster.small_collective_s()
+            self._occupy_current_stream(seconds, values.device)
+            self._log(kind, result, values, (), (), seconds)
         return result
 
     def broadcast_object(self, obj):
@@ -554,7 +574,7 @@ class EmulatedExpertGroup(ExpertGroup):
         link = self.timing.link
         if link is not None and output.is_cuda and seconds > 0:
             fill_from_own_block(output, input, input_splits)
-            self.occupy_link(seconds, output.device)
+            self._hold_link(seconds, output.device, wait=True)
             return
         started = self.clock.start(output.device) if output.is_cuda and seconds > 0 else None
         fill_from_own_block(output, input, input_splits)
@@ -567,6 +587,10 @@ class EmulatedExpertGroup(ExpertGroup):
         the current stream waits for the link (a transfer the caller needs), without it the
         traffic runs beside the caller's work (the data-parallel reduction: its user waits
         for the link later). Without a link, the current stream holds for `seconds`."""
+        with self.timing.counting_host():
+            self._hold_link(seconds, device, wait=wait)
+
+    def _hold_link(self, seconds: float, device: torch.device, *, wait: bool) -> None:
         if device.type != "cuda" or seconds <= 0:
             return
         link = self.timing.link
@@ -587,7 +611,8 @@ class EmulatedExpertGroup(ExpertGroup):
     def occupy(self, seconds: float, device: torch.device) -> None:
         """Local. The current stream of `device` holds for `seconds` of modelled time (scaled
         by `timing.scale`), as a blocking collective would (CUDA; nothing elsewhere)."""
-        self._occupy_current_stream(seconds, device)
+        with self.timing.counting_host():
+            self._occupy_current_stream(seconds, device)
 
     def _log(self, kind: str, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
              input_splits: Sequence[int], seconds: float) -> None:

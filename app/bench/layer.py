@@ -39,7 +39,7 @@ from app.bench.shapes import LAYER_SHAPES
 from app.bench.peers import build_peer, dense_floor_step, require_peers
 from app.tracking.records import DEFAULT_OUT_DIR, BenchPoint, BenchResult, RecordMeta, record_meta
 from app.tracking.run_kinds import BENCH, BENCH_SUMMARY, kind_tags
-from app.bench.timeline import trace_name, trace_step
+from app.bench.timeline import device_busy_floor_ms, trace_name, trace_step
 from app.tracking.store import log_result_run, results_store, scalar_fields
 from moe_engine import FastMoE, build_layer
 from moe_engine.comm import ExpertGroup
@@ -119,8 +119,9 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     auto_probe = auto_probe_twin(variants, layers, x, grad_y, settings, group, config, source, host_pool, device,
                                  dtype)
     extra = (floor,) if auto_probe is None else (floor, auto_probe[1])
+    emulator_host = (lambda: group.timing.host_s) if isinstance(group, EmulatedExpertGroup) else None
     times = time_layers(layers, [chosen_by not in ("auto", "peer") for _, chosen_by, _ in variants], x, grad_y,
-                        settings, device, extra=extra)
+                        settings, device, extra=extra, emulator_host=emulator_host)
     auto_probe_ms = times.pop()["fwd_bwd_ms"] if auto_probe is not None else None
     variants.append(("dense-floor", "floor", None))
     memories.append(floor_memory)
@@ -162,6 +163,10 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     emulated = isinstance(group, EmulatedExpertGroup)
     if emulated:
         add_own_pass_stages(records, layers, x, grad_y, settings, device)
+    elif group.size == 1 and device.type == "cuda":  # one rank: the pass is all compute
+        for record, layer in zip(records, layers):
+            record["compute_device_busy_ms"] = device_busy_floor_ms(lambda layer=layer: layer_pass(layer, x, grad_y),
+                                                                    device, settings.rounds * settings.repeats)
     # Every record of an emulated point carries its timeline's account (trace files kept with --trace).
     traced = layers + [None] if settings.trace or emulated else []  # the dense floor is not traced
     del layers, floor

@@ -67,6 +67,9 @@ def own_pass_stages(layer, x, grad_y, settings: BenchSettings, device) -> dict:
                                     passes: a pass timed by events also counts the device waiting
                                     for the host, which the real pass hides behind its transfers.
                                     Elsewhere the fastest of those passes by the clock.
+    compute_device_busy_ms:         on CUDA their sum, the device's busy time in the pass with
+                                    its transfers free (None elsewhere): beside the record's
+                                    `host_ms` less `emulator_host_ms`, whether the host keeps up.
     """
     group = layer.group
     passes = settings.rounds * settings.repeats
@@ -92,7 +95,8 @@ def own_pass_stages(layer, x, grad_y, settings: BenchSettings, device) -> dict:
     layer.zero_grad(set_to_none=True)
     comm_ms = lambda calls: 1e3 * sum(c.seconds for c in calls if c.kind.startswith("all_to_all"))  # noqa: E731
     return {"comm_fwd_ms": comm_ms(forward_calls), "comm_bwd_ms": comm_ms(backward_calls),
-            "compute_fwd_ms": forward_ms, "compute_bwd_ms": backward_ms}
+            "compute_fwd_ms": forward_ms, "compute_bwd_ms": backward_ms,
+            "compute_device_busy_ms": forward_ms + backward_ms if device.type == "cuda" else None}
 
 
 def add_own_pass_stages(records: list, layers: list, x, grad_y, settings: BenchSettings, device) -> None:
@@ -105,8 +109,8 @@ def add_own_pass_stages(records: list, layers: list, x, grad_y, settings: BenchS
     for record, layer in zip(records, layers):
         if record["chosen_by"] == "auto":
             twin = next((r for r in records if r["chosen_by"] == "grid" and same_setting(r, record)), None)
-            record.update({k: twin[k] for k in STAGE_KEYS} if twin else own_pass_stages(layer, x, grad_y, settings,
-                                                                                          device))
+            copied = (*STAGE_KEYS, "compute_device_busy_ms")
+            record.update({k: twin[k] for k in copied} if twin else own_pass_stages(layer, x, grad_y, settings, device))
 
 
 STAGE_KEYS = ("comm_fwd_ms", "comm_bwd_ms", "compute_fwd_ms", "compute_bwd_ms")

@@ -4,7 +4,7 @@ n, the lean (memory-saving) setting, the overlap account and the targets' shares
 committed records (tools/render_records.py) runs only this."""
 from __future__ import annotations
 
-from app.bench.parts import markdown_head, setting_label, setting_n
+from app.bench.parts import engine_host_ms, markdown_head, setting_label, setting_n
 from app.bench.peers import peer_summary, peer_table
 from app.tracking.records import BenchResult, RecordMeta
 
@@ -208,15 +208,20 @@ def markdown_table(result: BenchResult | dict) -> str:
     lines += ["## Every measurement", "",
               "Model = the pipeline model max(C, K) + min(C, K) / n at the record's n (not a floor); floor = max(C, K) "
               "of the forward plus that of the backward (own pass; max(A, E) timed alone); t / floor below 0.98 on a "
-              "GPU fails the bench.", "",
-              "| model | routing | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | peak MiB | predicted MiB "
+              "GPU fails the bench. Engine host = the host's time to issue the pass (until it returned, unsynchronized: "
+              "a host read inside waits for the device) less the emulator's own host work, which a real rank does not "
+              "pay; compute busy = the device's busy time in the pass with its transfers free (CUDA).", "",
+              "| model | routing | tokens | engine | chosen by | n | strategy | fwd+bwd ms | ± | engine host ms "
+              "| emulator host ms | compute busy ms | peak MiB | predicted MiB "
               "| model ms | floor ms | t / floor | realized | comm idle ms | compute idle ms |",
-              "|" + "---|" * 17]
+              "|" + "---|" * 20]
     for r in records:
         peak = r.get("peak_memory_bytes")
         lines.append(f"| {r['model']} | {r.get('routing', 'uniform')} | {r['tokens']} | {r['engine']} | "
                      f"{r['chosen_by']} | {setting_n(r)} | "
                      f"{r['strategy']} | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_ms_std']:.2f} | "
+                     f"{fmt(engine_host_ms(r), '.2f')} | {fmt(r.get('emulator_host_ms'), '.2f')} | "
+                     f"{fmt(r.get('compute_device_busy_ms'), '.2f')} | "
                      f"{'–' if peak is None else f'{peak / 2**20:.0f}'} | "
                      f"{fmt(r.get('predicted_memory_bytes') and r['predicted_memory_bytes'] / 2**20, '.0f')} | "
                      f"{fmt(r.get('overlap_bound_ms'), '.2f')} | {fmt(r.get('floor_ms'), '.2f')} | "

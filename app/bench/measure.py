@@ -4,6 +4,8 @@ MPipeMoE overlaps (the All-to-Alls and the expert FFN) each timed alone, with th
 rate against one dense GEMM of the same rows."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from app.bench.layer_settings import BenchSettings
@@ -49,12 +51,16 @@ def probe_inputs(x: torch.Tensor, grad_y: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, device,
-                extra: tuple = ()) -> list[dict]:
+                extra: tuple = (), emulator_host: Callable[[], float] | None = None) -> list[dict]:
     """Forward+backward time of every layer, timed in interleaved rounds (timing.time_interleaved):
-    the median over rounds and the spread between rounds; for the layers marked in `probed`
-    also the host probe, timed in the same rounds right after its layer (`host_probe_ms`), so
-    both see the machine in the same state. `extra` callables (the dense floor) are timed in
-    the same rounds; their results follow the layers'."""
+    the median over rounds and the spread between rounds, and the host's time to issue a pass
+    beside it (`host_ms`: until the pass returned, unsynchronized; it includes any wait at the
+    pass's host read); with `emulator_host` (an emulated group's running total of its own host
+    seconds, moe_sim/emulation.py EmulatedTiming.host_s) the part of it spent inside the
+    emulated collectives (`emulator_host_ms`), which a real rank does not pay. For the layers
+    marked in `probed` also the host probe, timed in the same rounds right after its layer
+    (`host_probe_ms`), so both see the machine in the same state. `extra` callables (the dense
+    floor) are timed in the same rounds; their results follow the layers'."""
     x_probe, grad_probe = probe_inputs(x, grad_y)
     fns: list = []
     slots: list[tuple[int, int | None]] = []
@@ -66,10 +72,14 @@ def time_layers(layers: list, probed: list, x, grad_y, settings: BenchSettings, 
     for fn in extra:
         fns.append(fn)
         slots.append((len(fns) - 1, None))
-    timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
+    timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats,
+                               host_counter=emulator_host)
     results = []
     for main, probe in slots:
-        result = {"fwd_bwd_ms": timings[main].median_ms, "fwd_bwd_ms_std": timings[main].spread_s * 1e3}
+        result = {"fwd_bwd_ms": timings[main].median_ms, "fwd_bwd_ms_std": timings[main].spread_s * 1e3,
+                  "host_ms": timings[main].host_ms}
+        if emulator_host is not None:
+            result["emulator_host_ms"] = timings[main].counted_ms
         if probe is not None:
             result.update(host_probe_ms=timings[probe].median_ms, host_probe_tokens=HOST_PROBE_TOKENS)
         results.append(result)

@@ -31,7 +31,14 @@ conditions, the fastest of its wall-clock timings; on CUDA also `compute_device_
 device's busy time in it, profiled: `device_busy_floor_ms`). `step_bound_ms` = max(compute_ms, all_to_all_ms + reduction_ms), the modelled
 link time: no schedule beats either, and on CUDA a record faster than 0.98x its bound fails
 the run (`check_bounds`) after the records are written (on CPU no wait runs: not checked). `exposed_all_to_all_ms` = step_ms −
-no_all_to_all_ms. The automatic setting takes the bound terms of the grid setting it settled
+no_all_to_all_ms.
+
+Beside each wall time, the host's: `host_ms` (the step as modelled) and `compute_host_ms` (its
+compute alone) are how long the host took to issue one step, until it returned without waiting
+for the device (moe_engine/timing.py); `emulator_host_ms` and `compute_emulator_host_ms` the part
+of it spent inside the emulated collectives (pricing, the stand-in copies, launching the waits),
+which a real rank does not pay. A step whose compute_host_ms less compute_emulator_host_ms
+exceeds its compute_device_busy_ms keeps the device waiting for Python. The automatic setting takes the bound terms of the grid setting it settled
 on (timing it with the network off could start its search again).
 
 Parameters are shared by every model of a run (the engines have one layout), so one set of

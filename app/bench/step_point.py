@@ -17,7 +17,7 @@ from app.bench.step_bound import add_bound_account
 from app.bench.step_settings import StepSettings
 from app.bench.step_training import StepParts, step_batches, training_step
 from app.bench.step_variants import RoutingPushes, Variant
-from app.bench.timeline import PASS_MARK, device_busy_ms, record_trace, trace_step
+from app.bench.timeline import device_busy_floor_ms, procedure, trace_step
 from lm.model import ModelPreset, MoETransformer, model_flops_per_token
 from moe_engine.perf_model import device_name
 from moe_engine.timing import time_interleaved
@@ -160,7 +160,8 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             entry.slot.append(len(fns))
             fns.append(_with_network(parts, 0.0, 0.0,
                                      functools.partial(training_step, entry.schedule, parts, probe_batches)))
-    timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats)
+    timings = time_interleaved(fns, device, rounds=settings.rounds, warmup=settings.warmup, repeats=settings.repeats,
+                               host_counter=lambda: group.timing.host_s)
     flops_per_token = model_flops_per_token(preset)
     peak = peak_flops(device, str(dtype).replace("torch.", ""))
     records = []
@@ -175,6 +176,7 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
             "layers": preset.num_layers, "tokens": tokens, "micro_batches": micro_batches,
             "batch_size": tokens // (micro_batches * preset.seq_len), "seq_len": preset.seq_len,
             "routing": routing, "step_ms": step_ms, "step_ms_std": timings[slot[0]].spread_s * 1e3,
+            "host_ms": timings[slot[0]].host_ms, "emulator_host_ms": timings[slot[0]].counted_ms,
             "tokens_per_s": tokens / (step_ms / 1e3), **comm,
             "model_tflops_per_s": flops_per_token * tokens / (step_ms / 1e3) / 1e12,
             "mfu": None if peak is None else flops_per_token * tokens / (step_ms / 1e3) / peak, **memory, **load,
@@ -187,6 +189,8 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
                           host_probe_seq_len=probe_seq_len)
         if len(slot) >= 3:
             record.update(no_all_to_all_ms=timings[slot[1]].median_ms, compute_ms=timings[slot[2]].fastest_ms,
+                          compute_host_ms=timings[slot[2]].host_ms,
+                          compute_emulator_host_ms=timings[slot[2]].counted_ms,
                           compute_device_busy_ms=device_busy_floor_ms(fns[slot[2]], device,
                                                                       settings.rounds * settings.repeats))
         if group.dilation is not None:
@@ -202,37 +206,19 @@ def bench_step_point(settings: StepSettings, preset: ModelPreset, variants: list
         if record["chosen_by"] == "auto" and twin is not None:  # the host probe of the setting it settled on
             record.update({key: twin[key] for key in ("host_probe_ms", "host_probe_tokens", "host_probe_seq_len")})
         if "compute_ms" not in record and twin is not None:  # the automatic setting: its grid twin's bound terms
-            record.update(no_all_to_all_ms=twin["no_all_to_all_ms"], compute_ms=twin["compute_ms"],
-                          compute_device_busy_ms=twin["compute_device_busy_ms"], bound_terms_from="grid twin")
+            record.update({key: twin[key] for key in ("no_all_to_all_ms", "compute_ms", "compute_host_ms",
+                                                      "compute_emulator_host_ms", "compute_device_busy_ms")},
+                          bound_terms_from="grid twin")
         add_bound_account(record)
     if settings.trace:
         for record, entry in zip(records, timed):
             path = os.path.join(settings.trace, step_trace_name(record))
-            record["timeline"] = trace_step(_procedure(entry.step), device, path)
+            record["timeline"] = trace_step(procedure(entry.step), device, path)
             record["trace_file"] = path
     for record in records:
         record.setdefault("timeline", {})
         log(record)
     return records
-
-
-def device_busy_floor_ms(compute_alone: Callable[[], Any], device: torch.device, passes: int) -> float | None:
-    """How long the device is busy in the step's compute alone (every modelled transfer at zero
-    time): the least device-busy time of `passes` profiled steps (app/bench/timeline.py
-    device_busy_ms); None off CUDA. Below `compute_ms` (the wall clock of the same steps, the
-    floor) by the time the device waits for the host: how host-bound the step is. Not a floor
-    itself: kernels of two streams that overlap unprofiled can run one after another under the
-    profiler (gpt-xl, two micro-batches of 8k tokens on an H100: 170.6 ms busy against 146.3 ms
-    for the timed step with its All-to-Alls at zero time)."""
-    if device.type != "cuda":
-        return None
-    return min(device_busy_ms(record_trace(_procedure(compute_alone), device, passes), PASS_MARK))
-
-
-def _procedure(fn: Callable[[], Any]) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-    return run
 
 
 def _peak_memory(step: Callable[[], Any], device: torch.device) -> dict:

@@ -268,6 +268,9 @@ def _emulated_bounds(out, *options) -> dict:
             assert max(comm, compute) <= min(r["overlap_bound_ms"], r["phase_floor_ms"]) + 1e-9
             assert r["floor_ms"] == r["phase_floor_ms"]  # the floor checked, not the pipeline model
             assert r["bound_ratio"] == pytest.approx(r["fwd_bwd_ms"] / r["floor_ms"])
+            # the host's time to issue the pass, the emulator's own share of it apart
+            assert 0 < r["emulator_host_ms"] < r["host_ms"]
+            assert (r["compute_device_busy_ms"] is None) == (r["device"] == "cpu")
         by = {(r["engine"], r["chosen_by"], r["partitions"], r["strategy"], r["split"]): r for r in layers}
         # The same transfers are priced alike: FastMoE and MPipeMoE at n = 1 move the same rows, and
         # a backward moves what its forward did; two partitions pay each transfer's latency twice.

@@ -152,6 +152,8 @@ def test_a_tiny_step_run_writes_every_field_and_a_consistent_bound(tmp_path):
         assert r["all_to_all_ms"] > 0 and r["step_bound_ms"] == pytest.approx(
             max(r["compute_ms"], r["all_to_all_ms"] + r["reduction_ms"]))
         assert r["compute_device_busy_ms"] is None  # profiled on CUDA only
+        # the host's time to issue the step (and its compute alone), the emulator's own share apart
+        assert 0 < r["emulator_host_ms"] < r["host_ms"] and 0 < r["compute_emulator_host_ms"] < r["compute_host_ms"]
         assert sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-3)
     for r in records[:2] + records[3:]:  # the host probe: 2 micro-batches of one short sequence each
         assert r["host_probe_ms"] > 0 and r["host_probe_seq_len"] == min(64, settings.preset().seq_len)

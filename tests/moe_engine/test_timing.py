@@ -44,3 +44,21 @@ def test_a_slow_spell_lands_on_every_function_and_the_median_ignores_it(monkeypa
 def test_nonsense_counts_are_refused_naming_them(kwargs):
     with pytest.raises(ValueError, match="time_interleaved needs rounds >= 1"):
         time_interleaved([lambda: None], CPU, **kwargs)
+
+
+def test_the_host_time_of_each_call_and_the_counters_advance_are_reported_beside_the_device_time(monkeypatch):
+    """host_s: from a call's start until it returned (here the test's own clock, advanced by
+    each call); counted_s: how far `host_counter` advanced per timed call (warm-ups excluded)."""
+    state = {"now": 0.0, "counted": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: state["now"])
+
+    def call():
+        state["now"] += 0.003
+        state["counted"] += 0.001  # of which the emulator's own work
+
+    (timing,) = time_interleaved([call], CPU, rounds=3, warmup=2, repeats=4, host_counter=lambda: state["counted"])
+    assert timing.host_median_s == pytest.approx(0.003) and timing.host_ms == pytest.approx(3.0)
+    assert timing.counted_median_s == pytest.approx(0.001) and timing.counted_ms == pytest.approx(1.0)
+    (plain,) = time_interleaved([call], CPU, rounds=1, warmup=0, repeats=1)
+    assert plain.counted_median_s == 0.0 and plain.host_median_s == pytest.approx(0.003)
+
