@@ -74,7 +74,7 @@ def holding_sm_carveout(device: torch.device, count: int):
     a thread changing them while another thread launches a GEMM can fail that launch ("bad
     optional access", seen on an H100 in the overlapped step bench). Where two host threads
     launch GEMMs (the overlapped micro-batch schedule: a forward beside a backward, whose
-    GEMMs autograd launches from its own thread) one setting is held for the whole section;
+    GEMMs autograd launches from its own thread) one setting is held while both threads launch;
     `StreamSet.reserving_sms` and `honouring_sm_carveout` inside leave it as it is."""
     if device.type != "cuda" or count <= 0 or not sm_carveout_available():
         yield
@@ -177,7 +177,7 @@ class StreamSet:
         without the carve-out, or while a carve-out is already on: the caller's, which it
         leaves as it is. The carve-out is one setting for the whole process: where two
         threads launch GEMMs (the overlapped micro-batch schedule) the schedule holds one
-        for its whole section (`holding_sm_carveout`), so no lane writes it while another
+        while both its threads launch (`holding_sm_carveout`), so no lane writes it while another
         launches."""
         if not self.is_cuda or count <= 0 or not sm_carveout_available() or \
                 torch._C._get_sm_carveout_experimental() is not None:

@@ -46,9 +46,12 @@ Schedules (``SCHEDULES``):
   hardware queue and one lane's All-to-All waiting for its peers holds up the other lane's
   work (``overlap_refusal``).
   Memory: two micro-batches' activations are live at once (``MemoryBudget.in_flight``).
-  SMs (CUDA): the SMs the MoE layers leave to communication are held for the whole
-  section (``Lanes.holding_sms``): the other lane's All-to-All may run beside any GEMM, and
-  the carve-out is a process-wide setting no thread may write while another launches.
+  SMs (CUDA): the SMs the MoE layers leave to communication are held while both threads
+  launch work, from backward 0 to the last forward (``Lanes.holding_sms``): the other lane's
+  All-to-All may run beside any GEMM, and the carve-out is a process-wide setting no thread
+  may write while another launches. Forward 0 and the last backward run alone, on every SM
+  (a layer measures its hardware profile in its first forward); with one rank per expert
+  group nothing is held.
   With M = 1 there is nothing to overlap and it runs the sequential schedule.
 
 Profiler ranges (``trace_mark``): ``mpipemoe.micro_batch{k}.forward`` / ``.backward`` around
@@ -261,12 +264,14 @@ class Lanes:
 
     def holding_sms(self) -> contextlib.AbstractContextManager[None]:
         """Local. The SMs the MoE layers leave to communication (their groups' ``comm_sms``),
-        held for a whole overlapped section (moe_engine.streams.holding_sm_carveout): the other
-        lane's All-to-All may run beside any GEMM, and no thread may write the process-wide
-        carve-out while another launches a GEMM. No-op off CUDA."""
+        held while both threads of an overlapped section launch work
+        (moe_engine.streams.holding_sm_carveout): the other lane's All-to-All may run beside any
+        GEMM, and no thread may write the process-wide carve-out while another launches a GEMM.
+        No-op off CUDA, and where no layer's expert group has several ranks (nothing to leave
+        SMs to)."""
         if not self.streams:
             return contextlib.nullcontext()
-        count = max((getattr(layer.group, "comm_sms", 0) for layer in self.layers), default=0)
+        count = max((getattr(layer.group, "comm_sms", 0) for layer in self.layers if layer.group.size > 1), default=0)
         return holding_sm_carveout(self.streams[0].device, count)
 
     @contextlib.contextmanager
@@ -342,7 +347,7 @@ def _sequential(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: Lo
 def _overlapped(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: LossOf[T],
                 lanes: Lanes) -> list[Any]:
     resolve_kernel_probes(lanes.device)  # (switch process-wide settings, sync): before the two threads
-    with lanes.holding_sms(), lanes.deferring_host_release():
+    with lanes.deferring_host_release():
         records = _overlapped_section(parallel, micro_batches, loss_of, lanes)
     parallel.reduce_dense_gradients()
     return records
@@ -350,26 +355,34 @@ def _overlapped(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: Lo
 
 def _overlapped_section(parallel: DenseParallel, micro_batches: Sequence[T], loss_of: LossOf[T],
                         lanes: Lanes) -> list[Any]:
-    """The forwards and backwards of the overlapped schedule (two host threads launch work)."""
+    """The forwards and backwards of the overlapped schedule. Two host threads launch work from
+    backward 0 to the last forward: the SM carve-out is held for that stretch only, so forward 0
+    (where a layer measures its hardware profile) and the last backward run on every SM."""
     records = []
     in_flight: Future[None] | None = None  # the backward running on the helper thread
-    try:
-        for k, item in enumerate(micro_batches):
-            with lanes.lane(k % lanes.count):
-                loss, record = _forward(parallel.model, loss_of, item, k)   # beside backward k-1
-            records.append(record)
-            if in_flight is not None:
-                in_flight.result()                                         # backward k-1 done
-            in_flight = lanes.helper.submit(lanes.backward, loss, k)
-            del loss
-        assert in_flight is not None
-        done, in_flight = in_flight, None
-        done.result()
-    finally:
-        if in_flight is not None:  # a forward failed: let the backward in flight finish first
-            with contextlib.suppress(ScheduleError):
-                in_flight.result()
-        lanes.join()
+    last = len(micro_batches) - 1
+    with contextlib.ExitStack() as carve_out:  # entered, and left, while the helper is idle
+        try:
+            for k, item in enumerate(micro_batches):
+                with lanes.lane(k % lanes.count):
+                    loss, record = _forward(parallel.model, loss_of, item, k)   # beside backward k-1
+                records.append(record)
+                if in_flight is not None:
+                    in_flight.result()                                         # backward k-1 done
+                if k == 0:
+                    carve_out.enter_context(lanes.holding_sms())   # backward 0 runs beside forward 1
+                if k == last:
+                    carve_out.close()                              # the last backward runs alone
+                in_flight = lanes.helper.submit(lanes.backward, loss, k)
+                del loss
+            assert in_flight is not None
+            done, in_flight = in_flight, None
+            done.result()
+        finally:
+            if in_flight is not None:  # a forward failed: let the backward in flight finish first
+                with contextlib.suppress(ScheduleError):
+                    in_flight.result()
+            lanes.join()
     return records
 
 

@@ -4,6 +4,7 @@ against the reference, 2 and 4 ranks) and tests/workers/test_training_parallel.p
 trainer's losses, 2 ranks)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -204,6 +205,64 @@ def test_kernel_probes_run_before_the_overlapped_section_and_host_cache_release_
     lanes.close()
     assert events[0] == f"probe on {threading.current_thread().name}" and events[1] == "forward 0"
     assert events[-1] == "host cache emptied" and events.count("host cache emptied") == 1, events
+
+
+def test_the_sm_carve_out_is_held_only_while_both_threads_launch_work(monkeypatch):
+    """From backward 0 to the last forward (two threads launch GEMMs): held. Forward 0 (where a
+    layer measures its hardware profile) and the last backward run alone, on every SM; it is
+    entered and left while the helper thread is idle."""
+    model = _toy()
+    lanes = Lanes.create(model)
+    state = {"held": False, "entered": 0}
+    seen: list[tuple[str, int, bool]] = []
+
+    @contextlib.contextmanager
+    def holding():
+        state["held"], state["entered"] = True, state["entered"] + 1
+        try:
+            yield
+        finally:
+            state["held"] = False
+
+    backward = lanes.backward
+
+    def logged_backward(loss, k):
+        seen.append(("backward", k, bool(state["held"])))
+        backward(loss, k)
+
+    monkeypatch.setattr(lanes, "holding_sms", holding)
+    monkeypatch.setattr(lanes, "backward", logged_backward)
+
+    def loss_of(module, k):
+        seen.append(("forward", k, bool(state["held"])))
+        return module(torch.randn(3, 4)).square().sum(), k
+
+    forward_backward(model, range(4), loss_of, schedule="overlapped", lanes=lanes)
+    lanes.close()
+    held = {(phase, k): on for phase, k, on in seen}
+    assert held == {("forward", 0): False, ("forward", 1): True, ("forward", 2): True, ("forward", 3): True,
+                    ("backward", 0): True, ("backward", 1): True, ("backward", 2): True, ("backward", 3): False}
+    assert state == {"held": False, "entered": 1}
+
+
+def test_one_rank_per_expert_group_leaves_no_sms_to_communication(monkeypatch):
+    """At world size 1 no All-to-All runs beside the GEMMs: nothing is held (CUDA), even with
+    the layers' comm_sms set."""
+    from types import SimpleNamespace
+
+    from workers import schedules
+
+    model = MoETransformer(get_preset("tiny-gpt"), engine="mpipemoe", partitions=2, strategy="none")
+    lanes = Lanes.create(model)
+    counts: list[int] = []
+    monkeypatch.setattr(lanes, "streams", [SimpleNamespace(device=torch.device("cpu"))])  # as on CUDA
+    monkeypatch.setattr(schedules, "holding_sm_carveout", lambda device, count: counts.append(count)
+                        or contextlib.nullcontext())
+    assert all(layer.group.size == 1 and layer.group.comm_sms > 0 for layer in lanes.layers)
+    with lanes.holding_sms():
+        pass
+    lanes.close()
+    assert counts == [0]
 
 
 def _overlapped_step_probes(device: torch.device) -> tuple[list, int]:
