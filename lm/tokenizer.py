@@ -19,6 +19,7 @@ byte-level data, and the workers, never need it.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -143,7 +144,23 @@ class HFTokenizer:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
-        tokenizer.train_from_iterator(texts, trainer)
+        # The merges run in Rust without the GIL and without checking for signals: on this
+        # thread a Ctrl-C would wait for them to finish (minutes on a large corpus). The
+        # training runs on a thread of its own while this one waits, answering Ctrl-C at once.
+        failure: list[BaseException] = []
+
+        def train() -> None:
+            try:
+                tokenizer.train_from_iterator(texts, trainer)
+            except BaseException as error:  # handed to the waiting thread
+                failure.append(error)
+
+        worker = threading.Thread(target=train, name="bpe-training", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+        if failure:
+            raise failure[0]
         trained = cls(tokenizer, "bpe-byte-level")
         trained.name = f"bpe-byte-level-{trained.vocab_size}"  # fewer than asked when the text has few pairs
         return trained

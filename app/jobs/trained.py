@@ -59,6 +59,10 @@ def trained_run(name: str, storage_path: str | None = None, echo=None) -> Traine
             raise ValueError(f"--run {name}: it was trained with --checkpoint-every 0, so it has no checkpoint "
                              f"to load; train a new run with checkpoints (the default --checkpoint-every "
                              f"writes one at the last step)")
+        if skipped:  # every checkpoint damaged: a resume has nothing to continue from either
+            raise ValueError(f"--run {name}: no intact checkpoint in {run_dir}{found}; none can be loaded, nor "
+                             f"resumed: train a new run (another --name), or move {run_dir} away and train "
+                             f"{name} again from step 1; nothing was deleted")
         raise ValueError(f"--run {name}: no intact checkpoint in {run_dir}{found}; continue its training "
                          f"(`{invocation()} train --resume {name}`) or train a new run")
     for skipped_name, why in skipped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -156,3 +157,46 @@ def test_memory_mapped_stream_matches_the_loaded_one_and_resumes_exactly(bpe_dat
         for index in (0, 5, mapped.windows // 4 + 2):  # the last one is in epoch 1
             assert np.array_equal(mapped.batch(index), in_memory.batch(index))
         assert np.array_equal(resumed.batch(mapped.windows // 4 + 2), mapped.batch(mapped.windows // 4 + 2))
+
+
+def test_bpe_trains_on_a_thread_of_its_own_so_the_caller_answers_ctrl_c_at_once(monkeypatch):
+    """The merges run in Rust without checking for signals: they run on a training thread,
+    while the calling thread waits where a Ctrl-C reaches it; an error in training reaches
+    the caller."""
+    import types
+
+    import tokenizers
+
+    from lm import tokenizer as tokenizer_module
+
+    trained_on: list[str] = []
+
+    class Recording:
+        def __init__(self, model):
+            self.inner = tokenizers.Tokenizer(model)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __setattr__(self, name, value):
+            if name == "inner":
+                object.__setattr__(self, name, value)
+            else:
+                setattr(self.inner, name, value)
+
+        def train_from_iterator(self, texts, trainer):
+            trained_on.append(threading.current_thread().name)
+            return self.inner.train_from_iterator(texts, trainer)
+
+    monkeypatch.setattr(tokenizer_module, "_import_tokenizers", lambda: types.SimpleNamespace(Tokenizer=Recording))
+    texts = [f"the quick brown fox {i} jumps over the lazy dog {i * 7}" for i in range(50)]
+    trained = HFTokenizer.train_bpe(iter(texts), 300)
+    assert trained_on == ["bpe-training"] != [threading.current_thread().name]
+    assert trained.encode("the quick brown fox").size > 0
+
+    def broken():
+        yield "some text"
+        raise OSError("the corpus went away")
+
+    with pytest.raises(Exception, match="the corpus went away"):
+        HFTokenizer.train_bpe(broken(), 300)

@@ -83,6 +83,25 @@ def test_resume_falls_back_from_a_corrupted_shard_to_the_newest_intact_checkpoin
     assert (job.run_dir / "damaged" / "checkpoint_000015" / "__0_0.distcp").stat().st_size == 4096  # kept
 
 
+def test_an_export_of_a_run_whose_every_checkpoint_is_damaged_does_not_advise_a_resume(tmp_path):
+    """Neither export nor a resume can load anything: the advice is a new run, or the folder moved
+    away (the resume itself refuses such a run); each damaged checkpoint is named."""
+    from app.jobs.resume import JOB_FILE
+    from app.jobs.trained import trained_run
+
+    job = TrainJob(storage_path=str(tmp_path), name="run", tracking_uri="none")
+    for step in (5, 10):
+        _corrupt_in_place(_checkpoint(job.run_dir, step) / "__0_0.distcp")
+    (job.run_dir / JOB_FILE).write_text(json.dumps({"checkpoint_every": 5}))
+    with pytest.raises(ValueError) as refused:
+        trained_run("run", str(tmp_path))
+    message = str(refused.value)
+    assert "checkpoint_000010: __0_0.distcp is damaged" in message and "checkpoint_000005" in message
+    assert "--resume" not in message and "train a new run (another --name)" in message
+    with pytest.raises(ValueError, match="so the run cannot continue"):
+        choose_checkpoint(job, echo=lambda line: None)
+
+
 def test_an_unreadable_marker_is_a_skipped_checkpoint_not_a_crash(tmp_path):
     """meta.json that cannot be read (here a folder in its place; as another user, no permission)."""
     run_dir = tmp_path / "run"
