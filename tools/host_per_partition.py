@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import sys
 import time
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulate", help="NODESxGPUS: rank 0 of an emulated cluster (default: one rank)")
     parser.add_argument("--network", default="dgx-h200", help="the emulated cluster's network preset")
     parser.add_argument("--sync-free-capacity", type=float, help="also time each layer in the sync-free capacity mode")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA: also capture each capturable layer's forward+backward in a CUDA graph and time "
+                             "its replay (the sync-free capacity layers; on one rank every layer)")
     parser.add_argument("--partitions", default="1,2,4,8", help="MPipeMoE's n, a comma list")
     parser.add_argument("--out", help="JSON record to write")
     args = parser.parse_args(argv)
@@ -108,15 +112,20 @@ def main(argv: list[str] | None = None) -> int:
             synchronize()
             best[name] = min(best[name], (time.perf_counter() - start) / args.passes)
             issue[name] = min(issue[name], (issued - start) / args.passes)
+    if args.graphs and device.type == "cuda":
+        time_graph_replays(layers, x, dy, args, best, issue, one_rank=group is None)
     rows = []
     for name, seconds in best.items():
+        if math.isnan(seconds):  # a capture that failed (printed above)
+            rows.append({"setting": name, "pass_ms": None, "issue_ms": None})
+            continue
         row = {"setting": name, "pass_ms": round(seconds * 1e3, 4), "issue_ms": round(issue[name] * 1e3, 4)}
         if name.startswith("mpipemoe"):
             _, n, rest = name.split(":", 2)
             first = best[f"mpipemoe:1:{rest}"] if f"mpipemoe:1:{rest}" in best else None
             if int(n) > 1 and first:
                 row["per_extra_partition_of_n1"] = round((seconds - first) / (int(n) - 1) / first, 4)
-        if "overflowed" in dir(layers[name]) and layers[name].sync_free_capacity is not None:
+        if name in layers and "overflowed" in dir(layers[name]) and layers[name].sync_free_capacity is not None:
             row["overflowed_pairs"] = int(layers[name].overflowed)
         rows.append(row)
     record = {
@@ -127,16 +136,69 @@ def main(argv: list[str] | None = None) -> int:
                  "date": datetime.date.today().isoformat(), "tokens": args.tokens, "d_model": args.d_model,
                  "d_hidden": args.d_hidden, "experts": args.experts, "top_k": 2, "activation": args.activation,
                  "dtype": "bfloat16", "rounds": args.rounds, "passes": args.passes,
-                 "emulated_cluster": args.emulate, "network": args.network if args.emulate else None},
+                 "emulated_cluster": args.emulate, "network": args.network if args.emulate else None,
+                 "graphs": "'+graph' rows: forward+backward captured in one CUDA graph, issue_ms = the replay call"
+                 if args.graphs else None},
         "results": rows,
     }
     for row in rows:
         extra = row.get("per_extra_partition_of_n1")
+        if row["pass_ms"] is None:
+            continue
         print(f"{args.label:>14} {row['setting']:>26} {row['pass_ms']:8.3f} ms (issue {row['issue_ms']:7.3f} ms)"
               + (f"   +{extra:.1%} of n=1 per extra partition" if extra is not None else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
+
+
+def time_graph_replays(layers: dict, x, dy, args, best: dict, issue: dict, *, one_rank: bool) -> None:
+    """In place: for each capturable layer (the sync-free capacity mode's; on one rank, without
+    an emulated cluster, every one but the offloading strategies'), its forward+backward (input
+    and parameter gradients by autograd.grad into the graph's own outputs) captured in one CUDA
+    graph after a warm-up on a side stream, and its replay timed as the eager passes were:
+    `best` and `issue` get a row named '<setting>+graph' (a capture that fails: '+graph failed')."""
+    import torch
+
+    for name, layer in list(layers.items()):
+        if not (getattr(layer, "sync_free_capacity", None) is not None or one_rank):
+            continue
+        params = [p for p in layer.parameters() if p.requires_grad]
+        static_x = x.detach().clone().requires_grad_(True)
+
+        def step(layer=layer, params=params, static_x=static_x):
+            y, aux = layer(static_x)
+            return (y, *torch.autograd.grad([y, aux], [static_x, *params], [dy, torch.ones_like(aux)]))
+
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        except Exception as error:  # noqa: BLE001 - recorded, and the others go on
+            print(f"{name}: capture failed: {str(error).splitlines()[0][:200]}")
+            best[f"{name}+graph failed"] = float("nan")
+            issue[f"{name}+graph failed"] = float("nan")
+            torch.cuda.synchronize()
+            continue
+        graph.replay()
+        torch.cuda.synchronize()
+        key = f"{name}+graph"
+        best[key] = issue[key] = float("inf")
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            for _ in range(args.passes):
+                graph.replay()
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            best[key] = min(best[key], (time.perf_counter() - start) / args.passes)
+            issue[key] = min(issue[key], (issued - start) / args.passes)
+        del graph
 
 
 if __name__ == "__main__":
