@@ -207,6 +207,35 @@ def test_artifacts_go_through_the_server_into_s3_and_back(stores, trained, tmp_p
     assert sorted(p.name for p in stores["cwd"].iterdir()) == []  # no mlflow.db, mlruns or mlartifacts
 
 
+def test_a_sweep_logs_its_study_and_trials_to_the_server(stores, ray_local, tmp_path):
+    """`mpipemoe sweep` with --tracking-uri the server: the study's run and one run per trial,
+    each a child of the study's, in PostgreSQL."""
+    from app.tracking.run_kinds import run_kind
+
+    space = tmp_path / "pair.yaml"
+    space.write_text("description: two partition counts\nspace:\n  partitions: {grid: [1, 2]}\n"
+                     "  eval_every: 0\n  checkpoint_every: 0\n")
+    prepare_dataset(tmp_path / "data", max_bytes=2**16)
+    status = cli.main(["sweep", "--space", str(space), "--name", "pair", "--preset", "tiny-gpt", "--num-workers", "1",
+                       "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--data-dir", str(tmp_path / "data"),
+                       "--storage-path", str(tmp_path / "ray_results"), "--tracking-uri", stores["uri"],
+                       "--experiment", "cluster-sweep"])
+    assert status == 0
+    mlflow = client(stores["uri"])
+    experiment = mlflow.get_experiment_by_name("cluster-sweep")
+    runs = mlflow.search_runs([experiment.experiment_id])
+    (study,) = [r for r in runs if run_kind(r.data.tags) == "study"]
+    trials = [r for r in runs if run_kind(r.data.tags) == "train"]
+    assert study.info.status == "FINISHED" and sorted(r.data.params["partitions"] for r in trials) == ["1", "2"]
+    assert all(r.data.tags["mlflow.parentRunId"] == study.info.run_id and r.info.status == "FINISHED"
+               for r in trials)
+    psycopg, port = stores["pg"]
+    with psycopg.connect(host="127.0.0.1", port=port, user="mlflow", dbname="mlflow") as connection:
+        cursor = connection.cursor()
+        cursor.execute("SELECT count(*) FROM runs WHERE experiment_id = %s", (int(experiment.experiment_id),))
+        assert cursor.fetchone()[0] == 3
+
+
 def test_every_node_logs_its_system_metrics_to_the_run(stores, ray_local):
     """A node monitor (here on the one local node, the driver's, which a cluster's run leaves to
     the driver's own monitor) logs `system/node-<IP>/...` to the run through the server."""
