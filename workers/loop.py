@@ -103,7 +103,7 @@ def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str
     "skip" once MAX_SKIPPED_IN_A_ROW are reached; otherwise returns why the caller skips the
     update. Every rank sees the same values (reduced over all ranks), so every rank takes
     the same action."""
-    z_loss = f", z_loss={mean_z}" if config.router_z_loss else ""
+    z_loss = f", z_loss={mean_z}" if mean_z != 0 else ""  # (NaN included)
     losses = f"lm_loss={mean_lm}, aux_loss={mean_aux}{z_loss}, engine={config.engine}, lr={config.lr}"
     if input_ranks:
         what = f"NaN or Inf in the MoE layer input of rank(s) {', '.join(map(str, input_ranks))}"
