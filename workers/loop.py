@@ -461,12 +461,13 @@ class Trainer:
             over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
             are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
             (every collective of the step runs on every rank). Returns, on the device,
-            [lm, aux, pairs the sync-free capacity dropped, then one flag per rank: NaN/Inf met
+            [lm, aux, z, pairs the sync-free capacity dropped, then one flag per rank: NaN/Inf met
             in its MoE layers' input] (this rank's; nothing is read: each micro-batch's losses
             stay on the device until every backward has been queued, one read per step); with
             the expert bias on, then this step's tokens per expert of every MoE layer, L x E."""
             flags = 4 + self.world_size
-            losses = torch.zeros(flags + self.balance.counts_LE.numel(), dtype=torch.float64, device=self.device)
+            counts = self.balance.counts_LE.numel() if self.balance.enabled else 0
+            losses = torch.zeros(flags + counts, dtype=torch.float64, device=self.device)
             for layer in self.moe_layers if capacity_mode else ():
                 layer.reset_capacity_counters()
             self.balance.start_step()
@@ -518,7 +519,6 @@ class Trainer:
         flags = 4 + self.world_size
         lm_total, aux_total, z_total = (value / self.world_size / K for value in reduced[:3])
         input_ranks = [r for r, flag in enumerate(reduced[4:flags]) if flag]
-        counts_LE = summed[flags:].view_as(self.balance.counts_LE)
         skip = bool(input_ranks) or not all(math.isfinite(v) for v in (lm_total, aux_total, z_total))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
         skip_reason = check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
@@ -543,7 +543,7 @@ class Trainer:
                 self.optimizer.step()
             # 6b. the expert bias, from the step's counts summed over every rank (identical on all)
             if self.balance.enabled:
-                self.balance.update(counts_LE)
+                self.balance.update(summed[flags:].view_as(self.balance.counts_LE))
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
