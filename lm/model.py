@@ -383,7 +383,8 @@ class Block(nn.Module):
         self.moe = moe
         self.checkpointing = checkpointing
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, the MoE layer's load-balance loss, its router z-loss)."""
         if self.checkpointing == "full" and torch.is_grad_enabled():
             return recomputed(self._stages, x_BSD)
         return self._stages(x_BSD)
@@ -391,7 +392,7 @@ class Block(nn.Module):
     def _attention(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.attn(self.ln1(x_BSD))
 
-    def _stages(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stages(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The two stages as named ranges of a profiler trace (the overlapped micro-batch
         # schedule's timeline: app/bench/timeline.py; a no-op without a profiler)
         with torch.profiler.record_function(STAGE_MARKS[0]):
@@ -400,8 +401,8 @@ class Block(nn.Module):
             else:
                 x_BSD = x_BSD + self._attention(x_BSD)                       # local
         with torch.profiler.record_function(STAGE_MARKS[1]):
-            moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))                # collective (All-to-Alls)
-        return x_BSD + moe_out_BSD, aux_loss
+            moe_out_BSD, aux_loss, z_loss = self.moe(self.ln2(x_BSD), with_z_loss=True)  # collective (All-to-Alls)
+        return x_BSD + moe_out_BSD, aux_loss, z_loss
 
 
 def preset_moe_config(preset: ModelPreset) -> MoEConfig:
@@ -490,9 +491,13 @@ class MoETransformer(nn.Module):
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
 
-    def forward(self, tokens_BS: torch.Tensor, ids_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids_checked: the caller has checked the token ids against the vocabulary (on the
-        host; the check here reads the device, a wait the training loop need not pay)."""
+    def forward(self, tokens_BS: torch.Tensor, ids_checked: bool = False,
+                with_z_loss: bool = False) -> tuple[torch.Tensor, ...]:
+        """``(logits_BSV, aux_loss)``: the logits and the mean load-balance loss of the MoE
+        layers; with ``with_z_loss``, ``(logits_BSV, aux_loss, z_loss)`` (the mean router
+        z-loss, unweighted). ids_checked: the caller has checked the token ids against the
+        vocabulary (on the host; the check here reads the device, a wait the training loop
+        need not pay)."""
         B, S = tokens_BS.shape
         if S > self.preset.seq_len:
             raise ValueError(f"sequence length {S} exceeds the model's seq_len={self.preset.seq_len}")
@@ -503,11 +508,14 @@ class MoETransformer(nn.Module):
             x_BSD = x_BSD + self.pos_embed(torch.arange(S, device=tokens_BS.device))
         if torch.is_autocast_enabled(x_BSD.device.type):  # the residual stream in the compute dtype
             x_BSD = x_BSD.to(torch.get_autocast_dtype(x_BSD.device.type))
-        aux_losses = []
+        aux_losses, z_losses = [], []
         for block in self.blocks:
-            x_BSD, aux_loss = block(x_BSD)
+            x_BSD, aux_loss, z_loss = block(x_BSD)
             aux_losses.append(aux_loss.float())
+            z_losses.append(z_loss.float())
         logits_BSV = self._lm_head(self.ln_f(x_BSD))
+        if with_z_loss:
+            return logits_BSV, torch.stack(aux_losses).mean(), torch.stack(z_losses).mean()
         return logits_BSV, torch.stack(aux_losses).mean()
 
     def _lm_head(self, x_BSD: torch.Tensor) -> torch.Tensor:

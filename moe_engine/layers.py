@@ -452,7 +452,9 @@ class MoELayerBase(nn.Module):
         compute = compute_dtype(x_TD)
         return self.experts.host_count_reads(compute, x_TD.device, torch.is_grad_enabled())
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, with_z_loss: bool = False) -> tuple[torch.Tensor, ...]:
+        """``(y, aux_loss)``, the output and the router's load-balance loss; with
+        ``with_z_loss``, ``(y, aux_loss, z_loss)`` (the router z-loss, unweighted)."""
         x_TD = self._tokens(x)
         if x_TD.is_cuda and torch.cuda.is_current_stream_capturing():
             reason = self.capture_refusal(x_TD)
@@ -465,6 +467,8 @@ class MoELayerBase(nn.Module):
         y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts
         y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK,   # 4. un-permute
                                     out_dtype=x_TD.dtype)
+        if with_z_loss:
+            return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype), routing.z_loss
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
 
 

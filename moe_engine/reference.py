@@ -29,8 +29,10 @@ def expert_ffn(x_D: Tensor, e: int, w1: Tensor, b1: Tensor | None, w2: Tensor, b
 
 
 def reference_moe(x_TD: Tensor, router_weight: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
-                  b2: Tensor | None, w3: Tensor | None, config: MoEConfig) -> tuple[Tensor, Tensor]:
-    """Returns (y_TD, aux_loss) for one rank's tokens."""
+                  b2: Tensor | None, w3: Tensor | None, config: MoEConfig,
+                  expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Returns (y_TD, aux_loss) for one rank's tokens. ``expert_bias`` [E] (None: zeros) is
+    added to the scores the top-k selects on, never to the gate weights."""
     T, E, K = x_TD.shape[0], config.num_experts, config.top_k
     wide = torch.promote_types(x_TD.dtype, torch.float32)
     choices, weights = [], []
@@ -39,11 +41,13 @@ def reference_moe(x_TD: Tensor, router_weight: Tensor, w1: Tensor, b1: Tensor | 
         logits = torch.stack([x_TD[t].to(wide) @ router_weight[e].to(wide) for e in range(E)])
         p = torch.softmax(logits, dim=0)
         probs.append(p)
-        if config.router_rule == "topk-then-softmax":  # softmax over the k largest logits
-            top_logits, top_e = torch.topk(logits, K)
-            top_w = torch.softmax(top_logits, dim=0)
-        else:  # softmax over all E, the k largest renormalised
-            top_w, top_e = torch.topk(p, K)
+        bias = logits.new_zeros(E) if expert_bias is None else expert_bias.to(logits)
+        if config.router_rule == "topk-then-softmax":  # softmax over the k largest (biased) logits
+            top_e = torch.topk(logits.detach() + bias, K).indices
+            top_w = torch.softmax(logits[top_e], dim=0)
+        else:  # softmax over all E, the k largest (biased) renormalised
+            top_e = torch.topk(p.detach() + bias, K).indices
+            top_w = p[top_e]
             if K > 1:
                 top_w = top_w / top_w.sum()
         choices.append([int(e) for e in top_e])

@@ -108,6 +108,17 @@ def _unshard_experts(state: dict[str, Any], parallel: DenseParallel) -> tuple[di
     return model_sd, optim_sd
 
 
+def drop_absent_expert_bias(model_sd: dict[str, Any], directory: str | Path) -> None:
+    """Local. Leave out of ``model_sd`` (a model state dict that DCP loads under "model") the
+    routers' expert biases that the checkpoint in ``directory`` lacks: it was written before
+    routers had one, and the model keeps its zero bias, which selects as that model did."""
+    import torch.distributed.checkpoint as dcp
+
+    present = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for name in [n for n in model_sd if n.endswith("router.expert_bias") and f"model.{n}" not in present]:
+        del model_sd[name]
+
+
 def save(directory: str | Path, rank: int, world_size: int, parallel: DenseParallel, optimizer: torch.optim.Optimizer,
          meta: dict[str, Any]) -> None:
     """Collective: every rank writes its shard into its ``directory`` (a local folder that
@@ -235,6 +246,7 @@ def load(directory: str | Path, rank: int, world_size: int, parallel: DenseParal
                          f"differ): resume with the model settings of that run")
     check_checkpoint_layout(meta, world_size, data_shards, directory, world_size // parallel.replicas)
     state = _state(parallel, optimizer, rank, world_size)
+    drop_absent_expert_bias(state["model"], directory)
     resharding = meta["world_size"] != world_size
     if resharding:  # DCP cuts the global tensors for W ranks; the RNG states were per rank
         state = {key: value for key, value in state.items() if not key.startswith("rng_rank")}

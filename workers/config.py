@@ -78,6 +78,24 @@ def check_optimisation(settings: Any, fail: Callable[[str, object, str], NoRetur
              f"give fewer than --steps {settings.steps} warm-up steps, or --lr-schedule constant")
     if settings.optimizer_impl not in OPTIMIZER_IMPLS:
         fail("optimizer_impl", settings.optimizer_impl, f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
+    check_balancing(settings, fail)
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_balancing(settings: Any, fail: Callable[[str, object, str], NoReturn]) -> None:
+    """The routers' balancing settings of ``settings`` (a WorkerConfig or a TrainJob):
+    ``fail(field, value, fix)`` raises for the first bad one."""
+    rate = settings.expert_bias_rate
+    if not (_is_number(rate) and 0 <= rate < 1):
+        fail("expert_bias_rate", rate, "give a step size in [0, 1) for the routers' expert bias (--expert-bias-rate; "
+             "e.g. 1e-3 as DeepSeek-V3; 0 turns the auxiliary-loss-free balancing off)")
+    coefficient = settings.router_z_loss
+    if not (_is_number(coefficient) and coefficient >= 0):
+        fail("router_z_loss", coefficient, "give a finite coefficient >= 0 (--router-z-loss; e.g. 1e-3 as ST-MoE; "
+             "0 turns the z-loss off)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,9 @@ class WorkerConfig:
     engine, partitions, strategy: the MoE engine and its pipeline settings (lm.model).
     moe_memory_budget_bytes: activation bytes for all MoE layers together (MemoryBudget), or None.
     seed, lr, weight_decay, warmup_steps, grad_clip, aux_loss_weight: the optimisation.
+    expert_bias_rate:    auxiliary-loss-free balancing: each MoE layer's expert bias moves by this
+                         after every optimizer step (workers/balance.py); 0: off.
+    router_z_loss:       the router z-loss's weight in the loss (ST-MoE); 0: off.
     lr_schedule, min_lr, decay_fraction: the learning rate after warm-up (workers/loop.py
                          ``learning_rate``; decay_fraction: the share of the wsd decay).
     optimizer_impl:      AdamW's kernels: "auto" (fused on CUDA, foreach elsewhere), "fused",
@@ -136,6 +157,8 @@ class WorkerConfig:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     aux_loss_weight: float = 0.01
+    expert_bias_rate: float = 0.0
+    router_z_loss: float = 0.0
     steps: int = 1
     batch_size: int = 1
     seq_len: int | None = None

@@ -82,6 +82,11 @@ def expert_param_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters() if is_expert_param(name)]
 
 
+def expert_bias_names(model: torch.nn.Module) -> list[str]:
+    """The routers' ``expert_bias`` buffers (moe_engine/router.py) by name."""
+    return [name for name, _ in model.named_buffers() if name.endswith("router.expert_bias")]
+
+
 def new_group(timeout_s: float | None = None, backend: str | None = None) -> dist.ProcessGroup:
     """Collective: a process group of all ranks, with ``timeout_s`` (None: torch's default)."""
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
@@ -214,7 +219,11 @@ class DenseParallel:
         # Collective: a group of its own for the dense collectives (see the module docstring).
         group = self.group = new_group(timeout_s)
         if mode == "ddp":
-            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+            # (the routers' expert bias too: DDP would broadcast rank 0's buffers before every
+            # forward, a collective the overlapped schedule's plain-model forwards skip; each rank
+            # moves its own copy by the same summed counts instead, workers/balance.py)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model)
+                                                            + expert_bias_names(model))
             self.module = DDP(model, process_group=group,
                               device_ids=[device.index] if device.type == "cuda" else None)
         else:

@@ -57,7 +57,18 @@ def mixtral_config(preset: ModelPreset, tokenizer: Any) -> dict[str, Any]:
 
 
 def to_mixtral(state: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str, torch.Tensor]:
-    """Local. ``state`` (a model's ``state_dict``, every expert) under transformers' Mixtral names."""
+    """Local. ``state`` (a model's ``state_dict``, every expert) under transformers' Mixtral names.
+    Refuses (ValueError) a model whose routers hold a non-zero expert bias (trained with
+    ``--expert-bias-rate``): Mixtral's router has no bias, so transformers would choose other
+    experts for some tokens than the model trained with."""
+    biased = [name for name, tensor in state.items() if name.endswith("router.expert_bias") and bool(tensor.any())]
+    if biased:
+        raise ValueError(f"this model's routers select experts with a learned expert bias ({biased[0]}, from "
+                         f"--expert-bias-rate), which transformers' Mixtral has no place for: exported as "
+                         f"MixtralForCausalLM it would route tokens by the unbiased scores, not as it trained, so it "
+                         f"is not exported; generate from the run itself (mpipemoe generate), or train with "
+                         f"--expert-bias-rate 0 for a Mixtral export (a preset that is not Mixtral-style exports "
+                         f"in mpipemoe's own format, which keeps the bias)")
     D = preset.d_model
     tensors = {"model.embed_tokens.weight": state["tok_embed.weight"], "model.norm.weight": state["ln_f.weight"]}
     for layer in range(preset.num_layers):

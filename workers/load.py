@@ -8,7 +8,8 @@ Each MoE layer's router returns a ``Routing`` (moe_engine/router.py): the global
 every (token, choice) pair of this rank's tokens and whether a capacity limit kept it. A
 forward hook on the router adds them to two ``[L, E]`` int64 tables on the device with
 ``count_ids`` (a scatter-add: no read of the device, unlike ``bincount`` on CUDA), in
-training mode only (validation passes are not counted). ``read`` sums the tables over
+training mode only (validation passes, and a forward that activation checkpointing runs
+again in backward, are not counted). ``read`` sums the tables over
 ranks (one all-reduce), reads them once and starts afresh, so the training steps in
 between pay no host synchronisation for these metrics.
 
@@ -32,6 +33,7 @@ import math
 import torch
 from torch import nn
 
+from moe_engine.layers import recomputing
 from moe_engine.router import count_ids
 from workers.distributed import all_reduce_sum_
 
@@ -50,7 +52,7 @@ class ExpertLoad:
 
     def _count(self, index: int, router: nn.Module, inputs: Any, routing: Any) -> None:
         """Local (a forward hook): add this pass's pairs to layer ``index``'s counts."""
-        if not router.training:
+        if not router.training or recomputing():  # (activation checkpointing's second forward)
             return
         with torch.no_grad():
             ids_TK = routing.expert_ids_TK

@@ -11,8 +11,9 @@ bfloat16 keeps them in bf16 instead, for comparison); ``Trainer`` wraps
 the dense part in DDP (or FSDP2 with ``shard_dense``; ``workers.distributed``) and runs
 the forward under autocast at ``config.dtype``. One step (numbers match the code):
   1. micro-batch j of ``grad_accum`` (K): batch (step-1)*K + j of this rank's data shard
-  2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss
-  3. collective: loss sums over ranks, with each rank's flag of NaN/Inf met in a MoE layer's
+  2. forward (autocast) -> lm_loss + aux_loss_weight * aux_loss + router_z_loss * z_loss
+  3. collective: loss sums over ranks (with ``expert_bias_rate``: and the step's tokens per
+     expert of every MoE layer), with each rank's flag of NaN/Inf met in a MoE layer's
      input (the layers flag it and run on: no rank leaves the step's collectives early,
      whatever its expert group saw); non-finite -> by ``on_nonfinite_loss``: "halt" raises
      on every rank, "skip" drops this step's update on every rank and goes on (no hang
@@ -21,7 +22,8 @@ the forward under autocast at ``config.dtype``. One step (numbers match the code
      dense grads in float32 during the last micro-batch's backward); 1-4 per micro-batch
   5. expert grads / W
   6. collective: exact global grad norm (dense + every expert shard), clip; AdamW step; the
-     learning-rate scheduler (``build_scheduler``) steps
+     learning-rate scheduler (``build_scheduler``) steps; the routers' expert bias moves by
+     the counts of 3 (workers/balance.py)
   7. collective: max step time and peak memory over ranks, and whether the driver asked to
      stop (Ctrl-C; rank 0 polls the stop flag, the max carries its answer to every rank)
   8. every ``log_every`` steps and at the end: collective, the per-expert load since the last
@@ -74,12 +76,14 @@ from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids
 from moe_engine import HostBufferPool
 from moe_engine.comm import CollectiveLog
 from moe_engine.layers import MoELayerBase
+from moe_engine.router import Router
 from workers import checkpoint as ckpt
 from workers.config import DECAY_FRACTION, WorkerConfig
 from workers.reshard import rank_batches
 from workers.control import HOLD_POLL_S, HOLD_TIMEOUT_S, StopPoller
 from workers.distributed import (DenseParallel, ExpertLayout, all_reduce_sum_, check_expert_degree, expert_groups,
                                  new_group, reduce_max, reduce_sum)
+from workers.balance import ExpertBalance, step_imbalance
 from workers.load import ExpertLoad
 from workers.schedules import LANES, Lanes, ScheduleError, choose_schedule, forward_backward
 
@@ -92,14 +96,15 @@ MAX_SKIPPED_IN_A_ROW = 10  # "skip": this many non-finite steps in a row halt (t
 
 
 def check_nonfinite_loss(step: int, mean_lm: float, mean_aux: float, policy: str, in_a_row: int,
-                         config: WorkerConfig, input_ranks: Sequence[int] = ()) -> str:
+                         config: WorkerConfig, input_ranks: Sequence[int] = (), mean_z: float = 0.0) -> str:
     """Called when step ``step`` is non-finite: its mean loss is NaN/Inf, or NaN/Inf reached
     the MoE layer input of ``input_ranks`` (``in_a_row``: such steps in a row, this one
     included). Raises StepError naming the step (and those ranks) under "halt", or under
     "skip" once MAX_SKIPPED_IN_A_ROW are reached; otherwise returns why the caller skips the
     update. Every rank sees the same values (reduced over all ranks), so every rank takes
     the same action."""
-    losses = f"lm_loss={mean_lm}, aux_loss={mean_aux}, engine={config.engine}, lr={config.lr}"
+    z_loss = f", z_loss={mean_z}" if mean_z != 0 else ""  # (NaN included)
+    losses = f"lm_loss={mean_lm}, aux_loss={mean_aux}{z_loss}, engine={config.engine}, lr={config.lr}"
     if input_ranks:
         what = f"NaN or Inf in the MoE layer input of rank(s) {', '.join(map(str, input_ranks))}"
     else:
@@ -298,6 +303,8 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
     init_parameters(model, config.seed, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison
         model.to(dtype=getattr(torch, config.param_dtype))
+        for router in (m for m in model.modules() if isinstance(m, Router)):
+            router.expert_bias.data = router.expert_bias.data.float()  # (steps of 1e-3 would round away in bf16)
     parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
                              device=device, compute_dtype=getattr(torch, config.dtype),
                              timeout_s=config.collective_timeout_s, replica_group=replica_group,
@@ -352,6 +359,7 @@ class Trainer:
         self.validation = None if val_stream is None or len(val_stream) // window < world_size else \
             ValidationBatches(val_stream, config.batch_size, window, config.eval_batches, rank, world_size)
         self.load = ExpertLoad(model.moe_layers(), device)
+        self.balance = ExpertBalance(model.moe_layers(), config.expert_bias_rate, device)
         self.nonfinite_in_a_row = 0
         # the next step's first micro-batch, read and queued for the device while this step's
         # backward runs (`step`): ((step, micro), (inputs_BS, targets_BS))
@@ -437,13 +445,15 @@ class Trainer:
             #    _micro_batch, and mask_id by WorkerConfig)
             inputs_BS, targets_BS = self._micro_batch(step, micro)
             with self.parallel.autocast():
-                logits_BSV, aux_loss = module(inputs_BS, ids_checked=True)
+                logits_BSV, aux_loss, z_loss = module(inputs_BS, ids_checked=True, with_z_loss=True)
                 loss_lm = lm_loss(logits_BSV.float(), targets_BS)
             if nan_loss:
                 loss_lm = loss_lm * float("nan")
             loss = loss_lm + config.aux_loss_weight * aux_loss.float()
+            if config.router_z_loss:
+                loss = loss + config.router_z_loss * z_loss.float()
             # 3. (below) backward of this micro-batch's share of the step's loss
-            return loss / K, torch.stack([loss_lm.detach(), aux_loss.detach()]).double()
+            return loss / K, torch.stack([loss_lm.detach(), aux_loss.detach().float(), z_loss.detach().float()]).double()
 
         def micro_batches() -> torch.Tensor:
             """2-3 per micro-batch, by the schedule (workers/schedules.py): sequential, or the
@@ -451,26 +461,32 @@ class Trainer:
             over ranks in the last backward (DDP/FSDP2) or after it (overlapped). Engine errors
             are re-raised naming the step; NaN/Inf in a MoE layer's input is flagged, not raised
             (every collective of the step runs on every rank). Returns, on the device,
-            [lm, aux, pairs the sync-free capacity dropped, then one flag per rank: NaN/Inf met
+            [lm, aux, z, pairs the sync-free capacity dropped, then one flag per rank: NaN/Inf met
             in its MoE layers' input] (this rank's; nothing is read: each micro-batch's losses
-            stay on the device until every backward has been queued, one read per step)."""
-            losses = torch.zeros(3 + self.world_size, dtype=torch.float64, device=self.device)
+            stay on the device until every backward has been queued, one read per step); with
+            the expert bias on, then this step's tokens per expert of every MoE layer, L x E."""
+            flags = 4 + self.world_size
+            counts = self.balance.counts_LE.numel() if self.balance.enabled else 0
+            losses = torch.zeros(flags + counts, dtype=torch.float64, device=self.device)
             for layer in self.moe_layers if capacity_mode else ():
                 layer.reset_capacity_counters()
+            self.balance.start_step()
             try:
                 for record in forward_backward(self.parallel, range(K), loss_of, schedule=self.schedule,
                                                lanes=self.lanes):
-                    losses[:2] += record
+                    losses[:3] += record
             except ScheduleError as error:
                 cause = error.__cause__
                 where = "backward failed" if error.phase == "backward" else "failed"
                 raise StepError(f"step {step} {where} on rank {rank} (engine {config.engine}): "
                                 f"{type(cause).__name__}: {cause}") from cause
             if capacity_mode:  # the layers' device counters, added without a read
-                losses[2] += sum(layer.overflowed.to(self.device) for layer in self.moe_layers)
-                losses[3 + rank] += sum(layer.nonfinite_inputs.to(self.device) for layer in self.moe_layers)
+                losses[3] += sum(layer.overflowed.to(self.device) for layer in self.moe_layers)
+                losses[4 + rank] += sum(layer.nonfinite_inputs.to(self.device) for layer in self.moe_layers)
             if self._moe_input_nonfinite():
-                losses[3 + rank] = 1
+                losses[4 + rank] = 1
+            if self.balance.enabled:
+                losses[flags:] = self.balance.counts_LE.flatten()
             return losses
 
         losses = micro_batches()
@@ -482,28 +498,31 @@ class Trainer:
             self.prefetched = ((step + 1, 0), self._micro_batch(step + 1, 0))
         except ValueError:
             self.prefetched = None
-        # 4. global mean losses, the pairs the sync-free capacity dropped and the ranks whose
-        #    MoE input was non-finite (one all-reduce, one device read). A step whose capacity
+        # 4. global mean losses, the pairs the sync-free capacity dropped, the ranks whose
+        #    MoE input was non-finite and, with the expert bias on, the step's tokens per expert
+        #    (one all-reduce, one device read; the counts also stay on the device for the bias
+        #    update, so every rank moves its bias by the same sums). A step whose capacity
         #    overflowed on any rank runs again dropless on every rank, its gradients dropped
         #    first (no token is ever dropped silently); on NaN/Inf every rank halts, or skips
         #    this update, together (a non-finite step still ran its backward: the gradients are
         #    dropped)
-        reduced = all_reduce_sum_(losses, self.world_size).tolist()
-        overflowed_pairs = int(reduced[2])
+        summed = all_reduce_sum_(losses, self.world_size)
+        reduced = summed.tolist()
+        overflowed_pairs = int(reduced[3])
         if overflowed_pairs:
             self.optimizer.zero_grad(set_to_none=True)
             with contextlib.ExitStack() as dropless:
                 for layer in self.moe_layers:
                     dropless.enter_context(layer.dropless())
-                reduced = all_reduce_sum_(micro_batches(), self.world_size).tolist()
-        reduced = reduced[:2] + reduced[3:]
-        lm_sum, aux_sum = reduced[:2]
-        input_ranks = [r for r, flag in enumerate(reduced[2:]) if flag]
-        lm_total, aux_total = lm_sum / self.world_size / K, aux_sum / self.world_size / K
-        skip = bool(input_ranks) or not (math.isfinite(lm_total) and math.isfinite(aux_total))
+                summed = all_reduce_sum_(micro_batches(), self.world_size)
+                reduced = summed.tolist()
+        flags = 4 + self.world_size
+        lm_total, aux_total, z_total = (value / self.world_size / K for value in reduced[:3])
+        input_ranks = [r for r, flag in enumerate(reduced[4:flags]) if flag]
+        skip = bool(input_ranks) or not all(math.isfinite(v) for v in (lm_total, aux_total, z_total))
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skip else 0
         skip_reason = check_nonfinite_loss(step, lm_total, aux_total, config.on_nonfinite_loss,
-                                           self.nonfinite_in_a_row, config, input_ranks) if skip else None
+                                           self.nonfinite_in_a_row, config, input_ranks, z_total) if skip else None
         grad_norm, lr = math.nan, self.optimizer.param_groups[0]["lr"]  # the scheduler's rate for this step
         if not skip:
             # 5. expert grads summed over the expert replicas, / W (dense ones were averaged by DDP/FSDP2)
@@ -522,6 +541,9 @@ class Trainer:
             else:
                 grad_norm = self.parallel.clip_grad_norm(config.grad_clip)
                 self.optimizer.step()
+            # 6b. the expert bias, from the step's counts summed over every rank (identical on all)
+            if self.balance.enabled:
+                self.balance.update(summed[flags:].view_as(self.balance.counts_LE))
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
@@ -530,8 +552,11 @@ class Trainer:
         # ranks, and whether the step ran again dropless; MLflow sums the reruns)
         capacity = {"capacity_overflow_pairs": overflowed_pairs, "dropless_rerun": int(overflowed_pairs > 0)} \
             if capacity_mode else {}
-        return {"lm_loss": lm_total, "aux_loss": aux_total, "grad_norm": grad_norm, "lr": lr, "skipped": int(skip),
-                **({"skip_reason": skip_reason} if skip_reason else {}), **capacity}
+        E = self.balance.num_experts
+        balance = step_imbalance([reduced[i:i + E] for i in range(flags, len(reduced), E)])
+        return {"lm_loss": lm_total, "aux_loss": aux_total, "z_loss": z_total, "grad_norm": grad_norm, "lr": lr,
+                "skipped": int(skip), **({"skip_reason": skip_reason} if skip_reason else {}), **capacity,
+                **balance}
 
     def _moe_input_nonfinite(self) -> bool:
         """Local. Whether a MoE layer met NaN/Inf in this rank's input since the last call
@@ -605,7 +630,8 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         # 8. report
         metrics = {
             "step": step,
-            "loss": result["lm_loss"] + config.aux_loss_weight * result["aux_loss"],
+            "loss": result["lm_loss"] + config.aux_loss_weight * result["aux_loss"]
+            + config.router_z_loss * result["z_loss"],
             **result,
             "tokens_per_s": tokens_per_step / step_time,
             **model_flops_metrics(tokens_per_step / step_time / world_size, trainer.preset, device, config.dtype),
@@ -622,6 +648,8 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         last = step == config.steps or stopping
         if step % config.log_every == 0 or last:
             metrics.update(trainer.load.read(world_size))
+            if trainer.balance.enabled:  # (local: the bias is the same on every rank)
+                metrics.update(trainer.balance.bias_metrics())
         # 8b. collective, every eval_every steps and at the end: validation loss
         if trainer.validation is not None and (step % config.eval_every == 0 or last):
             metrics.update(trainer.evaluate())

@@ -54,7 +54,7 @@ def load_checkpoint_model(directory: str | Path) -> tuple[MoETransformer, dict[s
     experts, and the checkpoint's meta dict (step, preset, world size ...)."""
     import torch.distributed.checkpoint as dcp
 
-    from workers.checkpoint import META, validate
+    from workers.checkpoint import META, drop_absent_expert_bias, validate
 
     directory = Path(directory)
     problem = validate(directory)  # the verifier every checkpoint reader shares
@@ -64,6 +64,7 @@ def load_checkpoint_model(directory: str | Path) -> tuple[MoETransformer, dict[s
     meta = json.loads((directory / META).read_text())
     model = build_model(ModelPreset(**meta["preset"]))
     state = {"model": model.state_dict()}
+    drop_absent_expert_bias(state["model"], directory)
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
     model.load_state_dict(state["model"])
     return model, meta

@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--weight-decay", "AdamW weight decay of matrices (not biases or norms)", type=float)
     add("--grad-clip", "clip the global gradient norm to this; 0 = off", type=float)
     add("--aux-loss-weight", "loss = lm loss + this x the MoE load-balance loss", type=float)
+    add("--expert-bias-rate", "auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's router adds a "
+        "per-expert bias to the scores its top-k selects on (the gate weights stay unbiased), moved by R after "
+        "every step toward the experts that got fewer tokens than the mean; 0 = off (default)", type=float,
+        metavar="R")
+    add("--router-z-loss", "loss += C x the router z-loss, mean(logsumexp(router logits)^2) (ST-MoE); "
+        "0 = off (default)", type=float, metavar="C")
     add("--optimizer-impl", "AdamW kernels: auto = fused on CUDA, foreach on CPU", choices=OPTIMIZER_IMPLS)
     add("--eval-every", "validation loss every N steps and at the end; 0 = never", type=int)
     add("--eval-batches", "fixed validation batches (of --batch-size sequences) per worker", type=int)

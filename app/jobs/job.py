@@ -135,6 +135,9 @@ class TrainJob:
     warmup_steps: int = 5
     grad_clip: float = 1.0             # global grad-norm clip; 0 = off
     aux_loss_weight: float = 0.01      # loss = lm_loss + aux_loss_weight * load-balance loss
+    expert_bias_rate: float = 0.0      # auxiliary-loss-free balancing: the routers' expert bias moves by this
+                                       # after each step, toward the less loaded experts; 0 = off
+    router_z_loss: float = 0.0         # loss += this * router z-loss (mean logsumexp(logits)^2); 0 = off
     max_failures: int = 0              # Ray Train restarts from the last checkpoint
     collective_timeout_s: int = 600    # a dead or stalled rank ends the job after this long
     on_nonfinite_loss: str = "halt"    # NaN/Inf loss: "halt" the job, or "skip" that step's update
@@ -328,7 +331,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
         expert_parallel=expert_degree(job, gpus_per_node),
         seed=job.seed, lr=job.lr, weight_decay=job.weight_decay,
         warmup_steps=job.warmup_steps, grad_clip=job.grad_clip,
-        aux_loss_weight=job.aux_loss_weight, steps=job.steps, batch_size=job.batch_size,
+        aux_loss_weight=job.aux_loss_weight, expert_bias_rate=job.expert_bias_rate,
+        router_z_loss=job.router_z_loss, steps=job.steps, batch_size=job.batch_size,
         seq_len=preset.seq_len, checkpoint_every=job.checkpoint_every,
         data_dir=str(job.data_dir), use_gpu=use_gpu, dtype=dtype, param_dtype=job.param_dtype,
         torch_threads=max(1, int(cpus)), cpus_per_worker=cpus,
