@@ -153,3 +153,68 @@ def test_layer_records_markdown_is_current():
     stale = [path.name for path in records
              if path.with_suffix(".md").read_text() != render_records.render(path)]
     assert not stale, f"re-render with `python3 tools/render_records.py` and commit: {stale}"
+
+
+# -- figures the docs derive from records (ratios, differences): re-derived here from the JSON --
+
+def doc_text(name: str) -> str:
+    """The doc's text with its line breaks and runs of spaces as single spaces."""
+    return " ".join((ROOT / name).read_text().split())
+
+
+def step_record(name: str, engine: str) -> dict:
+    """The K = 1 record of ENGINE (MPipeMoE's: the one auto chose) in results/NAME.json."""
+    records = json.loads((ROOT / "results" / f"{name}.json").read_text())["records"]
+    chosen_by = "auto" if engine == "mpipemoe" else "baseline"
+    found = [r for r in records if r["kind"] == "step" and r["engine"] == engine
+             and r["chosen_by"] == chosen_by and r["micro_batches"] == 1]
+    assert len(found) == 1, f"results/{name}.json: {len(found)} K = 1 records of {engine} ({chosen_by})"
+    return found[0]
+
+
+def speedup(slow: str, fast: str, engine: str) -> float:
+    return step_record(slow, engine)["step_ms"] / step_record(fast, engine)["step_ms"]
+
+
+def simulated_step_ms(name: str, degree: int) -> float:
+    [point] = json.loads((ROOT / "results" / f"{name}.json").read_text())["points"]
+    return next(d["step_ms"] for d in point["degrees"] if d["expert_parallel"] == degree)
+
+
+def expert_parallel_gains(model: str) -> str:
+    """'A (FastMoE) / B (auto)'-style gains of E = 64 over E = 8, dgx-h200 then dgx-a100."""
+    gains = [speedup(f"step-h100-emulated-8x8-{net}-{model}-e8", f"step-h100-emulated-8x8-{net}-{model}-e64", engine)
+             for net in ("dgx-h200", "dgx-a100") for engine in ("fastmoe", "mpipemoe")]
+    return "{:.2f}x{} / {:.2f}x{}".format(gains[0], " (FastMoE)" if model == "gpt-s" else "",
+                                          gains[1], " (auto)" if model == "gpt-s" else "") \
+        + " faster{} on dgx-h200 and {:.2f}x / {:.2f}x on dgx-a100".format(
+            " than E = 8" if model == "gpt-s" else "", gains[2], gains[3])
+
+
+def expert_loop_costs(model: str) -> str:
+    """The per-expert loop's (fp16) compute over the grouped kernel's (bf16), each engine, as '+a% / +b% / +c%'."""
+    name = f"step-h100-emulated-8x8-dgx-a100-{model}-e8"
+    costs = [step_record(f"{name}-fp16", engine)["compute_ms"] / step_record(f"{name}-bf16", engine)["compute_ms"] - 1
+             for engine in ("fastmoe", "fastermoe", "mpipemoe")]
+    return f"{model} " + " / ".join(f"{cost:+.1%}" for cost in costs)
+
+
+def derived_cluster_figures() -> list[str]:
+    sim = "simulate-expert-parallel-gpt-s-{}"
+    simulated = [simulated_step_ms(sim.format(net), 8) / simulated_step_ms(sim.format(net), 64)
+                 for net in ("dgx-h200", "dgx-a100")]
+    return [expert_parallel_gains("gpt-s"), expert_parallel_gains("gpt-xl"),
+            f"the simulator prices {simulated[0]:.2f}x (dgx-h200) and {simulated[1]:.2f}x (dgx-a100)",
+            expert_loop_costs("gpt-s"), expert_loop_costs("gpt-xl")]
+
+
+def test_derived_figure_helpers_read_the_records():
+    assert expert_parallel_gains("gpt-s").startswith("2.02x (FastMoE) / 2.12x (auto) faster than E = 8")
+    assert expert_loop_costs("gpt-xl").startswith("gpt-xl +1.3% / ")
+
+
+@pytest.mark.parametrize("figure", derived_cluster_figures())
+def test_cluster_doc_figures_derive_from_their_records(figure: str):
+    """docs/cluster.md's ratios of the emulated steps (E = 8 against E = 64, the per-expert loop
+    against the grouped kernel) and of the simulator are those of the records' JSON."""
+    assert figure in doc_text("docs/cluster.md"), f"docs/cluster.md should say {figure!r} (from its records)"
