@@ -90,7 +90,8 @@ layer-split)  # gpt-xl 16k and 8k split by tokens and by peers, n = 1-16: bench-
       --splits tokens,peers --rounds 2 --repeats 2 --tracking-uri none \
       --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200-split.json" ;;
 trace-xl32k)  # gpt-xl 32k and 16k with a timeline each: bench-xl32k-trace.json and traces (results/traces/)
-  step trace-xl32k 300 python3 -m app.cli bench $LAYER --network dgx-h200 --model gpt-xl --tokens 32768,16384 \
+  step trace-xl32k 300 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
+      --tokens 32768,16384 --partitions 1,2,4,8 --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none \
       --trace /tmp/traces --out "$OUT/bench-xl32k-trace.json"
   for f in /tmp/traces/*16384*fastmoe* /tmp/traces/*16384*grid-4_none.*; do [ -f "$f" ] && cp "$f" "$OUT/"; done ;;
 # --- the training step as rank 0 of an emulated 8x8 cluster ---
