@@ -153,3 +153,171 @@ def test_layer_records_markdown_is_current():
     stale = [path.name for path in records
              if path.with_suffix(".md").read_text() != render_records.render(path)]
     assert not stale, f"re-render with `python3 tools/render_records.py` and commit: {stale}"
+
+
+# -- figures the docs derive from records (ratios, differences): re-derived here from the JSON --
+
+def doc_text(name: str) -> str:
+    """The doc's text with its line breaks and runs of spaces as single spaces."""
+    return " ".join((ROOT / name).read_text().split())
+
+
+def step_record(name: str, engine: str) -> dict:
+    """The K = 1 record of ENGINE (MPipeMoE's: the one auto chose) in results/NAME.json."""
+    records = json.loads((ROOT / "results" / f"{name}.json").read_text())["records"]
+    chosen_by = "auto" if engine == "mpipemoe" else "baseline"
+    found = [r for r in records if r["kind"] == "step" and r["engine"] == engine
+             and r["chosen_by"] == chosen_by and r["micro_batches"] == 1]
+    assert len(found) == 1, f"results/{name}.json: {len(found)} K = 1 records of {engine} ({chosen_by})"
+    return found[0]
+
+
+def speedup(slow: str, fast: str, engine: str) -> float:
+    return step_record(slow, engine)["step_ms"] / step_record(fast, engine)["step_ms"]
+
+
+def simulated_step_ms(name: str, degree: int) -> float:
+    [point] = json.loads((ROOT / "results" / f"{name}.json").read_text())["points"]
+    return next(d["step_ms"] for d in point["degrees"] if d["expert_parallel"] == degree)
+
+
+def expert_parallel_gains(model: str) -> str:
+    """'A (FastMoE) / B (auto)'-style gains of E = 64 over E = 8, dgx-h200 then dgx-a100."""
+    gains = [speedup(f"step-h100-emulated-8x8-{net}-{model}-e8", f"step-h100-emulated-8x8-{net}-{model}-e64", engine)
+             for net in ("dgx-h200", "dgx-a100") for engine in ("fastmoe", "mpipemoe")]
+    return "{:.2f}x{} / {:.2f}x{}".format(gains[0], " (FastMoE)" if model == "gpt-s" else "",
+                                          gains[1], " (auto)" if model == "gpt-s" else "") \
+        + " faster{} on dgx-h200 and {:.2f}x / {:.2f}x on dgx-a100".format(
+            " than E = 8" if model == "gpt-s" else "", gains[2], gains[3])
+
+
+def expert_loop_costs(model: str) -> str:
+    """The per-expert loop's (fp16) compute over the grouped kernel's (bf16), each engine, as '+a% / +b% / +c%'."""
+    name = f"step-h100-emulated-8x8-dgx-a100-{model}-e8"
+    costs = [step_record(f"{name}-fp16", engine)["compute_ms"] / step_record(f"{name}-bf16", engine)["compute_ms"] - 1
+             for engine in ("fastmoe", "fastermoe", "mpipemoe")]
+    return f"{model} " + " / ".join(f"{cost:+.1%}" for cost in costs)
+
+
+def derived_cluster_figures() -> list[str]:
+    sim = "simulate-expert-parallel-gpt-s-{}"
+    simulated = [simulated_step_ms(sim.format(net), 8) / simulated_step_ms(sim.format(net), 64)
+                 for net in ("dgx-h200", "dgx-a100")]
+    return [expert_parallel_gains("gpt-s"), expert_parallel_gains("gpt-xl"),
+            f"the simulator prices {simulated[0]:.2f}x (dgx-h200) and {simulated[1]:.2f}x (dgx-a100)",
+            expert_loop_costs("gpt-s"), expert_loop_costs("gpt-xl")]
+
+
+def test_derived_figure_helpers_read_the_records():
+    assert expert_parallel_gains("gpt-s").startswith("2.02x (FastMoE) / 2.12x (auto) faster than E = 8")
+    assert expert_loop_costs("gpt-xl").startswith("gpt-xl +1.3% / ")
+
+
+@pytest.mark.parametrize("figure", derived_cluster_figures())
+def test_cluster_doc_figures_derive_from_their_records(figure: str):
+    """docs/cluster.md's ratios of the emulated steps (E = 8 against E = 64, the per-expert loop
+    against the grouped kernel) and of the simulator are those of the records' JSON."""
+    assert figure in doc_text("docs/cluster.md"), f"docs/cluster.md should say {figure!r} (from its records)"
+
+
+def record(path: str) -> dict:
+    return json.loads((ROOT / "results" / path).read_text())
+
+
+def compare_line(path: str, batch: int) -> re.Match:
+    """``batch B: [profiled] step X -> Y ms ..., MFU P% -> Q%`` of a tools/gpu-records.sh mfu-compare.txt."""
+    text = (ROOT / "results" / path).read_text()
+    found = re.search(rf"^batch {batch}: step ([\d.]+) -> ([\d.]+) ms, MFU ([\d.]+%) -> ([\d.]+%)", text, re.M)
+    assert found, f"results/{path}: no line for batch {batch}"
+    return found
+
+
+def history_mfu(summary: dict, step: int) -> float:
+    return next(entry["mfu"] for entry in summary["history"] if entry["step"] == step)
+
+
+def derived_training_rows() -> list[str]:
+    """Rows of docs/training.md's tables of the GPU training records, rebuilt from the records."""
+    rows = []
+    for batch in (8, 128):  # AdamW's kernels, then the later fixes (training-h200-adamw/, -mfu/)
+        foreach, fused = (record(f"training-h200-adamw/profile-step-gpt-xl4-b{batch}-{impl}.json")
+                          for impl in ("foreach", "fused"))
+        after = compare_line("training-h200-mfu/mfu-compare.txt", batch)
+        rows.append(f"| {batch} | {foreach['step_s'] * 1e3:.1f} ms, MFU {foreach['mfu']:.1%} | "
+                    f"{fused['step_s'] * 1e3:.1f} ms, {fused['mfu']:.1%} | {after[2]} ms, {after[4]} |")
+    for batch in (8, 128):  # the step after the mixed-precision fixes (training-h200-mfu2/)
+        profile = record(f"training-h200-mfu2/profile-step-gpt-xl4-b{batch}-mfu.json")
+        summary = record(f"training-h200-mfu2/train-gpt-xl4-b{batch}-mfu.json")
+        before = compare_line("training-h200-mfu/mfu-compare.txt", batch)[2]
+        rows.append(f"| {batch} | {before} → {profile['profiled_step_s'] * 1e3:.1f} ms | "
+                    f"{profile['step_s'] * 1e3:.1f} ms, **{profile['mfu']:.1%}** | {summary['mfu']:.1%} "
+                    f"({history_mfu(summary, 10):.1%}, {history_mfu(summary, 15):.1%}) |")
+    for batch in (128, 8):  # the fused kernels, before and after in turn (training-h200-fused/)
+        old, new = ([record(f"training-h200-fused/profile-b{batch}-{side}-{run}.json") for run in (1, 2)]
+                    for side in ("old", "new"))
+        bold = "**" if batch == 128 else ""
+
+        def besides_gemms(profile: dict) -> float:
+            return (profile["kernel_s"] - profile["kernel_s_by_kind"]["gemm"]) * 1e3
+        rows.append(f"| {batch} | {old[0]['step_s'] * 1e3:.1f} / {old[1]['step_s'] * 1e3:.1f} ms, "
+                    f"{old[0]['mfu']:.1%} / {old[1]['mfu']:.1%} | {new[0]['step_s'] * 1e3:.1f} / "
+                    f"{new[1]['step_s'] * 1e3:.1f} ms, {bold}{new[0]['mfu']:.1%} / {new[1]['mfu']:.1%}{bold} | "
+                    f"{besides_gemms(old[0]):.1f} → {besides_gemms(new[0]):.1f} ms | "
+                    f"{old[0]['gpu_idle_s'] * 1e3:.1f} → {new[0]['gpu_idle_s'] * 1e3:.1f} ms |")
+    for batch in (8, 128):  # the landing code, fused and in place (training-h200-fused/landing-*/)
+        (fused, fused_run), (in_place, in_place_run) = (
+            (record(f"training-h200-fused/landing-{commit}/profile-step-gpt-xl4-b{batch}-mfu.json"),
+             record(f"training-h200-fused/landing-{commit}/train-gpt-xl4-b{batch}-mfu.json"))
+            for commit in ("9357d8a", "8764dfa"))
+        rows.append(f"| {batch} | {fused['step_s'] * 1e3:.1f} ms, {fused['mfu']:.1%} | {fused_run['mfu']:.1%} | "
+                    f"{in_place['step_s'] * 1e3:.1f} ms, **{in_place['mfu']:.1%}** | **{in_place_run['mfu']:.1%}** "
+                    f"({history_mfu(in_place_run, 10):.1%}, {history_mfu(in_place_run, 15):.1%}) |")
+    # before master weights: gpt-s through Ray Train, and the capacity search (train-gpt-s-h200-*.json)
+    auto, fixed = (record(f"train-gpt-s-h200-{name}.json") for name in ("auto", "n4-s3"))
+    gib = 2.0 ** 30
+    ours, theirs = auto["summaries"]["mpipemoe"], auto["summaries"]["fastmoe"]
+    rows += [f"| default settings, batch 8: tokens/s (median, steps 2–40) | {ours['tokens_per_s']:,.0f} | "
+             f"{theirs['tokens_per_s']:,.0f} | {auto['ratios']['speedup_vs_fastmoe']:.2f}× |",
+             f"| … peak memory over the run / second half | {ours['peak_memory_bytes'] / gib:.1f} / "
+             f"{ours['settled_peak_memory_bytes'] / gib:.1f} GiB | {theirs['peak_memory_bytes'] / gib:.1f} / "
+             f"{theirs['settled_peak_memory_bytes'] / gib:.1f} GiB | {auto['ratios']['memory_ratio_vs_fastmoe']:.2f}× / "
+             f"{auto['ratios']['settled_memory_ratio_vs_fastmoe']:.2f}× |"]
+    ours, theirs = fixed["summaries"]["mpipemoe"], fixed["summaries"]["fastmoe"]
+    rows += [f"| n=4, S3, batch 16: tokens/s | {ours['tokens_per_s']:,.0f} | {theirs['tokens_per_s']:,.0f} | "
+             f"{fixed['ratios']['speedup_vs_fastmoe']:.2f}× |",
+             f"| … peak memory | {ours['peak_memory_bytes'] / gib:.1f} GiB | {theirs['peak_memory_bytes'] / gib:.1f} GiB | "
+             f"{fixed['ratios']['memory_ratio_vs_fastmoe']:.2f}× |"]
+    ours, theirs = sorted(record("capacity-gpt-s-h200.json")["results"], key=lambda r: r["engine"] != "mpipemoe")
+    rows += [f"| largest batch under a 32 GiB cap (n=4, S3) | {ours['largest_batch_size']} | "
+             f"{theirs['largest_batch_size']} | {ours['largest_batch_size'] / theirs['largest_batch_size']:.2f}× |",
+             f"| tokens/s at that batch | {ours['at_largest']['tokens_per_s']:,.0f} | "
+             f"{theirs['at_largest']['tokens_per_s']:,.0f} | "
+             f"{ours['at_largest']['tokens_per_s'] / theirs['at_largest']['tokens_per_s']:.2f}× |"]
+    return rows
+
+
+@pytest.mark.parametrize("row", derived_training_rows())
+def test_training_doc_tables_derive_from_their_records(row: str):
+    """Each row of docs/training.md's tables of the GPU training records (AdamW, the MFU fixes,
+    the fused kernels, the first Ray Train runs) is what the records' JSON gives."""
+    lines = (ROOT / "docs" / "training.md").read_text().splitlines()
+    assert row in lines, f"docs/training.md should hold this row (from its records): {row!r}"
+
+
+def derived_training_sentences() -> list[str]:
+    """Figures docs/training.md's prose gives from the same records."""
+    foreach, fused = (record(f"training-h200-adamw/profile-step-gpt-xl4-b8-{impl}.json")["kernel_s_by_kind"]["optimizer"]
+                      for impl in ("foreach", "fused"))
+    curve = record("training-h200-val/train-gpt-s-bpe-h200-300.json")
+    old, new = ([record(f"training-h200-fused/ab-b8-inplace/profile-b8-{side}-{run}.json") for run in (1, 2)]
+                for side in ("old", "new"))
+    return [f"The fused kernel takes AdamW from {foreach * 1e3:.1f} to {fused * 1e3:.1f} ms",
+            f"(val loss {curve['first_val_loss']:.2f} → {curve['final_val_loss']:.2f} over 300 steps)",
+            f"measured {old[0]['step_s'] * 1e3:.1f} / {old[1]['step_s'] * 1e3:.1f} ms (MFU {old[0]['mfu']:.1%} / "
+            f"{old[1]['mfu']:.1%}) against {new[0]['step_s'] * 1e3:.1f} / {new[1]['step_s'] * 1e3:.1f} ms "
+            f"({new[0]['mfu']:.1%} / {new[1]['mfu']:.1%})"]
+
+
+@pytest.mark.parametrize("sentence", derived_training_sentences())
+def test_training_doc_prose_figures_derive_from_their_records(sentence: str):
+    assert sentence in doc_text("docs/training.md"), f"docs/training.md should say {sentence!r} (from its records)"

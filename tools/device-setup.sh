@@ -1,4 +1,4 @@
-# Sourced by the tools/*-records.sh scripts on the GPU machine: Ray from .devwheels (when
+# Sourced by tools/gpu-records.sh on the GPU machine: Ray from .devwheels (when
 # carried), PYTHONPATH, the GPU's name in $OUT/gpu.txt, and `step NAME LIMIT CMD...`,
 # which runs CMD with a time limit, its output in $OUT/NAME.log, and prints its tail.
 OUT=${OUT:-out}; mkdir -p "$OUT"

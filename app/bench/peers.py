@@ -4,7 +4,7 @@ shapes, inputs and weights, and the dense-GEMM floor of the same routed work.
     mpipemoe bench --model gpt-s --activation swiglu --no-bias --peers torchtitan   # on a GPU
 
 torchtitan is optional (CI has none); it is imported only when a peer is built, and
-tools/h200-lean-engine.sh installs the wheels in .whl/ on the GPU machine.
+tools/gpu-records.sh installs the wheels in .whl/ on the GPU machine.
 
 Shapes: see moe_engine's legend (moe_engine/__init__.py); torchtitan's F is our H and
 its L our S, which its parameter names (`w1_EFD`) keep.
@@ -63,7 +63,7 @@ def _torchtitan():
         from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
     except ImportError as error:
         raise ImportError(f"--peers torchtitan needs torchtitan=={TORCHTITAN_VERSION} importable ({error}); "
-                          "install the wheels in .whl/ as tools/h200-lean-engine.sh does (its MoE also "
+                          "install the wheels in .whl/ as tools/gpu-records.sh does (its MoE also "
                           "imports triton, which CUDA builds of torch bring)") from error
     return Linear, GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter, LocalTokenDispatcher
 

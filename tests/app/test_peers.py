@@ -2,7 +2,7 @@
 
 Tier 1 (CPU, no torchtitan): the peer options are checked naming what is unsupported,
 and the dense floor computes one dense FFN's forward and every gradient. Tier 1 with
-torchtitan installed (skipped where it is not, as in CI; tools/h200-lean-engine.sh
+torchtitan installed (skipped where it is not, as in CI; tools/gpu-records.sh
 installs it from .whl/): its layer matches FastMoE on the same weights and inputs.
 Tier 4 (marker gpu): the same in bf16 on CUDA, where torch._grouped_mm runs.
 """
