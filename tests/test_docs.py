@@ -457,7 +457,12 @@ def digests(repo: Path) -> dict[str, str]:
 
 
 def _story_param(docs: list[Path]):
-    marks = [pytest.mark.ray] if any(block.ray for doc in docs for block in read_blocks(doc)) else []
+    blocks = [block for doc in docs for block in read_blocks(doc)]
+    marks = [pytest.mark.ray] if any(block.ray for block in blocks) else []
+    # Each run block has its own timeout (``timeout=S``, default 300 s); the story as a whole may
+    # take their sum. pytest's 600 s for any test (pyproject.toml) ended README.md+docs/training.md
+    # (four Ray Train jobs) on a loaded 2-core machine while every block was within its own limit.
+    marks.append(pytest.mark.timeout(max(600, sum(block.timeout for block in blocks if block.kind == "run"))))
     return pytest.param(docs, marks=marks, id="+".join(str(doc.relative_to(ROOT)) for doc in docs))
 
 
