@@ -52,23 +52,25 @@ def pytest_configure(config):
     os.environ.update(local_train_env())
 
 
-# The modules that take longest on 2 cores, longest first (seconds of one test process in a
-# `make test` on a fresh clone). `make test` hands whole modules to its two test processes in
-# collection order (`--dist loadfile --no-loadscope-reorder`): these start first, and the many
-# short modules fill in behind them, so neither process idles for minutes at the end while the
-# other finishes a long module (xdist's default order, most tests first, started them last).
-# A module missing here only runs later; the order never changes what a test checks.
+# The modules that take longest on 2 cores, longest first (each starts minutes of Ray Train
+# jobs: a local cluster of three nodes; a dozen 2-worker jobs; the docs' four `mpipemoe train`
+# runs; three runs signalled mid-step; a sweep; ...). `make test` hands whole modules to its two
+# test processes in collection order (`--dist loadfile --no-loadscope-reorder`): these start
+# first, and the many short modules fill in behind them, so neither process idles for minutes at
+# the end while the other finishes a long module (xdist's default order, most tests first,
+# started these few-test modules last). A module missing here only runs later; the order never
+# changes what a test checks.
 LONGEST_MODULES_FIRST = (
     "tests/app/test_cluster_jobs.py",
-    "tests/test_docs.py",
-    "tests/app/test_sweep.py",
     "tests/app/test_train_ray.py",
+    "tests/test_docs.py",
     "tests/app/test_faults.py",
-    "tests/app/test_faults_issue39.py",
-    "tests/app/test_tracking_server.py",
+    "tests/app/test_sweep.py",
     "tests/workers/test_faults_checkpoint.py",
-    "tests/app/test_faults_cli.py",
+    "tests/app/test_tracking_server.py",
     "tests/app/test_train_expert_parallel.py",
+    "tests/app/test_faults_cli.py",
+    "tests/app/test_faults_issue39.py",
     "tests/moe_engine/test_engine_reference.py",
 )
 
