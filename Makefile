@@ -35,7 +35,9 @@ typecheck: $(STAMP)
 
 # Two test processes (pytest-xdist), each taking whole modules (a module's fixtures start once):
 # a Ray Train job's start leaves one of two cores idle about half its time (README, Tests).
-PYTEST_PARALLEL := -n 2 --dist loadfile
+# Modules go out in collection order, the longest first (tests/conftest.py LONGEST_MODULES_FIRST),
+# not xdist's default of the modules with the most tests first.
+PYTEST_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: typecheck
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15

@@ -52,10 +52,39 @@ def pytest_configure(config):
     os.environ.update(local_train_env())
 
 
+# The modules that take longest on 2 cores, longest first (each starts minutes of Ray Train
+# jobs: a local cluster of three nodes; a dozen 2-worker jobs; the docs' four `mpipemoe train`
+# runs; three runs signalled mid-step; a sweep; ...). `make test` hands whole modules to its two
+# test processes in collection order (`--dist loadfile --no-loadscope-reorder`): these start
+# first, and the many short modules fill in behind them, so neither process idles for minutes at
+# the end while the other finishes a long module (xdist's default order, most tests first,
+# started these few-test modules last). A module missing here only runs later; the order never
+# changes what a test checks.
+LONGEST_MODULES_FIRST = (
+    "tests/app/test_cluster_jobs.py",
+    "tests/app/test_train_ray.py",
+    "tests/test_docs.py",
+    "tests/app/test_faults.py",
+    "tests/app/test_sweep.py",
+    "tests/workers/test_faults_checkpoint.py",
+    "tests/app/test_tracking_server.py",
+    "tests/app/test_train_expert_parallel.py",
+    "tests/app/test_faults_cli.py",
+    "tests/app/test_faults_issue39.py",
+    "tests/moe_engine/test_engine_reference.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests (marker `gpu`) are skipped where CUDA is absent."""
+    """The longest modules first (``LONGEST_MODULES_FIRST``; a stable sort, so each module keeps
+    its own order); GPU tests (marker `gpu`) are skipped where CUDA is absent."""
     import torch
 
+    def module_rank(item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONGEST_MODULES_FIRST.index(module) if module in LONGEST_MODULES_FIRST else len(LONGEST_MODULES_FIRST)
+
+    items.sort(key=module_rank)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

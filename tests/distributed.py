@@ -63,3 +63,17 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 300.0, collective_
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def train_straight(rank: int, world_size: int, config) -> list[float]:
+    """Collective: ``config.steps`` steps of the Trainer (no Ray, no checkpoint); each step's
+    loss as a Ray Train job's summary records it (the LM loss plus the weighted aux loss)."""
+    from workers.loop import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(config, rank, world_size, torch.device("cpu"))
+    losses = []
+    for step in range(1, config.steps + 1):
+        result = trainer.step(step)
+        losses.append(result["lm_loss"] + config.aux_loss_weight * result["aux_loss"])
+    return losses

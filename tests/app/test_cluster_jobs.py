@@ -219,23 +219,9 @@ def test_a_job_submitted_without_the_clusters_token_is_refused(cluster):
 def _straight_losses(job) -> list[float]:
     """The job's N steps on 2 gloo ranks without Ray (no checkpoint, no restart)."""
     from app.jobs.job import worker_config
-    from tests.distributed import run_on_ranks
+    from tests.distributed import run_on_ranks, train_straight
 
-    return run_on_ranks(2, _train_straight, worker_config(job, use_gpu=False))[0]
-
-
-def _train_straight(rank: int, world_size: int, config) -> list[float]:
-    import torch
-
-    from workers.loop import Trainer
-
-    torch.set_num_threads(1)
-    trainer = Trainer(config, rank, world_size, torch.device("cpu"))
-    losses = []
-    for step in range(1, config.steps + 1):
-        result = trainer.step(step)
-        losses.append(result["lm_loss"] + config.aux_loss_weight * result["aux_loss"])
-    return losses
+    return run_on_ranks(2, train_straight, worker_config(job, use_gpu=False))[0]
 
 
 def _registered_checkpoints(run_dir: Path) -> int:
