@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16: the real engine on one H200 as rank 0 of an emulated 8x8 cluster (docs/emulation.md),
 # on the DGX-A100 network and on the H200-class one; every model, 4k-32k tokens per GPU, uniform and
-# skewed routing, the baselines, auto and the full n x strategy grid. Run with the `device` tool:
+# hot-expert routing, the baselines, auto and the full n x strategy grid. Run with the `device` tool:
 #   bash tools/h200-emulated.sh gpu-tests a100 h200
 # A100_LIMIT / H200_LIMIT: seconds for each network (defaults fit one 600 s device call).
 # Writes under $OUT (default ./out): bench-h200-emulated-8x8-<network>.json/.md, logs.
@@ -10,7 +10,7 @@ set -u
 source "$(dirname "$0")/device-setup.sh"
 # gpt-xl first: a stopped run (SIGTERM from `step`'s time limit) writes the points it finished.
 GRID="--emulate 8x8 --experts 64 --model gpt-xl,bert-l,gpt-s --tokens 4096,16384,32768,8192
-      --routing uniform,skewed --rounds 2 --repeats 2 --tracking-uri none"
+      --routing uniform,hot-expert --rounds 2 --repeats 2 --tracking-uri none"
 # bert-l and gpt-s, uniform routing only: what a short device session can add after the above.
 SMALL="--emulate 8x8 --experts 64 --model bert-l,gpt-s --tokens 4096,16384,32768,8192 --routing uniform
        --rounds 2 --repeats 2 --tracking-uri none"

@@ -14,11 +14,11 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-# Every model at 4k-32k tokens per GPU, uniform and skewed; n x {none, S3, S4} (S1 and S2 move
+# Every model at 4k-32k tokens per GPU, uniform and hot-expert; n x {none, S3, S4} (S1 and S2 move
 # A over PCIe and are 2.5-3x slower: left out to fit a device call); gpt-xl and 32k first.
-GRID="--emulate 8x8 --experts 64 --tokens 32768,16384,8192,4096 --routing uniform,skewed --partitions 1,2,4,8
+GRID="--emulate 8x8 --experts 64 --tokens 32768,16384,8192,4096 --routing uniform,hot-expert --partitions 1,2,4,8
       --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none"
-GRID_AT="--emulate 8x8 --experts 64 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4
+GRID_AT="--emulate 8x8 --experts 64 --routing uniform,hot-expert --partitions 1,2,4,8 --strategies none,S3,S4
          --rounds 2 --repeats 2 --tracking-uri none"
 for stage in "$@"; do case $stage in
 wait-tests)  # the emulated link's wall-clock wait and the emulated All-to-All on the GPU
@@ -41,9 +41,9 @@ targets-h200)  # the issue's target points first (a device call holds ~9 min): g
 targets-a100)  # gpt-xl at 8k-32k on the DGX-A100 network (its target: auto near the bound from 8k up)
   step targets-a100 330 python3 -m app.cli bench $GRID_AT --model gpt-xl --tokens 32768,16384,8192 \
       --network dgx-a100 --out "$OUT/bench-h200-emulated-8x8-dgx-a100.json" ;;
-memory)  # the memory model against every setting's peak, uniform and skewed (one timing round: memory is the point)
+memory)  # the memory model against every setting's peak, uniform and hot-expert (one timing round: memory is the point)
   step memory 200 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
-      --tokens 32768,16384,8192 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4 \
+      --tokens 32768,16384,8192 --routing uniform,hot-expert --partitions 1,2,4,8 --strategies none,S3,S4 \
       --rounds 1 --repeats 1 --tracking-uri none --out "$OUT/bench-h200-emulated-memory.json" ;;
 traces)  # two representative points' timelines: gpt-xl 16k FastMoE and 4/none on the H200-class network
   step traces 120 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \

@@ -15,7 +15,7 @@ if [ -d .whl ]; then
 fi
 # The records name the card that ran them (the device tool may lend an H100 for an H200).
 CARD=$(grep -q H100 "$OUT/gpu.txt" 2>/dev/null && echo h100 || echo h200)
-LAYER="--emulate 8x8 --experts 64 --network dgx-h200 --routing uniform,skewed --partitions 1,2,4,8
+LAYER="--emulate 8x8 --experts 64 --network dgx-h200 --routing uniform,hot-expert --partitions 1,2,4,8
        --strategies none,S3,S4 --rounds 2 --repeats 2 --tracking-uri none"
 STEP="--step --emulate 8x8 --experts 64 --network dgx-h200 --routing uniform --partitions 1,2,4
       --strategies none,S4 --tracking-uri none"
@@ -47,11 +47,11 @@ routing-run)  # issue 36: a real routing, early and late: gpt-s (4 layers, 64 ex
   # data carried in .routing-data (`mpipemoe data prepare --tokenizer bpe:8192 --out .routing-data`)
   step routing-run ${ROUTING_LIMIT:-150} python3 tools/routing_from_training.py --data .routing-data --preset gpt-s \
       --layers 4 --experts 64 --steps 300 --at 20,300 --out-dir "$OUT" ;;
-step-routing)  # issue 36: the step under uniform, skewed (and replayed: ROUTINGS) routing, FastMoE, FasterMoE and auto, K = 1
+step-routing)  # issue 36: the step under uniform, hot-expert (and replayed: ROUTINGS) routing, FastMoE, FasterMoE and auto, K = 1
   for net in ${NETWORKS:-dgx-h200 dgx-a100}; do
     step step-routing-$net ${STEP_LIMIT:-280} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
         --model ${MODELS:-gpt-xl} --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 \
-        --routing ${ROUTINGS:-uniform,skewed} \
+        --routing ${ROUTINGS:-uniform,zipf:1.2,replay:early,replay:late,hot-expert} \
         --partitions 1,2,4 --strategies none --no-grid --tracking-uri none \
         --out "$OUT/step-$CARD-emulated-8x8-$net-routing.json"
   done ;;
@@ -76,15 +76,15 @@ expert-loop)  # issue 38: the A100 path's per-expert GEMM loop against the group
         --strategies none --no-grid --expert-parallel 8 --dtype $dtype --tracking-uri none \
         --out "$OUT/step-$CARD-emulated-8x8-dgx-a100-$model-e8-$dtype.json"
   done; done ;;
-layer-split)  # issue 36 (auto vs FasterMoE under skew): gpt-xl 16k and 8k, uniform and skewed, the grid split
+layer-split)  # issue 36 (auto vs FasterMoE under skew): gpt-xl 16k and 8k, uniform and hot-expert, the grid split
   # by tokens and by peers at n = 2..16 (16 split by peers with strategy none is FasterMoE's schedule)
   step layer-split ${LAYER_LIMIT:-330} python3 -m app.cli bench --emulate 8x8 --experts 64 --network ${NETWORK:-dgx-h200} \
-      --routing uniform,skewed --model gpt-xl --tokens ${SPLIT_TOKENS:-16384,8192} --partitions 1,2,4,8,16 \
+      --routing uniform,hot-expert --model gpt-xl --tokens ${SPLIT_TOKENS:-16384,8192} --partitions 1,2,4,8,16 \
       --strategies none,S4 --splits tokens,peers --rounds 2 --repeats 2 --tracking-uri none \
       --out "$OUT/bench-$CARD-emulated-8x8-${NETWORK:-dgx-h200}-split.json" ;;
-step-split)  # the same on the step: gpt-xl (4 layers) 16k under skewed and replayed routing (ROUTINGS)
+step-split)  # the same on the step: gpt-xl (4 layers) 16k under hot-expert and replayed routing (ROUTINGS)
   step step-split ${STEP_LIMIT:-400} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network dgx-h200 \
-      --model gpt-xl --layers 4 --tokens 16384 --micro-batches 1 --routing ${ROUTINGS:-uniform,skewed} \
+      --model gpt-xl --layers 4 --tokens 16384 --micro-batches 1 --routing ${ROUTINGS:-uniform,zipf:1.2,replay:early,replay:late,hot-expert} \
       --partitions 4,8,16 --strategies none --splits tokens,peers --rounds 2 --tracking-uri none \
       --out "$OUT/step-$CARD-emulated-8x8-dgx-h200-split.json" ;;
 layer-xl)  # the layer targets: gpt-xl 32k-8k, every setting beside FastMoE, FasterMoE and auto

@@ -12,8 +12,8 @@ set -u
 source "$(dirname "$0")/device-setup.sh"
 G=$(nvidia-smi -L | wc -l)
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
-# Runs 1-3: every engine, the n x strategy grid, uniform and skewed routing, 4k-32k tokens per GPU.
-bench=(python3 -m app.cli bench --tokens 4096,8192,16384,32768 --routing uniform,skewed --partitions 1,2,4,8,16
+# Runs 1-3: every engine, the n x strategy grid, uniform and hot-expert routing, 4k-32k tokens per GPU.
+bench=(python3 -m app.cli bench --tokens 4096,8192,16384,32768 --routing uniform,hot-expert --partitions 1,2,4,8,16
        --world-size "$G" --tracking-uri none)
 for stage in "$@"; do case $stage in
 bench-gpt-s|bench-gpt-xl|bench-bert-l)
@@ -24,7 +24,7 @@ train)
     --num-workers "$G" --tracking-uri none --steps 40 --batch-size 8 --lr 3e-4 --log-every 10 \
     --checkpoint-every 0 --storage-path /tmp/mpipemoe-runs --summary-json "$OUT/train-gpt-s-h200-x$G.json" ;;
 dry-run)
-  step dry-run 300 python3 -m app.cli bench --model gpt-s --tokens 4096,16384 --routing uniform,skewed \
+  step dry-run 300 python3 -m app.cli bench --model gpt-s --tokens 4096,16384 --routing uniform,hot-expert \
     --partitions 1,2,4 --strategies none,S3 --world-size "$G" --tracking-uri none --out "$OUT/bench-dry-run-x$G.json" ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac; done
