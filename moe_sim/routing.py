@@ -17,9 +17,9 @@ a share of the (token, choice) pairs per expert (docs/emulation.md, "Routings").
 
 An expert can take a token once, so no expert's share exceeds 1 / top_k: a larger one is
 capped and its excess spread over the others in proportion (`capped_shares`). A rank of T
-tokens deals its T·k pairs by largest remainders (`pair_counts`); the benches impose those
-counts (app/bench/routing_replay.py `assign_experts`) and the simulator prices the same counts
-(`routing_load`), so both see the same load on the busiest rank.
+tokens deals its T·k pairs by largest remainders of those shares (`pair_counts`); the benches
+impose those counts (app/bench/routing_replay.py `assign_experts`) and the simulator prices the
+shares themselves (`routing_load`), which the counts round by less than one pair per expert.
 
 No torch: the simulator (moe_sim), the benches (app/bench) and the commands read it.
 """
@@ -157,12 +157,10 @@ def pair_counts(shares_E: list[float], tokens: int, top_k: int) -> list[int]:
     return counts
 
 
-def routing_load(spec: str, num_experts: int, tokens: int, top_k: int, seed: int = 0,
-                 layer: int | None = None) -> list[float]:
-    """The simulator's load under ``spec``: each expert's share of the pairs a rank of
-    ``tokens`` tokens sends, from the counts the benches impose (`pair_counts`)."""
-    counts = pair_counts(expert_shares(spec, num_experts, top_k, seed, layer), tokens, top_k)
-    return [c / (tokens * top_k) for c in counts]
+def routing_load(spec: str, num_experts: int, top_k: int, seed: int = 0, layer: int | None = None) -> list[float]:
+    """The simulator's load under ``spec``: each expert's share of the pairs, the shares the
+    benches deal their counts from (`pair_counts`: within one pair per expert of them)."""
+    return expert_shares(spec, num_experts, top_k, seed, layer)
 
 
 # -- routing files ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ replay:FILE, replay:early, replay:late; docs/emulation.md, "Routings") on a laye
 
 The benches impose a routing by pushing each token's input towards the router rows of the
 experts it should pick: the (token, choice) pairs are dealt to the experts by the counts of
-moe_sim/routing.py `pair_counts` (the simulator prices the same counts), ``top_k`` distinct
+moe_sim/routing.py `pair_counts` (of the shares the simulator prices), ``top_k`` distinct
 experts per token (`assign_experts`), and each token gets PUSH times the unit router row of
 each of its experts added to its input, which puts them on top of its logits (a random
 token's logit has a standard deviation of the row's norm; the push adds PUSH of them).

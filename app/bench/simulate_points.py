@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from app.bench.simulate_settings import SimulateSettings
 
-def _cluster(settings: SimulateSettings, nodes: int, experts: int, tokens: int):
-    """The cluster at ``nodes``, its experts loaded as ``tokens`` tokens per GPU of the routing
-    are (moe_sim/routing.py `routing_load`: the counts the benches impose)."""
+def _cluster(settings: SimulateSettings, nodes: int, experts: int):
+    """The cluster at ``nodes``, its experts loaded as the routing loads them (moe_sim/routing.py
+    `routing_load`: the shares whose counts the benches impose)."""
     from lm.model import PRESETS
     from moe_sim.network import ClusterLayout, load_network
     from moe_sim.routing import routing_load
@@ -18,7 +18,7 @@ def _cluster(settings: SimulateSettings, nodes: int, experts: int, tokens: int):
     layout = ClusterLayout(nodes, settings.gpus_per_node)
     network = load_network(settings.network)
     load = None if settings.routing == "uniform" else tuple(
-        routing_load(settings.routing, experts, tokens, PRESETS[settings.model].top_k, settings.seed))
+        routing_load(settings.routing, experts, PRESETS[settings.model].top_k, settings.seed))
     return Cluster(layout, network, load, settings.hierarchical), network
 
 
@@ -47,7 +47,7 @@ def simulate_point(settings: SimulateSettings, parts, nodes: int, tokens: int) -
 
     ranks = nodes * settings.gpus_per_node
     experts = settings.experts_for(ranks)
-    cluster, network = _cluster(settings, nodes, experts, tokens)
+    cluster, network = _cluster(settings, nodes, experts)
     model = _model_shape(settings.model, experts)
     shape = model.layer(tokens)
     choice = compare_engines(shape, cluster, parts, settings.partitions)
@@ -98,7 +98,7 @@ def expert_parallel_point(settings: SimulateSettings, parts, nodes: int, tokens:
 
     ranks = nodes * settings.gpus_per_node
     experts = settings.experts_for(ranks)
-    cluster, network = _cluster(settings, nodes, experts, tokens)
+    cluster, network = _cluster(settings, nodes, experts)
     model = _model_shape(settings.model, experts)
     degrees = []
     for degree in settings.expert_parallel:

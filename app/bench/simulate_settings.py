@@ -24,7 +24,7 @@ class SimulateSettings:
                     GPU once there are more GPUs than the preset's experts.
     network:        a network preset name or a JSON file of measured figures.
     routing:        a routing of moe_sim/routing.py: uniform, zipf:S, hot-expert, hot:F, replay:FILE,
-                    replay:early or replay:late, priced at the counts the benches impose.
+                    replay:early or replay:late, priced at the shares whose counts the benches impose.
     seed:           the routing's seed (zipf's ranking of the experts), as the bench's --seed.
     partitions:     candidate n for MPipeMoE.
     hierarchical:   use the two-level All-to-All instead of the flat one.

@@ -43,9 +43,9 @@ def test_a_layer_bench_point_that_does_not_fit_is_recorded_and_the_next_points_r
     for spec in ("zipf:1.2", replay):
         engines = {r["engine"] for r in result["records"] if r["routing"] == spec}
         assert engines == {"fastmoe", "fastermoe", "mpipemoe", "dense-floor"}
-        # the counts the bench imposed are those the simulator prices (records keep 5 digits)
+        # the bench imposed the counts of the shares the simulator prices: within one of 256 pairs
         measured = next(r for r in result["records"] if r["routing"] == spec)["expert_load"]
-        assert measured == pytest.approx(routing_load(spec, 8, 128, 2), abs=1e-4)
+        assert measured == pytest.approx(routing_load(spec, 8, 2), abs=1 / 256)
     assert {s["routing"] for s in result["summaries"]} == {"zipf:1.2", replay}
     markdown = out.with_suffix(".md").read_text()
     assert "- tiny, uniform routing, 128 tokens: out of memory: CUDA out of memory." in markdown

@@ -297,10 +297,11 @@ def test_a_point_out_of_memory_is_named_and_the_run_goes_on(tmp_path, monkeypatc
     assert {r["tokens"] for r in result["records"]} == {128}
     assert {r["engine"] for r in result["records"]} == {"fastmoe", "fastermoe", "mpipemoe"}
     # rank 0 holds the busier half of the experts (the bench lays the busiest rank first)
-    simulated = routing_load("zipf:1.2", 8, 128, 2)
-    for record in result["records"]:
-        assert sorted(record["expert_load"]) == pytest.approx(sorted(simulated), abs=1e-4)
-        assert sum(record["expert_load"][:4]) == pytest.approx(max(sum(simulated[:4]), sum(simulated[4:])), abs=1e-4)
+    simulated = routing_load("zipf:1.2", 8, 2)
+    for record in result["records"]:  # within one of the 256 pairs per expert
+        assert sorted(record["expert_load"]) == pytest.approx(sorted(simulated), abs=1 / 256)
+        assert sum(record["expert_load"][:4]) == pytest.approx(max(sum(simulated[:4]), sum(simulated[4:])),
+                                                                abs=4 / 256)
     markdown = (tmp_path / "step.md").read_text()
     assert "- tiny-gpt, zipf:1.2 routing, 256 tokens, K=1: out of memory: CUDA out of memory." in markdown
 
