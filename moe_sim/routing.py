@@ -129,8 +129,11 @@ def expert_shares(spec: str, num_experts: int, top_k: int, seed: int = 0, layer:
 
 def capped_shares(shares_E: list[float], cap: float) -> list[float]:
     """Shares summing to 1 with none above ``cap``: the excess of the capped ones spread over
-    the others in proportion."""
-    shares = [s / sum(shares_E) for s in shares_E]
+    the others in proportion (shares that sum to 1 with none above it come back as they are)."""
+    total = sum(shares_E)
+    if abs(total - 1) < 1e-12 and max(shares_E) <= cap + 1e-12:
+        return list(shares_E)
+    shares = [s / total for s in shares_E]
     for _ in range(len(shares)):
         over = [e for e, s in enumerate(shares) if s > cap + 1e-12]
         if not over:
