@@ -22,11 +22,11 @@ tensor's name ends in the letters of its dimensions, in order (`x_TD`, `counts_C
       grouped by local expert           tokens: inputs, and targets shifted by one)
     V vocabulary                      M attention heads; d head width (D / M)
 """
-from .config import MemoryBudget, MoEConfig
+from .config import MemoryBudget, MemoryBudgetError, MoEConfig
 from .factory import EngineSpec, build_layer
 from .layers import FastMoE, FasterMoE, MPipeMoE
 from .memory import HostBufferPool, predict_memory
 from .perf_model import HardwareProfile, ProfileCache, ProfileStore
 
-__all__ = ["MoEConfig", "MemoryBudget", "MPipeMoE", "FastMoE", "FasterMoE", "EngineSpec", "build_layer", "HostBufferPool", "predict_memory",
+__all__ = ["MoEConfig", "MemoryBudget", "MemoryBudgetError", "MPipeMoE", "FastMoE", "FasterMoE", "EngineSpec", "build_layer", "HostBufferPool", "predict_memory",
            "HardwareProfile", "ProfileCache", "ProfileStore"]

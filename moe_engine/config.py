@@ -87,6 +87,11 @@ class MoEConfig:
         return 2 * self.d_hidden if self.gated else self.d_hidden
 
 
+class MemoryBudgetError(ValueError):
+    """No setting of the layer fits its memory budget: the engine refuses the pass rather
+    than run out of device memory (the benches record the point as not measured)."""
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """Device bytes for the activations of ``layers`` MoE layers alike (a model's stack).

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from .comm import ExpertGroup
-from .config import MemoryBudget, MoEConfig
+from .config import MemoryBudget, MemoryBudgetError, MoEConfig
 from .experts import Experts, ExpertSegments
 from .memory import RestorePolicy, predict_memory
 from .schedule import COMM, backward_schedule, forward_schedule
@@ -491,7 +491,7 @@ class PerformanceModel:
         if not fitting:
             smallest = min(options, key=lambda o: o.need(budget))
             layers = f" for {budget.layers} layers" if budget.layers > 1 else ""
-            raise ValueError(
+            raise MemoryBudgetError(
                 f"memory_budget={budget.bytes} bytes{layers} is too small: the leanest choice "
                 f"(n={smallest.partitions}, {smallest.strategy}) needs {smallest.need(budget)} bytes for "
                 f"{tokens} tokens; raise the budget, use fewer tokens per step, or more partitions")

@@ -19,8 +19,8 @@ whichever direction is larger (the receiving side of a hot expert is usually
 the bottleneck). A rank's own rows move through device memory and are not
 network traffic. Routing decides which fraction of a rank's rows leaves its
 node (`Traffic`): uniform routing over the nodes sends (nodes−1)/nodes of the rows off
-the node and (G−1)/W over NVLink; skewed routing loads the ranks of the hot
-experts.
+the node and (G−1)/W over NVLink; a skewed routing (moe_sim/routing.py) loads the ranks
+of the hot experts.
 
 A hierarchical All-to-All (`hierarchical_all_to_all_s`) first exchanges over
 NVLink so that each GPU holds the rows for "its" rail of every other node,
@@ -174,7 +174,7 @@ def expert_group_layouts(layout: ClusterLayout, degree: int | None) -> tuple[Clu
     return ClusterLayout(1, degree), ClusterLayout(layout.nodes, G // degree)
 
 
-# -- routing ----------------------------------------------------------------------------------
+# -- load vectors (the routings that make them: moe_sim/routing.py) ---------------------------
 
 def uniform_load(num_experts: int) -> list[float]:
     """Every expert gets the same share of the routed rows."""
@@ -190,29 +190,6 @@ def hot_expert_load(num_experts: int, hot_fraction: float) -> list[float]:
         return [1.0]
     rest = (1 - hot_fraction) / (num_experts - 1)
     return [hot_fraction] + [rest] * (num_experts - 1)
-
-
-def zipf_load(num_experts: int, exponent: float) -> list[float]:
-    """Expert e gets a share proportional to 1 / (e + 1) ** exponent (0: uniform)."""
-    weights = [1.0 / (e + 1) ** exponent for e in range(num_experts)]
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def routing_load(spec: str, num_experts: int) -> list[float]:
-    """A load vector from a name: ``uniform``, ``hot:F`` (expert 0 takes F), ``zipf:S``."""
-    if spec == "uniform":
-        return uniform_load(num_experts)
-    kind, _, value = spec.partition(":")
-    try:
-        number = float(value)
-    except ValueError:
-        number = None
-    if kind == "hot" and number is not None:
-        return hot_expert_load(num_experts, number)
-    if kind == "zipf" and number is not None:
-        return zipf_load(num_experts, number)
-    raise ValueError(f"routing={spec!r} is invalid: give uniform, hot:F (0 <= F <= 1) or zipf:S (S >= 0)")
 
 
 def rank_load(load_E: list[float], ranks: int) -> list[float]:

@@ -22,8 +22,8 @@ if [ -d .whl ]; then
 fi
 CARD=$(grep -q H100 "$OUT/gpu.txt" 2>/dev/null && echo h100 || echo h200)
 here=$PWD
-# the layer bench's grid on the emulated 8x8 cluster: n x {none, S3, S4}, uniform and skewed routing
-LAYER="--emulate 8x8 --experts 64 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4
+# the layer bench's grid on the emulated 8x8 cluster: n x {none, S3, S4}, uniform and hot-expert routing
+LAYER="--emulate 8x8 --experts 64 --routing uniform,hot-expert --partitions 1,2,4,8 --strategies none,S3,S4
        --rounds 2 --repeats 2 --tracking-uri none"
 STEP="--step --emulate 8x8 --experts 64 --network dgx-h200 --routing uniform --strategies none --tracking-uri none"
 GELU_GRID="--model gpt-s,gpt-xl --tokens 4096,8192,16384,32768 --partitions 1,2,4,8 --tracking-uri none"
@@ -62,7 +62,7 @@ bench-peers)  # n = 1 and 4 beside torchtitan (carry .whl): bench-<card>-peers.j
       --no-bias --peers torchtitan --partitions 1,4 --strategies none,S4 --tracking-uri none \
       --out "$OUT/bench-$CARD-peers.json" ;;
 dry-run-routing)  # gpt-s at 4k and 16k on every GPU of the machine: bench-<card>-dry-run-routing.json (results/)
-  step dry-run-routing 300 python3 -m app.cli bench --model gpt-s --tokens 4096,16384 --routing uniform,skewed \
+  step dry-run-routing 300 python3 -m app.cli bench --model gpt-s --tokens 4096,16384 --routing uniform,hot-expert \
       --partitions 1,2,4 --strategies none,S3 --world-size "$(nvidia-smi -L | wc -l)" --tracking-uri none \
       --out "$OUT/bench-$CARD-dry-run-routing.json" ;;
 stacked:*)  # 8 residual SwiGLU layers beside torchtitan, +/- checkpointing (carry .whl): stacked-MODEL-TOKENS.json (results/stacked-h200/)
@@ -82,11 +82,11 @@ layer-a100)  # gpt-xl 32k-8k, dgx-a100: bench-<card>-emulated-8x8-dgx-a100.json 
       --tokens 32768,16384,8192 --out "$OUT/bench-$CARD-emulated-8x8-dgx-a100.json" ;;
 layer-memory)  # the memory model against every setting's peak, one timing round: bench-<card>-emulated-memory.json (results/)
   step layer-memory 200 python3 -m app.cli bench --emulate 8x8 --network dgx-h200 --experts 64 --model gpt-xl \
-      --tokens 32768,16384,8192 --routing uniform,skewed --partitions 1,2,4,8 --strategies none,S3,S4 \
+      --tokens 32768,16384,8192 --routing uniform,hot-expert --partitions 1,2,4,8 --strategies none,S3,S4 \
       --rounds 1 --repeats 1 --tracking-uri none --out "$OUT/bench-$CARD-emulated-memory.json" ;;
 layer-split)  # gpt-xl 16k and 8k split by tokens and by peers, n = 1-16: bench-<card>-emulated-8x8-dgx-h200-split.json (docs/emulation.md)
   step layer-split ${LAYER_LIMIT:-330} python3 -m app.cli bench --emulate 8x8 --experts 64 --network dgx-h200 \
-      --routing uniform,skewed --model gpt-xl --tokens 16384,8192 --partitions 1,2,4,8,16 --strategies none,S4 \
+      --routing uniform,hot-expert --model gpt-xl --tokens 16384,8192 --partitions 1,2,4,8,16 --strategies none,S4 \
       --splits tokens,peers --rounds 2 --repeats 2 --tracking-uri none \
       --out "$OUT/bench-$CARD-emulated-8x8-dgx-h200-split.json" ;;
 trace-xl32k)  # gpt-xl 32k and 16k with a timeline each: bench-xl32k-trace.json and traces (results/traces/)
@@ -112,7 +112,7 @@ routing-run)  # a real routing early and late, gpt-s trained on .routing-data: r
 step-routing)  # gpt-xl (4 layers), K = 1 under ROUTINGS at TOKENS: step-<card>-emulated-8x8-<network>-routing.json (results/, and -replay)
   for net in ${NETWORKS:-dgx-h200 dgx-a100}; do
     step step-routing-$net ${STEP_LIMIT:-280} python3 -m app.cli bench --step --emulate 8x8 --experts 64 --network $net \
-        --model gpt-xl --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 --routing ${ROUTINGS:-uniform,skewed} \
+        --model gpt-xl --layers 4 --tokens ${TOKENS:-16384,32768} --micro-batches 1 --routing ${ROUTINGS:-uniform,zipf:1.2,replay:early,replay:late,hot-expert} \
         --partitions 1,2,4 --strategies none --no-grid --tracking-uri none \
         --out "$OUT/step-$CARD-emulated-8x8-$net-routing.json"
   done ;;

@@ -1,5 +1,5 @@
 """Measured activation peak of each engine against the memory model, on a GPU, for
-uniform and skewed routing (one rank: every routing computes k·T rows).
+uniform and hot-expert routing (one rank: every routing computes k·T rows).
 
     python3 tools/memory_check.py --model gpt-s --tokens 8192 [--activation swiglu --no-bias]
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--activation", default="gelu")
     parser.add_argument("--no-bias", action="store_true")
-    parser.add_argument("--routing", default="uniform,skewed")
+    parser.add_argument("--routing", default="uniform,hot-expert")
     args = parser.parse_args()
     D, H = LAYER_SHAPES[args.model]
     config = MoEConfig(D, H, 8, top_k=2, activation=args.activation, bias=not args.no_bias)

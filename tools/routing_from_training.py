@@ -1,7 +1,7 @@
 """Routing files from a real training run on one device, without Ray or MLflow (the GPU
 machine has neither): the per-expert loads that `mpipemoe train` logs (workers/load.py),
 read at the steps asked and saved as the files `--routing replay:FILE` replays
-(app/bench/routing_replay.py) — as `mpipemoe routing --run` saves them from a logged run.
+(moe_sim/routing.py) — as `mpipemoe routing --run` saves them from a logged run.
 
     python3 tools/routing_from_training.py --data data/stdlib-bpe --preset gpt-s --layers 4 \\
         --experts 64 --steps 200 --at 10,200 --out-dir out/routing
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from app.bench.routing_replay import routing_from_metrics, save_routing  # noqa: E402
+from moe_sim.routing import routing_from_metrics, save_routing  # noqa: E402
 from app.jobs.job import TrainJob, worker_config  # noqa: E402
 from workers.loop import Trainer  # noqa: E402
 

@@ -32,8 +32,8 @@ from app.bench.layer_bound import add_overlap_account, add_own_pass_stages, chec
 from app.bench.layer_summary import markdown_table, summarize, targets
 from app.bench.measure import (HOST_PROBE_TOKENS, busiest_rank_first, expert_gemm_efficiency, layer_pass,
                                pipeline_stages, probe_inputs, settle_and_measure_memory, time_layers)
-from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, peak_memory_bytes,
-                             point_config, same_setting, setting_n)
+from app.bench.parts import (FASTERMOE_GROUP_SIZE, MEMORY_ERRORS, chosen_setting, chosen_split, layer_inputs,
+                             memory_failure, peak_memory_bytes, point_config, release_memory, same_setting, setting_n)
 from app.bench.stack import bench_stack_point, progress_line, stack_markdown
 from app.bench.shapes import LAYER_SHAPES
 from app.bench.peers import build_peer, dense_floor_step, require_peers
@@ -49,10 +49,9 @@ from moe_engine.memory import HostBufferPool, predict_memory
 from moe_engine.perf_model import PerformanceModel, calibrate, device_name
 from workers.distributed import cpu_threads_per_process
 
-# uniform: random inputs through a random router (about 1/E of the rows per expert);
-# skewed: half of each rank's tokens pick expert 0 first (it receives about a third of the rows);
-# replay:FILE: the loads a training run logged (`mpipemoe routing`; app/bench/routing_replay.py).
-ROUTINGS = ("uniform", "skewed", "replay:FILE")
+# The routings (moe_sim/routing.py): uniform, random inputs through a random router (about 1/E
+# of the rows per expert); hot-expert, every other token of each rank picks expert 0 first;
+# zipf:S, hot:F and replay:FILE (replay:early, replay:late), their counts imposed on the router.
 
 
 def grid_partitions(settings: BenchSettings, world_size: int) -> list[tuple[str, int]]:
@@ -70,7 +69,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     d_model, d_hidden = config.d_model, config.d_hidden
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
-    x = layer_inputs(tokens, source.router.weight.detach(), routing, settings.top_k)
+    x = layer_inputs(tokens, source.router.weight.detach(), routing, settings.top_k, settings.seed)
     if isinstance(group, EmulatedExpertGroup):
         busiest_rank_first(source.router.weight.detach(), x, group.size, settings.top_k)
     grad_y = torch.randn_like(x)
@@ -250,14 +249,31 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
     group = cluster.build() if cluster is not None else ExpertGroup(None)
     if isinstance(group, EmulatedExpertGroup) and use_cuda:
         group.dilation = group.clock.measure_dilation(device)
-    log = (lambda r: queue.put(("record", r))) if rank == 0 else (lambda r: None)
+    records: list = []
+
+    def log(record: dict) -> None:  # every record of a point, as it is measured
+        records.append(record)
+        if rank == 0:
+            queue.put(("record", record))
+
+    point = bench_stack_point if settings.layers > 1 else bench_point
     try:
-        records = []
         for model in settings.models:
             for routing in settings.routings:
                 for tokens in settings.tokens:
-                    point = bench_stack_point if settings.layers > 1 else bench_point
-                    records += point(model, tokens, routing, settings, group, device, log)
+                    try:
+                        point(model, tokens, routing, settings, group, device, log)
+                        continue
+                    except MEMORY_ERRORS as error:
+                        # One process (one GPU, or rank 0 of an emulated cluster) goes on with the
+                        # next point; real ranks would leave the others waiting in a collective.
+                        if settings.world_size > 1:
+                            raise
+                        reason = memory_failure(error)
+                    release_memory(device)  # out of the handler: the error's frames are gone
+                    if rank == 0:
+                        queue.put(("not_measured", {"model": model, "routing": routing, "tokens": tokens,
+                                                    "reason": reason}))
         if rank == 0:
             queue.put(("done", records))
     finally:
@@ -266,24 +282,29 @@ def _rank_main(rank: int, settings: BenchSettings, init_file: str, queue) -> Non
 
 
 class _Reporter:
-    """Rank 0's channel in the one-process case: each record is printed and handed on as
-    it arrives (what `queue.put` carries between processes otherwise)."""
+    """Rank 0's channel in the one-process case: each record (and each point not measured)
+    is printed and handed on as it arrives (what `queue.put` carries between processes
+    otherwise)."""
 
-    def __init__(self, on_record):
-        self.on_record = on_record
+    def __init__(self, on_record, on_not_measured):
+        self.on_record, self.on_not_measured = on_record, on_not_measured
         self.records: list | None = None
 
     def put(self, item) -> None:
         kind, payload = item
         if kind == "record":
             self.on_record(payload)
+        elif kind == "not_measured":
+            self.on_not_measured(payload)
         else:
             self.records = payload
 
 
-def run_bench(settings: BenchSettings, printer=print, on_record=None) -> list:
+def run_bench(settings: BenchSettings, printer=print, on_record=None, on_not_measured=None) -> list:
     """Every rank benchmarks; rank 0's records come back, each printed (and passed to
-    `on_record`) as soon as its point is measured."""
+    `on_record`) as soon as its point is measured. A point that does not fit one process's
+    memory (parts.MEMORY_ERRORS) is printed and passed to `on_not_measured` (model, routing,
+    tokens, reason), and the run goes on."""
     started = time.time()
 
     def arrived(record: dict) -> None:
@@ -291,8 +312,14 @@ def run_bench(settings: BenchSettings, printer=print, on_record=None) -> list:
         if on_record is not None:
             on_record(record)
 
+    def failed(point: dict) -> None:
+        printer(f"  [{time.time() - started:6.0f} s] {point['model']:>6} {point['routing']:<7} {point['tokens']:>6} "
+                f"tok  not measured: {point['reason']}")
+        if on_not_measured is not None:
+            on_not_measured(point)
+
     if settings.world_size == 1:
-        reporter = _Reporter(arrived)
+        reporter = _Reporter(arrived, failed)
         _rank_main(0, settings, "", reporter)
         return reporter.records
     ctx = mp.get_context("spawn")
@@ -307,6 +334,8 @@ def run_bench(settings: BenchSettings, printer=print, on_record=None) -> list:
                 kind, payload = q.get(timeout=3600)
                 if kind == "record":
                     arrived(payload)
+                if kind == "not_measured":
+                    failed(payload)
                 if kind == "done":
                     break
             for p in procs:
@@ -384,7 +413,8 @@ def bench_and_write(settings: BenchSettings, out: str | None, tracking_uri: str 
     def meta(complete: bool) -> RecordMeta:
         return RecordMeta.from_json({**record_meta("bench", on_gpu), "device": device,
                                      "world_size": settings.world_size, **emulated, "settings": asdict(settings),
-                                     "wall_s": round(time.time() - started, 1), "complete": complete})
+                                     "wall_s": round(time.time() - started, 1), "complete": complete,
+                                     "not_measured": skipped})
 
     def write(records: list, complete: bool) -> tuple[dict, str]:
         """The JSON and the Markdown beside it, both whole (a stacked run writes them after each setting)."""
@@ -404,15 +434,20 @@ def bench_and_write(settings: BenchSettings, out: str | None, tracking_uri: str 
         return result, markdown
 
     finished: list = []
+    skipped: list = []  # the points that did not fit (model, routing, tokens, reason)
 
     def arrived(record: dict) -> None:
         finished.append(record)
         if stacked:  # a later setting's failure or a stop loses none of the earlier ones
             write(finished, complete=False)
 
+    def not_measured(point: dict) -> None:
+        skipped.append(point)
+        write(finished, complete=False)
+
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout` and schedulers stop with SIGTERM
     try:
-        records, complete = run_bench(settings, lambda line: print(line, flush=True), arrived), True
+        records, complete = run_bench(settings, lambda line: print(line, flush=True), arrived, not_measured), True
     except KeyboardInterrupt:
         records, complete = finished, False
         print(f"Stopped: writing the {len(records)} records of the {'settings' if stacked else 'points'} "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from app.bench.peers import check_peers
-from app.bench.routing_replay import check_routing
+from moe_sim.routing import check_routing
 from app.bench.shapes import DTYPES, LAYER_SHAPES
 from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE
 from moe_engine.comm import DEFAULT_COMM_SMS
@@ -35,7 +35,8 @@ class BenchSettings:
     repeats: int = 3
     rounds: int = 5
     world_size: int = 1
-    routings: tuple = ("uniform",)
+    routings: tuple = ("uniform",)  # moe_sim/routing.py's names
+    seed: int = 0           # the routing's: zipf's ranking of the experts, the imposed tokens' order
     bias: bool = True       # expert FFN biases b1, b2 (MoEConfig.bias); --no-bias drops them
     peers: tuple = ()       # other libraries' layers timed beside ours (app/bench/peers.py)
     emulate: str | None = None  # NODESxGPUS: one process as rank 0 of that cluster (moe_sim/emulation.py)
@@ -57,7 +58,7 @@ class BenchSettings:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose auto, bf16, fp16 or fp32")
         for routing in self.routings:
-            check_routing(routing)  # uniform, skewed or replay:FILE
+            check_routing(routing)  # moe_sim/routing.py
         for split in self.splits:
             if split not in SEARCH_SPLITS:
                 raise ValueError(f"--splits {','.join(self.splits)} is invalid: {split!r} is not a split; give "

@@ -4,7 +4,7 @@ n, the lean (memory-saving) setting, the overlap account and the targets' shares
 committed records (tools/render_records.py) runs only this."""
 from __future__ import annotations
 
-from app.bench.parts import engine_host_ms, markdown_head, setting_label, setting_n
+from app.bench.parts import engine_host_ms, markdown_head, not_measured_lines, setting_label, setting_n
 from app.bench.peers import peer_summary, peer_table
 from app.tracking.records import BenchResult, RecordMeta
 
@@ -158,6 +158,7 @@ def markdown_table(result: BenchResult | dict) -> str:
     if run.get("complete") is False:
         lines += [f"**Incomplete**: the run was stopped; these are the {len(records)} records of the "
                   "points it finished.", ""]
+    lines += not_measured_lines(run.get("not_measured") or [])
     if run.get("measured_as") == "emulated":
         lines += [f"**Emulated**: one {run['device']} ran the real engine as rank 0 of a {run['emulated_cluster']} "
                   f"cluster on the {run['network']} network, whose delays are modelled (docs/emulation.md). "

@@ -3,17 +3,39 @@ layer configuration and inputs, the n/strategy a layer ran, the peak-memory meas
 and the Markdown head. (No app module imports a command module: tests/test_layers.py.)"""
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
 
 from app.bench.shapes import LAYER_SHAPES
 from app.tracking.records import RecordMeta
-from app.bench.routing_replay import SKEWED_TOKENS, routing_push
-from moe_engine import FasterMoE, MoEConfig
+from app.bench.routing_replay import HOT_EXPERT_TOKENS, routing_push
+from moe_sim.routing import HOT_EXPERT
+from moe_engine import FasterMoE, MemoryBudgetError, MoEConfig
 from moe_engine.granularity import Setting
 
 FASTERMOE_GROUP_SIZE = 4  # FasterMoE's peers per exchange step (layers.FasterMoE's default, FasterMoE's own)
+# What a point that does not fit raises: the device's out-of-memory error, or the engine's own
+# refusal of a budget no setting fits. The benches record such a point as not measured and go on.
+MEMORY_ERRORS = (torch.OutOfMemoryError, MemoryBudgetError)
+
+
+def memory_failure(error: BaseException) -> str:
+    """The reason a point not measured gives for ``error`` (one of MEMORY_ERRORS): its kind
+    and its message's first line."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else type(error).__name__
+    return ("out of memory: " if isinstance(error, torch.OutOfMemoryError) else "memory budget refused: ") + first
+
+
+def release_memory(device) -> None:
+    """After a point that did not fit: collect what its frames held and give the cached
+    blocks back, so the next point starts from what is live."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_bytes(step, device) -> int | None:
@@ -28,16 +50,16 @@ def peak_memory_bytes(step, device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - baseline
 
 
-def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str, top_k: int = 2) -> torch.Tensor:
-    """This rank's tokens; ``skewed`` pushes every other one towards expert 0 (SKEWED_TOKENS),
-    ``replay:FILE`` each towards top-k experts drawn from the file's most imbalanced layer
-    (app/bench/routing_replay.py)."""
+def layer_inputs(tokens: int, router_weight: torch.Tensor, routing: str, top_k: int = 2, seed: int = 0) -> torch.Tensor:
+    """This rank's tokens; ``hot-expert`` pushes every other one towards expert 0
+    (HOT_EXPERT_TOKENS), the others (zipf:S, hot:F, replay:...) each towards the top-k experts
+    of their counts (app/bench/routing_replay.py; a replay: the file's most imbalanced layer)."""
     x = torch.randn(tokens, router_weight.shape[1], device=router_weight.device, dtype=router_weight.dtype)
-    if routing == "skewed":
+    if routing == HOT_EXPERT:
         hot = router_weight[0].float()
-        x[SKEWED_TOKENS] += (8.0 * hot / hot.norm()).to(x.dtype)
+        x[HOT_EXPERT_TOKENS] += (8.0 * hot / hot.norm()).to(x.dtype)
     elif routing != "uniform":
-        push = routing_push(routing, router_weight, tokens, top_k)
+        push = routing_push(routing, router_weight, tokens, top_k, seed=seed)
         if push is not None:
             x += push
     return x
@@ -82,6 +104,19 @@ def setting_n(record: dict) -> str:
     if record.get("engine") != "mpipemoe":
         return str(record["partitions"])
     return str(Setting(record["partitions"], record.get("split") or "tokens").label)
+
+
+def not_measured_lines(points: list[dict]) -> list[str]:
+    """The Markdown list of the points a run recorded as not measured (its meta's
+    ``not_measured``: model, routing, tokens, the step bench's micro_batches, reason)."""
+    if not points:
+        return []
+    lines = ["Points not measured (the run went on with the next point):", ""]
+    for point in points:
+        k = point.get("micro_batches")
+        lines.append(f"- {point['model']}, {point['routing']} routing, {point['tokens']} tokens"
+                     f"{'' if k is None else f', K={k}'}: {point['reason']}")
+    return lines + [""]
 
 
 def markdown_head(title: str, meta: RecordMeta) -> list[str]:

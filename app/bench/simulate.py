@@ -133,7 +133,9 @@ def simulate_and_write(settings: SimulateSettings, parts_path: str, host_scale: 
     print(f"Simulating {settings.model} on {', '.join(map(str, settings.nodes))} node(s) x {settings.gpus_per_node} "
           f"GPUs from the parts of {parts.device} ({parts_path}) and the {settings.network} network...")
     points, text = run_simulation(settings, parts)
-    recorded = {k: v for k, v in settings.__dict__.items() if k != "expert_parallel" or v}  # older records lack it
+    # older records lack expert_parallel; the seed only draws zipf's ranking, so others omit it
+    recorded = {k: v for k, v in settings.__dict__.items()
+                if (k != "expert_parallel" or v) and (k != "seed" or settings.routing.startswith("zipf:"))}
     result = {"meta": {**meta, "settings": recorded}, "points": points}
     if out:
         _write_json(out, result)

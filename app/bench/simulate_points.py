@@ -8,12 +8,17 @@ from __future__ import annotations
 from app.bench.simulate_settings import SimulateSettings
 
 def _cluster(settings: SimulateSettings, nodes: int, experts: int):
-    from moe_sim.network import ClusterLayout, load_network, routing_load
+    """The cluster at ``nodes``, its experts loaded as the routing loads them (moe_sim/routing.py
+    `routing_load`: the shares whose counts the benches impose)."""
+    from lm.model import PRESETS
+    from moe_sim.network import ClusterLayout, load_network
+    from moe_sim.routing import routing_load
     from moe_sim.simulator import Cluster
 
     layout = ClusterLayout(nodes, settings.gpus_per_node)
     network = load_network(settings.network)
-    load = None if settings.routing == "uniform" else tuple(routing_load(settings.routing, experts))
+    load = None if settings.routing == "uniform" else tuple(
+        routing_load(settings.routing, experts, PRESETS[settings.model].top_k, settings.seed))
     return Cluster(layout, network, load, settings.hierarchical), network
 
 

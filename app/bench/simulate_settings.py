@@ -23,7 +23,9 @@ class SimulateSettings:
     experts:        experts per MoE layer; None = max(preset's experts, ranks): one expert per
                     GPU once there are more GPUs than the preset's experts.
     network:        a network preset name or a JSON file of measured figures.
-    routing:        uniform, hot:F (expert 0 takes the fraction F) or zipf:S.
+    routing:        a routing of moe_sim/routing.py: uniform, zipf:S, hot-expert, hot:F, replay:FILE,
+                    replay:early or replay:late, priced at the shares whose counts the benches impose.
+    seed:           the routing's seed (zipf's ranking of the experts), as the bench's --seed.
     partitions:     candidate n for MPipeMoE.
     hierarchical:   use the two-level All-to-All instead of the flat one.
     step:           also simulate a training step of the whole preset.
@@ -40,6 +42,7 @@ class SimulateSettings:
     experts: int | None = None
     network: str = "dgx-a100"
     routing: str = "uniform"
+    seed: int = 0
     partitions: tuple = DEFAULT_PARTITIONS
     hierarchical: bool = False
     step: bool = False
@@ -48,6 +51,7 @@ class SimulateSettings:
     def __post_init__(self) -> None:
         from lm.model import PRESETS
         from moe_sim.network import PRESETS as NETWORKS
+        from moe_sim.routing import check_routing
 
         if self.model not in PRESETS:
             _fail("model", self.model, f"choose one of {', '.join(PRESETS)}")
@@ -59,6 +63,7 @@ class SimulateSettings:
             _fail("gpus_per_node", self.gpus_per_node, "give at least 1 GPU per node")
         if not self.partitions or any(n < 1 for n in self.partitions):
             _fail("partitions", self.partitions, "give partition counts >= 1, e.g. 1,2,4,8,16")
+        check_routing(self.routing)
         if self.network not in NETWORKS and not os.path.exists(self.network):
             _fail("network", self.network, f"give {', '.join(NETWORKS)} or a JSON file of measured figures")
         if self.expert_parallel:

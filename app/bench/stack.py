@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from app.bench.parts import (FASTERMOE_GROUP_SIZE, chosen_setting, chosen_split, layer_inputs, markdown_head,
-                             peak_memory_bytes, point_config)
+                             not_measured_lines, peak_memory_bytes, point_config)
 from app.reports.memory_time import CKPT, memory_time_table, reference_setting
 from app.bench.peers import build_peer
 from lm.model import recomputed
@@ -156,7 +156,7 @@ def bench_stack_point(model: str, tokens: int, routing: str, settings, group: Ex
     config, dtype = point_config(model, settings, device)
     torch.manual_seed(0)
     source = FastMoE(config, group, device=device, dtype=dtype)
-    x = layer_inputs(tokens, source.router.weight.detach(), routing)
+    x = layer_inputs(tokens, source.router.weight.detach(), routing, settings.top_k, settings.seed)
     grad_y = torch.randn_like(x)
     profile = calibrate(config, tokens, group, device, dtype, repeats=3)
     host_pool = HostBufferPool()
@@ -219,6 +219,7 @@ def stack_markdown(result: dict) -> str:
     if meta.extra.get("complete") is False:
         lines += [f"**Incomplete**: these are the {len(records)} settings measured so far (the run is going on, "
                   "or it stopped).", ""]
+    lines += not_measured_lines(meta.extra.get("not_measured") or [])
     lines += memory_time_table(records)
     failed = [r for r in records if r.get("error")]
     if failed:

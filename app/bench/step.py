@@ -52,7 +52,6 @@ the MLflow runs (app/bench/step_summary.py).
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Callable
@@ -60,7 +59,7 @@ from typing import Callable
 import torch
 
 from app.tracking.records import DEFAULT_OUT_DIR, record_meta
-from app.bench.parts import setting_n
+from app.bench.parts import MEMORY_ERRORS, memory_failure, release_memory, setting_n
 from app.bench.step_bound import check_bounds
 from app.bench.step_point import bench_step_point
 from app.bench.step_settings import StepSettings
@@ -80,9 +79,10 @@ LR = 1e-6                      # small: the router barely moves over the bench's
 def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[dict], None],
                    not_measured: Callable[[dict], None] | None = None) -> list[dict]:
     """Every routing, token count and micro-batch count of ``settings`` (module docstring).
-    A point that runs out of device memory is passed to ``not_measured`` (its routing,
-    tokens, micro-batches and the error's first line), its memory freed, and the run goes
-    on with the next point; without ``not_measured`` the error ends the run."""
+    A point that runs out of device memory, or whose memory budget the engine refuses
+    (parts.MEMORY_ERRORS), is passed to ``not_measured`` (its routing, tokens, micro-batches
+    and the error's first line), its memory freed, and the run goes on with the next point;
+    without ``not_measured`` the error ends the run."""
     torch.manual_seed(settings.seed)
     group = settings.cluster.build()
     if device.type == "cuda":
@@ -111,13 +111,16 @@ def run_step_bench(settings: StepSettings, device: torch.device, log: Callable[[
                     try:
                         records += bench_step_point(settings, preset, variants, pushes, lambda v: all_parts[id(v)],
                                                     routing, tokens, k, device, log)
-                    except torch.OutOfMemoryError as error:
+                    except MEMORY_ERRORS as error:
                         if not_measured is None:
                             raise
-                        release_point_memory(variants, device)
-                        not_measured({"model": settings.model, "routing": routing, "tokens": tokens,
-                                      "micro_batches": k, "reason": "out of memory: "
-                                      + str(error).strip().splitlines()[0]})
+                        reason = memory_failure(error)
+                    else:
+                        continue
+                    # out of the handler: the error's frames (and their tensors) are gone
+                    release_point_memory(variants, device)
+                    not_measured({"model": settings.model, "routing": routing, "tokens": tokens,
+                                  "micro_batches": k, "reason": reason})
     finally:
         pushes.remove()
         reduction.remove()
@@ -132,10 +135,7 @@ def release_point_memory(variants: list, device: torch.device) -> None:
     so the next point starts from the models' own memory."""
     for variant in variants:
         variant.model.zero_grad(set_to_none=True)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    release_memory(device)
 
 
 def run_and_write(settings: StepSettings, out: str | None, tracking_uri: str | None, experiment: str,

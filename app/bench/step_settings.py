@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from app.bench.routing_replay import check_routing
+from moe_sim.routing import check_routing
 from lm.model import ModelPreset, get_preset
 from moe_engine.granularity import SEARCH_SPLITS
 from moe_sim.emulation import EmulatedCluster

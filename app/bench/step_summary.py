@@ -3,7 +3,7 @@ generated from the JSON (`step_markdown`, against the baselines' plain step: `pl
 and one MLflow run per record (`log_step_records`)."""
 from __future__ import annotations
 
-from app.bench.parts import engine_host_ms, setting_n
+from app.bench.parts import engine_host_ms, not_measured_lines, setting_n
 from app.tracking.records import RecordMeta
 
 def plain_baselines(point: list[dict]) -> dict[str, float]:
@@ -52,11 +52,9 @@ def step_markdown(result: dict) -> str:
             f"{fmt(peak and peak / 2**30, '.1f')} | "
             f"{fmt(base.get('fastmoe') and base['fastmoe'] / r['step_ms'], '.2f')} | "
             f"{fmt(base.get('fastermoe') and base['fastermoe'] / r['step_ms'], '.2f')} |")
-    missing = result["meta"].get("not_measured") or []
+    missing = not_measured_lines(result["meta"].get("not_measured") or [])
     if missing:
-        lines += ["", "Points not measured (the run went on with the next point):", ""]
-        lines += [f"- {p['model']}, {p['routing']} routing, {p['tokens']} tokens, K={p['micro_batches']}: {p['reason']}"
-                  for p in missing]
+        lines += [""] + missing[:-1]
     return "\n".join(lines) + "\n"
 
 

@@ -86,7 +86,7 @@ class RoutingPushes:
         layers: list[Any] = model.moe_layers()
         for index, layer in enumerate(layers):
             self.pushes_L[index] = routing_push(routing, layer.router.weight, micro_tokens, model.preset.top_k,
-                                                ranks, layer=index, seed=seed + index, impose_uniform=True)
+                                                ranks, layer=index, seed=seed, impose_uniform=True)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -23,6 +23,7 @@ from app.bench.stack import CHECKPOINTING, DEFAULT_BUDGET_SHARE
 from app.bench.step import run_and_write
 from app.bench.step_settings import StepSettings
 from app.tracking.records import check_out_path
+from moe_sim.routing import CHOICES as ROUTING_CHOICES, renamed
 from moe_engine.comm import DEFAULT_COMM_SMS
 
 
@@ -57,8 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "W/n ranks, n dividing W) or both, tokens,peers (default tokens; auto times both)")
     parser.add_argument("--no-grid", action="store_true", help="skip the exhaustive n × strategy grid")
     parser.add_argument("--routing", default="uniform",
-                        help="comma list of uniform, skewed (half of each rank's tokens pick expert 0 first), "
-                             "replay:FILE (loads a training run logged: `mpipemoe routing`)")
+                        help=f"comma list of routings (default uniform): {ROUTING_CHOICES}; docs/emulation.md")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the routing's seed: zipf's ranking of the experts, the order of the imposed tokens "
+                             "(default 0; with --step also the model's weights)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed round (default 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per round (default 3, on CPU 1; with --step 2)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -120,6 +123,17 @@ def _split(text: str, cast=str) -> list:
     return [cast(v.strip()) for v in text.split(",") if v.strip()]
 
 
+def routings(text: str) -> tuple:
+    """--routing's names, an old name replaced by its new one with a one-line note."""
+    names = []
+    for spec in _split(text):
+        name, note = renamed(spec)
+        if note:
+            print(f"[mpipemoe] {note}", flush=True)
+        names.append(name)
+    return tuple(names)
+
+
 def run_step(args) -> int:
     """`mpipemoe bench --step`: the flags as app/bench/step_settings.py's settings."""
     layer_only = [flag for flag, given in (("--peers", args.peers), ("--world-size", args.world_size != 1),
@@ -138,7 +152,7 @@ def run_step(args) -> int:
         micro_batches=tuple(_split(args.micro_batches, int)), layers=args.layers,
         emulate=args.emulate or ("8x8" if on_gpu else "2x2"), network=args.network,
         transfer_ctas=args.transfer_ctas, num_experts=args.experts, expert_parallel=args.expert_parallel,
-        routings=tuple(_split(args.routing)), grid=not args.no_grid, splits=tuple(_split(args.splits)),
+        routings=routings(args.routing), seed=args.seed, grid=not args.no_grid, splits=tuple(_split(args.splits)),
         schedule=args.schedule, dtype=args.dtype, warmup=args.warmup, trace=args.trace,
         **{name: value for name, value in (("partitions", args.partitions and tuple(_split(args.partitions, int))),
                                            ("strategies", args.strategies and tuple(_split(args.strategies))),
@@ -177,7 +191,7 @@ def run(args) -> int:
         repeats=default["repeats"] if args.repeats is None else args.repeats,
         rounds=default["rounds"] if args.rounds is None else args.rounds,
         world_size=args.world_size,
-        routings=tuple(_split(args.routing)), bias=not args.no_bias, peers=tuple(_split(args.peers)),
+        routings=routings(args.routing), seed=args.seed, bias=not args.no_bias, peers=tuple(_split(args.peers)),
         emulate=args.emulate, network=args.network, transfer_ctas=args.transfer_ctas, comm_sms=args.comm_sms,
         trace=args.trace,
         layers=1 if args.layers is None else args.layers, checkpointing=args.checkpointing,

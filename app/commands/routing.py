@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from app.bench.routing_replay import extract_routing, save_routing
+from app.bench.routing_replay import extract_routing
+from moe_sim.routing import save_routing
 from app.tracking.records import check_out_path
 from app.tracking.store import resolve_tracking_uri
 

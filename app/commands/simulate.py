@@ -5,6 +5,7 @@ Its flags, and one call into the bench wing (app/bench/simulate.py).
     mpipemoe simulate --model gpt-xl --tokens 16384 --sweep-nodes 1,2,4,8,16,32,64
     mpipemoe simulate --model gpt-xl --tokens 4096,8192,16384,32768 --nodes 8 --step
     mpipemoe simulate --model gpt-s --tokens 8192 --nodes 8 --expert-parallel 8,64 --network dgx-h200
+    mpipemoe simulate --model gpt-xl --tokens 16384 --nodes 8 --experts 64 --routing zipf:1.2   # or replay:early
     mpipemoe simulate --validate results/bench-h200.json --validate results/bench-h200-lean.json --out out/validation.json
     mpipemoe simulate --measure-parts results/sim-parts-h200.json     # on a GPU: the parts
 """
@@ -15,6 +16,7 @@ import argparse
 from app.bench.simulate import DEFAULT_PARTS, EXPERIMENT, measure, simulate_and_write, validate_and_write
 from app.bench.simulate_settings import DEFAULT_PARTITIONS, SimulateSettings
 from app.tracking.records import check_out_path
+from moe_sim.routing import CHOICES as ROUTING_CHOICES, renamed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experts per MoE layer (default: the preset's 8, or one per GPU when there are more GPUs)")
     parser.add_argument("--network", default="dgx-a100",
                         help="dgx-a100, dgx-h200, or a JSON file of measured figures (default dgx-a100)")
-    parser.add_argument("--routing", default="uniform", help="uniform, hot:F or zipf:S (default uniform)")
+    parser.add_argument("--routing", default="uniform",
+                        help=f"the token routing (default uniform): {ROUTING_CHOICES}; docs/simulate.md")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the routing's seed, as the bench's: zipf's ranking of the experts (default 0)")
     parser.add_argument("--partitions", default=",".join(map(str, DEFAULT_PARTITIONS)),
                         help="MPipeMoE partition counts to consider (default 1,2,4,8,16)")
     parser.add_argument("--hierarchical", action="store_true", help="two-level All-to-All instead of the flat one")
@@ -64,10 +69,13 @@ def run(args) -> int:
         return measure(args.measure_parts)
     if args.validate:
         return validate_and_write(args.validate, args.parts, args.host_scale, args.out)
+    routing, note = renamed(args.routing)
+    if note:
+        print(f"[mpipemoe] {note}", flush=True)
     settings = SimulateSettings(
         model=args.model, tokens=_split(args.tokens, int),
         nodes=_split(args.sweep_nodes, int) if args.sweep_nodes else (args.nodes,),
-        gpus_per_node=args.gpus_per_node, experts=args.experts, network=args.network, routing=args.routing,
+        gpus_per_node=args.gpus_per_node, experts=args.experts, network=args.network, routing=routing, seed=args.seed,
         partitions=_split(args.partitions, int), hierarchical=args.hierarchical, step=args.step,
         expert_parallel=_split(args.expert_parallel, int) if args.expert_parallel else ())
     return simulate_and_write(settings, args.parts, args.host_scale, args.out, args.tracking_uri, args.experiment)

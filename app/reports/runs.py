@@ -64,7 +64,7 @@ def to_record(run_id: str, experiment: str, params: dict, metrics: dict, tags: d
     if kind == BENCH and (_int(params.get("layers")) or 1) > 1:  # a stack of layers: section 9 only
         return None
     if kind == BENCH:  # mpipemoe bench: chosen_by=auto means the engine chose n and strategy
-        if params.get("routing", "uniform") != "uniform":  # skewed routing: its own series
+        if params.get("routing", "uniform") != "uniform":  # another routing than uniform: its own series
             model = f"{model}/{params['routing']}"
         auto_partitions = auto_strategy = params.get("chosen_by") == "auto"
         tokens = _int(params.get("tokens"))

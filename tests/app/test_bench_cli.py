@@ -20,13 +20,13 @@ from moe_engine.comm import ExpertGroup
 def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--tokens", "96", "--partitions", "1,2", "--strategies", "none,S3",
-                 "--routing", "uniform,skewed", "--warmup", "1", "--repeats", "1", "--world-size", "2",
+                 "--routing", "uniform,hot-expert", "--warmup", "1", "--repeats", "1", "--world-size", "2",
                  "--tracking-uri", "none", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     meta = result["meta"]
     assert meta["world_size"] == 2 and meta["hardware"].startswith("cpu") and meta["date"]
-    assert meta["settings"]["tokens"] == [96] and meta["settings"]["routings"] == ["uniform", "skewed"]
-    for routing in ("uniform", "skewed"):
+    assert meta["settings"]["tokens"] == [96] and meta["settings"]["routings"] == ["uniform", "hot-expert"]
+    for routing in ("uniform", "hot-expert"):
         records = [r for r in result["records"] if r["routing"] == routing]
         chosen = sorted((r["engine"], r["chosen_by"]) for r in records if r["chosen_by"] != "grid")
         assert chosen == [("dense-floor", "floor"), ("fastermoe", "baseline"), ("fastmoe", "baseline"),
@@ -47,25 +47,25 @@ def test_bench_writes_records_for_every_engine_routing_and_grid_point(tmp_path):
         if twin:
             assert auto["host_probe_ms"] == twin[0]["host_probe_ms"]
     # the memory prediction is made on the rows the pass moved: under skew not the balanced k·T
-    skewed = [r for r in result["records"] if r["routing"] == "skewed" and r["engine"] != "dense-floor"]
-    assert all("rows_received" in r for r in skewed)
+    hot = [r for r in result["records"] if r["routing"] == "hot-expert" and r["engine"] != "dense-floor"]
+    assert all("rows_received" in r for r in hot)
     # ... of the measured pass, not the 64-token host probe's: every layer routes the same
     # input with the same weights, so all moved the rows the (unprobed) auto layer moved
-    for routing in ("uniform", "skewed"):
+    for routing in ("uniform", "hot-expert"):
         records = [r for r in result["records"] if r["routing"] == routing and r["engine"] != "dense-floor"]
         auto = next(r for r in records if r["chosen_by"] == "auto")
         assert auto["rows_sent"] == auto["top_k"] * 96
         assert {(r["rows_sent"], r["rows_received"]) for r in records} == {(auto["rows_sent"], auto["rows_received"])}
-    assert any(r["rows_received"] != r["top_k"] * r["tokens"] for r in skewed)
+    assert any(r["rows_received"] != r["top_k"] * r["tokens"] for r in hot)
     summaries = {s["routing"]: s for s in result["summaries"]}
-    assert summaries["skewed"]["hot_expert_share"] > 0.25 > summaries["uniform"]["hot_expert_share"]
+    assert summaries["hot-expert"]["hot_expert_share"] > 0.25 > summaries["uniform"]["hot_expert_share"]
     for s in summaries.values():
         assert s["overlap_bound_ms"] == pytest.approx(
             overlap_bound_ms(s["all_to_all_ms"], s["expert_ms"], s["auto_partitions"]))
         assert s["floor_ms"] == pytest.approx(max(s["all_to_all_ms"], s["expert_ms"]))
-    assert set(result["targets"]["best_n_by_tokens"]) == {"tiny/uniform", "tiny/skewed"}
+    assert set(result["targets"]["best_n_by_tokens"]) == {"tiny/uniform", "tiny/hot-expert"}
     table = out.with_suffix(".md").read_text()
-    assert "| tiny | skewed | 96 |" in table and "## Targets" in table
+    assert "| tiny | hot-expert | 96 |" in table and "## Targets" in table
 
 
 def test_the_automatic_layer_gets_a_host_probe_where_the_grid_lacks_its_setting(tmp_path):
@@ -97,17 +97,17 @@ def test_targets_flag_a_best_n_that_falls_with_more_tokens():
     assert checks["within_15pct_of_floor"] == pytest.approx(2 / 3)
 
 
-def test_skewed_inputs_send_every_other_token_to_expert_zero_first():
+def test_hot_expert_inputs_send_every_other_token_to_expert_zero_first():
     """Half of the tokens pick expert 0 first, spread over the batch: each half of it (the two
     partitions of a token split) carries the same share of them, as a real batch would."""
     config = MoEConfig(d_model=32, d_hidden=64, num_experts=8, top_k=2)
     torch.manual_seed(0)
     weight = torch.randn(8, 32) / 32 ** 0.5
     settings = BenchSettings(models=["tiny"], tokens=[512], warmup=0, repeats=1)
-    for routing, (low, high) in {"uniform": (0.08, 0.2), "skewed": (0.28, 0.36)}.items():
+    for routing, (low, high) in {"uniform": (0.08, 0.2), "hot-expert": (0.28, 0.36)}.items():
         x = layer_inputs(512, weight, routing)
         first = torch.topk(x @ weight.t(), 2).indices[:, 0]
-        if routing == "skewed":
+        if routing == "hot-expert":  # what the simulator prices it at: 1/(2k) + 1/(2E) = 0.3125
             assert bool((first[::2] == 0).all())
             assert abs(int((first[:256] == 0).sum()) - int((first[256:] == 0).sum())) <= 8
         stages = pipeline_stages(config, x, weight, ExpertGroup(None), torch.device("cpu"), torch.float32, settings)
@@ -116,8 +116,12 @@ def test_skewed_inputs_send_every_other_token_to_expert_zero_first():
 
 
 def test_unknown_routing_is_refused_naming_the_option():
-    with pytest.raises(ValueError, match=r"--routing 'zipf' is unknown: choose from uniform, skewed"):
-        BenchSettings(models=["tiny"], tokens=[64], routings=("zipf",))
+    with pytest.raises(ValueError, match=r"--routing 'pareto' is unknown: choose from uniform, zipf:S"):
+        BenchSettings(models=["tiny"], tokens=[64], routings=("pareto",))
+    with pytest.raises(ValueError, match=r"--routing 'zipf:-1' is invalid: give zipf:S with S >= 0"):
+        BenchSettings(models=["tiny"], tokens=[64], routings=("zipf:-1",))
+    with pytest.raises(ValueError, match=r"--routing skewed is now named hot-expert: give --routing hot-expert"):
+        BenchSettings(models=["tiny"], tokens=[64], routings=("skewed",))
 
 
 @pytest.mark.parametrize("field,value", [("rounds", 0), ("repeats", 0), ("warmup", -1)])
@@ -293,10 +297,10 @@ def _emulated_bounds(out, *options) -> dict:
 @pytest.mark.gpu
 def test_no_emulated_pass_beats_its_own_bound(tmp_path):
     """Issue 36 on a GPU: the bench checks every record against 0.98x its own-pass bound (and
-    fails otherwise); balanced and skewed, every engine, a grid of strategies."""
+    fails otherwise); balanced and one hot expert, every engine, a grid of strategies."""
     result = _emulated_bounds(tmp_path / "bench.json", "--model", "gpt-s", "--tokens", "8192", "--emulate", "8x8",
                               "--network", "dgx-h200", "--experts", "64", "--partitions", "1,2,4",
-                              "--strategies", "none,S3", "--splits", "tokens,peers", "--routing", "uniform,skewed",
+                              "--strategies", "none,S3", "--splits", "tokens,peers", "--routing", "uniform,hot-expert",
                               "--rounds", "2", "--repeats", "2")
     assert all(r["bound_ratio"] >= 0.98 for r in result["records"] if "bound_ratio" in r)
     assert all(r["timeline"]["comm_busy_ms"] > 0 for r in result["records"] if r["engine"] != "dense-floor")

@@ -262,8 +262,11 @@ def test_a_stopped_run_keeps_the_records_it_finished(tmp_path, monkeypatch):
 
 
 def test_a_point_out_of_memory_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
-    # On the H200 the skewed 32k point ran out of memory and ended the run, losing the
-    # points after it. Now it is named in the JSON and the Markdown, and the next point runs.
+    # On the H200 the skewed (now hot-expert) 32k point ran out of memory and ended the run,
+    # losing the points after it. Now it is named in the JSON and the Markdown, and the next
+    # point runs (here under Zipf routing, imposed at the counts the simulator prices).
+    from moe_sim.routing import routing_load
+
     import app.bench.step as bench_step
 
     real_point = bench_step.bench_step_point
@@ -285,18 +288,24 @@ def test_a_point_out_of_memory_is_named_and_the_run_goes_on(tmp_path, monkeypatc
     monkeypatch.setattr(bench_step, "bench_step_point", point)
     monkeypatch.setattr(bench_step, "release_point_memory", release)
     out = tmp_path / "step.json"
-    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2",
-                 "--tokens", "256,128", "--no-grid", "--rounds", "1", "--repeats", "1",
+    assert main(["bench", "--step", "--model", "tiny-gpt", "--layers", "1", "--emulate", "1x2", "--experts", "8",
+                 "--routing", "zipf:1.2", "--tokens", "256,128", "--no-grid", "--rounds", "1", "--repeats", "1",
                  "--tracking-uri", "none", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["meta"]["complete"] is True and released == [True]
-    assert result["meta"]["not_measured"] == [{"model": "tiny-gpt", "routing": "uniform", "tokens": 256,
+    assert result["meta"]["not_measured"] == [{"model": "tiny-gpt", "routing": "zipf:1.2", "tokens": 256,
                                                "micro_batches": 1, "reason": "out of memory: CUDA out of memory. "
                                                                              "Tried to allocate 24.00 GiB"}]
     assert {r["tokens"] for r in result["records"]} == {128}
     assert {r["engine"] for r in result["records"]} == {"fastmoe", "fastermoe", "mpipemoe"}
+    # rank 0 holds the busier half of the experts (the bench lays the busiest rank first)
+    simulated = routing_load("zipf:1.2", 8, 2)
+    for record in result["records"]:  # within one of the 256 pairs per expert
+        assert sorted(record["expert_load"]) == pytest.approx(sorted(simulated), abs=1 / 256)
+        assert sum(record["expert_load"][:4]) == pytest.approx(max(sum(simulated[:4]), sum(simulated[4:])),
+                                                                abs=4 / 256)
     markdown = (tmp_path / "step.md").read_text()
-    assert "- tiny-gpt, uniform routing, 256 tokens, K=1: out of memory: CUDA out of memory." in markdown
+    assert "- tiny-gpt, zipf:1.2 routing, 256 tokens, K=1: out of memory: CUDA out of memory." in markdown
 
 
 def test_the_step_body_updates_the_weights_as_a_plain_training_loop_does():

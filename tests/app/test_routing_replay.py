@@ -9,8 +9,8 @@ import torch
 
 from app.bench.parts import layer_inputs
 from app.cli import main
-from app.bench.routing_replay import (RoutingFile, busiest_rank_first, load_routing, routing_from_metrics, routing_push,
-                                save_routing)
+from app.bench.routing_replay import busiest_rank_first, routing_push
+from moe_sim.routing import RoutingFile, load_routing, routing_from_metrics, save_routing
 from moe_engine.router import count_ids
 
 
@@ -58,12 +58,12 @@ def test_the_pushes_route_the_tokens_as_the_file_says(tmp_path):
     assert routing_push("uniform", router_ED, 10, 2) is None
 
 
-def test_the_step_benchs_skewed_push_sends_every_other_token_to_expert_zero_and_the_rest_evenly():
+def test_the_step_benchs_hot_expert_push_sends_every_other_token_to_expert_zero_and_the_rest_evenly():
     """Spread over the batch: both halves of it (a 2-partition token split) hold the same
     hot tokens; the tokens between them are pushed to equal shares of the experts."""
     torch.manual_seed(0)
     router_ED = torch.randn(8, 64) * 0.02
-    push = routing_push("skewed", router_ED, 4000, 2, ranks=2, impose_uniform=True)
+    push = routing_push("hot-expert", router_ED, 4000, 2, ranks=2, impose_uniform=True)
     assert push is not None
     first = torch.topk((torch.randn(4000, 64) + push) @ router_ED.t(), 2).indices
     assert bool((first[::2, 0] == 0).all()) and not bool((first[1::2, 0] == 0).all())

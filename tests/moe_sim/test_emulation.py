@@ -342,11 +342,11 @@ def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
 
     out = tmp_path / "bench.json"
     assert main(["bench", "--emulate", "2x2", "--tokens", "256", "--rounds", "1", "--repeats", "1", "--no-grid",
-                 "--routing", "skewed", "--tracking-uri", "none", "--out", str(out)]) == 0
+                 "--routing", "hot-expert", "--tracking-uri", "none", "--out", str(out)]) == 0
     bench = json.loads(out.read_text())
     record = next(r for r in bench["records"] if r["engine"] == "fastmoe")
     assert len(record["expert_load"]) == 8 and abs(sum(record["expert_load"]) - 1) < 1e-3
-    assert record["expert_load"][0] == max(record["expert_load"])  # skewed: expert 0, on rank 0, is hot
+    assert record["expert_load"][0] == max(record["expert_load"])  # hot-expert: expert 0, on rank 0, is hot
     modelled = emulated_all_to_all_ms(bench["meta"], record)
     cluster = EmulatedCluster.parse("2x2", "dgx-a100")
     rows = 2 * 256
@@ -361,7 +361,7 @@ def test_simulator_validates_emulated_records_in_their_cluster(tmp_path):
     rows = result["rows"]
     assert {r["engine"] for r in rows} == {"fastmoe", "fastermoe", "mpipemoe"}
     for row in rows:
-        assert row["measured_as"] == "emulated" and row["routing"] == "skewed"
+        assert row["measured_as"] == "emulated" and row["routing"] == "hot-expert"
         assert row["busy_ms"]["comm"] > 0  # priced in a 4-rank cluster, not on one GPU
         assert row["network_dilation"] > 0 and row["dilated_ms"] > 0
 

@@ -24,7 +24,7 @@ from app.reports.simulate import section_simulations
 from moe_engine.config import MoEConfig
 from moe_sim.network import (PRESETS, ClusterLayout, NetworkProfile, all_to_all_traffic, flat_all_to_all_s,
                                 all_reduce_s, expert_group_layouts, hierarchical_all_to_all_s, hot_expert_load,
-                                load_network, rank_load, routing_load, uniform_load)
+                                load_network, rank_load, uniform_load)
 from moe_sim.parts import GpuParts, interpolate
 from moe_engine.perf_model import SAVING_SLACK, HardwareProfile, PerformanceModel
 from moe_sim.simulator import (STRATEGIES, Cluster, HostScaled, LayerShape, ModelShape, Op, ProfileParts,
@@ -237,13 +237,10 @@ def test_all_rows_to_one_expert_load_its_rank():
     assert traffic.inter_messages == 1
 
 
-def test_routing_specs_and_their_errors():
-    assert routing_load("uniform", 4) == uniform_load(4)
-    assert routing_load("hot:0.7", 4)[0] == pytest.approx(0.7)
-    assert sum(routing_load("zipf:1.2", 16)) == pytest.approx(1.0)
+def test_load_vectors_and_their_errors():
+    # the routings' names and counts: tests/moe_sim/test_routing.py
     assert rank_load(hot_expert_load(4, 1.0), 2) == [1.0, 0.0]
-    with pytest.raises(ValueError, match="routing='hot'"):
-        routing_load("hot", 4)
+    assert rank_load(uniform_load(4), 2) == [0.5, 0.5]
     with pytest.raises(ValueError, match="hot_fraction=1.5"):
         hot_expert_load(4, 1.5)
 
