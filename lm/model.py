@@ -7,7 +7,8 @@
 Every block is pre-norm: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
 *every* block is a MoE layer from ``moe_engine`` (docs/design.md §4.1), so a preset with L
 layers has L MoE layers. Attention uses ``F.scaled_dot_product_attention`` (causal for
-GPT, bidirectional for BERT). The LM head is tied to the token embedding.
+GPT, bidirectional for BERT). The LM head is tied to the token embedding, or (``tied_head``
+False, as Mixtral's checkpoints have it) a matrix of its own.
 
 The architecture fields of a preset: ``norm`` (LayerNorm or RMSNorm), ``positions`` (learned
 embeddings, or rotary on q and k in Hugging Face's layout: ``rotate_half`` pairs dimension i
@@ -94,6 +95,9 @@ class ModelPreset:
                      "rotary" (q and k rotated per head, base ``rope_theta``; no parameters).
     bias:            biases on the attention projections and the experts (b1, b2).
     router_rule:     how the gate weights come from the router's logits (moe_engine ROUTER_RULES).
+    tied_head:       the LM head is the token embedding (True), or a [vocab_size, d_model]
+                     matrix of its own, ``lm_head.weight`` (False: transformers'
+                     ``tie_word_embeddings=False``, Mixtral's default).
     """
 
     kind: str
@@ -113,6 +117,7 @@ class ModelPreset:
     rope_theta: float = 10000.0
     bias: bool = True
     router_rule: str = "softmax-then-topk"
+    tied_head: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -137,8 +142,9 @@ class ModelPreset:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 _fail(name, value, "give a finite number > 0 (e.g. 1e-5 for norm_eps, 10000.0 for rope_theta)")
-        if not isinstance(self.bias, bool):
-            _fail("bias", self.bias, "give True or False")
+        for name in ("bias", "tied_head"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "give True or False")
         if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
             _fail("positions", self.positions, f"rotary positions rotate pairs of a head's dimensions: choose "
                   f"num_heads so that d_model / num_heads (now {self.d_model // self.num_heads}) is even, "
@@ -180,7 +186,7 @@ def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
 
 # Fields added after the first checkpoints were written; `ModelPreset.as_dict` leaves them out at
 # their defaults.
-ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule")
+ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule", "tied_head")
 # Mixtral's architecture: RMSNorm, rotary positions, no biases, SwiGLU experts, top-k-then-softmax gate.
 MIXTRAL_STYLE: Mapping[str, Any] = MappingProxyType({
     "norm": "rmsnorm", "positions": "rotary", "rope_theta": 1e6, "bias": False, "activation": "swiglu",
@@ -489,6 +495,7 @@ class MoETransformer(nn.Module):
                                                    **layer_options), activation_checkpointing)
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
+        self.lm_head = None if preset.tied_head else nn.Linear(preset.d_model, preset.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, ids_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """ids_checked: the caller has checked the token ids against the vocabulary (on the
@@ -511,12 +518,12 @@ class MoETransformer(nn.Module):
         return logits_BSV, torch.stack(aux_losses).mean()
 
     def _lm_head(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """Logits of the tied LM head. Its rows are padded with zeros to a multiple of
-        HEAD_ROWS_MULTIPLE for the product and the padding's logits are cut off: with a
-        row count like the byte tokenizer's 259, each row of the logits starts off the
-        16-byte alignment, and cuBLAS fell back to slow kernels (6 ms of a gpt-xl step at
+        """Logits of the LM head (the token embedding, or ``lm_head`` when untied). Its rows
+        are padded with zeros to a multiple of HEAD_ROWS_MULTIPLE for the product and the
+        padding's logits are cut off: with a row count like the byte tokenizer's 259, each
+        row of the logits starts off the 16-byte alignment, and cuBLAS fell back to slow kernels (6 ms of a gpt-xl step at
         batch 128 on an H200). The logits of the real rows are the same numbers."""
-        head_VD = self.tok_embed.weight
+        head_VD = self.tok_embed.weight if self.lm_head is None else self.lm_head.weight
         vocab = head_VD.shape[0]
         padding = -vocab % HEAD_ROWS_MULTIPLE
         if padding:
@@ -654,7 +661,8 @@ def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int,
     d, h, layers, experts, k = (preset.d_model, preset.d_hidden, preset.num_layers, preset.num_experts,
                                 preset.top_k)
     ffn = 3 if preset.activation == "swiglu" else 2
-    dense = preset.vocab_size * d + preset.seq_len * d + layers * (4 * d * d + experts * d + 9 * d) + 2 * d
+    head = (1 if preset.tied_head else 2) * preset.vocab_size * d  # the embedding, and an untied head
+    dense = head + preset.seq_len * d + layers * (4 * d * d + experts * d + 9 * d) + 2 * d
     expert = layers * (experts // max(1, world_size)) * (ffn * d * h + h + d)
     params = (dense + expert) * (2 * dtype_bytes + 8)
     tokens = batch_size * preset.seq_len

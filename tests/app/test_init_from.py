@@ -50,11 +50,35 @@ def test_a_hugging_face_mixtral_gives_the_same_logits_in_our_model(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_export_import_export_gives_the_same_tensors(tmp_path):
+def test_an_untied_lm_head_is_read_and_gives_the_same_logits(tmp_path):
+    theirs = _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=False)
+    ours = _ours(tmp_path / "hf")
+    assert ours.preset.tied_head is False
+    torch.testing.assert_close(ours.lm_head.weight, theirs.lm_head.weight, rtol=0, atol=0)
+    assert not torch.equal(ours.lm_head.weight, ours.tok_embed.weight)
+    tokens_BS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens_BS)[0], theirs(tokens_BS).logits, rtol=0, atol=1e-5)
+
+
+def test_a_rank_reads_only_its_experts(tmp_path):
+    from workers.hf_mixtral import read_mixtral_config, read_mixtral_shard
+
+    _tiny_mixtral(tmp_path / "hf")
+    preset, whole = read_mixtral(tmp_path / "hf")
+    assert read_mixtral_config(tmp_path / "hf") == preset
+    second = read_mixtral_shard(tmp_path / "hf", preset, range(2, 4))
+    assert second["blocks.1.moe.experts.w1"].shape[0] == 2
+    torch.testing.assert_close(second["blocks.1.moe.experts.w2"], whole["blocks.1.moe.experts.w2"][2:4], rtol=0, atol=0)
+    torch.testing.assert_close(second["tok_embed.weight"], whole["tok_embed.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_import_export_gives_the_same_tensors(tmp_path, tied):
     from lm.tokenizer import ByteTokenizer
     from workers.weights import export
 
-    _tiny_mixtral(tmp_path / "hf")
+    _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=tied)
     first = _ours(tmp_path / "hf")
     export(first, tmp_path / "once", ByteTokenizer(), {"run": "x"})
     again = _ours(tmp_path / "once")
@@ -62,6 +86,8 @@ def test_export_import_export_gives_the_same_tensors(tmp_path):
     for name, tensor in to_mixtral(again.state_dict(), again.preset).items():
         torch.testing.assert_close(tensor, exported[name], rtol=0, atol=0)
     assert set(exported) == set(to_mixtral(again.state_dict(), again.preset))
+    assert ("lm_head.weight" in exported) is not tied
+    assert json.loads((tmp_path / "once" / "config.json").read_text())["tie_word_embeddings"] is tied
 
 
 @pytest.mark.parametrize("change, field", [
@@ -69,7 +95,7 @@ def test_export_import_export_gives_the_same_tensors(tmp_path):
     ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
     ({"shared_expert_intermediate_size": 128}, "shared_expert_intermediate_size=128"),
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
-    ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])
 def test_a_checkpoint_that_is_not_mixtral_style_is_refused_naming_the_field(tmp_path, change, field):
