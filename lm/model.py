@@ -223,12 +223,12 @@ MODEL_OVERRIDES = ("seq_len", "num_experts", "num_layers") + ROUTING_OVERRIDES
 
 
 def check_routing_overrides(settings, fail) -> None:
-    """The routing overrides of ``settings`` (an app.jobs.job.TrainJob: None keeps the
-    preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
+    """The routing overrides of ``settings`` (an app.jobs.job.TrainJob, with ``base_preset()``:
+    None keeps the preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
     top_k, factor, activation = settings.top_k, settings.capacity_factor, settings.activation
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         fail("top_k", top_k, "give an integer >= 1 (--top-k, experts per token), or leave it unset for the preset's")
-    experts = settings.num_experts or get_preset(settings.preset).num_experts
+    experts = settings.num_experts or settings.base_preset().num_experts
     if top_k is not None and top_k > experts:
         fail("top_k", top_k, f"choose at most the {experts} experts per MoE layer (--top-k), or more --num-experts")
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))

@@ -115,6 +115,8 @@ class WorkerConfig:
     hold_steps:          steps after which rank 0 waits for the driver's decision to go on or stop
                          (``stop_flag``): a sweep's ASHA rungs, so a pruned trial ends at its rung.
     resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
+    init_from:           a Hugging Face Mixtral-style folder whose weights a fresh run starts from
+                         (each rank reads its own experts: workers/hf_mixtral.py ``read_mixtral_shard``).
     data_shards:         rank streams the data is read as (None: one per worker); a run resumed on
                          another worker count keeps its first count (workers/reshard.py).
     fault:               fault-injection tests only (workers/loop.py ``fault_here``).
@@ -171,6 +173,7 @@ class WorkerConfig:
     micro_batch_schedule: str = "sequential"
     expert_parallel: int | None = None
     activation_checkpointing: str = "none"
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it

@@ -200,10 +200,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         from safetensors import safe_open
 
         self.handles = [safe_open(str(path), framework="pt") for path in files]
-        self.where = {name: handle for handle in self.handles for name in handle.keys()}
+        self.where = {name: handle for handle in self.handles for name in handle.keys()}  # type: ignore[no-untyped-call]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.where[name].get_tensor(name).float()
+        tensor: torch.Tensor = self.where[name].get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor.float()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.where)

@@ -296,6 +296,8 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
                            activation_checkpointing=config.activation_checkpointing)
     model.to(device=device)  # float32 master parameters; compute dtype via autocast
     init_parameters(model, config.seed, layout.expert_rank)
+    if config.init_from:  # a pretrained start: every rank reads what it holds, its experts only
+        load_pretrained(model, config.init_from, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison
         model.to(dtype=getattr(torch, config.param_dtype))
     parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
@@ -303,6 +305,20 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
                              timeout_s=config.collective_timeout_s, replica_group=replica_group,
                              replicas=layout.replicas)
     return ParallelModel(layout, schedule, reason, model, parallel)
+
+
+def load_pretrained(model: MoETransformer, directory: str, expert_rank: int) -> None:
+    """Local. The weights of the Hugging Face Mixtral-style folder ``directory`` into ``model``,
+    the experts of ``expert_rank`` (global experts rank·L .. (rank+1)·L - 1 of each layer, as
+    ``init_parameters`` places them). Each rank reads its own tensors (memory-mapped, only
+    those it holds) instead of rank 0 broadcasting them: no collective and no rank holding
+    the whole model, and the folder is where the data already must be (shared storage or a
+    copy on every node)."""
+    from workers.hf_mixtral import read_mixtral_shard
+
+    local = cast(MoELayerBase, model.blocks[0].moe).local_experts
+    experts = range(expert_rank * local, (expert_rank + 1) * local)
+    model.load_state_dict(read_mixtral_shard(directory, model.preset, experts), strict=True)
 
 
 class Trainer:
@@ -556,11 +572,13 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
     # Offload buffers may take a fair share of the node's free host memory (else S4); the
     # pool's cap defaults to the same share of the node's installed memory.
     host_pool = HostBufferPool(usable_fraction=0.8 / max(1, context.get_local_world_size()))
-    trainer = Trainer(config, rank, world_size, device, host_pool)
-
-    start_step = 0
     checkpoint = ray.train.get_checkpoint()  # a restart within this run: the last one reported
     resume_from = config.resume_from  # a resumed run: the newest complete one (driver's choice)
+    # --init-from's weights start a fresh run only (a checkpoint replaces them: not read)
+    trainer = Trainer(config if checkpoint is None and not resume_from else config.replace(init_from=None),
+                      rank, world_size, device, host_pool)
+
+    start_step = 0
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
