@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,10 @@ PARTITION_CHOICES = "'auto' or an integer >= 1"
 #              one block's activations are live at a time (the MoE engine replays the
 #              recorded plan of the forward it recomputes).
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# torch.compile backends of ``compile_local_parts``: inductor generates fused kernels (C++ on CPU,
+# Triton on GPU); aot_eager captures the same graphs (forward and backward) and runs them with
+# eager kernels, compiling in seconds (a check that the graphs capture, as torchtitan offers).
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 def _fail(field: str, value, fix: str) -> None:
@@ -408,6 +412,29 @@ class Block(nn.Module):
         with torch.profiler.record_function(STAGE_MARKS[1]):
             moe_out_BSD, aux_loss = self.moe(self.ln2(x_BSD))                # collective (All-to-Alls)
         return x_BSD + moe_out_BSD, aux_loss
+
+
+def compile_local_parts(model: MoETransformer, backend: str = "inductor") -> None:
+    """torch.compile, in place (``nn.Module.compile``: parameter names and checkpoints are
+    unchanged), of what each block runs locally with static shapes: its two norms, its
+    attention and its MoE layer's router; and the final norm. The MoE dispatch stays eager:
+    its All-to-Alls, the token counts it reads on the host and the expert GEMMs of
+    data-dependent shapes would break the graph or recompile at every step. Compiling
+    happens at the first forward and backward (``compile_seconds`` counts it)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile_backend={backend!r} is invalid: choose one of {', '.join(COMPILE_BACKENDS)}")
+    for block in cast("list[Block]", list(model.blocks)):
+        for module in (block.ln1, block.attn, block.ln2, cast(nn.Module, block.moe.router)):
+            module.compile(backend=backend)
+    model.ln_f.compile(backend=backend)
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent in torch.compile so far (Dynamo's capture, AOT
+    autograd and the backend, forward and backward graphs; torch's own counter)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
 def preset_moe_config(preset: ModelPreset) -> MoEConfig:

@@ -69,8 +69,8 @@ import torch
 import torch.nn.functional as F
 
 from lm.data import ValidationBatches, open_val_stream
-from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
-                      lm_loss, model_flops_per_token)
+from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, compile_local_parts, compile_seconds,
+                      init_parameters, lm_batch, lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
 from moe_engine.comm import CollectiveLog
 from moe_engine.layers import MoELayerBase
@@ -300,6 +300,8 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
         load_pretrained(model, config.init_from, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison
         model.to(dtype=getattr(torch, config.param_dtype))
+    if config.compile:  # the blocks' local parts; compiled at the first step (compile_time_s)
+        compile_local_parts(model, config.compile_backend)
     parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
                              device=device, compute_dtype=getattr(torch, config.dtype),
                              timeout_s=config.collective_timeout_s, replica_group=replica_group,
@@ -618,8 +620,10 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # 7. slowest rank's time, largest peak memory; stop (Ctrl-C) if rank 0 was asked to
-        step_time, peak, stopping = reduce_max([time.perf_counter() - started, peak_memory_bytes(device),
-                                                float(stop.requested())], device, world_size)
+        # (and the slowest rank's time in torch.compile so far, in the same reduction)
+        step_time, peak, stopping, compiling = reduce_max(
+            [time.perf_counter() - started, peak_memory_bytes(device), float(stop.requested()),
+             compile_seconds() if config.compile else 0.0], device, world_size)
         # 8. report
         metrics = {
             "step": step,
@@ -635,6 +639,7 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             "attempt": attempt,
             **trainer.model.engine_choices(),
             "micro_batch_schedule": trainer.schedule,  # (auto's choice; a tag, not a metric)
+            **({"compile_time_s": compiling} if config.compile else {}),  # this process's, so far
         }
         # 8a. collective, at log steps only: per-expert load since the last one (workers/load.py)
         last = step == config.steps or stopping

@@ -20,7 +20,7 @@ import torch
 
 from app.tracking.store import check_store_form, resolve_tracking_uri
 from lm import data as data_lib
-from lm.model import (MODEL_OVERRIDES, ModelPreset, MoETransformer, check_activation_checkpointing,
+from lm.model import (COMPILE_BACKENDS, MODEL_OVERRIDES, ModelPreset, MoETransformer, check_activation_checkpointing,
                       check_routing_overrides, get_preset, leanest_moe_memory, param_counts)
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import (DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation,
@@ -164,6 +164,9 @@ class TrainJob:
                                        # attention) | full (the whole block; lm.model ACTIVATION_CHECKPOINTING)
     data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
                                        # resumed on another worker count keeps its first; workers/reshard.py)
+    compile: bool = False              # torch.compile each block's norms, attention and router (the MoE
+                                       # dispatch eager; lm.model compile_local_parts)
+    compile_backend: str = "inductor"  # inductor (fused kernels) | aot_eager (graphs captured, eager kernels)
     init_from: str | None = None       # a Hugging Face Mixtral-style folder (config.json, safetensors,
                                        # tokenizer.json): the model's shape and first weights (not --preset's)
 
@@ -236,6 +239,11 @@ class TrainJob:
             _fail("micro_batch_schedule", self.micro_batch_schedule, "--shard-dense (FSDP2) takes the sequential "
                   "schedule: drop --shard-dense, or use --micro-batch-schedule sequential or auto")
         check_activation_checkpointing(self.activation_checkpointing, _fail)
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "give true or false (--compile)")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            _fail("compile_backend", self.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)} "
+                  f"(--compile-backend)")
         if self.micro_batch_schedule == "overlapped" and (why := checkpointing_refusal(
                 self.activation_checkpointing, self.expert_parallel or self.num_workers)):
             _fail("micro_batch_schedule", self.micro_batch_schedule, why.replace(
@@ -376,7 +384,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
-        decay_fraction=job.decay_fraction, init_from=job.init_from,
+        decay_fraction=job.decay_fraction, init_from=job.init_from, compile=job.compile,
+        compile_backend=job.compile_backend,
         eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 

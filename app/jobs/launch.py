@@ -253,7 +253,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
                                       "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
-                                      "final_val_ppl")},
+                                      "final_val_ppl", "compile_time_s")},
                             step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "split", "micro_batch_schedule",
                                               "checkpoint_path")
