@@ -328,6 +328,11 @@ class TrainJob:
                   + (", or --activation-checkpointing full (one MoE layer's activations live at a time)"
                      if self.activation_checkpointing != "full" else ""))
 
+    @property
+    def model_label(self) -> str:
+        """How lines and tags name the model: the preset, or the --init-from folder's name."""
+        return f"{Path(self.init_from).name} (--init-from)" if self.init_from else self.preset
+
     def base_preset(self) -> ModelPreset:
         """The model before this job's overrides: --preset's, or --init-from's config.json."""
         return base_preset(self.preset, self.init_from)

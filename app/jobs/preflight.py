@@ -130,7 +130,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
         step_s = flops * job.num_workers / (min(job.num_workers, cores) * CPU_FLOPS_PER_CORE)
         if step_s > MAX_LOCAL_STEP_S:
             _fail(field, value,
-                  f"one step of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
+                  f"one step of {job.model_label} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
                   f"{flops:.1e} FLOPs per worker (attention grows with seq_len squared), over "
                   f"{step_s / 60:,.0f} min per step on this machine's {cores} core(s){positions}: {fix}, "
                   f"or train on GPUs")
@@ -153,7 +153,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
         field, value = ("num_experts", preset.num_experts) if job.num_experts else ("preset", job.preset)
         fix = "use fewer --num-experts or --num-layers, or a smaller --preset"
     _fail(field, value,
-          f"{workers} worker(s) of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
+          f"{workers} worker(s) of {job.model_label} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
           f"{need / gib:.1f} GiB (per worker {estimate['activations'] / gib:.1f} GiB activations, "
           f"{estimate['params'] / gib:.1f} GiB parameters and optimizer state), more than {where} "
           f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")

@@ -151,3 +151,17 @@ def test_train_init_from_refuses_overrides_that_change_the_weights_and_non_mixtr
         _train_job(tmp_path, "--init-from", str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=r"no config.json there"):
         _train_job(tmp_path, "--init-from", str(tmp_path))
+
+
+def test_data_prepare_with_a_checkpoints_tokenizer_says_how_to_start_from_it(tmp_path, capsys):
+    from app import cli
+    from lm.tokenizer import byte_tokenizer_as_hf
+
+    _tiny_mixtral(tmp_path / "hf")
+    byte_tokenizer_as_hf().save(tmp_path / "hf")
+    (tmp_path / "text.txt").write_text("def main():\n    return 1\n" * 200)
+    assert cli.main(["data", "prepare", "--source", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "hf"),
+                     "--out", str(tmp_path / "data"), "--row-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert f"train on it with: mpipemoe train --init-from {(tmp_path / 'hf').resolve()} --data-dir " \
+           f"{tmp_path / 'data'}" in printed
