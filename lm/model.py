@@ -548,8 +548,9 @@ class MoETransformer(nn.Module):
         """Logits of the LM head (the token embedding, or ``lm_head`` when untied). Its rows
         are padded with zeros to a multiple of HEAD_ROWS_MULTIPLE for the product and the
         padding's logits are cut off: with a row count like the byte tokenizer's 259, each
-        row of the logits starts off the 16-byte alignment, and cuBLAS fell back to slow kernels (6 ms of a gpt-xl step at
-        batch 128 on an H200). The logits of the real rows are the same numbers."""
+        row of the logits starts off the 16-byte alignment, and cuBLAS fell back to slow
+        kernels (6 ms of a gpt-xl step at batch 128 on an H200). The logits of the real
+        rows are the same numbers."""
         head_VD = self.tok_embed.weight if self.lm_head is None else self.lm_head.weight
         vocab = head_VD.shape[0]
         padding = -vocab % HEAD_ROWS_MULTIPLE

@@ -200,7 +200,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         from safetensors import safe_open
 
         self.handles = [safe_open(str(path), framework="pt") for path in files]
-        self.where = {name: handle for handle in self.handles for name in handle.keys()}  # type: ignore[no-untyped-call]
+        names = [(handle, handle.keys()) for handle in self.handles]  # type: ignore[no-untyped-call]
+        self.where = {name: handle for handle, keys in names for name in keys}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor: torch.Tensor = self.where[name].get_tensor(name)  # type: ignore[no-untyped-call]

@@ -47,7 +47,8 @@ def test_the_flag_and_the_config_keys_set_it_and_off_is_the_default(tmp_path):
                                          r"inductor, aot_eager"):
         _job(tmp_path, config='compile-backend = "cudagraphs"\n')
     with pytest.raises(ValueError, match=r"WorkerConfig.compile='yes' is invalid"):
-        WorkerConfig(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="d", compile="yes")  # type: ignore[arg-type]
+        WorkerConfig(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="d",
+                     compile="yes")  # type: ignore[arg-type]
 
 
 def test_the_local_parts_are_compiled_and_the_dispatch_and_names_are_not():
