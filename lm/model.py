@@ -7,7 +7,8 @@
 Every block is pre-norm: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``; the feed-forward of
 *every* block is a MoE layer from ``moe_engine`` (docs/design.md §4.1), so a preset with L
 layers has L MoE layers. Attention uses ``F.scaled_dot_product_attention`` (causal for
-GPT, bidirectional for BERT). The LM head is tied to the token embedding.
+GPT, bidirectional for BERT). The LM head is tied to the token embedding, or (``tied_head``
+False, as Mixtral's checkpoints have it) a matrix of its own.
 
 The architecture fields of a preset: ``norm`` (LayerNorm or RMSNorm), ``positions`` (learned
 embeddings, or rotary on q and k in Hugging Face's layout: ``rotate_half`` pairs dimension i
@@ -38,7 +39,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,10 @@ PARTITION_CHOICES = "'auto' or an integer >= 1"
 #              one block's activations are live at a time (the MoE engine replays the
 #              recorded plan of the forward it recomputes).
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# torch.compile backends of ``compile_local_parts``: inductor generates fused kernels (C++ on CPU,
+# Triton on GPU); aot_eager captures the same graphs (forward and backward) and runs them with
+# eager kernels, compiling in seconds (a check that the graphs capture, as torchtitan offers).
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 def _fail(field: str, value, fix: str) -> None:
@@ -94,6 +99,9 @@ class ModelPreset:
                      "rotary" (q and k rotated per head, base ``rope_theta``; no parameters).
     bias:            biases on the attention projections and the experts (b1, b2).
     router_rule:     how the gate weights come from the router's logits (moe_engine ROUTER_RULES).
+    tied_head:       the LM head is the token embedding (True), or a [vocab_size, d_model]
+                     matrix of its own, ``lm_head.weight`` (False: transformers'
+                     ``tie_word_embeddings=False``, Mixtral's default).
     """
 
     kind: str
@@ -113,6 +121,7 @@ class ModelPreset:
     rope_theta: float = 10000.0
     bias: bool = True
     router_rule: str = "softmax-then-topk"
+    tied_head: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -137,8 +146,9 @@ class ModelPreset:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 _fail(name, value, "give a finite number > 0 (e.g. 1e-5 for norm_eps, 10000.0 for rope_theta)")
-        if not isinstance(self.bias, bool):
-            _fail("bias", self.bias, "give True or False")
+        for name in ("bias", "tied_head"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "give True or False")
         if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
             _fail("positions", self.positions, f"rotary positions rotate pairs of a head's dimensions: choose "
                   f"num_heads so that d_model / num_heads (now {self.d_model // self.num_heads}) is even, "
@@ -180,7 +190,7 @@ def valid_expert_degrees(num_experts: int, world_size: int) -> list[int]:
 
 # Fields added after the first checkpoints were written; `ModelPreset.as_dict` leaves them out at
 # their defaults.
-ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule")
+ARCHITECTURE_FIELDS = ("norm", "norm_eps", "positions", "rope_theta", "bias", "router_rule", "tied_head")
 # Mixtral's architecture: RMSNorm, rotary positions, no biases, SwiGLU experts, top-k-then-softmax gate.
 MIXTRAL_STYLE: Mapping[str, Any] = MappingProxyType({
     "norm": "rmsnorm", "positions": "rotary", "rope_theta": 1e6, "bias": False, "activation": "swiglu",
@@ -217,12 +227,12 @@ MODEL_OVERRIDES = ("seq_len", "num_experts", "num_layers") + ROUTING_OVERRIDES
 
 
 def check_routing_overrides(settings, fail) -> None:
-    """The routing overrides of ``settings`` (an app.jobs.job.TrainJob: None keeps the
-    preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
+    """The routing overrides of ``settings`` (an app.jobs.job.TrainJob, with ``base_preset()``:
+    None keeps the preset's): ``fail(field, value, fix)`` raises for the first bad one, naming its flag."""
     top_k, factor, activation = settings.top_k, settings.capacity_factor, settings.activation
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         fail("top_k", top_k, "give an integer >= 1 (--top-k, experts per token), or leave it unset for the preset's")
-    experts = settings.num_experts or get_preset(settings.preset).num_experts
+    experts = settings.num_experts or settings.base_preset().num_experts
     if top_k is not None and top_k > experts:
         fail("top_k", top_k, f"choose at most the {experts} experts per MoE layer (--top-k), or more --num-experts")
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
@@ -405,6 +415,29 @@ class Block(nn.Module):
         return x_BSD + moe_out_BSD, aux_loss, z_loss
 
 
+def compile_local_parts(model: MoETransformer, backend: str = "inductor") -> None:
+    """torch.compile, in place (``nn.Module.compile``: parameter names and checkpoints are
+    unchanged), of what each block runs locally with static shapes: its two norms, its
+    attention and its MoE layer's router; and the final norm. The MoE dispatch stays eager:
+    its All-to-Alls, the token counts it reads on the host and the expert GEMMs of
+    data-dependent shapes would break the graph or recompile at every step. Compiling
+    happens at the first forward and backward (``compile_seconds`` counts it)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile_backend={backend!r} is invalid: choose one of {', '.join(COMPILE_BACKENDS)}")
+    for block in cast("list[Block]", list(model.blocks)):
+        for module in (block.ln1, block.attn, block.ln2, cast(nn.Module, block.moe.router)):
+            module.compile(backend=backend)
+    model.ln_f.compile(backend=backend)
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent in torch.compile so far (Dynamo's capture, AOT
+    autograd and the backend, forward and backward graphs; torch's own counter)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
 def preset_moe_config(preset: ModelPreset) -> MoEConfig:
     """The MoE layers' configuration of a model of ``preset``."""
     return MoEConfig(d_model=preset.d_model, d_hidden=preset.d_hidden, num_experts=preset.num_experts,
@@ -490,6 +523,7 @@ class MoETransformer(nn.Module):
                                                    **layer_options), activation_checkpointing)
             for _ in range(preset.num_layers))
         self.ln_f = make_norm(preset)
+        self.lm_head = None if preset.tied_head else nn.Linear(preset.d_model, preset.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, ids_checked: bool = False,
                 with_z_loss: bool = False) -> tuple[torch.Tensor, ...]:
@@ -519,12 +553,13 @@ class MoETransformer(nn.Module):
         return logits_BSV, torch.stack(aux_losses).mean()
 
     def _lm_head(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """Logits of the tied LM head. Its rows are padded with zeros to a multiple of
-        HEAD_ROWS_MULTIPLE for the product and the padding's logits are cut off: with a
-        row count like the byte tokenizer's 259, each row of the logits starts off the
-        16-byte alignment, and cuBLAS fell back to slow kernels (6 ms of a gpt-xl step at
-        batch 128 on an H200). The logits of the real rows are the same numbers."""
-        head_VD = self.tok_embed.weight
+        """Logits of the LM head (the token embedding, or ``lm_head`` when untied). Its rows
+        are padded with zeros to a multiple of HEAD_ROWS_MULTIPLE for the product and the
+        padding's logits are cut off: with a row count like the byte tokenizer's 259, each
+        row of the logits starts off the 16-byte alignment, and cuBLAS fell back to slow
+        kernels (6 ms of a gpt-xl step at batch 128 on an H200). The logits of the real
+        rows are the same numbers."""
+        head_VD = self.tok_embed.weight if self.lm_head is None else self.lm_head.weight
         vocab = head_VD.shape[0]
         padding = -vocab % HEAD_ROWS_MULTIPLE
         if padding:
@@ -662,7 +697,8 @@ def estimate_worker_bytes(preset: ModelPreset, batch_size: int, world_size: int,
     d, h, layers, experts, k = (preset.d_model, preset.d_hidden, preset.num_layers, preset.num_experts,
                                 preset.top_k)
     ffn = 3 if preset.activation == "swiglu" else 2
-    dense = preset.vocab_size * d + preset.seq_len * d + layers * (4 * d * d + experts * d + 9 * d) + 2 * d
+    head = (1 if preset.tied_head else 2) * preset.vocab_size * d  # the embedding, and an untied head
+    dense = head + preset.seq_len * d + layers * (4 * d * d + experts * d + 9 * d) + 2 * d
     expert = layers * (experts // max(1, world_size)) * (ffn * d * h + h + d)
     params = (dense + expert) * (2 * dtype_bytes + 8)
     tokens = batch_size * preset.seq_len

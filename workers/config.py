@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 from lm.data import MASK_ID
-from lm.model import ModelPreset, check_activation_checkpointing
+from lm.model import COMPILE_BACKENDS, ModelPreset, check_activation_checkpointing
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 
 SCHEDULE_CHOICES = ("sequential", "overlapped", "auto")  # micro-batch schedules (workers/schedules.py)
@@ -136,6 +136,10 @@ class WorkerConfig:
     hold_steps:          steps after which rank 0 waits for the driver's decision to go on or stop
                          (``stop_flag``): a sweep's ASHA rungs, so a pruned trial ends at its rung.
     resume_from:         a checkpoint directory a resumed run starts from (the driver's choice).
+    compile, compile_backend: torch.compile of each block's norms, attention and router (the MoE
+                         dispatch eager; lm.model ``compile_local_parts``) with this backend.
+    init_from:           a Hugging Face Mixtral-style folder whose weights a fresh run starts from
+                         (each rank reads its own experts: workers/hf_mixtral.py ``read_mixtral_shard``).
     data_shards:         rank streams the data is read as (None: one per worker); a run resumed on
                          another worker count keeps its first count (workers/reshard.py).
     fault:               fault-injection tests only (workers/loop.py ``fault_here``).
@@ -194,8 +198,15 @@ class WorkerConfig:
     micro_batch_schedule: str = "sequential"
     expert_parallel: int | None = None
     activation_checkpointing: str = "none"
+    init_from: str | None = None
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "give True or False")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            _fail("compile_backend", self.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
         if isinstance(self.preset, dict):  # as checkpoints and older callers give it
             object.__setattr__(self, "preset", ModelPreset(**self.preset))
         if not isinstance(self.preset, ModelPreset):

@@ -3,13 +3,15 @@ checkpoint, and back: the ``config.json`` fields and the tensor names and layout
 
     tensors = to_mixtral(model.state_dict(), model.preset)     # the same tensors under HF's names
     state = from_mixtral(tensors, preset)                        # our state_dict again
-    preset, state = read_mixtral("checkpoints/mixtral")          # a Hugging Face folder (--init-from)
+    preset, state = read_mixtral("checkpoints/mixtral")          # a Hugging Face folder, every tensor
+    state = read_mixtral_shard(folder, preset, experts=range(4, 8))  # one rank's experts (train --init-from)
 
 The names are those of Mixtral's published checkpoints, which every transformers version
 loads without remote code (5.x merges the experts into ``mlp.experts.gate_up_proj`` and
 ``down_proj`` on load, with its Mixtral conversion mapping):
 
-    model.embed_tokens.weight                                  tok_embed.weight (the LM head: tied)
+    model.embed_tokens.weight                                  tok_embed.weight (the LM head when tied)
+    lm_head.weight                                             lm_head.weight (tie_word_embeddings false)
     model.layers.L.input_layernorm.weight                      blocks.L.ln1.weight
     model.layers.L.self_attn.{q,k,v}_proj.weight               blocks.L.attn.qkv.weight, rows cut in 3
     model.layers.L.self_attn.o_proj.weight                     blocks.L.attn.proj.weight
@@ -25,6 +27,7 @@ rotary positions use transformers' layout (``rotate_half``), so no permutation i
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +53,7 @@ def mixtral_config(preset: ModelPreset, tokenizer: Any) -> dict[str, Any]:
         "hidden_act": "silu", "max_position_embeddings": preset.seq_len, "rms_norm_eps": preset.norm_eps,
         "rope_theta": preset.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": preset.rope_theta},
         "sliding_window": None, "num_local_experts": preset.num_experts, "num_experts_per_tok": preset.top_k,
-        "tie_word_embeddings": True, "attention_dropout": 0.0, "router_jitter_noise": 0.0,
+        "tie_word_embeddings": preset.tied_head, "attention_dropout": 0.0, "router_jitter_noise": 0.0,
         "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
         "torch_dtype": "float32",
     }
@@ -71,6 +74,8 @@ def to_mixtral(state: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str,
                          f"in mpipemoe's own format, which keeps the bias)")
     D = preset.d_model
     tensors = {"model.embed_tokens.weight": state["tok_embed.weight"], "model.norm.weight": state["ln_f.weight"]}
+    if not preset.tied_head:
+        tensors["lm_head.weight"] = state["lm_head.weight"]
     for layer in range(preset.num_layers):
         ours, theirs = f"blocks.{layer}", f"{PREFIX}.{layer}"
         tensors[f"{theirs}.input_layernorm.weight"] = state[f"{ours}.ln1.weight"]
@@ -86,9 +91,11 @@ def to_mixtral(state: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str,
     return tensors
 
 
-def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[str, torch.Tensor]:
-    """Local. Our ``state_dict`` from transformers' Mixtral tensors (``to_mixtral``'s inverse);
-    raises ValueError naming a missing tensor."""
+def from_mixtral(tensors: Mapping[str, torch.Tensor], preset: ModelPreset,
+                 experts: range | None = None) -> dict[str, torch.Tensor]:
+    """Local. Our ``state_dict`` from transformers' Mixtral tensors (``to_mixtral``'s inverse),
+    with the experts ``experts`` (None: all) of each layer; raises ValueError naming a missing
+    tensor. ``tensors`` may be lazy (``LazyTensors``): only the tensors taken are read."""
     def take(name: str) -> torch.Tensor:
         try:
             return tensors[name]
@@ -96,7 +103,10 @@ def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[
             raise ValueError(f"the Mixtral checkpoint lacks {name}: give a complete one (an mpipemoe export: export "
                              f"the run again)") from None
 
+    experts = range(preset.num_experts) if experts is None else experts
     state = {"tok_embed.weight": take("model.embed_tokens.weight"), "ln_f.weight": take("model.norm.weight")}
+    if not preset.tied_head:
+        state["lm_head.weight"] = take("lm_head.weight")
     for layer in range(preset.num_layers):
         ours, theirs = f"blocks.{layer}", f"{PREFIX}.{layer}"
         state[f"{ours}.ln1.weight"] = take(f"{theirs}.input_layernorm.weight")
@@ -107,7 +117,7 @@ def from_mixtral(tensors: dict[str, torch.Tensor], preset: ModelPreset) -> dict[
         for weight in EXPERT_WEIGHTS:
             state[f"{ours}.moe.experts.{weight}"] = torch.stack(
                 [take(f"{theirs}.block_sparse_moe.experts.{j}.{weight}.weight").t()
-                 for j in range(preset.num_experts)])
+                 for j in experts])
     return state
 
 
@@ -143,9 +153,6 @@ def mixtral_preset(config: dict[str, Any]) -> ModelPreset:
                 f"{config['hidden_size'] // heads} wide")
     if config.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", config["hidden_act"], "Mixtral's experts are SwiGLU (silu)")
-    if not config.get("tie_word_embeddings", False):
-        _refuse("tie_word_embeddings", config.get("tie_word_embeddings", False),
-                "our LM head is the token embedding (tied)")
     for field, plain in (("router_jitter_noise", 0.0), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(field, plain) != plain:
             _refuse(field, config[field], f"our router and projections take {field}={plain!r}")
@@ -160,34 +167,75 @@ def mixtral_preset(config: dict[str, Any]) -> ModelPreset:
         num_layers=config["num_hidden_layers"], num_heads=heads, num_experts=config["num_local_experts"],
         top_k=config["num_experts_per_tok"], seq_len=config.get("max_position_embeddings", 4096),
         vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-5),
+        tied_head=bool(config.get("tie_word_embeddings", False)),  # MixtralConfig's default: an untied head
         **{**MIXTRAL_STYLE, "rope_theta": float(rope.get("rope_theta", 1e6))})
 
 
-def read_mixtral(directory: str | Path) -> tuple[ModelPreset, dict[str, torch.Tensor]]:
-    """Local. (preset, our state_dict) of a Hugging Face Mixtral checkpoint folder:
-    ``config.json`` and ``model.safetensors`` (or the shards that
-    ``model.safetensors.index.json`` lists). Raises ValueError naming a missing file or
-    field."""
+def read_mixtral_config(directory: str | Path) -> ModelPreset:
+    """Local. The preset of the Hugging Face Mixtral checkpoint folder ``directory`` (its
+    ``config.json``, ``mixtral_preset``); raises ValueError naming a missing file or field."""
     import json
-
-    from safetensors.torch import load_file
 
     folder = Path(directory)
     if not (folder / "config.json").is_file():
         raise ValueError(f"--init-from {directory}: no config.json there: give a Hugging Face Mixtral "
                          f"checkpoint folder (config.json and safetensors)")
-    preset = mixtral_preset(json.loads((folder / "config.json").read_text()))
+    return mixtral_preset(json.loads((folder / "config.json").read_text()))
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    """Local. The safetensors files of a checkpoint folder: ``model.safetensors``, or the shards
+    that ``model.safetensors.index.json`` lists; raises ValueError naming a missing one."""
+    import json
+
+    folder = Path(directory)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+        names = ["model.safetensors"]
     else:
         raise ValueError(f"--init-from {directory}: no model.safetensors (nor model.safetensors.index.json) "
                          f"there: give the folder with the checkpoint's weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in names:
         if not (folder / name).is_file():
             raise ValueError(f"--init-from {directory}: {name} is missing (model.safetensors.index.json names it)")
-        tensors.update(load_file(str(folder / name)))
-    return preset, {k: v.float() for k, v in from_mixtral(tensors, preset).items()}
+    return [folder / name for name in names]
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files by name, each read (memory-mapped) only when taken, in
+    float32: a rank reads its own experts, not the whole checkpoint."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self.handles = [safe_open(str(path), framework="pt") for path in files]
+        names = [(handle, handle.keys()) for handle in self.handles]  # type: ignore[no-untyped-call]
+        self.where = {name: handle for handle, keys in names for name in keys}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = self.where[name].get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor.float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def read_mixtral_shard(directory: str | Path, preset: ModelPreset, experts: range) -> dict[str, torch.Tensor]:
+    """Local. Our ``state_dict`` (float32) with the experts ``experts`` of each layer, read from
+    the checkpoint folder ``directory`` of ``preset`` (``read_mixtral_config``'s): only those
+    tensors are read. Raises ValueError naming a missing file or tensor."""
+    return from_mixtral(LazyTensors(weight_files(directory)), preset, experts)
+
+
+def read_mixtral(directory: str | Path) -> tuple[ModelPreset, dict[str, torch.Tensor]]:
+    """Local. (preset, our state_dict, every expert) of a Hugging Face Mixtral checkpoint
+    folder: ``config.json`` and ``model.safetensors`` (or the shards that
+    ``model.safetensors.index.json`` lists). Raises ValueError naming a missing file or
+    field."""
+    preset = read_mixtral_config(directory)
+    return preset, read_mixtral_shard(directory, preset, range(preset.num_experts))

@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from lm.data import ValidationBatches, open_val_stream
-from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, init_parameters, lm_batch,
-                      lm_loss, model_flops_per_token)
+from lm.model import (IGNORE_INDEX, ModelPreset, MoETransformer, check_token_ids, compile_local_parts, compile_seconds,
+                      init_parameters, lm_batch, lm_loss, model_flops_per_token)
 from moe_engine import HostBufferPool
 from moe_engine.comm import CollectiveLog
 from moe_engine.layers import MoELayerBase
@@ -301,15 +301,33 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
                            activation_checkpointing=config.activation_checkpointing)
     model.to(device=device)  # float32 master parameters; compute dtype via autocast
     init_parameters(model, config.seed, layout.expert_rank)
+    if config.init_from:  # a pretrained start: every rank reads what it holds, its experts only
+        load_pretrained(model, config.init_from, layout.expert_rank)
     if config.param_dtype != "float32":  # pure low-precision training, for comparison
         model.to(dtype=getattr(torch, config.param_dtype))
         for router in (m for m in model.modules() if isinstance(m, Router)):
             router.expert_bias.data = router.expert_bias.data.float()  # (steps of 1e-3 would round away in bf16)
+    if config.compile:  # the blocks' local parts; compiled at the first step (compile_time_s)
+        compile_local_parts(model, config.compile_backend)
     parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,
                              device=device, compute_dtype=getattr(torch, config.dtype),
                              timeout_s=config.collective_timeout_s, replica_group=replica_group,
                              replicas=layout.replicas)
     return ParallelModel(layout, schedule, reason, model, parallel)
+
+
+def load_pretrained(model: MoETransformer, directory: str, expert_rank: int) -> None:
+    """Local. The weights of the Hugging Face Mixtral-style folder ``directory`` into ``model``,
+    the experts of ``expert_rank`` (global experts rank·L .. (rank+1)·L - 1 of each layer, as
+    ``init_parameters`` places them). Each rank reads its own tensors (memory-mapped, only
+    those it holds) instead of rank 0 broadcasting them: no collective and no rank holding
+    the whole model, and the folder is where the data already must be (shared storage or a
+    copy on every node)."""
+    from workers.hf_mixtral import read_mixtral_shard
+
+    local = cast(MoELayerBase, model.blocks[0].moe).local_experts
+    experts = range(expert_rank * local, (expert_rank + 1) * local)
+    model.load_state_dict(read_mixtral_shard(directory, model.preset, experts), strict=True)
 
 
 class Trainer:
@@ -581,11 +599,13 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
     # Offload buffers may take a fair share of the node's free host memory (else S4); the
     # pool's cap defaults to the same share of the node's installed memory.
     host_pool = HostBufferPool(usable_fraction=0.8 / max(1, context.get_local_world_size()))
-    trainer = Trainer(config, rank, world_size, device, host_pool)
-
-    start_step = 0
     checkpoint = ray.train.get_checkpoint()  # a restart within this run: the last one reported
     resume_from = config.resume_from  # a resumed run: the newest complete one (driver's choice)
+    # --init-from's weights start a fresh run only (a checkpoint replaces them: not read)
+    trainer = Trainer(config if checkpoint is None and not resume_from else config.replace(init_from=None),
+                      rank, world_size, device, host_pool)
+
+    start_step = 0
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             meta = ckpt.load(directory, rank, world_size, trainer.parallel, trainer.optimizer, config.preset_dict(),
@@ -625,8 +645,10 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # 7. slowest rank's time, largest peak memory; stop (Ctrl-C) if rank 0 was asked to
-        step_time, peak, stopping = reduce_max([time.perf_counter() - started, peak_memory_bytes(device),
-                                                float(stop.requested())], device, world_size)
+        # (and the slowest rank's time in torch.compile so far, in the same reduction)
+        step_time, peak, stopping, compiling = reduce_max(
+            [time.perf_counter() - started, peak_memory_bytes(device), float(stop.requested()),
+             compile_seconds() if config.compile else 0.0], device, world_size)
         # 8. report
         metrics = {
             "step": step,
@@ -643,6 +665,7 @@ def train_fn_per_worker(config: WorkerConfig) -> None:
             "attempt": attempt,
             **trainer.model.engine_choices(),
             "micro_batch_schedule": trainer.schedule,  # (auto's choice; a tag, not a metric)
+            **({"compile_time_s": compiling} if config.compile else {}),  # this process's, so far
         }
         # 8a. collective, at log steps only: per-expert load since the last one (workers/load.py)
         last = step == config.steps or stopping

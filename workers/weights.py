@@ -97,7 +97,8 @@ def model_config(model: MoETransformer, tokenizer: Any, source: dict[str, Any]) 
         "pre_norm": True, "position_embedding_type": preset.positions,
         "rope_theta": preset.rope_theta if preset.positions == "rotary" else None,
         "attention_bias": preset.bias, "expert_bias": preset.bias, "router_rule": preset.router_rule,
-        "capacity_factor": preset.capacity_factor, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "capacity_factor": preset.capacity_factor, "tie_word_embeddings": preset.tied_head,
+        "torch_dtype": "float32",
         "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id, **ours,
     }
 

@@ -2,6 +2,7 @@
 
     mpipemoe data prepare                       # default: this Python's stdlib sources
     mpipemoe data prepare --source ~/books --out data/books
+    mpipemoe data prepare --tokenizer checkpoints/mixtral --out data/mixtral   # a checkpoint's tokenizer.json
     mpipemoe data info [--data-dir DIR]
 """
 from __future__ import annotations
@@ -72,5 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if empty:
         print(f"skipped {empty} null or empty text(s) (" + ", ".join(f"{Path(path).name}: {count}" for path, count
                                                                     in list(by_file.items())[:3]) + ")")
-    print(f"train on it with: {invocation()} train --data-dir {out}")
+    spec = TokenizerSpec.parse(args.tokenizer)
+    model = Path(spec.path).parent if spec.path else None
+    start_from = f" --init-from {model}" if model is not None and (model / "config.json").is_file() else ""
+    print(f"train on it with: {invocation()} train{start_from} --data-dir {out}")  # a checkpoint's tokenizer: from it
     return 0

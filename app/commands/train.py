@@ -5,6 +5,8 @@
     mpipemoe train --preset gpt-s --use-gpu --num-workers 8 --address auto
     mpipemoe train --resume tiny-gpt-mpipemoe-20260101-120000-ab12 --steps 60
     mpipemoe train --config run.toml --steps 300     # a TOML file's options, flags override
+    mpipemoe train --compile                         # torch.compile of the blocks' local parts
+    mpipemoe train --init-from checkpoints/mixtral --data-dir data/mixtral   # a Hugging Face Mixtral start
 
 The job itself (``TrainJob``: app/jobs/job.py; ``run_job``: checks, Ray, the trainer, MLflow:
 app/jobs/launch.py) is shared with the sweep and capacity commands; this module is the command
@@ -27,7 +29,7 @@ from app.jobs.resume import resume_command, resumed_job_fields
 from app.jobs.train_config import read_train_config
 from app.tracking.store import resolve_tracking_uri
 from lm.errors import invocation
-from lm.model import ACTIVATION_CHECKPOINTING, PRESETS
+from lm.model import ACTIVATION_CHECKPOINTING, COMPILE_BACKENDS, PRESETS
 from moe_engine.config import ACTIVATIONS, ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import LR_SCHEDULES, NONFINITE_POLICIES, OPTIMIZER_IMPLS, SCHEDULE_CHOICES
 
@@ -140,6 +142,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer keeps its activations); full = the whole block (each keeps only its input; the MoE layer's "
         "All-to-Alls run again; with several workers per expert group it takes the sequential schedule)",
         choices=ACTIVATION_CHECKPOINTING)
+    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
+                        help="torch.compile each block's norms, attention and router (the MoE dispatch stays "
+                             "eager); compiled at the first step, its time shown on the progress line and logged "
+                             "as compile_time_s")
+    add("--compile-backend", "torch.compile backend with --compile: inductor (fused kernels) or aot_eager "
+        "(the same graphs with eager kernels; compiles in seconds)", choices=COMPILE_BACKENDS)
+    add("--init-from", "start from a Hugging Face Mixtral-style checkpoint folder (config.json, safetensors, "
+        "tokenizer.json): the model comes from its config.json (not --preset), its weights start the run, and "
+        "the data must be prepared with its tokenizer (mpipemoe data prepare --tokenizer DIR)", metavar="DIR")
     add("--keep-checkpoints", "complete checkpoints to keep (older ones are deleted); 0 keeps all", type=int)
     parser.add_argument("--async-checkpoint", dest="async_checkpoint", action="store_true", default=None,
                         help="copy each checkpoint to host memory and write its shards while the next step trains")

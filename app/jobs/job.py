@@ -20,8 +20,8 @@ import torch
 
 from app.tracking.store import check_store_form, resolve_tracking_uri
 from lm import data as data_lib
-from lm.model import (MODEL_OVERRIDES, MoETransformer, check_activation_checkpointing, check_routing_overrides, get_preset, leanest_moe_memory,
-                      param_counts)
+from lm.model import (COMPILE_BACKENDS, MODEL_OVERRIDES, ModelPreset, MoETransformer, check_activation_checkpointing,
+                      check_routing_overrides, get_preset, leanest_moe_memory, param_counts)
 from moe_engine.config import ENGINES, SPLITS, STRATEGY_CHOICES
 from workers.config import (DECAY_FRACTION, NONFINITE_POLICIES, SCHEDULE_CHOICES, WorkerConfig, check_optimisation,
                             sync_free_capacity_refusal)
@@ -72,6 +72,21 @@ def check_run_name(name, flag: str = "--name") -> None:
     if problem:
         raise ValueError(f"{flag} {name!r} is not a run name: {problem}; give one folder name such as "
                          f"my-run-1 (it is created inside --storage-path)")
+
+
+def base_preset(preset: str, init_from: str | None = None) -> ModelPreset:
+    """Local. The model a job starts from before its overrides: the preset called ``preset``,
+    or, with ``init_from`` (a Hugging Face Mixtral-style folder), the one its config.json
+    describes (workers/hf_mixtral.py ``mixtral_preset``; raises ValueError naming the field)."""
+    if init_from is None:
+        return get_preset(preset)
+    from workers.hf_mixtral import read_mixtral_config
+
+    return read_mixtral_config(init_from)
+
+
+# Overrides that would change the parameters' shapes or meaning, which a checkpoint's weights fix.
+INIT_FROM_FIXED = ("num_experts", "num_layers", "activation")
 
 
 # TrainJob fields that a resume sets from the recorded run, not a user: a config file or a
@@ -152,9 +167,16 @@ class TrainJob:
                                        # attention) | full (the whole block; lm.model ACTIVATION_CHECKPOINTING)
     data_shards: int | None = None     # rank streams the data is read as; None: num_workers (a run
                                        # resumed on another worker count keeps its first; workers/reshard.py)
+    compile: bool = False              # torch.compile each block's norms, attention and router (the MoE
+                                       # dispatch eager; lm.model compile_local_parts)
+    compile_backend: str = "inductor"  # inductor (fused kernels) | aot_eager (graphs captured, eager kernels)
+    init_from: str | None = None       # a Hugging Face Mixtral-style folder (config.json, safetensors,
+                                       # tokenizer.json): the model's shape and first weights (not --preset's)
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.init_from is not None:
+            self._check_init_from()
         if self.engine not in ENGINES:
             _fail("engine", self.engine, f"choose one of {', '.join(ENGINES)}")
         for field in ("steps", "num_workers", "batch_size", "log_every", "collective_timeout_s", "grad_accum"):
@@ -220,6 +242,11 @@ class TrainJob:
             _fail("micro_batch_schedule", self.micro_batch_schedule, "--shard-dense (FSDP2) takes the sequential "
                   "schedule: drop --shard-dense, or use --micro-batch-schedule sequential or auto")
         check_activation_checkpointing(self.activation_checkpointing, _fail)
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "give true or false (--compile)")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            _fail("compile_backend", self.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)} "
+                  f"(--compile-backend)")
         if self.micro_batch_schedule == "overlapped" and (why := checkpointing_refusal(
                 self.activation_checkpointing, self.expert_parallel or self.num_workers)):
             _fail("micro_batch_schedule", self.micro_batch_schedule, why.replace(
@@ -254,7 +281,8 @@ class TrainJob:
         check_store_form(self.tracking_uri)  # before anything is prepared or written
         if self.name is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.name = f"{self.preset}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
+            model = Path(self.init_from).name if self.init_from else self.preset
+            self.name = f"{model}-{self.engine}-{stamp}-{uuid.uuid4().hex[:4]}"
         if (problem := run_name_problem(self.name)) is not None:
             _fail("name", self.name, f"{problem}: give one folder name such as my-run-1 (--name; it is "
                   f"created inside --storage-path)")
@@ -268,6 +296,19 @@ class TrainJob:
                       f"a worker's micro-batch has {tokens} tokens (--batch-size {self.batch_size} x seq_len "
                       f"{tokens // self.batch_size}) and each partition needs at least one: use --partitions "
                       f"{min(tokens, 8)} (at most {tokens}) or auto, or a larger --batch-size")
+
+    def _check_init_from(self) -> None:
+        """--init-from: an absolute folder whose config.json is Mixtral-style (read here, so a
+        refusal comes before anything starts), and no override that changes the weights' shapes."""
+        if not isinstance(self.init_from, str) or not self.init_from.strip():
+            _fail("init_from", self.init_from, "give the folder of a Hugging Face Mixtral-style checkpoint "
+                  "(config.json and safetensors), e.g. --init-from checkpoints/mixtral")
+        self.init_from = str(Path(self.init_from).expanduser().resolve())
+        preset = base_preset(self.preset, self.init_from)
+        for field in INIT_FROM_FIXED:
+            if getattr(self, field) is not None and getattr(self, field) != getattr(preset, field):
+                _fail(field, getattr(self, field), f"--init-from {self.init_from} fixes it to {getattr(preset, field)} "
+                      f"(its config.json): drop --{field.replace('_', '-')}")
 
     def _check_moe_memory_budget(self) -> None:
         """Refuse a --moe-memory-gib that no setting meets (priced in bfloat16, the smallest
@@ -290,10 +331,20 @@ class TrainJob:
                   + (", or --activation-checkpointing full (one MoE layer's activations live at a time)"
                      if self.activation_checkpointing != "full" else ""))
 
-    def model_preset(self, vocab_size: int | None = None):
-        """The preset with this job's overrides (seq_len, experts, layers, vocabulary)."""
-        return get_preset(self.preset).replace(vocab_size=vocab_size,
-                                               **{k: getattr(self, k) for k in MODEL_OVERRIDES})
+    @property
+    def model_label(self) -> str:
+        """How lines and tags name the model: the preset, or the --init-from folder's name."""
+        return f"{Path(self.init_from).name} (--init-from)" if self.init_from else self.preset
+
+    def base_preset(self) -> ModelPreset:
+        """The model before this job's overrides: --preset's, or --init-from's config.json."""
+        return base_preset(self.preset, self.init_from)
+
+    def model_preset(self, vocab_size: int | None = None) -> ModelPreset:
+        """The preset with this job's overrides (seq_len, experts, layers, vocabulary: the
+        data's, or with --init-from the checkpoint's, whose embedding fixes it)."""
+        return self.base_preset().replace(vocab_size=None if self.init_from else vocab_size,
+                                          **{k: getattr(self, k) for k in MODEL_OVERRIDES})
 
     def check_peer_partitions(self, degree: int) -> None:
         """Raise ValueError unless a fixed n split by peers divides the expert-parallel degree
@@ -342,7 +393,8 @@ def worker_config(job: TrainJob, use_gpu: bool, metrics_queue=None, gpus_per_nod
         collective_timeout_s=job.collective_timeout_s, data_shards=job.data_shards,
         mask_id=manifest.mask_id,  # the data's tokenizer decides its special ids
         lr_schedule=job.lr_schedule, min_lr=job.min_lr, optimizer_impl=job.optimizer_impl,
-        decay_fraction=job.decay_fraction,
+        decay_fraction=job.decay_fraction, init_from=job.init_from, compile=job.compile,
+        compile_backend=job.compile_backend,
         eval_every=job.eval_every, eval_batches=job.eval_batches, log_every=job.log_every,
     )
 

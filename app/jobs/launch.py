@@ -183,7 +183,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
                 run = RunLogger.start(job.tracking_uri, job.experiment, run_name=job.name,
                                       parent_run_id=job.parent_run_id,
                                       tags={"ray_train_name": job.name, "engine": job.engine,
-                                            "preset": job.preset, **kind_tags(TRAIN),
+                                            "preset": job.model_label, **kind_tags(TRAIN),
                                             "run_dir": str(job.run_dir)}, system_metrics=True)
                 run.log_params(_run_params(job, config))
         except Exception as error:  # the store passed check_store, then failed (full disk, lock, server)
@@ -202,7 +202,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.keep_offline(job.run_dir / PENDING_FILE, echo=echo)
         device = "GPU (nccl)" if config.use_gpu else "CPU (gloo)"
         accum = f" x {job.grad_accum} micro-batches" if job.grad_accum > 1 else ""
-        echo(f"[mpipemoe] {job.name}: {job.preset} / {job.engine}, {job.num_workers} workers (expert groups of "
+        echo(f"[mpipemoe] {job.name}: {job.model_label} / {job.engine}, {job.num_workers} workers (expert groups of "
              f"{config.expert_parallel}) on "
              f"{device}, {config.dtype} compute over {job.param_dtype} weights, dense part "
              f"{'FSDP2' if job.shard_dense else 'DDP'}, batch {job.batch_size}x{config.seq_len}{accum} "
@@ -253,7 +253,7 @@ def _run_locked(job, lock, address, echo, on_step, verbose, extra_config) -> dic
             run.log_metrics({f"summary_{k}": v for k, v in summary.items()
                              if k in ("final_loss", "tokens_per_s", "step_time_s", "peak_memory_bytes",
                                       "training_state_bytes", "model_tflops_per_s", "mfu", "final_val_loss",
-                                      "final_val_ppl")},
+                                      "final_val_ppl", "compile_time_s")},
                             step=summary.get("steps", 0))
         run.set_tags({k: summary[k] for k in ("partitions", "strategy", "split", "micro_batch_schedule",
                                               "checkpoint_path")

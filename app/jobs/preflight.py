@@ -15,7 +15,10 @@ from app.jobs.job import TrainJob, _fail
 from app.jobs.resume import RUN_DATA, prepare_again_command
 from lm import data as data_lib
 from lm.errors import invocation
-from lm.model import estimate_step_flops, estimate_worker_bytes, get_preset
+from lm.tokenizer import KNOWN_SPECIALS
+
+KNOWN_EOS = KNOWN_SPECIALS["eos"]
+from lm.model import estimate_step_flops, estimate_worker_bytes
 
 
 def ensure_data(job: TrainJob, echo=print) -> None:
@@ -26,6 +29,8 @@ def ensure_data(job: TrainJob, echo=print) -> None:
         raise FileNotFoundError(f"no prepared data at {job.data_dir} ({data_lib.MANIFEST} missing), which run "
                                 f"{job.name} trained on: prepare it again with the run's tokenizer: "
                                 f"`{prepare_again_command(kept, job.data_dir)}` (or give --data-dir)")
+    if job.init_from:
+        check_init_from_data(job)
     if Path(job.data_dir) == data_lib.default_data_dir():
         data_lib.ensure_default_data(job.data_dir, echo=echo)
     manifest = data_lib.Manifest.load(job.data_dir)  # raises naming the fix
@@ -42,6 +47,38 @@ def ensure_data(job: TrainJob, echo=print) -> None:
         echo(f"[mpipemoe] note: the validation split of {job.data_dir} holds fewer windows of {window} tokens "
              f"than the {job.num_workers} workers, so no validation loss is reported; prepare it with a larger "
              f"--val-fraction")
+
+
+def check_init_from_data(job: TrainJob) -> None:
+    """--init-from DIR: the data must be prepared with DIR's tokenizer.json (the same token ids
+    for the same text: the same vocabulary), and its ids must fit the checkpoint's embedding
+    (``vocab_size`` of config.json; the end-of-text, mask and padding tokens that ``data prepare``
+    adds to a tokenizer lacking them lie beyond it, and only end-of-text occurs in a decoder's
+    data). Raises naming the command that prepares it."""
+    from lm.tokenizer import TOKENIZER_FILE, HFTokenizer, load_prepared
+
+    assert job.init_from is not None
+    folder = Path(job.init_from)
+    prepare = (f"prepare it with `{invocation()} data prepare --source YOUR_TEXT --tokenizer {folder} --out "
+               f"data/{folder.name}` and give --data-dir data/{folder.name}")
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise ValueError(f"--init-from {folder}: no {TOKENIZER_FILE} there: the run's data must be tokenized as the "
+                         f"checkpoint was trained; copy the model's {TOKENIZER_FILE} into {folder}")
+    if not (Path(job.data_dir) / data_lib.MANIFEST).exists():
+        raise FileNotFoundError(f"--init-from {folder}: no prepared data at {job.data_dir}: {prepare}")
+    manifest = data_lib.Manifest.load(job.data_dir)
+    theirs = HFTokenizer.load(folder / TOKENIZER_FILE)
+    ours = load_prepared(job.data_dir, manifest.tokenizer_file)
+    if not isinstance(ours, HFTokenizer) or \
+            ours.tokenizer.get_vocab(with_added_tokens=True) != theirs.tokenizer.get_vocab(with_added_tokens=True):
+        raise ValueError(f"--init-from {folder}: the data at {job.data_dir} was prepared with tokenizer "
+                         f"{manifest.tokenizer} (vocabulary {manifest.vocab_size:,}), not {folder}'s {TOKENIZER_FILE}: "
+                         f"{prepare}")
+    vocab = job.base_preset().vocab_size
+    if manifest.eos_id >= vocab:
+        raise ValueError(f"--init-from {folder}: the data's end-of-text id {manifest.eos_id} lies outside the "
+                         f"checkpoint's vocab_size {vocab} (config.json): give a tokenizer.json whose end-of-text "
+                         f"token ({', '.join(KNOWN_EOS)}) is one of the model's")
 
 
 # Embedded local Ray on this machine: workers are whole PyTorch processes; beyond two per
@@ -82,7 +119,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
               f"workers on them ({WORKERS_PER_CORE} per core; each is a whole PyTorch process): use "
               f"--num-workers {WORKERS_PER_CORE * cores} or fewer (and --num-experts to match), or a cluster "
               f"(--address, docs/cluster.md)")
-    base = get_preset(job.preset)
+    base = job.base_preset()
     longer = preset.seq_len > base.seq_len
     field, value = ("seq_len", preset.seq_len) if longer else ("batch_size", job.batch_size)
     positions = f"; --seq-len {preset.seq_len} also grows {job.preset}'s {base.seq_len} learned positions" \
@@ -93,7 +130,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
         step_s = flops * job.num_workers / (min(job.num_workers, cores) * CPU_FLOPS_PER_CORE)
         if step_s > MAX_LOCAL_STEP_S:
             _fail(field, value,
-                  f"one step of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
+                  f"one step of {job.model_label} with batch {job.batch_size} x seq_len {preset.seq_len} is about "
                   f"{flops:.1e} FLOPs per worker (attention grows with seq_len squared), over "
                   f"{step_s / 60:,.0f} min per step on this machine's {cores} core(s){positions}: {fix}, "
                   f"or train on GPUs")
@@ -116,7 +153,7 @@ def check_sizes(job: TrainJob, local: bool, use_gpu: bool | None = None) -> None
         field, value = ("num_experts", preset.num_experts) if job.num_experts else ("preset", job.preset)
         fix = "use fewer --num-experts or --num-layers, or a smaller --preset"
     _fail(field, value,
-          f"{workers} worker(s) of {job.preset} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
+          f"{workers} worker(s) of {job.model_label} with batch {job.batch_size} x seq_len {preset.seq_len} need about "
           f"{need / gib:.1f} GiB (per worker {estimate['activations'] / gib:.1f} GiB activations, "
           f"{estimate['params'] / gib:.1f} GiB parameters and optimizer state), more than {where} "
           f"{have / gib:.1f} GiB{positions}: {fix}, or use fewer workers")

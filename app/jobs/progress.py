@@ -30,6 +30,7 @@ def _format_step(m: dict, steps: int, elapsed_s: float, eta_s: float | None = No
             f"aux {m['aux_loss']:.3f}  lr {m['lr']:.2e}  gnorm {m['grad_norm']:.2f}  tok/s {m['tokens_per_s']:>9,.0f}  "
             f"step {m['step_time_s']:.3f}s  peak {m['peak_memory_bytes'] / 2**20:,.0f} MiB"
             + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
+            + (f"  compile {m['compile_time_s']:.1f}s" if "compile_time_s" in m else "")
             + (f"  load {m['moe_load/imbalance_max']:.2f}" if "moe_load/imbalance_max" in m else "")
             + (f"  seen {_short_count(m['tokens_seen'])} tok" if "tokens_seen" in m else "")
             + (f"  ETA {_short_duration(eta_s)}" if eta_s is not None else ""))
@@ -166,7 +167,7 @@ def summarize(history: list[dict]) -> dict:
     for key in ("model_tflops_per_s", "mfu"):  # model FLOPs (docs/training.md); MFU on known GPUs
         if all(key in m for m in steady):
             summary[key] = statistics.median(m[key] for m in steady)
-    for key in ("partitions", "strategy", "split", "micro_batch_schedule"):
+    for key in ("partitions", "strategy", "split", "micro_batch_schedule", "compile_time_s"):
         if key in history[-1]:
             summary[key] = history[-1][key]
     evaluated = [m for m in history if "val_loss" in m]

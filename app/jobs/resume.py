@@ -15,7 +15,7 @@ import os
 import shlex
 from pathlib import Path
 
-from app.jobs.job import TrainJob, check_run_name
+from app.jobs.job import TrainJob, base_preset, check_run_name
 from app.tracking.run_kinds import SEGMENTS_TAG, run_segments
 from app.tracking.store import resolve_tracking_uri
 from lm import data as data_lib
@@ -171,7 +171,8 @@ def check_continues(job: TrainJob) -> None:
                          f"--name. Nothing was changed")
     try:
         recorded = json.loads(path.read_text())
-        old = get_preset(recorded["preset"]).replace(**{k: recorded.get(k) for k in MODEL_OVERRIDES})
+        old = base_preset(recorded["preset"], recorded.get("init_from")).replace(
+            **{k: recorded.get(k) for k in MODEL_OVERRIDES})
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"cannot read the settings of run {job.name} in {path} ({type(error).__name__}: {error}): "
                          f"choose another --name, or remove {job.run_dir} to start it afresh") from None

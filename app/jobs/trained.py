@@ -77,7 +77,10 @@ def trained_run(name: str, storage_path: str | None = None, echo=None) -> Traine
     manifest = Manifest.load(data_dir)  # raises naming the fix
     tokenizer = load_prepared(data_dir, manifest.tokenizer_file)
     model, meta = load_checkpoint_model(chosen)
-    if model.preset.vocab_size != tokenizer.vocab_size:
+    # --init-from: the checkpoint's embedding fixes the vocabulary; the mask and padding tokens that
+    # `data prepare` adds to a tokenizer lacking them lie beyond it (app/jobs/preflight.py)
+    pretrained = bool(recorded.get("init_from")) and tokenizer.eos_id < model.preset.vocab_size
+    if model.preset.vocab_size != tokenizer.vocab_size and not pretrained:
         raise ValueError(f"--run {name}: its model has a vocabulary of {model.preset.vocab_size} tokens, but the "
                          f"tokenizer of {data_dir} ({manifest.tokenizer}) has {tokenizer.vocab_size}: that data was "
                          f"prepared again with another tokenizer since the run trained; prepare it again with the "

@@ -50,11 +50,35 @@ def test_a_hugging_face_mixtral_gives_the_same_logits_in_our_model(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_export_import_export_gives_the_same_tensors(tmp_path):
+def test_an_untied_lm_head_is_read_and_gives_the_same_logits(tmp_path):
+    theirs = _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=False)
+    ours = _ours(tmp_path / "hf")
+    assert ours.preset.tied_head is False
+    torch.testing.assert_close(ours.lm_head.weight, theirs.lm_head.weight, rtol=0, atol=0)
+    assert not torch.equal(ours.lm_head.weight, ours.tok_embed.weight)
+    tokens_BS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens_BS)[0], theirs(tokens_BS).logits, rtol=0, atol=1e-5)
+
+
+def test_a_rank_reads_only_its_experts(tmp_path):
+    from workers.hf_mixtral import read_mixtral_config, read_mixtral_shard
+
+    _tiny_mixtral(tmp_path / "hf")
+    preset, whole = read_mixtral(tmp_path / "hf")
+    assert read_mixtral_config(tmp_path / "hf") == preset
+    second = read_mixtral_shard(tmp_path / "hf", preset, range(2, 4))
+    assert second["blocks.1.moe.experts.w1"].shape[0] == 2
+    torch.testing.assert_close(second["blocks.1.moe.experts.w2"], whole["blocks.1.moe.experts.w2"][2:4], rtol=0, atol=0)
+    torch.testing.assert_close(second["tok_embed.weight"], whole["tok_embed.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_import_export_gives_the_same_tensors(tmp_path, tied):
     from lm.tokenizer import ByteTokenizer
     from workers.weights import export
 
-    _tiny_mixtral(tmp_path / "hf")
+    _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=tied)
     first = _ours(tmp_path / "hf")
     export(first, tmp_path / "once", ByteTokenizer(), {"run": "x"})
     again = _ours(tmp_path / "once")
@@ -62,6 +86,8 @@ def test_export_import_export_gives_the_same_tensors(tmp_path):
     for name, tensor in to_mixtral(again.state_dict(), again.preset).items():
         torch.testing.assert_close(tensor, exported[name], rtol=0, atol=0)
     assert set(exported) == set(to_mixtral(again.state_dict(), again.preset))
+    assert ("lm_head.weight" in exported) is not tied
+    assert json.loads((tmp_path / "once" / "config.json").read_text())["tie_word_embeddings"] is tied
 
 
 @pytest.mark.parametrize("change, field", [
@@ -69,7 +95,7 @@ def test_export_import_export_gives_the_same_tensors(tmp_path):
     ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
     ({"shared_expert_intermediate_size": 128}, "shared_expert_intermediate_size=128"),
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
-    ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])
 def test_a_checkpoint_that_is_not_mixtral_style_is_refused_naming_the_field(tmp_path, change, field):
@@ -87,3 +113,55 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "hf" / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
         read_mixtral(tmp_path / "hf")
+
+
+def _train_job(tmp_path, *flags: str, config: str | None = None):
+    import argparse
+
+    from app.commands.train import add_arguments, job_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given = ["--storage-path", str(tmp_path), "--tracking-uri", "none", *flags]
+    if config is not None:
+        (tmp_path / "run.toml").write_text(config)
+        given += ["--config", str(tmp_path / "run.toml")]
+    return job_from_args(parser.parse_args(given))
+
+
+def test_train_init_from_takes_the_model_from_the_folder_by_flag_or_config_key(tmp_path):
+    _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=False)
+    job = _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--seq-len", "32")
+    assert job.init_from == str((tmp_path / "hf").resolve()) and job.name.startswith("hf-mpipemoe-")
+    preset = job.model_preset(vocab_size=1000)  # the checkpoint's embedding fixes the vocabulary
+    assert (preset.d_model, preset.num_experts, preset.top_k, preset.vocab_size, preset.seq_len, preset.tied_head) \
+        == (64, 4, 2, 300, 32, False)
+    assert _train_job(tmp_path, config=f'init-from = "{tmp_path / "hf"}"\n').init_from == job.init_from
+    assert _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--top-k", "3").model_preset().top_k == 3
+
+
+def test_train_init_from_refuses_overrides_that_change_the_weights_and_non_mixtral_folders(tmp_path):
+    _tiny_mixtral(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"TrainJob.num_experts=8 is invalid: --init-from .*hf fixes it to 4 "
+                                         r"\(its config.json\): drop --num-experts"):
+        _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--num-experts", "8")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
+    with pytest.raises(ValueError, match=r"^--init-from: config.json's num_key_value_heads=2 is not Mixtral-style"):
+        _train_job(tmp_path, "--init-from", str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=r"no config.json there"):
+        _train_job(tmp_path, "--init-from", str(tmp_path))
+
+
+def test_data_prepare_with_a_checkpoints_tokenizer_says_how_to_start_from_it(tmp_path, capsys):
+    from app import cli
+    from lm.tokenizer import byte_tokenizer_as_hf
+
+    _tiny_mixtral(tmp_path / "hf")
+    byte_tokenizer_as_hf().save(tmp_path / "hf")
+    (tmp_path / "text.txt").write_text("def main():\n    return 1\n" * 200)
+    assert cli.main(["data", "prepare", "--source", str(tmp_path / "text.txt"), "--tokenizer", str(tmp_path / "hf"),
+                     "--out", str(tmp_path / "data"), "--row-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert f"train on it with: mpipemoe train --init-from {(tmp_path / 'hf').resolve()} --data-dir " \
+           f"{tmp_path / 'data'}" in printed
