@@ -22,7 +22,8 @@ from .perf_model import HardwareProfile
 # Options only one engine takes; the others ignore them, so one call serves every engine
 # (lm.model builds each layer of a model this way, whatever its engine). Every engine takes
 # sync_free_capacity (FasterMoE refuses any value but None).
-MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split")
+MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split",
+                    "hot_replicas")
 FASTERMOE_OPTIONS = ("group_size", "shadowing")
 
 

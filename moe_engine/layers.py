@@ -53,7 +53,8 @@ from .perf_model import HardwareProfile, ProfileCache
 from .pipeline import PipelinedExperts, PipelineRun
 from .planner import Planner, PassPlan
 from .router import Router, Routing
-from .shadowing import COST_VALUES, ShadowCosts, ShadowPass, choose_shadowed, shadow_pass, shadowed_output
+from .shadowing import (COST_VALUES, ShadowCosts, ShadowPass, choose_replicated, choose_shadowed, shadow_pass,
+                        shadowed_output)
 from .streams import StreamSet
 
 
@@ -94,8 +95,10 @@ class MoELayerBase(nn.Module):
         self._streams: dict[torch.device, StreamSet] = {}
         # (rows sent, rows received, the most one partition received) of the last pass
         self.last_rows: tuple[int, int, int] | None = None
-        # the experts the last pass shadowed (FasterMoE's shadowing; () for the other engines)
+        # the experts the last pass shadowed (FasterMoE's shadowing, MPipeMoE's hot_replicas) and
+        # the rows this rank computed with them (memory.predict_memory's replicas, replica_rows)
         self.last_shadowed: tuple[int, ...] = ()
+        self.last_replica_rows = 0
         # plans of recent forwards per lane, for a checkpointed forward's recomputation
         # (bounded: forwards never recomputed fall off the far end); the lane whose forwards
         # run now (``lane``), and the lane a thread's backward recomputes (``replaying_lane``)
@@ -305,9 +308,13 @@ class MoELayerBase(nn.Module):
         plan, pass_plan, _ = self._plan_pass(x_TD, routing)
         return plan, pass_plan
 
-    def _shadow_costs(self, dtype: torch.dtype) -> ShadowCosts:
-        """Local. The terms of the shadowing rule for experts running in ``dtype`` (FasterMoE)."""
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
+        """Local. The terms of the shadowing rule for experts running in ``dtype``."""
         return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype)
+
+    def _choose_shadowed(self, load_WE: np.ndarray, costs: ShadowCosts) -> tuple[int, ...]:
+        """Local, host arithmetic, on agreed values. The experts to shadow (FasterMoE's rule)."""
+        return choose_shadowed(load_WE.sum(axis=0), costs)
 
     def _plan_pass(self, x_TD: torch.Tensor, routing: Routing
                    ) -> tuple[DispatchPlan, PassPlan, ShadowPass | None]:
@@ -345,7 +352,7 @@ class MoELayerBase(nn.Module):
         stats = dispatcher.pass_stats(x_TD, skew, values)
         shadow_values = COST_VALUES + E if self.shadowing else 0
         if shadow_values:
-            costs = torch.tensor(self._shadow_costs(dtype).values(), dtype=torch.int64)
+            costs = torch.tensor(self._shadow_costs(dtype, x_TD.device).values(), dtype=torch.int64)
             stats = torch.cat([stats, costs.to(x_TD.device, non_blocking=True), counts_CE.sum(0)])
         tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group),
                                         STATS + len(values) + shadow_values)
@@ -362,8 +369,8 @@ class MoELayerBase(nn.Module):
         if shadow_values:
             if replayed is None:
                 shadow_W = tables.stats_W[:, STATS + len(values):]
-                shadowed = choose_shadowed(shadow_W[:, COST_VALUES:].sum(axis=0),
-                                           ShadowCosts.from_values(shadow_W[0, :COST_VALUES]))
+                shadowed = self._choose_shadowed(shadow_W[:, COST_VALUES:],
+                                                 ShadowCosts.from_values(shadow_W[0, :COST_VALUES]))
                 pass_plan = dataclasses.replace(pass_plan, shadowed=shadowed)
             if pass_plan.shadowed:
                 shadowed = pass_plan.shadowed
@@ -497,6 +504,7 @@ class MoELayerBase(nn.Module):
         routing = self.router(x_TD)                                                    # 1. route
         plan, pass_plan, shadow = self._plan_pass(x_TD, routing)                       # 2. plan
         self.last_shadowed = pass_plan.shadowed
+        self.last_replica_rows = sum(shadow.rows_S) if shadow is not None else 0
         y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts
         dispatched = shadow.dispatched if shadow is not None else routing
         y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, dispatched.keep_TK,  # 4. un-permute
@@ -560,7 +568,7 @@ class FasterMoE(MoELayerBase):
                              f"or MPipeMoE for the sync-free capacity mode")
         return None
 
-    def _shadow_costs(self, dtype: torch.dtype) -> ShadowCosts:
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
         return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype, self.shadow_profile)
 
     @property
@@ -599,6 +607,15 @@ class MPipeMoE(MoELayerBase):
                    partitions="auto"). Default: the given search's `splits`; else "auto" with
                    partitions="auto", "tokens" with a fixed n. Either way the partitions
                    share the buffers and restore them by the strategy.
+    hot_replicas:  replicate the hottest expert on every rank of the group where the
+                   performance model's terms say it pays (shadowing.choose_replicated: its rows
+                   off the busiest rank's link and compute, against its weights broadcast and
+                   its gradients reduced): each rank computes its own rows of it, beside the
+                   partitions, which carry the other experts' rows. Decided on every rank's
+                   rows per expert and rank 0's costs (from the planner's profile once it has
+                   one, else FasterMoE's defaults), riding the count exchange. Off by default;
+                   needs the dropless exchange (not sync_free_capacity). `last_shadowed` names
+                   the replicated expert of the last pass.
     sync_free_capacity: None (default: the dropless exchange, one host read per pass with
                    several ranks) or a capacity factor f > 0: the sync-free capacity mode.
                    Partition i of T_i tokens sends each expert C_i = ceil(f·K·T_i/E) rows,
@@ -614,9 +631,16 @@ class MPipeMoE(MoELayerBase):
                  profile: HardwareProfile | ProfileCache | None = None,
                  memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
-                 split: str | None = None, sync_free_capacity: float | None = None, device=None, dtype=None):
+                 split: str | None = None, sync_free_capacity: float | None = None, hot_replicas: bool = False,
+                 device=None, dtype=None):
         if split is not None and split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: give one of {', '.join(map(repr, SPLITS))}")
+        if not isinstance(hot_replicas, bool):
+            raise ValueError(f"hot_replicas={hot_replicas!r} is invalid: give True (replicate the hottest expert "
+                             f"where the performance model says it pays) or False")
+        if hot_replicas and sync_free_capacity is not None:
+            raise ValueError(f"hot_replicas=True needs the dropless exchange (its decision rides the count "
+                             f"exchange), not sync_free_capacity={sync_free_capacity!r}: give one of them")
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
         split, search = self._split_and_search(partitions, split, search)
         self.planner = Planner(config, self.group, partitions, strategy, profile=profile,
@@ -628,6 +652,20 @@ class MPipeMoE(MoELayerBase):
         self.last_split: str | None = None
         self.last_strategy: str | None = None  # type: ignore[assignment]  # (None until the first pass)
         self.sync_free_capacity = sync_free_capacity
+        self.shadowing = hot_replicas
+
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
+        """The replication rule's terms from the planner's profile (a HardwareProfile, or one
+        its ProfileCache has agreed for this group, device and dtype), else FasterMoE's
+        defaults. Only rank 0's are used (they ride the count exchange)."""
+        profile = self.planner.profile
+        if isinstance(profile, ProfileCache):
+            profile = profile.profiles.get(ProfileCache._key(self.group.size, device, dtype))  # type: ignore[assignment]
+        return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype,
+                              profile if isinstance(profile, HardwareProfile) else None)
+
+    def _choose_shadowed(self, load_WE: np.ndarray, costs: ShadowCosts) -> tuple[int, ...]:
+        return choose_replicated(load_WE, costs)
 
     def _split_and_search(self, partitions: int | str, split: str | None, search: GranularitySearch | None
                           ) -> tuple[str, GranularitySearch | None]:

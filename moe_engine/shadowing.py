@@ -1,4 +1,5 @@
-"""FasterMoE's dynamic shadowing (He et al., "FasterMoE", PPoPP'22, §4), for the FasterMoE baseline.
+"""FasterMoE's dynamic shadowing (He et al., "FasterMoE", PPoPP'22, §4), for the FasterMoE baseline,
+and MPipeMoE's hot-expert replication (`choose_replicated`), which runs the same steps.
 
 A hot expert's tokens cost more to send to its owner (and its output back, forward and
 backward) than its weights cost to send to every rank: FasterMoE then *shadows* it. Per
@@ -113,6 +114,32 @@ def choose_shadowed(load_E: Sequence[int] | np.ndarray, costs: ShadowCosts) -> t
         best = latency
         chosen.append(order[i])
     return tuple(sorted(chosen))
+
+
+def choose_replicated(load_WE: np.ndarray, costs: ShadowCosts) -> tuple[int, ...]:
+    """Local, host arithmetic. MPipeMoE's hot-expert replication (its minimal form: the
+    hottest expert, on every rank of the group), from every rank's rows per global expert
+    ``load_WE`` [W, E]: () or (the hottest expert,), lowest id among equals.
+
+    A pass is bound by its busiest rank: on the link by the rows it receives (dispatch and
+    combine, forward and backward: 4·f per row), in compute by the rows it runs (3·c per
+    row). A replica takes the hot expert's rows off its owner's link and compute; each rank
+    then runs its own rows of that expert, and its weights cross the link twice (broadcast
+    forward, gradient reduction backward: 2·m). Replicate where that is faster."""
+    load = np.asarray(load_WE, dtype=np.int64)
+    world, experts = load.shape
+    total_E = load.sum(axis=0)
+    if not total_E.any():
+        return ()
+    hot = int(np.argmax(total_E))
+    received_W = total_E.reshape(world, experts // world).sum(axis=1)
+    without_E = total_E.copy()
+    without_E[hot] = 0
+    received_after_W = without_E.reshape(world, experts // world).sum(axis=1)
+    before = 4 * costs.row_s * received_W.max() + 3 * costs.compute_row_s * received_W.max()
+    after = (4 * costs.row_s * received_after_W.max() + 3 * costs.compute_row_s * (received_after_W + load[:, hot]).max()
+             + 2 * costs.expert_s)
+    return (hot,) if after < before else ()
 
 
 @dataclass(frozen=True)

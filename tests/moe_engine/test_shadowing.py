@@ -1,16 +1,20 @@
-"""FasterMoE's dynamic shadowing (moe_engine/shadowing.py): the rule on the host (tier 1), then
-the FasterMoE layer on 2 and 4 gloo ranks against the brute-force reference in float64 with
-an expert made hot (shadowed: its weights broadcast, its pairs computed where their tokens
-are, its gradients reduced onto the owner), with a routing that shadows nothing, and with
-shadowing off; every rank must issue the same collectives (a `CollectiveLog` per rank)."""
+"""FasterMoE's dynamic shadowing and MPipeMoE's hot-expert replication (moe_engine/shadowing.py):
+the rules on the host (tier 1), then the layers on 2 and 4 gloo ranks against the brute-force
+reference in float64 with an expert made hot (shadowed or replicated: its weights broadcast,
+its pairs computed where their tokens are, its gradients reduced onto the owner), with a
+routing that shadows nothing, and with the option off; MPipeMoE's replica beside every
+partition count, strategy and split. Every rank must issue the same collectives (a
+`CollectiveLog` per rank)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_engine import FasterMoE, MoEConfig
+import numpy as np
+
+from moe_engine import FasterMoE, MoEConfig, MPipeMoE
 from moe_engine.comm import CollectiveLog, ExpertGroup
-from moe_engine.shadowing import ShadowCosts, choose_shadowed, expert_parameters
+from moe_engine.shadowing import ShadowCosts, choose_replicated, choose_shadowed, expert_parameters
 from tests.distributed import run_on_ranks
 from tests.engine_cases import SCENARIOS, Scenario, load_params, make_problem, max_errors, solve_reference
 
@@ -52,6 +56,23 @@ def test_costs_ride_the_count_exchange_as_int64_bits_exactly():
 def test_the_layer_refuses_a_shadowing_that_is_not_a_bool():
     with pytest.raises(ValueError, match="shadowing="):
         FasterMoE(MoEConfig(8, 12, 8), shadowing="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hot_replicas="):
+        MPipeMoE(MoEConfig(8, 12, 8), hot_replicas=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hot_replicas=True needs the dropless exchange"):
+        MPipeMoE(MoEConfig(8, 12, 8), partitions=2, strategy="S1", hot_replicas=True, sync_free_capacity=2.0)
+
+
+def test_the_hottest_expert_is_replicated_where_the_busiest_rank_gains_more_than_its_weights_cost():
+    # 2 ranks of 2 experts; expert 0 (rank 0) takes 100 rows from each rank.
+    load_WE = np.array([[100, 5, 5, 5], [100, 5, 5, 5]])
+    # before: rank 0 receives 210 rows, 5.5 per row: 1155; after: rank 1's 20 on the link (80),
+    # compute max(10 + 100, 20 + 100) · 1.5 = 180, weights 2 · 50: 360 < 1155
+    assert choose_replicated(load_WE, COSTS) == (0,)
+    # weights too dear for the rows saved
+    assert choose_replicated(load_WE, ShadowCosts(row_s=1.0, expert_s=600.0, compute_row_s=0.5)) == ()
+    # balanced: the busiest rank gains nothing
+    assert choose_replicated(np.full((2, 4), 10), COSTS) == ()
+    assert choose_replicated(np.zeros((2, 4), dtype=np.int64), COSTS) == ()
 
 
 # -- gloo ranks against the reference ----------------------------------------------------------
@@ -59,12 +80,24 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # The owner of the hot expert (1: rank 0 on 2 and 4 ranks) has no tokens itself, and so has rank 2.
 HOT_ON_EMPTY_OWNER = Scenario("hot_expert_owner_without_tokens", MoEConfig(8, 12, 8, top_k=2, activation="swiglu"),
                               (0, 24, 0, 20), skew_to_expert=1)
-CASES = [  # (scenario, shadowed on 2 ranks, on 4 ranks)
-    (BY_NAME["all_tokens_to_one_expert"], (3,), (3,)),
-    (HOT_ON_EMPTY_OWNER, (1,), (1,)),
-    (BY_NAME["k2_dropless_gelu"], (), ()),
+CASES = [  # (scenario, {engine: (shadowed on 2 ranks, on 4 ranks)})
+    (BY_NAME["all_tokens_to_one_expert"], {"fastermoe": ((3,), (3,)), "mpipemoe": ((3,), (3,))}),
+    # on 4 ranks the owner's neighbour (experts 2 and 3) receives almost as many rows as the
+    # owner: MPipeMoE's replica would not relieve the busiest rank, FasterMoE's rule shadows
+    (HOT_ON_EMPTY_OWNER, {"fastermoe": ((1,), (1,)), "mpipemoe": ((1,), ())}),
+    (BY_NAME["k2_dropless_gelu"], {"fastermoe": ((), ()), "mpipemoe": ((), ())}),
 ]
-SETTINGS = [(1, True), (2, True), (2, False)]  # (group_size, shadowing)
+# (engine, option, shadowing on): FasterMoE's group_size; MPipeMoE's (n, strategy, split)
+SETTINGS = [("fastermoe", 1, True), ("fastermoe", 2, True), ("fastermoe", 2, False)] + [
+    ("mpipemoe", (n, strategy, "tokens"), True) for n, strategy in ((1, "none"), (2, "S1"), (2, "S2"), (3, "S3"), (3, "S4"))
+] + [("mpipemoe", (2, "S3", "peers"), True), ("mpipemoe", (2, "none", "tokens"), False)]
+
+
+def _layer(engine: str, option, shadowing: bool, config: MoEConfig, group: ExpertGroup):
+    if engine == "fastermoe":
+        return FasterMoE(config, group, group_size=option, shadowing=shadowing, dtype=torch.float64)
+    n, strategy, split = option
+    return MPipeMoE(config, group, n, strategy, split=split, hot_replicas=shadowing, dtype=torch.float64)
 SCENARIO_OF = {scenario.name: scenario for scenario, *_ in CASES}
 
 
@@ -73,14 +106,13 @@ def _run_cases(rank: int, world_size: int) -> dict:
     for scenario, *_ in CASES:
         problem = make_problem(scenario, world_size)
         solve_reference(problem, scenario.config)
-        for group_size, shadowing in SETTINGS:
+        for engine, option, shadowing in SETTINGS:
             log = CollectiveLog()
-            layer = FasterMoE(scenario.config, ExpertGroup(recorder=log), group_size=group_size, shadowing=shadowing,
-                              dtype=torch.float64)
+            layer = _layer(engine, option, shadowing, scenario.config, ExpertGroup(recorder=log))
             load_params(layer, problem, rank)
             errors = max_errors(layer, problem, scenario, rank)
             events = [(e.op, e.sizes) for events in log.by_group.values() for e in events]
-            results[(scenario.name, group_size, shadowing)] = (errors, layer.last_shadowed, events)
+            results[(scenario.name, engine, option, shadowing)] = (errors, layer.last_shadowed, events)
     return results
 
 
@@ -103,11 +135,11 @@ def test_shadowed_fastermoe_matches_the_reference(ranks):
 @pytest.mark.gloo
 def test_the_hot_expert_is_shadowed_on_every_rank_alike(ranks):
     world_size, per_rank = ranks
-    for scenario, on_two, on_four in CASES:
-        expected = on_two if world_size == 2 else on_four
-        for group_size, shadowing in SETTINGS:
-            chosen = [results[(scenario.name, group_size, shadowing)][1] for results in per_rank]
-            assert chosen == [expected if shadowing else ()] * world_size, (scenario.name, group_size, chosen)
+    for scenario, by_engine in CASES:
+        for engine, option, shadowing in SETTINGS:
+            expected = by_engine[engine][0 if world_size == 2 else 1]
+            chosen = [results[(scenario.name, engine, option, shadowing)][1] for results in per_rank]
+            assert chosen == [expected if shadowing else ()] * world_size, (scenario.name, engine, option, chosen)
 
 
 @pytest.mark.gloo
@@ -149,9 +181,22 @@ def test_the_emulated_cluster_runs_shadowing_and_prices_its_collectives():
     (y.sum() + aux).backward()
     shadowed = layer.last_shadowed  # the hot one first; experts this small are cheap to move, so more
     assert shadowed[0] == 0, shadowed
-    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert x.grad is not None and torch.isfinite(y).all() and torch.isfinite(x.grad).all()
     kinds = [call.kind for call in stand_in.calls]
     assert kinds.count("broadcast") == kinds.count("reduce_sum") == len(shadowed), kinds
     assert all(call.seconds > 0 for call in stand_in.calls if call.kind in ("broadcast", "reduce_sum"))
     # rank 0 owns expert 0: its gradient is the sum over the 4 ranks that all route alike
     assert layer.experts.w1.grad is not None and torch.isfinite(layer.experts.w1.grad).all()
+
+
+def test_the_memory_model_counts_the_replicas_weights_and_rows():
+    from moe_engine import predict_memory
+
+    config = MoEConfig(64, 128, 8, top_k=2, activation="swiglu")
+    plain = predict_memory(config, 256, 4, 2, "S1", dtype=torch.float32, rows_sent=400, rows_received=600)
+    replicated = predict_memory(config, 256, 4, 2, "S1", dtype=torch.float32, rows_sent=400, rows_received=600,
+                                replicas=1, replica_rows=100)
+    X = expert_parameters(config)
+    per_row = 4 * (64 + 256 + 128 + 128) + 4 * (64 + 1) + 16
+    assert replicated.saved_bytes - plain.saved_bytes == 4 * X + 100 * per_row
+    assert replicated.backward_working_bytes - plain.backward_working_bytes == 4 * 2 * X
