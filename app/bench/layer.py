@@ -100,13 +100,13 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     # measured_rows: each layer's `last_rows` after its measured pass (the host probe's passes
     # below, at 64 tokens, overwrite them); None for peers and the floor.
     layers, memories, measured_rows = [], [], []
-    replicas: list[tuple[int, int]] = []  # (experts replicated or shadowed, rows computed with them)
+    replicas: list[tuple[tuple[int, ...], int]] = []  # (experts replicated or shadowed, rows computed with them)
     for _, _, build in variants:
         layer = build()
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
         measured_rows.append(getattr(layer, "last_rows", None))
-        replicas.append((len(getattr(layer, "last_shadowed", ())), getattr(layer, "last_replica_rows", 0)))
+        replicas.append((tuple(getattr(layer, "last_shadowed", ())), getattr(layer, "last_replica_rows", 0)))
         layers.append(layer)
     # Peers (app/bench/peers.py) copy the source's weights into their own layout themselves.
     for peer in settings.peers:
@@ -131,7 +131,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     memories.append(floor_memory)
     records = []
     measured_rows += [None] * (len(variants) - len(measured_rows))
-    replicas += [(0, 0)] * (len(variants) - len(replicas))
+    replicas += [((), 0)] * (len(variants) - len(replicas))
     for (engine, chosen_by, _), layer, memory, timing, rows, (replicated, replica_rows) in zip(
             variants, layers + [None], memories, times, measured_rows, replicas):
         n, strategy = chosen_setting(layer)
@@ -141,7 +141,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
             config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
             dtype=dtype, rows_sent=rows_sent, rows_received=rows_received,
-            largest_partition_received=largest_partition, replicas=replicated, replica_rows=replica_rows).peak_bytes
+            largest_partition_received=largest_partition, replicas=len(replicated),
+            replica_rows=replica_rows).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "split": chosen_split(layer), "chosen_by": chosen_by,
@@ -153,7 +154,7 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                   "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
                   **group_fields(group)}
         if engine == "fastermoe" or chosen_by == "auto":  # FasterMoE's shadowed, MPipeMoE's replicated experts
-            record["shadowed_experts"] = list(getattr(layer, "last_shadowed", ()))
+            record["shadowed_experts"] = list(replicated)
         if engine == "mpipemoe":
             record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
                                                                          dtype).total_s
