@@ -138,10 +138,13 @@ class ExpertGroup:
             ) from error
 
     # -- counts ---------------------------------------------------------------
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, send_counts: torch.Tensor, stats_width: int | None = None) -> torch.Tensor:
         """Collective. send_counts[dst, ...] -> recv_counts[src, ...] (int64).
 
         Row r of the input goes to rank r; row r of the output came from rank r.
+        stats_width: how many values at the end of each row are the sender's pass statistics
+        (the same in every row; dispatcher.exchange_counts; None: dispatcher.STATS), for a
+        stand-in group that builds the table (moe_sim/emulation.py).
         """
         if not self.distributed:
             return send_counts.clone()
@@ -210,6 +213,27 @@ class ExpertGroup:
         self._record(f"all-reduce {op}", tuple(values.shape))
         self._run("all-reduce", lambda: dist.all_reduce(out, op=op, group=self.group))
         return out
+
+    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        """Collective, blocking. ``tensor`` (contiguous; on the data's device) takes the
+        values group rank ``source`` holds, on every rank (FasterMoE's shadowed experts'
+        weights, shadowing.py)."""
+        if not self.distributed:
+            return
+        self._record("broadcast", tuple(tensor.shape), source)
+        self._run("broadcast", lambda: dist.broadcast(
+            tensor, src=dist.get_global_rank(self.group, source), group=self.group))  # type: ignore[arg-type]  # (distributed: a group)
+
+    def reduce_sum(self, tensor: torch.Tensor, destination: int) -> None:
+        """Collective, blocking. Group rank ``destination``'s ``tensor`` becomes the sum of
+        every rank's (the others' are left undefined): the gradients of FasterMoE's shadowed
+        experts going back to their owner (shadowing.py)."""
+        if not self.distributed:
+            return
+        self._record("reduce sum", tuple(tensor.shape), destination)
+        self._run("reduce", lambda: dist.reduce(
+            tensor, dst=dist.get_global_rank(self.group, destination), op=dist.ReduceOp.SUM,  # type: ignore[arg-type]  # (distributed: a group)
+            group=self.group))
 
     def broadcast_object(self, obj: T) -> T:
         """Collective. Rank 0's Python object on every rank."""

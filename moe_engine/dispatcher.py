@@ -212,7 +212,7 @@ def exchange_counts(counts_CE: torch.Tensor, stats: torch.Tensor, group: ExpertG
     local = num_experts // group.size
     send_WCL = counts_CE.view(chunks, group.size, local).transpose(0, 1).reshape(group.size, chunks * local)
     send = torch.cat([send_WCL, stats.expand(group.size, stats.numel())], dim=1)
-    return group.exchange_counts(send)
+    return group.exchange_counts(send, stats_width=stats.numel())
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,18 @@ class CountTables:
         """The agreed statistics: the maximum over ranks."""
         top = self.stats_W[:, :STATS].max(axis=0)
         return PassStats(bool(top[0]), int(top[1]), int(top[2]))
+
+
+def without_experts(tables: CountTables, experts: Sequence[int], rank: int) -> CountTables:
+    """Local, host arithmetic. ``tables`` with no rows for the global ``experts`` (FasterMoE's
+    shadowed experts, computed where their tokens are: shadowing.py), in what this rank
+    sends and in what it receives for the ones it owns (``rank``: its rank in the group)."""
+    local = tables.received_WCL.shape[2]
+    sent_CE = tables.sent_CE.copy()
+    sent_CE[:, list(experts)] = 0
+    received_WCL = tables.received_WCL.copy()
+    received_WCL[:, :, [e % local for e in experts if e // local == rank]] = 0
+    return CountTables(sent_CE, received_WCL, tables.stats_W)
 
 
 def read_counts(counts_CE: torch.Tensor, received: torch.Tensor, stats_width: int = STATS) -> CountTables:

@@ -17,12 +17,14 @@ from torch import nn
 from .comm import ExpertGroup
 from .config import ENGINES, SPLITS, STRATEGY_CHOICES, MoEConfig
 from .layers import FastMoE, FasterMoE, MPipeMoE
+from .perf_model import HardwareProfile
 
 # Options only one engine takes; the others ignore them, so one call serves every engine
 # (lm.model builds each layer of a model this way, whatever its engine). Every engine takes
 # sync_free_capacity (FasterMoE refuses any value but None).
-MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split")
-FASTERMOE_OPTIONS = ("group_size",)
+MPIPEMOE_OPTIONS = ("partitions", "strategy", "profile", "memory_budget", "search", "host_pool", "split",
+                    "hot_replicas")
+FASTERMOE_OPTIONS = ("group_size", "shadowing")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ def build_layer(engine: str | EngineSpec, config: MoEConfig, group: ExpertGroup 
     if spec.engine == "mpipemoe":
         return MPipeMoE(config, group, **common, **{k: v for k, v in engine_options.items() if k in MPIPEMOE_OPTIONS})
     if spec.engine == "fastermoe":
-        return FasterMoE(config, group, **common,
+        # a HardwareProfile prices its shadowing rule (a ProfileCache, MPipeMoE's, is not one)
+        profile = engine_options.get("profile")
+        return FasterMoE(config, group, **common, profile=profile if isinstance(profile, HardwareProfile) else None,
                          **{k: v for k, v in engine_options.items() if k in FASTERMOE_OPTIONS})
     return FastMoE(config, group, **common)

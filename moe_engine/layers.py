@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import threading
 from typing import Iterator, Sequence
@@ -52,6 +53,8 @@ from .perf_model import HardwareProfile, ProfileCache
 from .pipeline import PipelinedExperts, PipelineRun
 from .planner import Planner, PassPlan
 from .router import Router, Routing
+from .shadowing import (COST_VALUES, ShadowCosts, ShadowPass, choose_replicated, choose_shadowed, shadow_pass,
+                        shadowed_output)
 from .streams import StreamSet
 
 
@@ -73,6 +76,7 @@ class MoELayerBase(nn.Module):
     """Router + this rank's experts + the steps every engine shares."""
 
     keep_activation = False  # FastMoE keeps act(A) for backward, as autograd would
+    shadowing = False        # FasterMoE shadows hot experts (shadowing.py)
     # Pass shapes whose capacity layouts a layer keeps (token counts seen in training are few).
     MAX_CAPACITY_LAYOUTS = 16
 
@@ -91,6 +95,10 @@ class MoELayerBase(nn.Module):
         self._streams: dict[torch.device, StreamSet] = {}
         # (rows sent, rows received, the most one partition received) of the last pass
         self.last_rows: tuple[int, int, int] | None = None
+        # the experts the last pass shadowed (FasterMoE's shadowing, MPipeMoE's hot_replicas) and
+        # the rows this rank computed with them (memory.predict_memory's replicas, replica_rows)
+        self.last_shadowed: tuple[int, ...] = ()
+        self.last_replica_rows = 0
         # plans of recent forwards per lane, for a checkpointed forward's recomputation
         # (bounded: forwards never recomputed fall off the far end); the lane whose forwards
         # run now (``lane``), and the lane a thread's backward recomputes (``replaying_lane``)
@@ -296,6 +304,20 @@ class MoELayerBase(nn.Module):
         return dispatcher.plan_exchanged(routing, chunk_P, pass_plan.partitions, tables, self.group)
 
     def plan(self, x_TD: torch.Tensor, routing: Routing) -> tuple[DispatchPlan, PassPlan]:
+        """Step 2 (`_plan_pass`), the dispatch plan and the pass plan."""
+        plan, pass_plan, _ = self._plan_pass(x_TD, routing)
+        return plan, pass_plan
+
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
+        """Local. The terms of the shadowing rule for experts running in ``dtype``."""
+        return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype)
+
+    def _choose_shadowed(self, load_WE: np.ndarray, costs: ShadowCosts) -> tuple[int, ...]:
+        """Local, host arithmetic, on agreed values. The experts to shadow (FasterMoE's rule)."""
+        return choose_shadowed(load_WE.sum(axis=0), costs)
+
+    def _plan_pass(self, x_TD: torch.Tensor, routing: Routing
+                   ) -> tuple[DispatchPlan, PassPlan, ShadowPass | None]:
         """Step 2. With one rank: local, no device reads. With several: count rows (local),
         exchange counts with every rank's pass statistics and planner values (one
         collective), read both (the pass's one device read), raise together on NaN/Inf (or
@@ -303,7 +325,11 @@ class MoELayerBase(nn.Module):
         (planner.py) and the rows are planned (local).
         An offloading strategy's host check may add the planner's one agreement.
         The planner prices the dtype the experts run in (`compute_dtype`: autocast's under
-        autocast), not the input's."""
+        autocast), not the input's.
+        With `shadowing` (FasterMoE, several ranks) the shadowing rule's costs and this rank's
+        rows per global expert ride in the count exchange too: every rank then chooses the
+        same shadowed experts from rank 0's costs and the summed rows (shadowing.py), and
+        their pairs are left out of the dispatch (the returned `ShadowPass`)."""
         E, planner = self.config.num_experts, self.planner
         if recomputing():
             self._replay_lane()  # (refused here, before any collective, where it must be)
@@ -318,28 +344,43 @@ class MoELayerBase(nn.Module):
             pass_plan = replayed or planner.decide(agreed)
             n = pass_plan.partitions
             plan = dispatcher.plan_single(routing, self._chunk_pairs(routing, n), n, E, agreed.stats)
-            return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+            return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed)), None
         chunks = planner.count_chunks
         chunk_P = self._chunk_pairs(routing, chunks)
         counts_CE = dispatcher.count_rows(routing, chunk_P, chunks, E, single=False)
         skew = skew_bucket(counts_CE.sum(0)) if planner.wants_skew else 0
         stats = dispatcher.pass_stats(x_TD, skew, values)
+        shadow_values = COST_VALUES + E if self.shadowing else 0
+        if shadow_values:
+            costs = torch.tensor(self._shadow_costs(dtype, x_TD.device).values(), dtype=torch.int64)
+            stats = torch.cat([stats, costs.to(x_TD.device, non_blocking=True), counts_CE.sum(0)])
         tables = dispatcher.read_counts(counts_CE, dispatcher.exchange_counts(counts_CE, stats, self.group),
-                                        STATS + len(values))
+                                        STATS + len(values) + shadow_values)
         if tables.stats.nonfinite and self.on_nonfinite_input == "flag":
             self.nonfinite_input |= bool(tables.stats_W[self.group.rank, 0])
         elif tables.stats.nonfinite:
             where = "this rank's" if tables.stats_W[self.group.rank, 0] else "another rank's"
             raise NonFiniteInputError(f"NaN or Inf in {where} MoE layer input; check the loss scale and "
                                       f"learning rate, or the data that produced it")
-        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:], x_TD.device, dtype)
+        agreed = planner.agree(tables.stats, tables.stats_W[:, STATS:STATS + len(values)], x_TD.device, dtype)
         replayed = self._replayed_plan()
         pass_plan = replayed or planner.decide(agreed)
+        shadow = None
+        if shadow_values:
+            if replayed is None:
+                shadow_W = tables.stats_W[:, STATS + len(values):]
+                shadowed = self._choose_shadowed(shadow_W[:, COST_VALUES:],
+                                                 ShadowCosts.from_values(shadow_W[0, :COST_VALUES]))
+                pass_plan = dataclasses.replace(pass_plan, shadowed=shadowed)
+            if pass_plan.shadowed:
+                shadowed = pass_plan.shadowed
+                shadow = shadow_pass(routing, shadowed, tables.sent_CE.sum(axis=0)[list(shadowed)], E)
+                routing, tables = shadow.dispatched, dispatcher.without_experts(tables, shadowed, self.group.rank)
         plan = self._plan_partitions(routing, chunk_P, pass_plan, tables)
-        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed)), shadow
 
     def _plan_capacity(self, x_TD: torch.Tensor, routing: Routing, dtype: torch.dtype
-                       ) -> tuple[DispatchPlan, PassPlan]:
+                       ) -> tuple[DispatchPlan, PassPlan, None]:
         """Step 2 in the sync-free capacity mode with several ranks: local, no device reads,
         no count exchange. The planner's fixed n and strategy need no agreement; the rows
         follow the pass's `CapacityLayout` (every rank has the same token count, so the same
@@ -362,7 +403,7 @@ class MoELayerBase(nn.Module):
         plan, overflowed = dispatcher.plan_capacity(routing, self._chunk_pairs(routing, n), layout)
         if not recomputing():
             self._counters(device).add_(torch.stack([overflowed, (~torch.isfinite(x_TD)).any()]))
-        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed))
+        return plan, replayed or self._record_plan(planner.check_host_memory(pass_plan, plan, agreed)), None
 
     # Activation checkpointing (torch.utils.checkpoint) runs a forward again inside backward
     # and needs the same tensors saved: the recomputation must run the plan the original
@@ -463,10 +504,16 @@ class MoELayerBase(nn.Module):
                                    f"rank with bf16 parameters (or a torch whose grouped kernel writes float32) "
                                    f"on sm90/sm100, or run it eagerly")
         routing = self.router(x_TD)                                                    # 1. route
-        plan, pass_plan = self.plan(x_TD, routing)                                     # 2. plan
+        plan, pass_plan, shadow = self._plan_pass(x_TD, routing)                       # 2. plan
+        self.last_shadowed = pass_plan.shadowed
+        self.last_replica_rows = sum(shadow.rows_S) if shadow is not None else 0
         y_RD = self._run_experts(x_TD, plan, pass_plan)                                # 3. experts
-        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, routing.keep_TK,   # 4. un-permute
+        dispatched = shadow.dispatched if shadow is not None else routing
+        y_TD = dispatcher.unpermute(y_RD, plan, routing.weights_TK, dispatched.keep_TK,  # 4. un-permute
                                     out_dtype=x_TD.dtype)
+        if shadow is not None:  # FasterMoE: the shadowed experts' pairs, computed here (shadowing.py)
+            y_TD = y_TD + shadowed_output(x_TD, routing, shadow, self.experts, self.group, self.config, y_RD,
+                                          compute_dtype(x_TD), x_TD.dtype)
         if with_z_loss:
             return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype), routing.z_loss
         return y_TD.reshape(x.shape), routing.aux_loss.to(x.dtype)
@@ -487,14 +534,33 @@ class FastMoE(MoELayerBase):
 class FasterMoE(MoELayerBase):
     """FasterMoE-style baseline: the batch is split along the *device* dimension.
     Step s exchanges with one group of `group_size` peers (ranks rank+s·g … rank+s·g+g−1)
-    and overlaps that exchange with the previous step's experts. No memory reuse."""
+    and overlaps that exchange with the previous step's experts. No memory reuse.
 
-    def __init__(self, config, group=None, *, group_size: int = 4, sync_free_capacity: float | None = None,
+    shadowing: FasterMoE's dynamic shadowing (shadowing.py; on by default, so that the
+                  baseline is FasterMoE at its best under skew): per pass, the experts its
+                  cost model picks have their weights broadcast to every rank, their pairs
+                  computed where their tokens are, and their gradients summed back onto
+                  the owner. Decided from every rank's counts (the same everywhere).
+    profile:      a HardwareProfile whose GEMM rate and All-to-All bandwidth price the
+                  rule (rank 0's figures are used on every rank); None: FasterMoE's
+                  defaults (50 Gbit/s links, 11.5 TFLOP/s).
+    """
+
+    def __init__(self, config, group=None, *, group_size: int = 4, shadowing: bool = True,
+                 profile: HardwareProfile | None = None, sync_free_capacity: float | None = None,
                  device=None, dtype=None):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size={group_size!r} is invalid: give a positive integer "
                              f"(peers per exchange step; FasterMoE uses 4)")
+        if not isinstance(shadowing, bool):
+            raise ValueError(f"shadowing={shadowing!r} is invalid: give True (shadow hot experts, FasterMoE's "
+                             f"default here) or False")
+        if profile is not None and not isinstance(profile, HardwareProfile):
+            raise ValueError(f"profile={profile!r} is invalid: give a HardwareProfile (its GEMM rate and "
+                             f"All-to-All bandwidth price the shadowing rule) or None for FasterMoE's defaults")
         super().__init__(config, group, device=device, dtype=dtype)
+        self.shadowing = shadowing
+        self.shadow_profile = profile
         self.group_size = min(group_size, self.group.size)
         self.planner = Planner(config, self.group, partitions=self.steps, host_pool=self.host_pool)
         self.sync_free_capacity = sync_free_capacity
@@ -505,6 +571,9 @@ class FasterMoE(MoELayerBase):
                              f"destination ranks, sized by the count exchange): leave it None, or use FastMoE "
                              f"or MPipeMoE for the sync-free capacity mode")
         return None
+
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
+        return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype, self.shadow_profile)
 
     @property
     def steps(self) -> int:
@@ -542,6 +611,15 @@ class MPipeMoE(MoELayerBase):
                    partitions="auto"). Default: the given search's `splits`; else "auto" with
                    partitions="auto", "tokens" with a fixed n. Either way the partitions
                    share the buffers and restore them by the strategy.
+    hot_replicas:  replicate the hottest expert on every rank of the group where the
+                   performance model's terms say it pays (shadowing.choose_replicated: its rows
+                   off the busiest rank's link and compute, against its weights broadcast and
+                   its gradients reduced): each rank computes its own rows of it, beside the
+                   partitions, which carry the other experts' rows. Decided on every rank's
+                   rows per expert and rank 0's costs (from the planner's profile once it has
+                   one, else FasterMoE's defaults), riding the count exchange. Off by default;
+                   needs the dropless exchange (not sync_free_capacity). `last_shadowed` names
+                   the replicated expert of the last pass.
     sync_free_capacity: None (default: the dropless exchange, one host read per pass with
                    several ranks) or a capacity factor f > 0: the sync-free capacity mode.
                    Partition i of T_i tokens sends each expert C_i = ceil(f·K·T_i/E) rows,
@@ -557,9 +635,16 @@ class MPipeMoE(MoELayerBase):
                  profile: HardwareProfile | ProfileCache | None = None,
                  memory_budget: int | MemoryBudget | None = None,
                  search: GranularitySearch | None = None, host_pool: HostBufferPool | None = None,
-                 split: str | None = None, sync_free_capacity: float | None = None, device=None, dtype=None):
+                 split: str | None = None, sync_free_capacity: float | None = None, hot_replicas: bool = False,
+                 device=None, dtype=None):
         if split is not None and split not in SPLITS:
             raise ValueError(f"split={split!r} is invalid: give one of {', '.join(map(repr, SPLITS))}")
+        if not isinstance(hot_replicas, bool):
+            raise ValueError(f"hot_replicas={hot_replicas!r} is invalid: give True (replicate the hottest expert "
+                             f"where the performance model says it pays) or False")
+        if hot_replicas and sync_free_capacity is not None:
+            raise ValueError(f"hot_replicas=True needs the dropless exchange (its decision rides the count "
+                             f"exchange), not sync_free_capacity={sync_free_capacity!r}: give one of them")
         super().__init__(config, group, host_pool=host_pool, device=device, dtype=dtype)
         split, search = self._split_and_search(partitions, split, search)
         self.planner = Planner(config, self.group, partitions, strategy, profile=profile,
@@ -571,6 +656,20 @@ class MPipeMoE(MoELayerBase):
         self.last_split: str | None = None
         self.last_strategy: str | None = None  # type: ignore[assignment]  # (None until the first pass)
         self.sync_free_capacity = sync_free_capacity
+        self.shadowing = hot_replicas
+
+    def _shadow_costs(self, dtype: torch.dtype, device: torch.device) -> ShadowCosts:
+        """The replication rule's terms from the planner's profile (a HardwareProfile, or one
+        its ProfileCache has agreed for this group, device and dtype), else FasterMoE's
+        defaults. Only rank 0's are used (they ride the count exchange)."""
+        profile = self.planner.profile
+        if isinstance(profile, ProfileCache):
+            profile = profile.profiles.get(ProfileCache._key(self.group.size, device, dtype))  # type: ignore[assignment]
+        return ShadowCosts.of(self.config, dtype, self.experts.w1.dtype,
+                              profile if isinstance(profile, HardwareProfile) else None)
+
+    def _choose_shadowed(self, load_WE: np.ndarray, costs: ShadowCosts) -> tuple[int, ...]:
+        return choose_replicated(load_WE, costs)
 
     def _split_and_search(self, partitions: int | str, split: str | None, search: GranularitySearch | None
                           ) -> tuple[str, GranularitySearch | None]:

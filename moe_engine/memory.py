@@ -387,7 +387,8 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
                    engine: str = "mpipemoe", dtype: torch.dtype = torch.bfloat16,
                    rows_sent: int | None = None, rows_received: int | None = None,
                    largest_partition_received: int | None = None,
-                   sync_free_capacity: float | None = None) -> MemoryEstimate:
+                   sync_free_capacity: float | None = None, replicas: int = 0, replica_rows: int = 0
+                   ) -> MemoryEstimate:
     """Predict the layer's activation memory per rank (derivation in docs/engine.md).
 
     tokens: T on this rank. rows_sent / rows_received: R and N when known (e.g.
@@ -400,6 +401,13 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
     sync_free_capacity: the layer's capacity factor f in the sync-free capacity mode (several
     ranks): every partition of T_i tokens sends and receives E·⌈f·K·T_i/E⌉ rows, padding
     included, so R, N and the fullest partition follow from f (give no rows then).
+    replicas, replica_rows: hot experts replicated on this rank (MPipeMoE's ``hot_replicas``,
+    FasterMoE's shadowing) and the rows it computes with them itself (rows_sent and
+    rows_received then leave those rows out: the layer's `last_rows` do). A replica's weights
+    are saved (X values each, X = `shadowing.expert_parameters`), and so are its rows' GEMM
+    inputs, pre-activation and activation (D + A + H, SwiGLU's act(A) once more), their
+    outputs in the combine's dtype (D) with their gate weight, and two indices per row; its
+    gradient and the copy that is reduced onto the owner are backward working memory.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: choose one of {', '.join(ENGINES)}")
@@ -524,4 +532,9 @@ def predict_memory(config: MoEConfig, tokens: int, world_size: int = 1, partitio
                        + max(input_phase, weight_hidden + dx_rows + weight_grad))
     finish = 3 * R * D + T * D - T * K * D + param_grads  # dy, dx rows, their gather and sum
     backward_working = s * max(first_step, later_steps, finish)
+    if replicas or replica_rows:
+        X = 2 * D * H + (D * H if config.gated else 0) + ((H + D) if bias else 0)
+        saved += s * replicas * X + replica_rows * (s * (D + A_width + H + (H if config.gated else 0))
+                                                    + r * (D + 1) + 2 * index)
+        backward_working += s * 2 * replicas * X
     return MemoryEstimate(saved, host, forward_working, backward_working)

@@ -83,13 +83,14 @@ class AgreedHeadroom:
 @dataclass(frozen=True)
 class PassPlan:
     """What a pass runs: n partitions, the restore strategy, whether the host check moved
-    it from an offload to S4, and how the partitions split the pass ("tokens" or "peers":
-    layers.MPipeMoE's `split`)."""
+    it from an offload to S4, how the partitions split the pass ("tokens" or "peers":
+    layers.MPipeMoE's `split`), and the experts FasterMoE shadows (agreed, like the rest)."""
 
     partitions: int
     strategy: str
     host_fallback: bool = False
     split: str = "tokens"
+    shadowed: tuple[int, ...] = ()  # FasterMoE's shadowed experts this pass (shadowing.py), ascending
 
 
 class Planner:

@@ -450,9 +450,10 @@ class EmulatedExpertGroup(ExpertGroup):
         return self.lane_of or self
 
     # -- counts ---------------------------------------------------------------------------------
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, send_counts: torch.Tensor, stats_width: int | None = None) -> torch.Tensor:
         """Collective (emulated). send_counts[dst, ...] -> recv_counts[src, ...]: row w is
-        what rank w sends rank 0 when it routes as rank 0 does (module docstring)."""
+        what rank w sends rank 0 when it routes as rank 0 does (module docstring); the last
+        ``stats_width`` values of a row (None: STATS) are the pass statistics."""
         W = self.size
         if send_counts.shape[0] != W:
             raise ValueError(f"exchange_counts needs one row per rank of the emulated {W}-rank cluster; "
@@ -463,16 +464,16 @@ class EmulatedExpertGroup(ExpertGroup):
             if self.peer_group_size is None or self.peer_group_size >= W:
                 recv = send_counts[:1].repeat(W, *([1] * (send_counts.dim() - 1)))
             else:
-                recv = self._received_in_peer_steps(send_counts)
+                recv = self._received_in_peer_steps(send_counts, STATS if stats_width is None else stats_width)
             self._log("exchange_counts", recv, send_counts, (), (), seconds)
         return recv
 
-    def _received_in_peer_steps(self, send_WX: torch.Tensor) -> torch.Tensor:
-        """Local. FasterMoE's table [W, C·L + STATS]: rank 0's rows for its own experts, all
-        in the step rank w sends them ((−w) mod W) // g; the statistics as rank 0's."""
+    def _received_in_peer_steps(self, send_WX: torch.Tensor, stats_width: int) -> torch.Tensor:
+        """Local. FasterMoE's table [W, C·L + S]: rank 0's rows for its own experts, all
+        in the step rank w sends them ((−w) mod W) // g; the S statistics as rank 0's."""
         W, g = self.size, self.peer_group_size
         C = -(-W // g)
-        width = send_WX.shape[1] - STATS if send_WX.dim() == 2 else -1
+        width = send_WX.shape[1] - stats_width if send_WX.dim() == 2 else -1
         if width <= 0 or width % C:
             raise ValueError(f"this group expects FasterMoE count tables of {C} peer steps (group_size={g}) × L "
                              f"local experts + {STATS} statistics per row; got shape {tuple(send_WX.shape)}: build "
@@ -549,6 +550,29 @@ class EmulatedExpertGroup(ExpertGroup):
             self._occupy_current_stream(seconds, values.device)
             self._log(kind, result, values, (), (), seconds)
         return result
+
+    def broadcast(self, tensor: torch.Tensor, source: int) -> None:
+        """Collective (emulated), blocking: FasterMoE's shadowed expert weights. Rank 0 holds
+        only its own experts' weights: from another source the tensor is zeros (the shape and
+        the time are what count here). Priced as half a ring all-reduce of its bytes over the
+        expert group (a pipelined ring moves each byte once per link), on the caller's stream."""
+        if source != self.rank:
+            tensor.zero_()
+        self._blocking_collective("broadcast", tensor)
+
+    def reduce_sum(self, tensor: torch.Tensor, destination: int) -> None:
+        """Collective (emulated), blocking: every rank holds the same values, so their sum on
+        the destination is W times them (rank 0's tensor, when it is the destination).
+        Priced as `broadcast`."""
+        if destination == self.rank:
+            tensor.mul_(self.size)
+        self._blocking_collective("reduce_sum", tensor)
+
+    def _blocking_collective(self, kind: str, tensor: torch.Tensor) -> None:
+        seconds = all_reduce_s(self.cluster.network, self.cluster.expert_layout,
+                               tensor.numel() * tensor.element_size()) / 2
+        self._occupy_current_stream(seconds, tensor.device)
+        self._log(kind, tensor, tensor, (), (), seconds)
 
     def broadcast_object(self, obj):
         """Collective (emulated). Rank 0's object is everyone's."""

@@ -81,14 +81,17 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     # An emulated group answers FasterMoE's count exchange by its peer steps (emulation.py).
     faster_group = group.for_peer_steps(FASTERMOE_GROUP_SIZE) if isinstance(group, EmulatedExpertGroup) else group
     variants = [("fastmoe", "baseline", lambda: build_layer("fastmoe", config, group, device=device, dtype=dtype)),
+                # FasterMoE at its best: its shadowing on (the default), priced by the profile
                 ("fastermoe", "baseline", lambda: build_layer("fastermoe", config, faster_group,
-                                                              group_size=FASTERMOE_GROUP_SIZE, device=device,
-                                                              dtype=dtype)),
+                                                              group_size=FASTERMOE_GROUP_SIZE, profile=profile,
+                                                              device=device, dtype=dtype)),
                 # auto as a user gets it: the search times both splits (where they can run)
+                # with its hot-expert replication, where the model says it pays
                 ("mpipemoe", "auto", lambda: build_layer("mpipemoe:auto:auto", config, group, profile=profile,
                                                          search=GranularitySearch(candidates=settings.partitions,
                                                                                   splits=SEARCH_SPLITS),
-                                                         host_pool=host_pool, device=device, dtype=dtype))]
+                                                         host_pool=host_pool, hot_replicas=True, device=device,
+                                                         dtype=dtype))]
     if settings.grid:
         variants += [("mpipemoe", "grid", lambda n=n, s=s, split=split: build_layer(
                           f"mpipemoe:{n}:{s}:{split}", config, group, host_pool=host_pool, device=device, dtype=dtype))
@@ -96,11 +99,13 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     # measured_rows: each layer's `last_rows` after its measured pass (the host probe's passes
     # below, at 64 tokens, overwrite them); None for peers and the floor.
     layers, memories, measured_rows = [], [], []
+    replicas: list[tuple[tuple[int, ...], int]] = []  # (experts replicated or shadowed, rows computed with them)
     for _, _, build in variants:
         layer = build()
         layer.load_state_dict(source.state_dict())
         memories.append(settle_and_measure_memory(layer, x, grad_y, device))
         measured_rows.append(getattr(layer, "last_rows", None))
+        replicas.append((tuple(getattr(layer, "last_shadowed", ())), getattr(layer, "last_replica_rows", 0)))
         layers.append(layer)
     # Peers (app/bench/peers.py) copy the source's weights into their own layout themselves.
     for peer in settings.peers:
@@ -126,8 +131,9 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
     memories.append(floor_memory)
     records = []
     measured_rows += [None] * (len(variants) - len(measured_rows))
-    for (engine, chosen_by, _), layer, memory, timing, rows in zip(variants, layers + [None], memories, times,
-                                                                   measured_rows):
+    replicas += [((), 0)] * (len(variants) - len(replicas))
+    for (engine, chosen_by, _), layer, memory, timing, rows, (replicated, replica_rows) in zip(
+            variants, layers + [None], memories, times, measured_rows, replicas):
         n, strategy = chosen_setting(layer)
         # The model on the rows this rank actually sent and received in the measured pass
         # (under skew the busiest rank's, which an emulated rank 0 is), not the balanced k·T.
@@ -135,7 +141,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
         predicted_memory = None if chosen_by in ("peer", "floor") else predict_memory(
             config, tokens, group.size, n if engine != "fastmoe" else 1, strategy, engine=engine,
             dtype=dtype, rows_sent=rows_sent, rows_received=rows_received,
-            largest_partition_received=largest_partition).peak_bytes
+            largest_partition_received=largest_partition, replicas=len(replicated),
+            replica_rows=replica_rows).peak_bytes
         record = {"engine": engine, "model": model, "tokens": tokens, "routing": routing, "world_size": group.size,
                   "device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
                   "partitions": n, "strategy": strategy, "split": chosen_split(layer), "chosen_by": chosen_by,
@@ -146,6 +153,8 @@ def bench_point(model: str, tokens: int, routing: str, settings: BenchSettings, 
                   "d_model": d_model, "d_hidden": d_hidden, "num_experts": settings.num_experts,
                   "top_k": settings.top_k, "activation": settings.activation, "bias": settings.bias,
                   **group_fields(group)}
+        if engine == "fastermoe" or chosen_by == "auto":  # FasterMoE's shadowed, MPipeMoE's replicated experts
+            record["shadowed_experts"] = list(replicated)
         if engine == "mpipemoe":
             record["predicted_fwd_bwd_ms"] = 1e3 * model_of_time.predict(config, tokens, group.size, n, strategy,
                                                                          dtype).total_s

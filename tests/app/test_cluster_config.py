@@ -23,6 +23,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray")
 pytest.importorskip("jsonschema")
+pytest.importorskip("boto3", reason="Ray's AWS node provider needs boto3 (installed with the test extra)")
 
 from ray.autoscaler._private.aws.config import _configure_from_network_interfaces  # noqa: E402
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402

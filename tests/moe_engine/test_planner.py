@@ -125,9 +125,9 @@ class CountingGroup(ExpertGroup):
         super().__init__(None)
         self.calls = Counter()
 
-    def exchange_counts(self, send_counts):
+    def exchange_counts(self, send_counts, stats_width=None):
         self.calls["exchange_counts"] += 1
-        return super().exchange_counts(send_counts)
+        return super().exchange_counts(send_counts, stats_width)
 
     def all_reduce_max(self, values):
         self.calls["agreement"] += 1

@@ -39,8 +39,8 @@ class LoggedGroup(ExpertGroup):
     def distributed(self):
         return self.inner.distributed
 
-    def exchange_counts(self, send):
-        recv = self.inner.exchange_counts(send)
+    def exchange_counts(self, send, stats_width=None):
+        recv = self.inner.exchange_counts(send, stats_width)
         self.calls.append(("exchange_counts", tuple(recv.shape), tuple(send.shape), recv.tolist()))
         return recv
 
@@ -66,6 +66,14 @@ class LoggedGroup(ExpertGroup):
     def broadcast_object(self, obj):
         self.calls.append(("broadcast_object",))
         return self.inner.broadcast_object(obj)
+
+    def broadcast(self, tensor, source):
+        self.calls.append(("broadcast", tuple(tensor.shape), source))
+        self.inner.broadcast(tensor, source)
+
+    def reduce_sum(self, tensor, destination):
+        self.calls.append(("reduce_sum", tuple(tensor.shape), destination))
+        self.inner.reduce_sum(tensor, destination)
 
 
 def _layer(engine: str, argument, group: ExpertGroup):
