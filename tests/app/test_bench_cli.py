@@ -183,7 +183,7 @@ def test_summary_compares_with_torchtitan_and_the_floor_from_synthetic_records()
     meta = {"device": "H200", "world_size": 1, "date": "d", "command": "c", "torch": "t", "python": "p"}
     table = markdown_table({"meta": meta, "records": records, "summaries": [summary]})
     assert "| gpt-s | uniform | 4096 | 10.00 | 8.00 | 5.00 | 1.25 | 1.20 | 2.00 | 1.00 | 2/S3 | 1.38 | 0.45 |" in table
-    assert "| gpt-s | uniform | 4096 | torchtitan | peer | 1 | none | 8.00 | 0.10 | 1000 | – |" in table
+    assert "| gpt-s | uniform | 4096 | torchtitan | peer | 1 | none | 8.00 | 0.10 | – | – | – | 1000 | – |" in table
 
 
 def test_peers_need_one_rank_naming_the_option():
