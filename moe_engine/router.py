@@ -95,9 +95,13 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 class Router(nn.Module):
     """logits = x @ weightᵀ, weight [E, D] (replicated on every rank); ``expert_bias`` [E]
-    (float32 buffer, zeros until a trainer moves it) shifts the top-k selection only."""
+    (float32 buffer, zeros until a trainer moves it) shifts the top-k selection only.
+    ``z_loss_grad``: whether the routing's z-loss carries a gradient (a trainer with a z-loss
+    coefficient sets it); by default its value is computed from detached logits, for the
+    logs, and keeps nothing for backward."""
 
     expert_bias: torch.Tensor
+    z_loss_grad: bool = False
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -133,7 +137,7 @@ class Router(nn.Module):
         keep_TK = capacity_mask(expert_ids_TK, config.num_experts,
                                 expert_capacity(config, x_TD.shape[0]))
         return Routing(expert_ids_TK, weights_TK, keep_TK, self._balance_loss(probs_TE, expert_ids_TK),
-                       z_loss(logits_TE))
+                       z_loss(logits_TE if self.z_loss_grad else logits_TE.detach()))
 
     def _balance_loss(self, probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
         """E * sum_e f_e * p_e over this rank's tokens (0 for an empty batch)."""

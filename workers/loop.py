@@ -307,6 +307,9 @@ def build_parallel_model(config: WorkerConfig, rank: int, world_size: int, devic
         model.to(dtype=getattr(torch, config.param_dtype))
         for router in (m for m in model.modules() if isinstance(m, Router)):
             router.expert_bias.data = router.expert_bias.data.float()  # (steps of 1e-3 would round away in bf16)
+    if config.router_z_loss:  # the z-loss trains the routers (else its value is only logged)
+        for router in (m for m in model.modules() if isinstance(m, Router)):
+            router.z_loss_grad = True
     if config.compile:  # the blocks' local parts; compiled at the first step (compile_time_s)
         compile_local_parts(model, config.compile_backend)
     parallel = DenseParallel(model, mode="fsdp2" if config.shard_dense else "ddp", world_size=world_size,

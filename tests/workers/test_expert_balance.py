@@ -98,6 +98,11 @@ def test_the_z_loss_is_the_mean_squared_logsumexp_of_the_logits():
     rows = [[1.0, 2.0, 3.0], [0.5, -1.0, -0.5]]
     expected = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in rows) / 2
     assert router(x_TD).z_loss.item() == pytest.approx(expected, rel=1e-6)
+    # only a router whose z-loss trains it keeps the logits for its gradient (else logged only)
+    assert not router(x_TD).z_loss.requires_grad
+    router.z_loss_grad = True
+    trained = router(x_TD).z_loss
+    assert trained.requires_grad and trained.item() == pytest.approx(expected, rel=1e-6)
 
 
 def _config(data_dir: str, **change) -> WorkerConfig:
