@@ -9,28 +9,18 @@ import argparse
 import pytest
 import torch
 
-from app.commands.train import add_arguments, job_from_args
-from app.jobs.job import TrainJob
+from app.commands.train import add_arguments
 from lm.model import (MoETransformer, estimate_worker_bytes, get_preset, init_parameters, leanest_moe_memory,
                       lm_loss, moe_layers_kept)
+from tests.train_cli import train_job
 from workers.config import WorkerConfig
 from workers.schedules import choose_schedule
 
 
-def _job(tmp_path, *flags: str, config: str | None = None) -> TrainJob:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    given = ["--storage-path", str(tmp_path), "--tracking-uri", "none", *flags]
-    if config is not None:
-        (tmp_path / "run.toml").write_text(config)
-        given += ["--config", str(tmp_path / "run.toml")]
-    return job_from_args(parser.parse_args(given))
-
-
 def test_the_flag_and_the_config_key_set_it_and_none_is_the_default(tmp_path):
-    assert _job(tmp_path).activation_checkpointing == "none"
-    assert _job(tmp_path, "--activation-checkpointing", "full").activation_checkpointing == "full"
-    assert _job(tmp_path, config='activation-checkpointing = "selective"\n').activation_checkpointing == "selective"
+    assert train_job(tmp_path).activation_checkpointing == "none"
+    assert train_job(tmp_path, "--activation-checkpointing", "full").activation_checkpointing == "full"
+    assert train_job(tmp_path, config='activation-checkpointing = "selective"\n').activation_checkpointing == "selective"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(SystemExit):
@@ -40,7 +30,7 @@ def test_the_flag_and_the_config_key_set_it_and_none_is_the_default(tmp_path):
 def test_a_bad_value_is_refused_naming_the_field_and_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"TrainJob.activation_checkpointing='all' is invalid: choose one of "
                                          r"none, selective, full"):
-        _job(tmp_path, config='activation-checkpointing = "all"\n')
+        train_job(tmp_path, config='activation-checkpointing = "all"\n')
     with pytest.raises(ValueError, match=r"WorkerConfig.activation_checkpointing='yes'"):
         WorkerConfig(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="d", activation_checkpointing="yes")
     with pytest.raises(ValueError, match=r"activation_checkpointing='on' is invalid"):
@@ -52,11 +42,11 @@ def test_full_with_the_overlapped_schedule_on_several_workers_is_refused_before_
     with pytest.raises(ValueError, match=r"TrainJob.micro_batch_schedule='overlapped' is invalid: full activation "
                                          r"checkpointing recomputes the MoE layers .* --micro-batch-schedule "
                                          r"sequential \(or auto\)"):
-        _job(tmp_path, *flags, "--num-workers", "2")
+        train_job(tmp_path, *flags, "--num-workers", "2")
     # one worker per expert group (the MoE layers send nothing), or selective (the MoE layers
     # are not recomputed): allowed
-    assert _job(tmp_path, *flags, "--num-workers", "2", "--expert-parallel", "1").activation_checkpointing == "full"
-    assert _job(tmp_path, *flags[2:], "--activation-checkpointing", "selective").micro_batch_schedule == "overlapped"
+    assert train_job(tmp_path, *flags, "--num-workers", "2", "--expert-parallel", "1").activation_checkpointing == "full"
+    assert train_job(tmp_path, *flags[2:], "--activation-checkpointing", "selective").micro_batch_schedule == "overlapped"
 
 
 def test_auto_schedule_takes_sequential_under_full_checkpointing_with_several_ranks():
@@ -78,8 +68,8 @@ def test_the_moe_memory_budget_counts_one_layer_under_full_checkpointing(tmp_pat
     gib = round((full + plain) / 2 / 2**30, 3)  # between the two: too small for every layer's activations
     flags = ("--preset", "gpt-s", "--batch-size", "8", "--moe-memory-gib", str(gib), "--no-gpu")
     with pytest.raises(ValueError, match=r"or --activation-checkpointing full"):
-        _job(tmp_path, *flags)
-    assert _job(tmp_path, *flags, "--activation-checkpointing", "full").moe_memory_gib == gib
+        train_job(tmp_path, *flags)
+    assert train_job(tmp_path, *flags, "--activation-checkpointing", "full").moe_memory_gib == gib
     model = MoETransformer(get_preset("tiny-gpt"), memory_budget=2**30, activation_checkpointing="full")
     assert model.blocks[0].moe.memory_budget.layers == 1
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lm.model import MoETransformer
+from tests.train_cli import train_job
 from workers.hf_mixtral import mixtral_preset, read_mixtral, to_mixtral
 
 transformers = pytest.importorskip("transformers")
@@ -115,42 +116,28 @@ def test_missing_files_are_named(tmp_path):
         read_mixtral(tmp_path / "hf")
 
 
-def _train_job(tmp_path, *flags: str, config: str | None = None):
-    import argparse
-
-    from app.commands.train import add_arguments, job_from_args
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    given = ["--storage-path", str(tmp_path), "--tracking-uri", "none", *flags]
-    if config is not None:
-        (tmp_path / "run.toml").write_text(config)
-        given += ["--config", str(tmp_path / "run.toml")]
-    return job_from_args(parser.parse_args(given))
-
-
 def test_train_init_from_takes_the_model_from_the_folder_by_flag_or_config_key(tmp_path):
     _tiny_mixtral(tmp_path / "hf", tie_word_embeddings=False)
-    job = _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--seq-len", "32")
+    job = train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--seq-len", "32")
     assert job.init_from == str((tmp_path / "hf").resolve()) and job.name.startswith("hf-mpipemoe-")
     preset = job.model_preset(vocab_size=1000)  # the checkpoint's embedding fixes the vocabulary
     assert (preset.d_model, preset.num_experts, preset.top_k, preset.vocab_size, preset.seq_len, preset.tied_head) \
         == (64, 4, 2, 300, 32, False)
-    assert _train_job(tmp_path, config=f'init-from = "{tmp_path / "hf"}"\n').init_from == job.init_from
-    assert _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--top-k", "3").model_preset().top_k == 3
+    assert train_job(tmp_path, config=f'init-from = "{tmp_path / "hf"}"\n').init_from == job.init_from
+    assert train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--top-k", "3").model_preset().top_k == 3
 
 
 def test_train_init_from_refuses_overrides_that_change_the_weights_and_non_mixtral_folders(tmp_path):
     _tiny_mixtral(tmp_path / "hf")
     with pytest.raises(ValueError, match=r"TrainJob.num_experts=8 is invalid: --init-from .*hf fixes it to 4 "
                                          r"\(its config.json\): drop --num-experts"):
-        _train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--num-experts", "8")
+        train_job(tmp_path, "--init-from", str(tmp_path / "hf"), "--num-experts", "8")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
     with pytest.raises(ValueError, match=r"^--init-from: config.json's num_key_value_heads=2 is not Mixtral-style"):
-        _train_job(tmp_path, "--init-from", str(tmp_path / "hf"))
+        train_job(tmp_path, "--init-from", str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=r"no config.json there"):
-        _train_job(tmp_path, "--init-from", str(tmp_path))
+        train_job(tmp_path, "--init-from", str(tmp_path))
 
 
 def test_data_prepare_with_a_checkpoints_tokenizer_says_how_to_start_from_it(tmp_path, capsys):

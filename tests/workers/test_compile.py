@@ -10,42 +10,31 @@ captured by Dynamo and AOT autograd, compiled in seconds; inductor's C++ kernels
 on this machine's 2 loaded cores for a one-layer model (docs/training.md has a measured run)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
-from app.commands.train import add_arguments, job_from_args
 from app.jobs.progress import _format_step
 from lm.data import prepare_dataset
 from lm.model import MoETransformer, compile_local_parts, get_preset
 from tests.distributed import run_on_ranks
+from tests.train_cli import train_job
 from workers.config import WorkerConfig
 
 N = 3
 
 
-def _job(tmp_path, *flags: str, config: str | None = None):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    given = ["--storage-path", str(tmp_path), "--tracking-uri", "none", *flags]
-    if config is not None:
-        (tmp_path / "run.toml").write_text(config)
-        given += ["--config", str(tmp_path / "run.toml")]
-    return job_from_args(parser.parse_args(given))
-
-
 def test_the_flag_and_the_config_keys_set_it_and_off_is_the_default(tmp_path):
-    assert _job(tmp_path).compile is False
-    job = _job(tmp_path, "--compile")
+    assert train_job(tmp_path).compile is False
+    job = train_job(tmp_path, "--compile")
     assert (job.compile, job.compile_backend) == (True, "inductor")
-    job = _job(tmp_path, config='compile = true\ncompile-backend = "aot_eager"\n')
+    job = train_job(tmp_path, config='compile = true\ncompile-backend = "aot_eager"\n')
     assert (job.compile, job.compile_backend) == (True, "aot_eager")
     with pytest.raises(ValueError, match=r"TrainJob.compile_backend='cudagraphs' is invalid: choose one of "
                                          r"inductor, aot_eager"):
-        _job(tmp_path, config='compile-backend = "cudagraphs"\n')
+        train_job(tmp_path, config='compile-backend = "cudagraphs"\n')
     with pytest.raises(ValueError, match=r"WorkerConfig.compile='yes' is invalid"):
         WorkerConfig(preset=get_preset("tiny-gpt"), engine="mpipemoe", data_dir="d",
                      compile="yes")  # type: ignore[arg-type]
